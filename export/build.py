@@ -1,0 +1,151 @@
+"""`build`: an artifact directory with every variant that passed the parity ladder, and its report.
+
+A variant is written under a temporary name, checked against the PyTorch original over the
+ladder's scenarios, and moved into place only when it passes (DESIGN.md 3.3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from export import artifacts, graph_stats
+from export.config import ModelConfig
+from export.model import AttentionModel
+from export.onnx_export import export_onnx
+from export.parity import TOLERANCES, RungResult, Scenario, Tolerance, compare_rung
+from export.progress import Progress
+from export.runtime import ort_runner, ort_session, torch_runner
+
+
+class BuildError(RuntimeError):
+    """The build could not produce an acceptable artifact."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    # (the PyTorch original, the artifact directory, the path to write) -> the written path
+    make: Callable[[AttentionModel, Path, Path], Path]
+    tolerance: Tolerance
+    float_dtype: type = np.float32
+    fused: bool = False  # must hold one fused attention op per layer
+
+    def cast(self, array: np.ndarray) -> np.ndarray:
+        return array.astype(self.float_dtype)
+
+
+def _make_fp32(model: AttentionModel, directory: Path, path: Path) -> Path:
+    return export_onnx(model, path)
+
+
+VARIANTS: dict[str, Variant] = {
+    "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"]),
+}
+DEFAULT_VARIANTS = tuple(VARIANTS)
+
+# The ladder each variant climbs: a left-padded prefill from an empty past then decode steps,
+# and a prefill onto an existing cache (batch 3, rows padded by 0, 2 and 5 tokens).
+SCENARIOS = {
+    "empty_past": Scenario(batch=3, prefill=7, steps=16, padding=(0, 2, 5)),
+    "with_past": Scenario(batch=3, prefill=5, steps=4, padding=(0, 1, 3), past=33, seed=1),
+}
+
+
+def check_variant(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict:
+    """Climb the ladder with the ONNX file at `path`; return its report entry."""
+    model_proto = onnx.load(str(path), load_external_data=False)
+    reference, candidate = torch_runner(model), ort_runner(ort_session(path))
+    results: dict[str, RungResult] = {}
+    for name, scenario in SCENARIOS.items():
+        total = scenario.steps + 1
+        results[name] = compare_rung(
+            model.cfg,
+            reference,
+            candidate,
+            scenario,
+            variant.tolerance,
+            cast=variant.cast,
+            on_step=lambda step, name=name, total=total: progress.update(f"parity {name} step {step + 1}/{total}"),
+        )
+    fused = graph_stats.fused_attention_count(model_proto)
+    problems = [f"parity failed in scenario '{n}'" for n, r in results.items() if not r.passed]
+    if variant.fused and fused < model.cfg.n_layers:
+        problems.append(f"{fused} fused attention ops for {model.cfg.n_layers} layers")
+    return {
+        "file": path.name,
+        "file_bytes": path.stat().st_size,
+        "opset": graph_stats.opset_of(model_proto),
+        "op_histogram": graph_stats.op_histogram(model_proto),
+        "fused_attention_ops": fused,
+        "tolerance": dataclasses.asdict(variant.tolerance),
+        "parity": {name: result.to_dict() for name, result in results.items()},
+        "worst": _worst(results),
+        "passed": not problems,
+        "problems": problems,
+    }
+
+
+def _worst(results: dict[str, RungResult]) -> dict[str, dict]:
+    """Per tensor, the largest absolute error over all scenarios, with where it is."""
+    worst: dict[str, dict] = {}
+    for scenario, result in results.items():
+        for name, error in result.tensors.items():
+            if name not in worst or error.max_abs > worst[name]["max_abs"]:
+                worst[name] = {**error.to_dict(), "scenario": scenario}
+    return worst
+
+
+def build(
+    cfg: ModelConfig,
+    out: str | Path,
+    variants: tuple[str, ...] = DEFAULT_VARIANTS,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> dict:
+    """Write config, weights, every passing variant and `report.json` to `out`; return the report.
+
+    Raises BuildError (after writing the report) when any variant fails.
+    """
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    progress = progress or Progress()
+    out = Path(out)
+    model = AttentionModel(cfg, seed=seed).eval()
+    with progress.stage(f"config and weights -> {out}"):
+        artifacts.save_artifact(model, out)
+    report = {"config": cfg.to_dict(), "seed": seed, "variants": {}}
+    for name in variants:
+        report["variants"][name] = _build_variant(model, out, VARIANTS[name], progress)
+    report["passed"] = all(entry["passed"] for entry in report["variants"].values())
+    (out / artifacts.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
+    if not report["passed"]:
+        failed = {n: e["problems"] for n, e in report["variants"].items() if not e["passed"]}
+        raise BuildError(f"variant(s) failed: {failed}; see {out / artifacts.REPORT_FILENAME}")
+    return report
+
+
+def _build_variant(model: AttentionModel, out: Path, variant: Variant, progress: Progress) -> dict:
+    final = out / artifacts.model_filename(variant.name)
+    staging = out / f".{final.name}.partial"
+    final.unlink(missing_ok=True)  # a stale file must not pass for this build's result
+    started = time.perf_counter()
+    with progress.stage(f"{variant.name}: export"):
+        variant.make(model, out, staging)
+    with progress.stage(f"{variant.name}: parity"):
+        entry = check_variant(model, staging, variant, progress)
+    entry["build_seconds"] = round(time.perf_counter() - started, 2)
+    if entry["passed"]:
+        staging.replace(final)
+        entry["file"] = final.name
+    else:
+        staging.unlink()
+        entry["file"] = None
+    return entry

@@ -1,0 +1,109 @@
+"""Checking a set of named input tensors against the graph contract (DESIGN.md 3.2).
+
+Used at every edge that takes tensors from a user: the PyTorch original's eager entry, the
+ONNX Runtime runner behind Triton, the client before it sends. Works on anything with `.shape`
+and `.dtype` (numpy arrays, torch tensors); imports neither.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from export import names
+from export.config import ModelConfig
+
+
+class InputError(ValueError):
+    """A user's input does not fit the model: names the input, the expected and the actual value."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"input '{name}': {message}")
+        self.input_name = name
+
+
+def named_inputs(
+    hidden_states: Any, attention_mask: Any | None = None, past: Sequence[tuple[Any, Any]] | None = None
+) -> dict[str, Any]:
+    """The graph's named inputs from positional ones; `past` is one (key, value) pair per layer."""
+    tensors = {names.HIDDEN_STATES: hidden_states}
+    if attention_mask is not None:
+        tensors[names.ATTENTION_MASK] = attention_mask
+    for layer, pair in enumerate(past or ()):
+        for kind, array in zip(names.KV_KINDS, pair, strict=True):
+            tensors[names.past_name(layer, kind)] = array
+    return tensors
+
+
+def _dtype_name(array: Any) -> str:
+    return str(array.dtype).removeprefix("torch.")
+
+
+def check_inputs(
+    cfg: ModelConfig,
+    tensors: Mapping[str, Any],
+    float_dtype: str | None = "float32",
+    require_mask: bool = False,
+) -> tuple[int, int, int]:
+    """Check names, ranks, fixed sizes, dtypes and agreeing lengths; return (batch, past, new).
+
+    `tensors` holds `hidden_states`, optionally `attention_mask`, and either every
+    `past_key_values.*` or none of them (an empty past). `float_dtype=None` accepts any float dtype
+    for the hidden states and caches as long as they agree.
+    """
+    expected = {spec.name: spec for spec in names.input_specs(cfg)}
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise InputError(unknown[0], f"unknown input; expected some of {list(expected)}")
+    if names.HIDDEN_STATES not in tensors:
+        raise InputError(names.HIDDEN_STATES, "missing")
+    if require_mask and names.ATTENTION_MASK not in tensors:
+        raise InputError(names.ATTENTION_MASK, "missing")
+    past_given = [n for n in names.past_names(cfg.n_layers) if n in tensors]
+    if past_given and len(past_given) != 2 * cfg.n_layers:
+        missing = next(n for n in names.past_names(cfg.n_layers) if n not in tensors)
+        raise InputError(missing, "missing; pass every past key and value, or none for an empty past")
+
+    hidden = tensors[names.HIDDEN_STATES]
+    model_dtype = float_dtype or _dtype_name(hidden)
+    sizes: dict[str, int] = {}  # axis name -> size, filled by the first tensor that has it
+    for name, array in tensors.items():
+        spec = expected[name]
+        _check_dtype(name, array, "int64" if spec.is_mask else model_dtype)
+        _check_shape(name, tuple(array.shape), spec.shape, sizes)
+
+    batch, new = sizes[names.BATCH], sizes[names.SEQUENCE]
+    past = sizes.get(names.PAST_SEQUENCE, 0)
+    if new < 1:
+        raise InputError(names.HIDDEN_STATES, f"{names.SEQUENCE} must be at least 1, got 0")
+    total = sizes.get(names.TOTAL_SEQUENCE, past + new)
+    if total != past + new:
+        raise InputError(
+            names.ATTENTION_MASK,
+            f"expected length past + new = {past} + {new} = {past + new}, got {total}",
+        )
+    return batch, past, new
+
+
+def _check_dtype(name: str, array: Any, expected: str) -> None:
+    actual = _dtype_name(array)
+    if actual != expected:
+        raise InputError(name, f"expected dtype {expected}, got {actual}")
+
+
+def _check_shape(name: str, shape: tuple[int, ...], spec: tuple[str | int, ...], sizes: dict[str, int]) -> None:
+    if len(shape) != len(spec):
+        raise InputError(name, f"expected rank {len(spec)} {_show(spec)}, got shape {list(shape)}")
+    for axis, (size, want) in enumerate(zip(shape, spec, strict=True)):
+        if isinstance(want, int):
+            if size != want:
+                raise InputError(name, f"expected shape {_show(spec)} (axis {axis} = {want}), got {list(shape)}")
+        elif sizes.setdefault(want, size) != size:
+            raise InputError(
+                name,
+                f"axis {axis} ({want}) is {size} but other inputs give {sizes[want]}; got shape {list(shape)}",
+            )
+
+
+def _show(spec: tuple[str | int, ...]) -> str:
+    return "[" + ", ".join(str(axis) for axis in spec) + "]"

@@ -1,0 +1,95 @@
+"""The one naming table: graph tensor names and axis names (DESIGN.md 3.2).
+
+Export, Triton config generation, the runner, the client and the tests all import these; nobody
+spells a tensor name by hand. Pure Python, no third-party dependencies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from export.config import ModelConfig
+
+HIDDEN_STATES = "hidden_states"
+ATTENTION_MASK = "attention_mask"
+OUTPUT = "output"
+
+BATCH = "batch_size"
+SEQUENCE = "sequence_length"
+PAST_SEQUENCE = "past_sequence_length"
+TOTAL_SEQUENCE = "past_sequence_length + sequence_length"
+
+KEY = "key"
+VALUE = "value"
+KV_KINDS = (KEY, VALUE)
+
+
+def past_name(layer: int, kind: str) -> str:
+    """`past_key_values.{i}.key` / `.value`: the cache a caller passes in."""
+    assert kind in KV_KINDS, kind
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    """`present.{i}.key` / `.value`: the cache the model returns, one position longer per token."""
+    assert kind in KV_KINDS, kind
+    return f"present.{layer}.{kind}"
+
+
+def past_names(n_layers: int) -> list[str]:
+    return [past_name(i, kind) for i in range(n_layers) for kind in KV_KINDS]
+
+
+def present_names(n_layers: int) -> list[str]:
+    return [present_name(i, kind) for i in range(n_layers) for kind in KV_KINDS]
+
+
+def input_names(n_layers: int) -> list[str]:
+    """Stateless graph inputs, in graph order."""
+    return [HIDDEN_STATES, ATTENTION_MASK, *past_names(n_layers)]
+
+
+def output_names(n_layers: int) -> list[str]:
+    """Stateless graph outputs, in graph order."""
+    return [OUTPUT, *present_names(n_layers)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A graph tensor: its name, its shape (axis names for dynamic axes, ints for fixed ones),
+    and whether it carries the model's float dtype or int64."""
+
+    name: str
+    shape: tuple[str | int, ...]
+    is_mask: bool = False
+
+    @property
+    def dynamic_axes(self) -> dict[int, str]:
+        return {i: axis for i, axis in enumerate(self.shape) if isinstance(axis, str)}
+
+
+def input_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Stateless graph inputs, in graph order."""
+    cache_shape = (BATCH, cfg.n_kv_heads, PAST_SEQUENCE, cfg.head_dim)
+    return [
+        TensorSpec(HIDDEN_STATES, (BATCH, SEQUENCE, cfg.d_model)),
+        TensorSpec(ATTENTION_MASK, (BATCH, TOTAL_SEQUENCE), is_mask=True),
+        *(TensorSpec(name, cache_shape) for name in past_names(cfg.n_layers)),
+    ]
+
+
+def output_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Stateless graph outputs, in graph order."""
+    cache_shape = (BATCH, cfg.n_kv_heads, TOTAL_SEQUENCE, cfg.head_dim)
+    return [
+        TensorSpec(OUTPUT, (BATCH, SEQUENCE, cfg.d_model)),
+        *(TensorSpec(name, cache_shape) for name in present_names(cfg.n_layers)),
+    ]
+
+
+def layer_count(names: list[str] | tuple[str, ...]) -> int:
+    """Number of layers implied by a list of tensor names (counts past or present keys)."""
+    keys = {n for n in names if n.endswith(f".{KEY}") and n.startswith(("past_key_values.", "present."))}
+    layers = {int(n.split(".")[1]) for n in keys}
+    assert layers == set(range(len(layers))), f"layers are not numbered 0..n-1: {sorted(layers)}"
+    return len(layers)

@@ -1,0 +1,147 @@
+"""Export the PyTorch original to ONNX: the `fp32` variant, every op decomposed (DESIGN.md 3.3).
+
+Names and dynamic axes come from the naming table; the config rides along in `metadata_props`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import Tensor, nn
+
+from export import names
+from export.config import ModelConfig
+from export.model import AttentionModel, KVCache
+
+# Opset 18 keeps the plain graph loadable by every runtime we target (TensorRT 10's parser,
+# ONNX Runtime 1.16+); the fused variants raise it where their attention op needs it.
+PLAIN_OPSET = 18
+# ONNX Runtime 1.31 refuses onnx 1.23's default IR version; 10 loads everywhere we run.
+IR_VERSION = 10
+CONFIG_METADATA_KEY = "model_config"
+
+# Tracing sizes: all above 1 so the exporter does not specialize an axis to 0 or 1.
+_TRACE_BATCH, _TRACE_NEW, _TRACE_PAST = 2, 3, 5
+
+
+class GraphSignature(nn.Module):
+    """The model with the graph's flat signature: past and present as one tensor per name."""
+
+    def __init__(self, model: AttentionModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden_states: Tensor, attention_mask: Tensor, past: list[tuple[Tensor, Tensor]]):
+        result = self.model(hidden_states, attention_mask, [KVCache(k, v) for k, v in past])
+        return (result.output, *(tensor for cache in result.present for tensor in cache))
+
+
+def trace_inputs(cfg: ModelConfig) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+    generator = torch.Generator().manual_seed(0)
+    B, T, P = _TRACE_BATCH, _TRACE_NEW, _TRACE_PAST
+    hidden_states = torch.randn(B, T, cfg.d_model, generator=generator)  # (B, T, d_model)
+    attention_mask = torch.ones(B, P + T, dtype=torch.int64)  # (B, P+T)
+    cache_shape = (B, cfg.n_kv_heads, P, cfg.head_dim)
+    past = [
+        (torch.randn(cache_shape, generator=generator), torch.randn(cache_shape, generator=generator))
+        for _ in range(cfg.n_layers)
+    ]
+    return hidden_states, attention_mask, past
+
+
+def dynamic_shapes(cfg: ModelConfig) -> dict:
+    """torch.export dims for every dynamic axis, one Dim per axis name of the naming table."""
+    Dim = torch.export.Dim
+    dims = {
+        names.BATCH: Dim(names.BATCH),
+        names.SEQUENCE: Dim(names.SEQUENCE, max=cfg.max_seq_len),
+        names.PAST_SEQUENCE: Dim(names.PAST_SEQUENCE, min=0, max=cfg.max_seq_len),
+        names.TOTAL_SEQUENCE: Dim("total_sequence_length", max=2 * cfg.max_seq_len),
+    }
+    specs = {
+        spec.name: {axis: dims[name] for axis, name in spec.dynamic_axes.items()} for spec in names.input_specs(cfg)
+    }
+    past = [(specs[names.past_name(i, names.KEY)], specs[names.past_name(i, names.VALUE)]) for i in range(cfg.n_layers)]
+    return {"hidden_states": specs[names.HIDDEN_STATES], "attention_mask": specs[names.ATTENTION_MASK], "past": past}
+
+
+def name_axes(model_proto: onnx.ModelProto, cfg: ModelConfig) -> None:
+    """Give every graph input and output the axis names of the naming table."""
+    specs = {spec.name: spec for spec in [*names.input_specs(cfg), *names.output_specs(cfg)]}
+    for value in [*model_proto.graph.input, *model_proto.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        spec = specs[value.name]
+        assert len(dims) == len(spec.shape), f"{value.name}: rank {len(dims)} != {len(spec.shape)}"
+        for dim, axis in zip(dims, spec.shape, strict=True):
+            if isinstance(axis, str):
+                dim.dim_param = axis
+            else:
+                assert dim.dim_value == axis, f"{value.name}: fixed axis {dim.dim_value} != {axis}"
+
+
+def attach_config(model_proto: onnx.ModelProto, cfg: ModelConfig) -> None:
+    del model_proto.metadata_props[:]
+    onnx.helper.set_model_props(model_proto, {CONFIG_METADATA_KEY: cfg.to_json()})
+
+
+def config_from_onnx(model_proto: onnx.ModelProto) -> ModelConfig:
+    props = {prop.key: prop.value for prop in model_proto.metadata_props}
+    if CONFIG_METADATA_KEY not in props:
+        raise ValueError(f"the ONNX model carries no '{CONFIG_METADATA_KEY}' metadata")
+    return ModelConfig.from_json(props[CONFIG_METADATA_KEY])
+
+
+def check_onnx(model_proto: onnx.ModelProto) -> None:
+    """onnx.checker with full (strict) shape inference."""
+    onnx.checker.check_model(model_proto, full_check=True)
+
+
+def save_onnx(model_proto: onnx.ModelProto, path: Path) -> Path:
+    check_onnx(model_proto)
+    onnx.save_model(model_proto, str(path))
+    return path
+
+
+def export_onnx(model: AttentionModel, path: str | Path) -> Path:
+    """Write the plain fp32 graph of `model` to `path` and return it."""
+    cfg, path = model.cfg, Path(path)
+    graph = GraphSignature(model.eval())
+    with warnings.catch_warnings(), _quiet_exporter():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            graph,
+            trace_inputs(cfg),
+            dynamo=True,
+            opset_version=PLAIN_OPSET,
+            input_names=names.input_names(cfg.n_layers),
+            output_names=names.output_names(cfg.n_layers),
+            dynamic_shapes=dynamic_shapes(cfg),
+            external_data=False,
+            verbose=False,
+        )
+    model_proto = program.model_proto
+    model_proto.ir_version = IR_VERSION
+    model_proto.producer_name = "export"
+    name_axes(model_proto, cfg)
+    attach_config(model_proto, cfg)
+    return save_onnx(model_proto, path)
+
+
+class _quiet_exporter:
+    """The exporter logs every stage and warns about optional packages; our CLI shows its own
+    progress."""
+
+    _loggers = ("torch.onnx", "torch.export", "torch._export", "onnxscript", "torch.fx.experimental.symbolic_shapes")
+
+    def __enter__(self) -> None:
+        self._levels = {name: logging.getLogger(name).level for name in self._loggers}
+        for name in self._loggers:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+    def __exit__(self, *exc: object) -> None:
+        for name, level in self._levels.items():
+            logging.getLogger(name).setLevel(level)

@@ -1,0 +1,162 @@
+"""The parity ladder: every rung is driven over the same prefill and decode steps as the PyTorch
+original, each feeding its own presents back, and every output and present is compared.
+
+A rung reports, per tensor, the worst absolute error, that error relative to the tensor's scale
+(its largest reference magnitude), where it is (step and index), and whether it passed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from export import names
+from export.config import ModelConfig
+from export.runtime import Arrays, Runner
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """An element passes when |actual - expected| <= atol + rtol * |expected| + scale * max|expected|."""
+
+    atol: float
+    rtol: float
+    scale: float
+    why: str
+
+    def bound(self, expected: np.ndarray) -> np.ndarray:
+        scale = float(np.abs(expected).max()) if expected.size else 0.0
+        return self.atol + self.rtol * np.abs(expected) + self.scale * scale
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "fp32": Tolerance(
+        atol=1e-5,
+        rtol=1e-5,
+        scale=0.0,
+        why="the same fp32 math as PyTorch; only the order of summation differs (measured about 1e-6)",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A left-padded prefill followed by single-token decode steps."""
+
+    batch: int = 3
+    prefill: int = 7
+    steps: int = 16
+    padding: tuple[int, ...] = (0, 2, 5)  # left padding of each row in the prefill
+    past: int = 0  # a random cache the prefill starts from (0 = an empty past)
+    scale: float = 1.0  # magnitude of the hidden states
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        assert len(self.padding) == self.batch, "one padding length per row"
+        assert all(0 <= p < self.prefill for p in self.padding), "every row keeps a real token"
+
+
+def scenario_steps(cfg: ModelConfig, scenario: Scenario) -> Iterator[tuple[Arrays, np.ndarray]]:
+    """Yield (new inputs, which query rows are real) per step; the past is the caller's to carry."""
+    rng = np.random.default_rng(scenario.seed)
+    B = scenario.batch
+    mask = np.ones((B, scenario.past + scenario.prefill), dtype=np.int64)  # (B, P+T)
+    for row, pad in enumerate(scenario.padding):
+        mask[row, scenario.past : scenario.past + pad] = 0
+    for step in range(scenario.steps + 1):
+        new = scenario.prefill if step == 0 else 1
+        if step:
+            mask = np.concatenate([mask, np.ones((B, 1), dtype=np.int64)], axis=1)  # (B, P+T+1)
+        hidden = (scenario.scale * rng.standard_normal((B, new, cfg.d_model))).astype(np.float32)  # (B, T, d)
+        yield {names.HIDDEN_STATES: hidden, names.ATTENTION_MASK: mask.copy()}, mask[:, -new:].astype(bool)
+
+
+def initial_past(cfg: ModelConfig, scenario: Scenario) -> Arrays:
+    rng = np.random.default_rng(scenario.seed + 1)
+    shape = (scenario.batch, cfg.n_kv_heads, scenario.past, cfg.head_dim)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name in names.past_names(cfg.n_layers)}
+
+
+@dataclasses.dataclass
+class TensorError:
+    name: str
+    max_abs: float = -np.inf  # raised by the first update
+    max_rel: float = 0.0  # max_abs relative to the reference tensor's largest magnitude
+    step: int = 0
+    index: tuple[int, ...] = ()
+    passed: bool = True
+    finite: bool = True
+
+    def update(self, step: int, actual: np.ndarray, expected: np.ndarray, valid: np.ndarray, tol: Tolerance) -> None:
+        self.finite &= bool(np.isfinite(actual).all())
+        actual64, expected64 = actual.astype(np.float64), expected.astype(np.float64)
+        error = np.where(valid, np.abs(actual64 - expected64), 0.0)
+        self.passed &= self.finite and bool((error <= tol.bound(np.where(valid, expected64, 0.0))).all())
+        worst = np.unravel_index(int(np.argmax(error)), error.shape)
+        if error[worst] > self.max_abs:
+            scale = float(np.abs(np.where(valid, expected64, 0.0)).max())
+            self.max_abs, self.step, self.index = float(error[worst]), step, tuple(int(i) for i in worst)
+            self.max_rel = self.max_abs / scale if scale else 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class RungResult:
+    tensors: dict[str, TensorError]
+    step_errors: list[float]  # worst absolute error of `output` per step: drift shows here
+
+    @property
+    def passed(self) -> bool:
+        return all(error.passed for error in self.tensors.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "passed": self.passed,
+            "tensors": {name: error.to_dict() for name, error in self.tensors.items()},
+            "output_error_per_step": self.step_errors,
+        }
+
+
+def compare_rung(
+    cfg: ModelConfig,
+    reference: Runner,
+    candidate: Runner,
+    scenario: Scenario,
+    tolerance: Tolerance,
+    cast: Callable[[np.ndarray], np.ndarray] = lambda a: a,
+    on_step: Callable[[int], None] | None = None,
+) -> RungResult:
+    """Drive both runners through the scenario and compare every output at every step.
+
+    `cast` converts float inputs to the candidate's dtype (identity for fp32 rungs).
+    """
+    tensors = {name: TensorError(name) for name in names.output_names(cfg.n_layers)}
+    step_errors = []
+    ref_past = initial_past(cfg, scenario) if scenario.past else {}
+    cand_past = {name: cast(array) for name, array in ref_past.items()}
+    for step, (inputs, real_rows) in enumerate(scenario_steps(cfg, scenario)):
+        expected = reference({**inputs, **ref_past})
+        cand_inputs = {**inputs, names.HIDDEN_STATES: cast(inputs[names.HIDDEN_STATES])}
+        actual = candidate({**cand_inputs, **cand_past})
+        # a padded query's output is unspecified (DESIGN.md 3.1), and so is what the layers after
+        # the first cache at its position: only real queries and real key positions are compared
+        real_keys = inputs[names.ATTENTION_MASK].astype(bool)[:, None, :, None]  # (B, 1, P+T, 1)
+        for name, error in tensors.items():
+            valid = real_rows[:, :, None] if name == names.OUTPUT else real_keys
+            error.update(step, actual[name], expected[name], valid, tolerance)
+        output_error = np.abs(actual[names.OUTPUT].astype(np.float64) - expected[names.OUTPUT])
+        step_errors.append(float(np.where(real_rows[:, :, None], output_error, 0.0).max()))
+        ref_past = {names.past_name(*_layer_kind(n)): expected[n] for n in names.present_names(cfg.n_layers)}
+        cand_past = {names.past_name(*_layer_kind(n)): actual[n] for n in names.present_names(cfg.n_layers)}
+        if on_step:
+            on_step(step)
+    return RungResult(tensors, step_errors)
+
+
+def _layer_kind(present: str) -> tuple[int, str]:
+    _, layer, kind = present.split(".")
+    return int(layer), kind

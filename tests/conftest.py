@@ -1,0 +1,34 @@
+"""Fixtures shared by every test tier: artifact directories built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from export.config import ModelConfig, preset
+
+# Configs the tests build; `unseen` has sizes no preset uses (odd head_dim, 3 kv heads, 3 layers).
+TEST_CONFIGS = {
+    "tiny": preset("tiny"),
+    "gqa": preset("gqa"),
+    "unseen": ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3, max_seq_len=1024),
+}
+
+
+@pytest.fixture(scope="session")
+def artifact_dir(tmp_path_factory):
+    """`artifact_dir(name)` -> an artifact directory built from TEST_CONFIGS[name], once per session."""
+    from export.build import build
+    from export.progress import Progress
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            out = tmp_path_factory.mktemp(f"artifact-{name}")
+            build(TEST_CONFIGS[name], out, progress=Progress(enabled=False))
+            built[name] = out
+        return built[name]
+
+    return get

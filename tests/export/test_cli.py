@@ -1,0 +1,144 @@
+"""`python -m export build` end to end, on a config no preset uses."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from export import __main__ as cli
+from export import artifacts, build, names
+from export.config import ModelConfig
+from export.onnx_export import export_onnx
+from export.runtime import ort_runner, ort_session
+from tests import reference
+from tests.conftest import TEST_CONFIGS
+
+UNSEEN = TEST_CONFIGS["unseen"]  # 96 wide, 6 heads, 2 kv heads, 3 layers
+
+
+@pytest.fixture(scope="module")
+def cli_build(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("cli")
+    config_path = directory / "my_config.json"
+    config_path.write_text(json.dumps(UNSEEN.to_dict()))
+    out = directory / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "export",
+            "build",
+            "--config",
+            str(config_path),
+            "--out",
+            str(out),
+            "--variants",
+            "fp32",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc, out
+
+
+def test_build_writes_the_artifact_and_prints_a_table(cli_build):
+    proc, out = cli_build
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in out.iterdir()} == {"config.json", "weights.safetensors", "model.fp32.onnx", "report.json"}
+    assert ModelConfig.load(out) == UNSEEN
+    assert "fp32" in proc.stdout and "pass" in proc.stdout
+    assert "fp32: export ... done" in proc.stderr and "fp32: parity ... done" in proc.stderr  # progress
+
+
+def test_report_gives_every_outputs_error_and_where_it_is(cli_build):
+    _, out = cli_build
+    report = json.loads((out / "report.json").read_text())
+    entry = report["variants"]["fp32"]
+    assert report["passed"] and entry["passed"] and entry["file"] == "model.fp32.onnx"
+    assert entry["file_bytes"] == (out / "model.fp32.onnx").stat().st_size
+    assert entry["op_histogram"]["MatMul"] >= 6 * UNSEEN.n_layers
+    assert set(entry["worst"]) == set(names.output_names(UNSEEN.n_layers))
+    for name, error in entry["worst"].items():
+        assert 0 <= error["max_abs"] <= 1e-5, name
+        assert error["max_rel"] >= 0 and len(error["index"]) in (3, 4) and error["scenario"] in build.SCENARIOS
+    steps = entry["parity"]["empty_past"]["output_error_per_step"]
+    assert len(steps) == build.SCENARIOS["empty_past"].steps + 1
+
+
+def test_the_exported_graph_matches_an_independent_implementation(cli_build):
+    """Left-padded prefill then 16 decode steps, each fed the presents ONNX Runtime returned."""
+    _, out = cli_build
+    weights = reference.load_weights(out / "weights.safetensors")
+    run = ort_runner(ort_session(out / "model.fp32.onnx"))
+    rng = np.random.default_rng(11)
+    B, prefill = 3, 6
+    mask = np.ones((B, prefill), dtype=np.int64)
+    mask[1, :2] = 0
+    mask[2, :5] = 0
+    hidden = rng.standard_normal((B, prefill, UNSEEN.d_model)).astype(np.float32)
+    past, worst = None, 0.0
+    for _ in range(17):
+        feeds = {names.HIDDEN_STATES: hidden, names.ATTENTION_MASK: mask}
+        if past:
+            feeds.update(
+                {
+                    names.past_name(i, kind): past[i][j]
+                    for i in range(UNSEEN.n_layers)
+                    for j, kind in enumerate(names.KV_KINDS)
+                }
+            )
+        outputs = run(feeds)
+        expected, presents = reference.forward(UNSEEN, weights, hidden, mask, past)
+        real = reference.real_rows(mask, hidden.shape[1])
+        worst = max(worst, float(np.abs(outputs[names.OUTPUT][real] - expected[real]).max()))
+        for i, (key, value) in enumerate(presents):
+            for kind, theirs in zip(names.KV_KINDS, (key, value), strict=True):
+                ours = outputs[names.present_name(i, kind)]
+                real_keys = mask == 1
+                np.testing.assert_allclose(
+                    ours.transpose(0, 2, 1, 3)[real_keys], theirs.transpose(0, 2, 1, 3)[real_keys], atol=1e-4
+                )
+        past = [
+            (outputs[names.present_name(i, names.KEY)], outputs[names.present_name(i, names.VALUE)])
+            for i in range(UNSEEN.n_layers)
+        ]
+        hidden = rng.standard_normal((B, 1, UNSEEN.d_model)).astype(np.float32)
+        mask = np.concatenate([mask, np.ones((B, 1), dtype=np.int64)], axis=1)
+    assert worst <= 1e-4
+    print(f"unseen config, fp32 ONNX vs the independent implementation over 17 steps: max abs error {worst:.2e}")
+
+
+def test_preset_build_in_process(tmp_path, capsys):
+    assert cli.main(["build", "--preset", "tiny", "--out", str(tmp_path), "--variants", "fp32"]) == 0
+    assert "pass" in capsys.readouterr().out
+    assert (tmp_path / "model.fp32.onnx").is_file()
+
+
+def test_an_invalid_config_exits_2_naming_the_field(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"d_model": 100, "n_heads": 8}))
+    assert cli.main(["build", "--config", str(bad), "--out", str(tmp_path / "out")]) == 2
+    assert "n_heads (8) must divide d_model (100)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_variant_that_fails_parity_fails_the_command_and_is_not_kept(tmp_path, capsys, monkeypatch):
+    def export_with_a_wrong_weight(model, directory, path):
+        broken = artifacts.load_model(directory)
+        broken.layers[0].attn.W_v.weight.data[0, 0] += 1e-3  # a small slip somewhere in the graph
+        return export_onnx(broken, path)
+
+    wrong = build.Variant("fp32", export_with_a_wrong_weight, build.TOLERANCES["fp32"])
+    monkeypatch.setitem(build.VARIANTS, "fp32", wrong)
+    assert cli.main(["build", "--preset", "tiny", "--out", str(tmp_path), "--variants", "fp32"]) == 1
+    captured = capsys.readouterr()
+    assert "FAIL" in captured.out and "parity failed" in captured.err
+    assert not (tmp_path / "model.fp32.onnx").exists()
+    assert not list(tmp_path.glob(".*partial"))
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["passed"] is False and report["variants"]["fp32"]["file"] is None
+    assert report["variants"]["fp32"]["worst"]["present.0.value"]["max_abs"] > 1e-5
