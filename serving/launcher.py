@@ -1,0 +1,319 @@
+"""Start the real Triton Inference Server that ships in the `nvidia-pytriton` wheel, without Docker.
+
+The wheel carries a `tritonserver` binary, the Python backend and one backend stub per Python
+version (DESIGN.md section 4). To run it we lay out a backend directory holding the stub for the
+running interpreter, put this virtual environment first on PATH (the stub runs the first `python3`
+it finds there and takes its packages from that environment; it ignores PYTHONPATH), put the
+wheel's libraries and this interpreter's libpython on LD_LIBRARY_PATH (without the latter the stub
+loads the system libpython against another stdlib), and load the models whose backends exist.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SHM_PREFIX = "triton_python_backend_shm_region_"
+# Backends the NGC image has and the wheel does not: models using them load only there.
+_PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "pytorch_libtorch": "pytorch"}
+
+
+class TritonStartError(RuntimeError):
+    """Triton did not become ready; the message ends with the tail of its log."""
+
+
+def bundled_triton() -> Path:
+    """The `tritonserver` directory inside the installed nvidia-pytriton wheel."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonStartError("nvidia-pytriton is not installed; run `make install`")
+    root = Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+    if not (root / "bin" / "tritonserver").is_file():
+        raise TritonStartError(f"no tritonserver binary under {root}")
+    return root
+
+
+def stub_for_this_python(bundle: Path) -> Path:
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        available = sorted(p.name for p in (bundle / "python_backend_stubs").iterdir())
+        raise TritonStartError(f"the wheel has no Python backend stub for Python {version}; it has {available}")
+    return stub
+
+
+def backend_directory(bundle: Path, work_dir: Path) -> Path:
+    """`backends/` with every bundled backend, the Python one completed by this interpreter's stub."""
+    backends = work_dir / "backends"
+    shutil.copytree(bundle / "backends", backends, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(stub_for_this_python(bundle), backends / "python" / "triton_python_backend_stub")
+    return backends
+
+
+def server_environment(bundle: Path) -> dict[str, str]:
+    libraries = [str(bundle.parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [*libraries, env.get("LD_LIBRARY_PATH", "")] if p)
+    # the stub runs the first python3 on PATH (and needs bash): this environment's first
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"])
+    project_root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [project_root, env.get("PYTHONPATH", "")] if p)
+    return env
+
+
+def model_backend(model_dir: Path) -> str | None:
+    """The backend a model's config.pbtxt names (or implies through its platform)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config_path = model_dir / "config.pbtxt"
+    if not config_path.is_file():
+        return None
+    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+    return config.backend or _PLATFORM_BACKENDS.get(config.platform, config.platform) or None
+
+
+def loadable_models(repository: Path, backends: Path) -> tuple[list[str], dict[str, str]]:
+    """(models whose backend exists here, {model: why it is skipped})."""
+    available = {p.name for p in backends.iterdir() if p.is_dir()}
+    loadable, skipped = [], {}
+    for model_dir in sorted(p for p in repository.iterdir() if p.is_dir()):
+        backend = model_backend(model_dir)
+        if backend is None:
+            continue
+        if backend in available:
+            loadable.append(model_dir.name)
+        else:
+            skipped[model_dir.name] = f"backend '{backend}' is not in this Triton build (it is in the NGC image)"
+    return loadable, skipped
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class TritonServer:
+    """A running tritonserver process; stop() (or leaving the `with` block) shuts it down."""
+
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        host: str,
+        ports: dict[str, int],
+        models: list[str],
+        log_path: Path,
+        work_dir: Path,
+        owns_log: bool,
+    ) -> None:
+        self.process, self.host, self.ports, self.models = process, host, ports, models
+        self.log_path, self._work_dir, self._owns_log = log_path, work_dir, owns_log
+        self._started_at = time.time()
+        atexit.register(self.stop)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports['http']}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports['grpc']}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports['metrics']}/metrics"
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def wait(self) -> int:
+        return self.process.wait()
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, timeout: float = 30.0, keep_log: bool = False) -> int | None:
+        """Graceful: SIGINT to Triton (it unloads the models, which ends their stubs), then SIGTERM,
+        then SIGKILL of the whole process group. Idempotent. The log is kept when asked or when
+        Triton did not exit cleanly."""
+        atexit.unregister(self.stop)
+        graceful = True
+        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 10.0)):
+            if self.process.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait)
+        if self.process.poll() is None:
+            graceful = False
+            self._kill_group()
+            self.process.wait(10)
+        self._kill_group()  # a stub that outlived its server
+        clean = graceful and self.process.returncode == 0
+        if not clean:  # Triton removes its stubs' shared memory only on a clean exit
+            remove_orphan_shm(self._started_at)
+        self._cleanup(keep_log=keep_log or not clean)
+        return self.process.returncode
+
+    def _kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def _cleanup(self, keep_log: bool) -> None:
+        if keep_log:
+            log.warning("Triton exited with %s; its log is kept at %s", self.process.returncode, self.log_path)
+        shutil.rmtree(self._work_dir / "backends", ignore_errors=True)
+        if self._owns_log and not keep_log:
+            shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    def __enter__(self) -> TritonServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def remove_orphan_shm(since: float) -> None:
+    """Shared-memory regions a killed server's stubs left behind (a graceful stop removes its own)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return
+    in_use = _mapped_shm_files()
+    for region in shm.glob(f"{SHM_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if region.stat().st_mtime >= since - 1 and region.name not in in_use:
+                region.unlink()
+
+
+def _mapped_shm_files() -> set[str]:
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            names.update(line.rsplit("/", 1)[-1] for line in maps.read_text().splitlines() if SHM_PREFIX in line)
+    return names
+
+
+def _command(bundle: Path, backends: Path, repository: Path, models: Sequence[str], host: str, ports: dict) -> list:
+    command = [
+        str(bundle / "bin" / "tritonserver"),
+        f"--model-repository={repository}",
+        f"--backend-directory={backends}",
+        "--model-control-mode=explicit",
+        *(f"--load-model={model}" for model in models),
+        f"--http-port={ports['http']}",
+        f"--grpc-port={ports['grpc']}",
+        f"--metrics-port={ports['metrics']}",
+        f"--http-address={host}",
+        f"--grpc-address={host}",
+        f"--metrics-address={host}",
+        "--allow-gpu-metrics=false",
+        # on SIGINT Triton waits this long for open client connections (idle keep-alives included)
+        "--exit-timeout-secs=5",
+        # a decode step's caches are megabytes: start the shared-memory region big enough for them
+        "--backend-config=python,shm-default-byte-size=16777216",
+        "--backend-config=python,shm-growth-byte-size=16777216",
+    ]
+    return command
+
+
+def _wait_ready(server: TritonServer, models: Sequence[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    urls = [f"http://{server.http_url}/v2/health/ready"] + [
+        f"http://{server.http_url}/v2/models/{m}/ready" for m in models
+    ]
+    pending = list(urls)
+    while pending:
+        if not server.is_running():
+            raise TritonStartError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s ({pending[0]}):\n{server.log_tail()}")
+        if _is_ok(pending[0]):
+            pending.pop(0)
+        else:
+            time.sleep(0.2)
+
+
+def _is_ok(url: str) -> bool:
+    with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=2) as response:
+        return response.status == 200
+    return False
+
+
+def start_triton(
+    repository: str | Path,
+    *,
+    models: Sequence[str] | None = None,
+    host: str = "127.0.0.1",
+    http_port: int = 0,
+    grpc_port: int = 0,
+    metrics_port: int = 0,
+    log_path: str | Path | None = None,
+    ready_timeout: float = 180.0,
+) -> TritonServer:
+    """Start Triton on `repository` and return once it and its models are ready.
+
+    `models=None` loads every model whose backend this Triton build has (others are logged and
+    skipped). A port of 0 picks a free one. The log goes to `log_path` (or a temporary file that is
+    kept only if the server fails).
+    """
+    repository = Path(repository).resolve()
+    if not repository.is_dir():
+        raise TritonStartError(f"no model repository at {repository}")
+    bundle = bundled_triton()
+    work_dir = Path(tempfile.mkdtemp(prefix="triton-"))
+    backends = backend_directory(bundle, work_dir)
+    if models is None:
+        models, skipped = loadable_models(repository, backends)
+        for model, why in skipped.items():
+            log.info("not loading model '%s': %s", model, why)
+    if not models:
+        raise TritonStartError(f"no loadable model in {repository}")
+    ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+    ports = {name: port or free_port(host) for name, port in ports.items()}
+    owns_log = log_path is None
+    log_path = Path(log_path) if log_path else work_dir / "triton.log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(
+            _command(bundle, backends, repository, models, host, ports),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_environment(bundle),
+            cwd=work_dir,
+            start_new_session=True,  # its own process group: stop() reaches the stubs too
+        )
+    server = TritonServer(process, host, ports, list(models), log_path, work_dir, owns_log)
+    try:
+        _wait_ready(server, models, ready_timeout)
+    except BaseException:
+        server.stop(keep_log=True)
+        raise
+    log.info(
+        "Triton ready: HTTP %s, gRPC %s, metrics %s, models %s",
+        server.http_url,
+        server.grpc_url,
+        server.metrics_url,
+        models,
+    )
+    return server

@@ -1,0 +1,93 @@
+"""The launcher against the real bundled Triton, with a one-line Python-backend model."""
+
+import logging
+import os
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from serving.launcher import SHM_PREFIX, TritonStartError, start_triton
+
+ECHO_CONFIG = """
+name: "{name}"
+backend: "{backend}"
+max_batch_size: 0
+input [ {{ name: "X" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+output [ {{ name: "Y" data_type: TYPE_FP32 dims: [ -1 ] }} ]
+"""
+
+ECHO_MODEL = textwrap.dedent(
+    """
+    import triton_python_backend_utils as pb_utils
+
+    import export.names  # our own packages import inside the stub
+
+    {extra}
+
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            doubled = [2 * pb_utils.get_input_tensor_by_name(r, "X").as_numpy() for r in requests]
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", y)]) for y in doubled]
+    """
+)
+
+
+def add_model(repository: Path, name: str, backend: str = "python", extra: str = "") -> None:
+    (repository / name / "1").mkdir(parents=True)
+    (repository / name / "config.pbtxt").write_text(ECHO_CONFIG.format(name=name, backend=backend))
+    if backend == "python":
+        (repository / name / "1" / "model.py").write_text(ECHO_MODEL.format(extra=extra))
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process whose parent chain reaches `pid` (Triton's stubs are its children)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_serves_python_models_skips_missing_backends_and_leaves_nothing_behind(tmp_path, caplog):
+    add_model(tmp_path, "echo")
+    add_model(tmp_path, "gpu_only", backend="onnxruntime")
+    shm_before = set(os.listdir("/dev/shm"))
+    with caplog.at_level(logging.INFO, logger="serving.launcher"), start_triton(tmp_path) as server:
+        assert server.models == ["echo"]
+        pid, stubs = server.process.pid, descendants(server.process.pid)
+        assert stubs, "the Python backend stub should run as Triton's child"
+        client = httpclient.InferenceServerClient(server.http_url)
+        x = httpclient.InferInput("X", [3], "FP32")
+        x.set_data_from_numpy(np.array([1.0, 2.0, 3.0], dtype=np.float32))
+        np.testing.assert_array_equal(client.infer("echo", [x]).as_numpy("Y"), [2.0, 4.0, 6.0])
+        assert not client.is_model_ready("gpu_only")
+        client.close()
+    assert "not loading model 'gpu_only': backend 'onnxruntime' is not in this Triton build" in caplog.text
+    assert server.process.returncode == 0
+    assert not Path(f"/proc/{pid}").exists()
+    assert not any(Path(f"/proc/{stub}").exists() for stub in stubs), "a backend stub outlived the server"
+    assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith(SHM_PREFIX)}
+
+
+def test_a_model_that_fails_to_load_gives_the_log_tail_and_keeps_the_log(tmp_path):
+    add_model(tmp_path, "broken", extra="raise RuntimeError('this model cannot load')")
+    log_path = tmp_path / "triton.log"
+    with pytest.raises(TritonStartError, match="this model cannot load"):
+        start_triton(tmp_path, log_path=log_path, ready_timeout=60)
+    assert "this model cannot load" in log_path.read_text()
+
+
+def test_a_missing_repository_is_a_clear_error(tmp_path):
+    with pytest.raises(TritonStartError, match="no model repository at"):
+        start_triton(tmp_path / "nowhere")
