@@ -8,6 +8,9 @@ import pytest
 
 from export.config import ModelConfig, preset
 
+# the real Triton fixtures (`triton`, `triton_repository`, `triton_artifact`) for every tier
+pytest_plugins = ["tests.fixtures.triton"]
+
 # Configs the tests build; `unseen` has sizes no preset uses (odd head_dim, 3 kv heads, 3 layers).
 TEST_CONFIGS = {
     "tiny": preset("tiny"),
