@@ -17,6 +17,8 @@ import onnx
 
 from export import artifacts, graph_stats
 from export.config import ModelConfig
+from export.fp16 import make_fp16_fused
+from export.fusion import make_fp32_fused
 from export.model import AttentionModel
 from export.onnx_export import export_onnx
 from export.parity import TOLERANCES, RungResult, Scenario, Tolerance, compare_rung
@@ -47,6 +49,8 @@ def _make_fp32(model: AttentionModel, directory: Path, path: Path) -> Path:
 
 VARIANTS: dict[str, Variant] = {
     "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"]),
+    "fp32-fused": Variant("fp32-fused", make_fp32_fused, TOLERANCES["fp32-fused"], fused=True),
+    "fp16-fused": Variant("fp16-fused", make_fp16_fused, TOLERANCES["fp16-fused"], np.float16, fused=True),
 }
 DEFAULT_VARIANTS = tuple(VARIANTS)
 

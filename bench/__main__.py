@@ -1,0 +1,36 @@
+"""`python -m bench [COMMAND]`: run the benchmarks; with no command, every one of them.
+
+python -m bench model            # PyTorch eager vs each ONNX variant on ONNX Runtime CPU
+python -m bench model --quick    # a few small shapes, short budgets
+python -m bench serving          # in-process vs Triton stateless vs stateful, gRPC and HTTP
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+
+from bench import model, serving
+
+# name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
+COMMANDS: dict[str, ModuleType] = {"model": model, "serving": serving}
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    commands = root.add_subparsers(dest="command")
+    for name, module in COMMANDS.items():
+        module.add_arguments(commands.add_parser(name, help=module.__doc__.splitlines()[0]))
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command is None:  # every benchmark with its defaults
+        return max(COMMANDS[name].run(parser().parse_args([name])) for name in COMMANDS)
+    return COMMANDS[args.command].run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""PyTorch eager (the original) against each ONNX variant on ONNX Runtime CPU: prefill and decode.
+
+Writes `model.json` (every latency, the measured memory bandwidth, the decode floors, the issue's
+targets) and `model_decode.png` (decode latency against past length) and prints a table of ratios.
+
+Conditions: each candidate uses `--threads` threads (PyTorch's intra-op pool, ONNX Runtime's
+intra-op pool) and runs alone; ONNX Runtime is driven through IOBinding (inputs bound in place,
+outputs left in ONNX Runtime's memory), as PyTorch returns its tensors without a copy. A decode
+step is timed at a fixed past length (the same inputs every call). The decode floor is the time to
+stream the KV cache and the weights once at the measured bandwidth:
+(KV-cache bytes + weight bytes) / bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, measure
+from export import artifacts, names
+from export.config import ModelConfig, preset
+from export.progress import Progress
+from export.tensorrt import axis_sizes, random_inputs
+
+RESULTS = Path(__file__).parent / "results"
+VARIANTS = ("fp32", "fp32-fused", "fp16-fused")
+QKV = "fp32-fused+qkv"  # not shipped: measured here to decide whether fusing Q/K/V pays
+TORCH = "torch"
+CANDIDATES = (TORCH, *VARIANTS, QKV)
+FUSED, PLAIN, FP16 = "fp32-fused", "fp32", "fp16-fused"
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run as asked (an artifact failed, a candidate disagrees)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    phase: str  # "prefill" (new tokens onto an empty past) or "decode" (one token onto a past)
+    batch: int
+    new: int
+    past: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.phase} B{self.batch} " + (f"T{self.new}" if self.phase == "prefill" else f"P{self.past}")
+
+
+def shapes(quick: bool) -> list[Shape]:
+    batches, lengths = {"prefill": (1, 4), "decode": (1, 8)}, {"prefill": (128, 512, 2048), "decode": (128, 1024, 4096)}
+    if quick:
+        batches, lengths = {"prefill": (1,), "decode": (1,)}, {"prefill": (128,), "decode": (128, 1024)}
+    grid = [Shape("prefill", b, t, 0) for b in batches["prefill"] for t in lengths["prefill"]]
+    return grid + [Shape("decode", b, 1, p) for b in batches["decode"] for p in lengths["decode"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How long each phase is timed, in total over its passes. The candidates run one at a time (a
+    prefill arena holds GBs), in several passes with their order reversed every pass, so that drift
+    or other work on the machine falls on every candidate alike."""
+
+    budgets: dict[str, Budget]
+    passes: dict[str, int]
+
+    @classmethod
+    def make(cls, quick: bool) -> Plan:
+        if quick:
+            return cls(
+                {"prefill": Budget(0.02, min_runs=3), "decode": Budget(0.02, min_runs=3)}, {"prefill": 1, "decode": 1}
+            )
+        # small shapes run until the seconds are spent; a big prefill (seconds per call) runs once
+        # per pass after its warm-up, so twice in all
+        prefill, decode = Budget(1.5, min_runs=4, slow_runs=1), Budget(1.0, min_runs=12)
+        return cls({"prefill": prefill, "decode": decode}, {"prefill": 2, "decode": 4})
+
+
+# --- candidates: each opens once per preset and prepares a zero-argument step per input set --------
+
+Prepare = Callable[[dict[str, np.ndarray]], Callable[[], object]]
+
+
+def torch_candidate(directory: Path, threads: int) -> Prepare:
+    import torch
+
+    from export.model import KVCache
+
+    torch.set_num_threads(threads)
+    model = artifacts.load_model(directory)
+
+    def prepare(inputs: dict[str, np.ndarray]) -> Callable[[], object]:
+        tensors = {name: torch.from_numpy(array) for name, array in inputs.items()}
+        past = [
+            KVCache(tensors[names.past_name(i, names.KEY)], tensors[names.past_name(i, names.VALUE)])
+            for i in range(model.cfg.n_layers)
+        ]
+
+        def step():
+            with torch.inference_mode():
+                return model(tensors[names.HIDDEN_STATES], tensors[names.ATTENTION_MASK], past)
+
+        return step
+
+    return prepare
+
+
+def ort_candidate(path: Path, threads: int) -> Prepare:
+    from export.runtime import ort_session
+
+    session = ort_session(path, threads=threads)
+    outputs = [o.name for o in session.get_outputs()]
+
+    def prepare(inputs: dict[str, np.ndarray]) -> Callable[[], object]:
+        binding = session.io_binding()
+        for name, array in inputs.items():
+            binding.bind_cpu_input(name, array)
+        for name in outputs:
+            binding.bind_output(name, "cpu")
+        return lambda: session.run_with_iobinding(binding)
+
+    return prepare
+
+
+def candidate_dtype(name: str) -> type:
+    return np.float16 if name == FP16 else np.float32
+
+
+# --- artifacts ---------------------------------------------------------------------------------
+
+
+def prepare_artifacts(cfg: ModelConfig, directory: Path, progress: Progress) -> dict[str, Path]:
+    """Build (or reuse) the artifact directory and the Q/K/V-fused candidate; return every file."""
+    from export.build import build
+
+    paths = {v: directory / artifacts.model_filename(v) for v in (*VARIANTS, QKV)}
+    if not _reusable(cfg, directory, [paths[v] for v in VARIANTS]):
+        build(cfg, directory, VARIANTS, progress=progress)
+        paths[QKV].unlink(missing_ok=True)  # made from the old build
+    if not paths[QKV].is_file():
+        with progress.stage(f"{QKV}: fuse and check against {FUSED}"):
+            _make_qkv(directory, paths)
+    return paths
+
+
+def _reusable(cfg: ModelConfig, directory: Path, files: list[Path]) -> bool:
+    report = directory / artifacts.REPORT_FILENAME
+    if not report.is_file() or not all(p.is_file() for p in files):
+        return False
+    content = json.loads(report.read_text())
+    return bool(content.get("passed")) and content.get("config") == cfg.to_dict()
+
+
+def _make_qkv(directory: Path, paths: dict[str, Path]) -> None:
+    import onnx
+
+    from export.fusion import fused_proto
+    from export.onnx_export import save_onnx
+    from export.parity import TOLERANCES, Scenario, compare_rung
+    from export.runtime import ort_runner, ort_session
+
+    proto, counts = fused_proto(onnx.load(str(paths[PLAIN])), fuse_qkv=True)
+    save_onnx(proto, paths[QKV])
+    cfg = ModelConfig.load(directory)
+    if counts.qkv != cfg.n_layers:
+        raise BenchError(f"{QKV}: merged {counts.qkv} projection groups for {cfg.n_layers} layers")
+    fused, qkv = (ort_runner(ort_session(paths[n])) for n in (FUSED, QKV))
+    result = compare_rung(cfg, fused, qkv, Scenario(steps=4), TOLERANCES[FUSED])
+    if not result.passed:
+        raise BenchError(f"{QKV} differs from {FUSED}: {result.to_dict()['tensors']}")
+
+
+# --- measuring ---------------------------------------------------------------------------------
+
+
+def measure_preset(
+    directory: Path, paths: dict[str, Path], grid: list[Shape], plan: Plan, threads: int, progress: Progress
+) -> dict[tuple[str, Shape], Timing]:
+    """Every candidate at every shape; one candidate alive at a time (a prefill arena is GBs)."""
+    cfg = ModelConfig.load(directory)
+    timings: dict[tuple[str, Shape], Timing] = {}
+    for phase in ("prefill", "decode"):
+        phase_shapes = [s for s in grid if s.phase == phase]
+        budget, passes = plan.budgets[phase], plan.passes[phase]
+        budget = dataclasses.replace(budget, seconds=budget.seconds / passes, min_runs=-(-budget.min_runs // passes))
+        for turn in range(passes):
+            order = CANDIDATES if turn % 2 == 0 else CANDIDATES[::-1]
+            for name in order:
+                with progress.stage(f"{cfg_label(cfg)} {phase} {name} (pass {turn + 1}/{passes})"):
+                    prepare = (
+                        torch_candidate(directory, threads) if name == TORCH else ort_candidate(paths[name], threads)
+                    )
+                    for shape in phase_shapes:
+                        progress.update(shape.label)
+                        inputs = random_inputs(
+                            cfg, axis_sizes(shape.batch, shape.new, shape.past), candidate_dtype(name)
+                        )
+                        measure(prepare(inputs), budget, into=timings.setdefault((name, shape), Timing()))
+                    del prepare
+                    gc.collect()
+                    time.sleep(SETTLE_S)
+    return timings
+
+
+def cfg_label(cfg: ModelConfig) -> str:
+    return f"d{cfg.d_model}/h{cfg.n_heads}/kv{cfg.n_kv_heads}/L{cfg.n_layers}"
+
+
+def decode_floor_ms(cfg: ModelConfig, shape: Shape, itemsize: int, gbps: float) -> float:
+    """Streaming the past keys/values and every weight once at the measured bandwidth."""
+    nbytes = cfg.kv_cache_bytes(shape.batch, shape.past, itemsize) + cfg.n_params() * itemsize
+    return nbytes / (gbps * 1e9) * 1e3
+
+
+# --- results -----------------------------------------------------------------------------------
+
+
+def preset_results(cfg: ModelConfig, grid: list[Shape], timings: dict, gbps: float, paths: dict[str, Path]) -> dict:
+    rows = []
+    for shape in grid:
+        row = {**dataclasses.asdict(shape), "label": shape.label}
+        row["candidates"] = {name: timings[(name, shape)].to_dict() for name in CANDIDATES}
+        if shape.phase == "decode":
+            row["floor_ms"] = {
+                "fp32": decode_floor_ms(cfg, shape, 4, gbps),
+                "fp16": decode_floor_ms(cfg, shape, 2, gbps),
+            }
+        rows.append(row)
+    files = {name: path.stat().st_size for name, path in paths.items()}
+    return {"config": cfg.to_dict(), "file_bytes": files, "rows": rows}
+
+
+def median(row: dict, name: str) -> float:
+    return row["candidates"][name]["median_ms"]
+
+
+def targets(results: dict) -> dict:
+    """The issue's targets, measured (reported, never asserted)."""
+    out: dict = {}
+    seed = results["presets"].get("seed")
+    if seed:
+        decode = next((r for r in seed["rows"] if r["label"] == "decode B1 P4096"), None)
+        if decode:
+            speedup = median(decode, TORCH) / median(decode, FUSED)
+            floor_ratio = median(decode, FUSED) / decode["floor_ms"]["fp32"]
+            out["seed_decode_B1_P4096_fused_vs_torch"] = {"speedup": speedup, "target": ">= 2", "met": speedup >= 2}
+            out["seed_decode_B1_P4096_fused_vs_floor"] = {
+                "ratio": floor_ratio,
+                "target": "<= 4",
+                "met": floor_ratio <= 4,
+            }
+    worst = max(
+        (
+            (median(r, FUSED) / median(r, PLAIN), f"{p} {r['label']}")
+            for p, e in results["presets"].items()
+            for r in e["rows"]
+        ),
+        default=None,
+    )
+    if worst:
+        out["fused_vs_fp32_worst"] = {
+            "ratio": worst[0],
+            "where": worst[1],
+            "target": "<= 1.10",
+            "met": worst[0] <= 1.10,
+        }
+    for name, entry in results["presets"].items():
+        ratio = entry["file_bytes"][FP16] / entry["file_bytes"][FUSED]
+        out[f"{name}_fp16_file_vs_fused"] = {"ratio": ratio, "target": "<= 0.55", "met": ratio <= 0.55}
+    return out
+
+
+def table(results: dict) -> str:
+    header = (
+        f"{'preset':<7} {'shape':<18} {'torch ms':>9} "
+        + " ".join(f"{n + ' ms (x)':>22}" for n in CANDIDATES[1:])
+        + f" {'fused/fp32':>10} {'floor ms':>9} {'fused/floor':>11}"
+    )
+    lines = [header, "-" * len(header)]
+    for preset_name, entry in results["presets"].items():
+        for row in entry["rows"]:
+            torch_ms = median(row, TORCH)
+            cells = " ".join(f"{median(row, n):>12.3f} ({torch_ms / median(row, n):>5.2f}x)  " for n in CANDIDATES[1:])
+            floor = row.get("floor_ms", {}).get("fp32")
+            tail = f"{floor:>9.3f} {median(row, FUSED) / floor:>11.2f}" if floor else f"{'':>9} {'':>11}"
+            ratio = median(row, FUSED) / median(row, PLAIN)
+            lines.append(f"{preset_name:<7} {row['label']:<18} {torch_ms:>9.3f} {cells}{ratio:>10.2f} {tail}")
+    lines.append("(x) = PyTorch eager median / candidate median; fused/fp32 and fused/floor use medians")
+    return "\n".join(lines)
+
+
+def targets_text(measured: dict) -> str:
+    lines = ["targets:"]
+    for name, entry in measured.items():
+        value = next(v for k, v in entry.items() if k in ("speedup", "ratio"))
+        where = f" at {entry['where']}" if "where" in entry else ""
+        lines.append(
+            f"  {name}: {value:.2f} (target {entry['target']}){where} -> {'met' if entry['met'] else 'MISSED'}"
+        )
+    return "\n".join(lines)
+
+
+# --- command -----------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--presets", default="seed,large", help="comma-separated preset names (default: seed,large)")
+    parser.add_argument("--quick", action="store_true", help="a few small shapes with short budgets")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per candidate")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
+    parser.add_argument(
+        "--artifacts", type=Path, help="build (or reuse) artifacts under DIR/<preset>; default: temporary"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        configs = {name: preset(name) for name in args.presets.split(",") if name}
+    except ValueError as error:
+        print(f"error: {error}")
+        return 2
+    progress = Progress()
+    with tempfile.TemporaryDirectory(prefix="bench-artifacts-") as scratch:
+        root = args.artifacts or Path(scratch)
+        results = benchmark(configs, root, args.quick, args.threads, progress)
+    write(results, args.out)
+    print(table(results))
+    print(f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)")
+    print(targets_text(results["targets"]))
+    load = results["machine"]["load_average_1min"]["before"]
+    if load > 0.5:
+        print(f"note: the machine was busy when the run began (1-minute load average {load:.1f}): expect noise")
+    print(f"wrote {args.out / 'model.json'} and {args.out / 'model_decode.png'}")
+    return 0
+
+
+def benchmark(configs: dict[str, ModelConfig], root: Path, quick: bool, threads: int, progress: Progress) -> dict:
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
+    grid, plan = shapes(quick), Plan.make(quick)
+    with progress.stage("memory bandwidth"):
+        before = copy_bandwidth(threads)
+    measured = {}
+    for name, cfg in configs.items():
+        paths = prepare_artifacts(cfg, root / name, progress)
+        measured[name] = (cfg, paths, measure_preset(root / name, paths, grid, plan, threads, progress))
+    with progress.stage("memory bandwidth, again"):  # the machine may drift during the run
+        after = copy_bandwidth(threads)
+    bandwidth = {"before": before, "after": after, "gbps": max(before["gbps"], after["gbps"])}  # the best seen
+    presets_out = {
+        name: preset_results(cfg, grid, timings, bandwidth["gbps"], paths)
+        for name, (cfg, paths, timings) in measured.items()
+    }
+    results = {
+        # other work on the machine during the run shows as a load average above ~0.5 before it
+        "machine": {**_machine(threads), "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
+        "bandwidth": bandwidth,
+        "quick": quick,
+        "presets": presets_out,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    results["targets"] = targets(results)
+    return results
+
+
+def _machine(threads: int) -> dict:
+    import onnxruntime
+    import torch
+
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
+
+
+def write(results: dict, out: Path) -> None:
+    from bench.plot import decode_plot
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model.json").write_text(json.dumps(results, indent=2) + "\n")
+    decode_plot(results, out / "model_decode.png")

@@ -1,0 +1,39 @@
+"""The decode plot: latency of one decode step against past length, per preset and batch size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def decode_plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on our machines
+    import matplotlib.pyplot as plt
+
+    panels = [
+        (preset, batch, [r for r in entry["rows"] if r["phase"] == "decode" and r["batch"] == batch])
+        for preset, entry in results["presets"].items()
+        for batch in sorted({r["batch"] for r in entry["rows"] if r["phase"] == "decode"})
+    ]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for axis, (preset, batch, rows) in zip(axes[0], panels, strict=True):
+        _panel(axis, rows, f"{preset}, batch {batch}")
+    figure.suptitle(f"decode step latency (median; {results['bandwidth']['gbps']:.0f} GB/s memory bandwidth)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _panel(axis, rows: list[dict], title: str) -> None:
+    pasts = [r["past"] for r in rows]
+    for name in rows[0]["candidates"]:
+        axis.plot(pasts, [r["candidates"][name]["median_ms"] for r in rows], marker="o", label=name)
+    for kind, style in (("fp32", "--"), ("fp16", ":")):
+        axis.plot(pasts, [r["floor_ms"][kind] for r in rows], "k" + style, label=f"{kind} bandwidth floor")
+    axis.set(title=title, xlabel="past length (tokens)", ylabel="ms per step", xscale="log", yscale="log")
+    axis.set_xticks(pasts, [str(p) for p in pasts])
+    axis.minorticks_off()
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=7)

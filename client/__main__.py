@@ -1,0 +1,118 @@
+"""`python -m client health|infer|bench`: a thin command line over the client library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from client import _wire
+from client.bench import MODES, random_hidden, run_bench
+from client.errors import ClientError
+from client.sync import Client
+
+MAX_STEPS = 10_000
+MAX_SECONDS = 600.0
+
+
+def _bounded(kind, low, high):
+    def parse(text: str):
+        value = kind(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between {low} and {high}, got {text}")
+        return value
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", help="host:port (default 127.0.0.1 and the protocol's port: gRPC 8001, HTTP 8000)")
+    common.add_argument("--protocol", choices=_wire.PROTOCOLS, default="grpc")
+    common.add_argument("--model", default="mha", help="the stateless model")
+    common.add_argument("--session-model", default="mha_session", help="the stateful model")
+    common.add_argument("--timeout", type=_bounded(float, 0.001, 3600), default=30.0, help="seconds per call")
+    common.add_argument("--retries", type=_bounded(int, 0, 20), default=3, help="retries of safe calls")
+
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("health", parents=[common], help="print server and model readiness")
+
+    infer = commands.add_parser("infer", parents=[common], help="send one request and summarize the answer")
+    infer.add_argument("--hidden", help="hidden states .npy (default: random)")
+    infer.add_argument("--mask", help="attention mask .npy (int64)")
+    infer.add_argument("--batch", type=_bounded(int, 1, 1024), default=1)
+    infer.add_argument("--tokens", type=_bounded(int, 1, 65536), default=8)
+    infer.add_argument("--seed", type=int, default=0)
+    infer.add_argument("--session", action="store_true", help="one step of a new session instead")
+
+    bench = commands.add_parser("bench", parents=[common], help="decode-step latency p50/p99")
+    bench.add_argument("--mode", choices=MODES, default="session")
+    bench.add_argument("--steps", type=_bounded(int, 1, MAX_STEPS), default=64, help="timed decode steps (cap)")
+    bench.add_argument("--prompt", type=_bounded(int, 1, 65536), default=16, help="prompt tokens before decoding")
+    bench.add_argument("--time-limit", type=_bounded(float, 0.1, MAX_SECONDS), default=30.0, help="seconds (cap)")
+    return parser
+
+
+def _client(args: argparse.Namespace) -> Client:
+    url = args.url or f"127.0.0.1:{_wire.DEFAULT_PORTS[args.protocol]}"
+    return Client(url, args.protocol, args.model, args.session_model, timeout=args.timeout, retries=args.retries)
+
+
+def health(client: Client) -> int:
+    state = client.health()
+    print(f"server {state.url}: live={state.live} ready={state.ready}")
+    for model, ready in state.models.items():
+        print(f"model {model}: {'ready' if ready else 'NOT READY'}")
+    return 0 if state.ok else 1
+
+
+def infer(client: Client, args: argparse.Namespace) -> int:
+    info = client.metadata(args.session_model if args.session else args.model)
+    rng = np.random.default_rng(args.seed)
+    if args.hidden:
+        hidden = np.load(args.hidden, allow_pickle=False)
+    else:
+        hidden = random_hidden(rng, 1 if args.session else args.batch, args.tokens, info.d_model, info.float_dtype)
+    mask = np.load(args.mask, allow_pickle=False) if args.mask else None
+    if args.session:
+        with client.session() as session:
+            output, present = session.step(hidden, mask), []
+    else:
+        result = client.infer(hidden, mask)
+        output, present = result.output, result.present
+    print(f"output {tuple(output.shape)} {output.dtype}: {describe(output)}")
+    for layer, (key, value) in enumerate(present):
+        print(f"present.{layer}: key {tuple(key.shape)}, value {tuple(value.shape)}")
+    return 0
+
+
+def describe(array: np.ndarray) -> str:
+    finite = bool(np.isfinite(array).all())
+    return f"mean {array.mean():.4g} std {array.std():.4g} min {array.min():.4g} max {array.max():.4g} finite={finite}"
+
+
+def bench(client: Client, args: argparse.Namespace) -> int:
+    result = run_bench(client, mode=args.mode, steps=args.steps, prompt=args.prompt, time_limit=args.time_limit)
+    print(result.summary())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        with _client(args) as client:
+            if args.command == "health":
+                return health(client)
+            if args.command == "infer":
+                return infer(client, args)
+            return bench(client, args)
+    except (ClientError, OSError, ValueError) as error:  # OSError, ValueError: a .npy file that won't load
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""What the sync and asyncio clients share: tensors to send, results to read, per-protocol options.
+
+tritonclient's four clients (grpc, http, and their aio twins) have the same method names; they
+differ in where the timeout goes and in how metadata comes back. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from client.errors import ClientError, InvalidInputError, UnknownSessionError
+from client.metadata import ModelInfo
+from client.retry import RetryPolicy
+from export import names
+from export.inputs import named_inputs
+
+PROTOCOLS = ("grpc", "http")
+DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+Pairs = list[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class InferResult:
+    """A stateless call's answer: the output and one (key, value) pair per layer to pass back as `past`."""
+
+    output: np.ndarray  # (batch, new, d_model)
+    present: Pairs  # each (batch, n_kv_heads, past + new, head_dim)
+
+    @property
+    def past_length(self) -> int:
+        """Positions the presents hold (what the next call's mask must cover before its new tokens)."""
+        return self.present[0][0].shape[2] if self.present else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Health:
+    """Liveness and readiness of the server and of each model the client uses."""
+
+    url: str
+    live: bool
+    ready: bool
+    models: dict[str, bool]
+
+    @property
+    def ok(self) -> bool:
+        return self.live and self.ready and all(self.models.values())
+
+    def problems(self) -> str:
+        """What is not ready, in words ("" when everything is)."""
+        found = [what for what, fine in (("server not live", self.live), ("server not ready", self.ready)) if not fine]
+        found += [f"model '{name}' not ready" for name, ready in self.models.items() if not ready]
+        return "; ".join(found)
+
+
+class SessionState:
+    """A session's bookkeeping, shared by the sync and asyncio sessions (they add the I/O)."""
+
+    def __init__(self, sequence_id: int | None = None) -> None:
+        self.id = check_sequence_id(sequence_id)
+        self.started = False  # the server has answered a step (START went through)
+        self.closed = False
+        self.length = 0  # tokens the server holds for this session
+        # the last step sent: once one went out, the server may hold the sequence even if it failed
+        self._sent: np.ndarray | None = None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise UnknownSessionError(f"session {self.id} is closed", status=None)
+
+    def _sending(self, tensors: Mapping[str, np.ndarray]) -> None:
+        self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
+
+    def _end_tensors(self) -> dict[str, np.ndarray]:
+        """The zero-token request that ends the session without computing anything."""
+        hidden = self._sent
+        return {names.HIDDEN_STATES: np.zeros((1, 0, hidden.shape[-1]), dtype=hidden.dtype)}
+
+    def _stepped(self, output: np.ndarray, end: bool) -> np.ndarray:
+        self.started, self.closed = True, end
+        self.length += output.shape[1]
+        return output
+
+    def _forgotten(self) -> None:
+        self.closed = True  # the server does not know it: there is nothing left to end
+
+    def _closing(self) -> bool:
+        """Mark closed; True if an END must still go out. A failed first step may have opened the
+        sequence in Triton's batcher, so it is ended too (an unknown one is answered harmlessly)."""
+        needs_end = self._sent is not None and not self.closed
+        self.closed = True
+        return needs_end
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open" if self.started else "new"
+        return f"<{type(self).__name__} {self.id} {state}, {self.length} tokens>"
+
+
+def check_sequence_id(sequence_id: int | None) -> int:
+    if sequence_id is None:
+        return new_sequence_id()
+    if isinstance(sequence_id, bool) or not isinstance(sequence_id, int) or not 0 < sequence_id < 2**63:
+        raise ValueError(f"a sequence id is an integer in [1, 2**63), got {sequence_id!r}")
+    return sequence_id
+
+
+def check_protocol(protocol: str) -> str:
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    return protocol
+
+
+def normalize_url(url: str, protocol: str) -> str:
+    """`host:port` as tritonclient wants it; a plain scheme is dropped, a missing port is the default one."""
+    if url.startswith("https://"):
+        raise ValueError(f"TLS is not supported by this client: {url}")
+    for scheme in ("http://", "grpc://"):
+        url = url.removeprefix(scheme)
+    url = url.rstrip("/")
+    return url if ":" in url else f"{url}:{DEFAULT_PORTS[protocol]}"
+
+
+def new_sequence_id() -> int:
+    """A random non-zero sequence id below 2**63: tritonclient's gRPC request carries it as an int64."""
+    return secrets.randbelow(2**63 - 1) + 1
+
+
+def grpc_channel_args(policy: RetryPolicy) -> list[tuple[str, Any]]:
+    """tritonclient's defaults (no message size limit: a KV cache is megabytes) plus a reconnect
+    backoff no slower than ours; gRPC's own 1 s would make our first retries fail without trying."""
+    unlimited = 2**31 - 1
+    reconnect_ms = max(10, int(policy.backoff * 500))
+    return [
+        ("grpc.max_send_message_length", unlimited),
+        ("grpc.max_receive_message_length", unlimited),
+        ("grpc.initial_reconnect_backoff_ms", reconnect_ms),
+        ("grpc.min_reconnect_backoff_ms", reconnect_ms),
+        ("grpc.max_reconnect_backoff_ms", max(reconnect_ms, int(policy.max_backoff * 1000))),
+    ]
+
+
+def as_array(value: Any, name: str) -> np.ndarray:
+    if value is None or isinstance(value, np.ndarray):
+        return value
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError) as error:
+        raise InvalidInputError(f"input '{name}': not an array: {error}", input_name=name) from None
+
+
+def stateless_tensors(
+    info: ModelInfo | None, hidden_states: Any, attention_mask: Any = None, past: Sequence | None = None
+) -> dict[str, np.ndarray]:
+    """Named inputs of a stateless call, checked against `info` when given; an omitted past is
+    left out (the model's past inputs are optional: an empty past)."""
+    tensors = named_inputs(as_array(hidden_states, names.HIDDEN_STATES), _mask(attention_mask), _pairs(past))
+    if info is not None:
+        info.check(tensors)
+    return tensors
+
+
+def step_tensors(info: ModelInfo | None, hidden_states: Any, attention_mask: Any = None) -> dict:
+    """Named inputs of one session step (one sequence's new tokens and, optionally, their mask),
+    checked against `info` when given."""
+    tensors = named_inputs(as_array(hidden_states, names.HIDDEN_STATES), _mask(attention_mask))
+    if info is not None:
+        batch, _, _ = info.check(tensors)
+        if batch != 1:
+            raise InvalidInputError(
+                f"input '{names.HIDDEN_STATES}': a session holds one sequence, so batch_size must be 1, got {batch}",
+                input_name=names.HIDDEN_STATES,
+            )
+    return tensors
+
+
+def _pairs(past: Sequence | None) -> Pairs:
+    pairs = list(past or ())
+    # an array would unpack along its batch axis: ask for pairs explicitly
+    if not all(isinstance(pair, tuple | list) and len(pair) == 2 for pair in pairs):
+        raise InvalidInputError("past: expected a list of (key, value) pairs, one per layer", input_name="past")
+    return [(as_array(key, "past key"), as_array(value, "past value")) for key, value in pairs]
+
+
+def _mask(attention_mask: Any) -> np.ndarray | None:
+    return as_array(attention_mask, names.ATTENTION_MASK)
+
+
+def make_inputs(module, tensors: Mapping[str, np.ndarray]) -> list:
+    """tritonclient InferInputs (binary on HTTP, raw on gRPC) from named arrays."""
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, array in tensors.items():
+        datatype = np_to_triton_dtype(array.dtype)
+        if datatype is None:
+            raise InvalidInputError(f"input '{name}': dtype {array.dtype} cannot be sent", input_name=name)
+        infer_input = module.InferInput(name, list(array.shape), datatype)
+        infer_input.set_data_from_numpy(np.ascontiguousarray(array))
+        inputs.append(infer_input)
+    return inputs
+
+
+def read_stateless(result) -> InferResult:
+    """The output and every layer's present in the answer (counted from the answer itself, so
+    that no metadata is needed to read it)."""
+    output = _output(result, names.OUTPUT)
+    present = []
+    while (key := result.as_numpy(names.present_name(len(present), names.KEY))) is not None:
+        present.append((key, _output(result, names.present_name(len(present), names.VALUE))))
+    return InferResult(output, present)
+
+
+def read_step(result) -> np.ndarray:
+    return _output(result, names.OUTPUT)
+
+
+def _output(result, name: str) -> np.ndarray:
+    array = result.as_numpy(name)
+    if array is None:
+        raise ClientError(f"the server's answer has no output '{name}'")
+    return array
+
+
+def sequence_kwargs(sequence_id: int, start: bool, end: bool) -> dict[str, Any]:
+    return {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+
+
+def timeout_kwargs(protocol: str, timeout: float | None) -> dict[str, Any]:
+    """gRPC takes a deadline per call; the HTTP clients take their timeouts when built."""
+    return {"client_timeout": timeout} if protocol == "grpc" else {}
+
+
+def metadata_kwargs(protocol: str) -> dict[str, Any]:
+    return {"as_json": True} if protocol == "grpc" else {}

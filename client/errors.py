@@ -1,0 +1,135 @@
+"""The client's exceptions, and the one place that maps tritonclient's errors onto them.
+
+Every exception carries the server's own message (`.message`, verbatim) and the protocol status it
+came with (`.status`: "400", "StatusCode.INVALID_ARGUMENT", ...; None when nothing came back).
+The mapping follows what our Triton 2.51 answers (see DESIGN.md 3.4 and the serving models):
+INVALID_ARGUMENT/400 for inputs, NOT_FOUND/404 or Triton's "must specify the START flag" for a
+sequence the server does not know, UNAVAILABLE/503 for a full KV-cache budget.
+"""
+
+from __future__ import annotations
+
+import http.client
+import re
+import sys
+
+
+class ClientError(Exception):
+    """Base of every error this package raises."""
+
+    def __init__(self, message: str, *, status: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class InvalidInputError(ClientError, ValueError):
+    """The inputs do not fit the model (checked here before sending, or rejected by the server)."""
+
+    def __init__(self, message: str, *, status: str | None = None, input_name: str | None = None) -> None:
+        super().__init__(message, status=status)
+        self.input_name = input_name
+
+
+class UnknownSessionError(ClientError):
+    """The server does not know the session: never started, already ended, or evicted."""
+
+
+class ServerBusyError(ClientError):
+    """The server is up but refuses the work for now (its KV-cache budget is full)."""
+
+
+class ServerUnavailableError(ClientError):
+    """The server cannot be reached, or is not ready."""
+
+
+class RequestTimeoutError(ClientError, TimeoutError):
+    """No answer within the client's timeout (or the server's deadline passed)."""
+
+
+class ModelNotFoundError(ClientError):
+    """The server has no such model loaded."""
+
+
+class ServerError(ClientError):
+    """The server failed on a request it accepted (500 / INTERNAL and the like)."""
+
+
+# Safe-to-repeat calls retry only on these: the request never ran, or ran into a momentary limit.
+RETRYABLE = (ServerUnavailableError, ServerBusyError)
+
+# HTTP answers mapped to gRPC's names, so one table serves both protocols.
+_HTTP_CODES = {
+    "400": "INVALID_ARGUMENT",
+    "404": "NOT_FOUND",
+    "408": "DEADLINE_EXCEEDED",
+    "429": "RESOURCE_EXHAUSTED",
+    "501": "UNIMPLEMENTED",
+    "503": "UNAVAILABLE",
+    "504": "DEADLINE_EXCEEDED",
+}
+_BY_CODE: dict[str, type[ClientError]] = {
+    "INVALID_ARGUMENT": InvalidInputError,
+    "UNAVAILABLE": ServerBusyError,
+    "RESOURCE_EXHAUSTED": ServerBusyError,
+    "DEADLINE_EXCEEDED": RequestTimeoutError,
+}
+# A step for a sequence the server does not know (never started, ended, evicted): Triton core and
+# our session model both answer INVALID_ARGUMENT, so the message tells it from a bad input.
+_UNKNOWN_SEQUENCE = re.compile(
+    r"must specify the START flag"  # Triton core
+    r"|sequence \S+ (is unknown|has ended|was evicted)"  # our mha_session (serving/errors.py)
+    r"|(unknown|ended|evicted|expired) (sequence|session)",
+    re.IGNORECASE,
+)
+_UNKNOWN_MODEL = re.compile(r"unknown model|has no available versions", re.IGNORECASE)
+# gRPC reports transport failures as UNAVAILABLE too; these words tell them from a busy server.
+_TRANSPORT = re.compile(
+    r"failed to connect|socket closed|connection (refused|reset|closed)|broken pipe|goaway|dns resolution|"
+    r"endpoint closing|transport",
+    re.IGNORECASE,
+)
+
+
+def code_of(status: str | None) -> str | None:
+    """gRPC-style code name of a tritonclient status ("404" -> NOT_FOUND, "StatusCode.X" -> X)."""
+    if status is None:
+        return None
+    if status.startswith("StatusCode."):
+        return status.removeprefix("StatusCode.")
+    return _HTTP_CODES.get(status, "INTERNAL" if status.startswith("5") else status)
+
+
+def from_server(message: str, status: str | None, *, session: bool = False) -> ClientError:
+    """The typed error for a server's answer; `session` says the request was a session step."""
+    code = code_of(status)
+    if status is None:  # raised inside tritonclient before anything was sent
+        return ClientError(message)
+    if _UNKNOWN_MODEL.search(message) and code in ("NOT_FOUND", "UNAVAILABLE", "INVALID_ARGUMENT"):
+        return ModelNotFoundError(message, status=status)
+    if session and (code == "NOT_FOUND" or _UNKNOWN_SEQUENCE.search(message)):
+        return UnknownSessionError(message, status=status)
+    if code == "UNAVAILABLE" and _TRANSPORT.search(message):
+        return ServerUnavailableError(message, status=status)
+    return _BY_CODE.get(code, ServerError)(message, status=status)
+
+
+def from_exception(error: BaseException, *, session: bool = False) -> ClientError | None:
+    """The typed error for anything a tritonclient call raised; None for our own bugs (re-raise those)."""
+    from tritonclient.utils import InferenceServerException
+
+    if isinstance(error, ClientError):
+        return error
+    if isinstance(error, InferenceServerException):
+        return from_server(str(error.message()), error.status(), session=session)
+    if isinstance(error, TimeoutError):  # socket and asyncio timeouts (one class since Python 3.11)
+        return RequestTimeoutError(f"no answer in time: {str(error) or 'the client timeout passed'}")
+    if isinstance(error, OSError | http.client.HTTPException) or _is_aiohttp_connection_error(error):
+        return ServerUnavailableError(f"cannot reach the server: {error!r}")
+    return None
+
+
+def _is_aiohttp_connection_error(error: BaseException) -> bool:
+    # aiohttp is loaded only by the asyncio HTTP client; if it is not loaded, this is not its error
+    aiohttp = sys.modules.get("aiohttp")
+    return aiohttp is not None and isinstance(error, aiohttp.ClientConnectionError)

@@ -1,0 +1,88 @@
+"""What a served model is, read from Triton's model metadata through the naming table.
+
+The stateless model's inputs say everything the client needs: `hidden_states` gives d_model and
+the float dtype, the `past_key_values.{i}.*` names give n_layers, and a past tensor's fixed axes
+give n_kv_heads and head_dim (DESIGN.md 3.2). The session model has only hidden_states and the
+mask, so for it n_layers is 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from client.errors import ClientError, InvalidInputError
+from export import names
+from export.config import ModelConfig
+from export.inputs import InputError, check_inputs
+
+# Triton datatypes of the model's float tensors, as numpy names (what check_inputs compares).
+_FLOAT_DTYPES = {"FP32": "float32", "FP16": "float16", "FP64": "float64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    datatype: str  # Triton's name: FP32, INT64, ...
+    shape: tuple[int, ...]  # -1 for a dynamic axis
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """A served model's tensors and the sizes they imply."""
+
+    name: str
+    inputs: dict[str, TensorInfo] = dataclasses.field(repr=False)
+    outputs: dict[str, TensorInfo] = dataclasses.field(repr=False)
+    d_model: int
+    float_dtype: str  # numpy name, e.g. "float32"
+    n_layers: int = 0  # 0 for the session model, which takes no past
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+
+    @property
+    def present_names(self) -> list[str]:
+        return names.present_names(self.n_layers)
+
+    def config(self) -> ModelConfig:
+        """A ModelConfig with the sizes the inputs check needs (n_heads is not visible in the
+        metadata: d_model // head_dim is exact, since head_dim = d_model // n_heads)."""
+        if not self.n_layers:  # only hidden_states and the mask are checked
+            return ModelConfig(d_model=self.d_model, n_heads=1, n_kv_heads=1, n_layers=1, max_seq_len=2**31)
+        n_heads = self.d_model // self.head_dim
+        return ModelConfig(
+            d_model=self.d_model,
+            n_heads=n_heads,
+            n_kv_heads=self.n_kv_heads,
+            n_layers=self.n_layers,
+            max_seq_len=2**31,  # the server knows its own limit and says so
+        )
+
+    def check(self, tensors: Mapping[str, Any]) -> tuple[int, int, int]:
+        """(batch, past, new) of named inputs, or InvalidInputError naming the input at fault."""
+        try:
+            return check_inputs(self.config(), tensors, float_dtype=self.float_dtype)
+        except InputError as error:
+            raise InvalidInputError(str(error), input_name=error.input_name) from None
+
+
+def parse_metadata(metadata: Mapping[str, Any]) -> ModelInfo:
+    """ModelInfo from Triton's model metadata, as HTTP or gRPC (as_json) returns it."""
+    inputs = _tensors(metadata.get("inputs", ()))
+    outputs = _tensors(metadata.get("outputs", ()))
+    model = str(metadata.get("name", "?"))
+    hidden = inputs.get(names.HIDDEN_STATES)
+    if hidden is None or hidden.datatype not in _FLOAT_DTYPES or len(hidden.shape) < 2:
+        raise ClientError(f"model '{model}' has no float input '{names.HIDDEN_STATES}'; inputs are {list(inputs)}")
+    info = ModelInfo(model, inputs, outputs, d_model=hidden.shape[-1], float_dtype=_FLOAT_DTYPES[hidden.datatype])
+    n_layers = names.layer_count(list(inputs))
+    if not n_layers:
+        return info
+    past = inputs[names.past_name(0, names.KEY)].shape  # (batch, n_kv_heads, past, head_dim)
+    return dataclasses.replace(info, n_layers=n_layers, n_kv_heads=past[-3], head_dim=past[-1])
+
+
+def _tensors(entries) -> dict[str, TensorInfo]:
+    # gRPC's JSON renders int64 dims as strings; HTTP gives numbers
+    return {e["name"]: TensorInfo(e["name"], e["datatype"], tuple(int(d) for d in e.get("shape", ()))) for e in entries}

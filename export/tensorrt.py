@@ -1,0 +1,261 @@
+"""TensorRT for the fused graphs: optimization profiles, ONNX Runtime TensorRT EP options, and
+Triton's matching `optimization { execution_accelerators { gpu_execution_accelerator ... } }`.
+
+A TensorRT engine is built for shape ranges (profiles): min, opt (where kernels are tuned) and max
+for every dynamic input. The points come from a `ModelConfig` and `Limits` and are shared by all
+inputs, so `attention_mask`'s length is past + sequence at each point and the cache inputs agree
+with it; the min point has an empty past (a first call) and one new token.
+
+TensorRT's ONNX parser takes `Attention` only with a single output; our fused node also returns the
+present cache, so ONNX Runtime runs that node on the CUDA provider and the rest in TensorRT
+engines (it partitions the graph). The profiles cover every graph input either way.
+
+Only `check_engine` needs a GPU; everything else is plain data and is unit-tested anywhere.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from export import names
+from export.config import ModelConfig
+
+TRT_PROVIDER = "TensorrtExecutionProvider"
+CUDA_PROVIDER = "CUDAExecutionProvider"
+DEFAULT_WORKSPACE_BYTES = 1 << 30  # Triton's default; TensorRT may use less
+POINTS = ("min", "opt", "max")
+
+
+class LimitsError(ValueError):
+    """Limits that no engine could serve, or that exceed what the config is sized for."""
+
+
+class TensorRTUnavailable(RuntimeError):
+    """No GPU, no TensorRT, or no ONNX Runtime TensorRT provider on this machine."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What a deployment serves: batch rows, new tokens per call, cached tokens before the call.
+
+    `max_past=None` sizes the cache to the config (`max_seq_len - max_sequence`); the opt point is
+    a decode step (one new token) halfway into the cache unless given.
+    """
+
+    max_batch: int = 8
+    max_sequence: int = 512
+    max_past: int | None = None
+    opt_batch: int = 1
+    opt_sequence: int = 1
+    opt_past: int | None = None
+
+    def points(self, cfg: ModelConfig) -> dict[str, dict[str, int]]:
+        """Axis sizes (naming-table axis names) at the min, opt and max points."""
+        max_past = cfg.max_seq_len - self.max_sequence if self.max_past is None else self.max_past
+        opt_past = max_past // 2 if self.opt_past is None else self.opt_past
+        self._check(cfg, max_past, opt_past)
+        corners = {
+            "min": (1, 1, 0),  # one row, one token, empty past: the smallest valid call
+            "opt": (self.opt_batch, self.opt_sequence, opt_past),
+            "max": (self.max_batch, self.max_sequence, max_past),
+        }
+        return {point: axis_sizes(*corner) for point, corner in corners.items()}
+
+    def _check(self, cfg: ModelConfig, max_past: int, opt_past: int) -> None:
+        for name, value, low, high in [
+            ("max_batch", self.max_batch, 1, None),
+            ("max_sequence", self.max_sequence, 1, cfg.max_seq_len),
+            ("max_past", max_past, 0, cfg.max_seq_len - self.max_sequence),
+            ("opt_batch", self.opt_batch, 1, self.max_batch),
+            ("opt_sequence", self.opt_sequence, 1, self.max_sequence),
+            ("opt_past", opt_past, 0, max_past),
+        ]:
+            if value < low or (high is not None and value > high):
+                bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+                raise LimitsError(f"{name} must be {bound} (max_seq_len {cfg.max_seq_len}), got {value}")
+
+
+def axis_sizes(batch: int, sequence: int, past: int) -> dict[str, int]:
+    return {
+        names.BATCH: batch,
+        names.SEQUENCE: sequence,
+        names.PAST_SEQUENCE: past,
+        names.TOTAL_SEQUENCE: past + sequence,  # attention_mask covers the cache and the new tokens
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeRange:
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+
+def profile(cfg: ModelConfig, limits: Limits) -> dict[str, ShapeRange]:
+    """One optimization profile: a shape range for every graph input, in graph order."""
+    points = limits.points(cfg)
+    return {
+        spec.name: ShapeRange(*(tuple(_size(axis, points[p]) for axis in spec.shape) for p in POINTS))
+        for spec in names.input_specs(cfg)
+    }
+
+
+def _size(axis: str | int, sizes: dict[str, int]) -> int:
+    return sizes[axis] if isinstance(axis, str) else axis
+
+
+def shapes_option(shape_ranges: dict[str, ShapeRange], point: str) -> str:
+    """ONNX Runtime's profile format: "name:1x1x512,name2:1x8x0x64"."""
+    return ",".join(f"{name}:{'x'.join(str(d) for d in getattr(r, point))}" for name, r in shape_ranges.items())
+
+
+def provider_options(
+    cfg: ModelConfig,
+    limits: Limits,
+    cache_path: str | Path,
+    fp16: bool = True,
+    workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+) -> dict[str, Any]:
+    """Options for ONNX Runtime's TensorRT execution provider (Python bools, as ORT documents)."""
+    shape_ranges = profile(cfg, limits)
+    return {
+        "trt_fp16_enable": fp16,
+        "trt_max_workspace_size": workspace_bytes,
+        "trt_engine_cache_enable": True,  # an engine takes minutes to build: build once per GPU
+        "trt_engine_cache_path": str(cache_path),
+        "trt_timing_cache_enable": True,
+        "trt_layer_norm_fp32_fallback": True,  # LayerNorm statistics overflow fp16 at |x| ~ 1e3
+        **{f"trt_profile_{point}_shapes": shapes_option(shape_ranges, point) for point in POINTS},
+    }
+
+
+def ort_providers(options: dict[str, Any], device_id: int = 0) -> list:
+    """TensorRT first, CUDA for what TensorRT cannot parse (the 3-output Attention), CPU last."""
+    return [
+        (TRT_PROVIDER, {"device_id": device_id, **options}),
+        (CUDA_PROVIDER, {"device_id": device_id}),
+        "CPUExecutionProvider",
+    ]
+
+
+# ORT option -> Triton onnxruntime-backend parameter, where Triton names it differently.
+_TRITON_KEYS = {"trt_max_workspace_size": "max_workspace_size_bytes"}
+
+
+def triton_optimization(options: dict[str, Any]):
+    """The same settings as a Triton `ModelOptimizationPolicy` (onnxruntime backend, "tensorrt")."""
+    from tritonclient.grpc import model_config_pb2
+
+    policy = model_config_pb2.ModelOptimizationPolicy()
+    accelerator = policy.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+    for key, value in options.items():
+        if key == "trt_fp16_enable":
+            accelerator.parameters["precision_mode"] = "FP16" if value else "FP32"
+        else:
+            accelerator.parameters[_TRITON_KEYS.get(key, key)] = _triton_value(value)
+    return policy
+
+
+def _triton_value(value: Any) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
+
+
+# --- building and checking an engine (GPU hosts only) -------------------------------------------
+
+
+def unavailable_reason() -> str | None:
+    """Why an engine cannot be built here, or None when it can."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if TRT_PROVIDER not in available:
+        return f"onnxruntime {ort.__version__} has no {TRT_PROVIDER} (it offers {', '.join(available)})"
+    if _cuda_device_count() < 1:
+        return "no CUDA GPU: the CUDA driver (libcuda.so.1) is missing or reports no device"
+    if not _loadable("libnvinfer.so.10"):
+        return "TensorRT 10 (libnvinfer.so.10) is not installed"
+    return None
+
+
+def _loadable(library: str) -> bool:
+    try:
+        ctypes.CDLL(library)
+    except OSError:
+        return False
+    return True
+
+
+def _cuda_device_count() -> int:
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCheck:
+    providers: list[str]  # what the session actually runs on, TensorRT first
+    max_rel: dict[str, float]  # per profile point: worst output error relative to the CPU output's scale
+    bound: float
+    engine_files: list[str]  # what the engine cache holds after the build
+
+    @property
+    def passed(self) -> bool:
+        return all(error <= self.bound for error in self.max_rel.values())
+
+
+def check_engine(
+    model_path: str | Path,
+    cfg: ModelConfig,
+    limits: Limits,
+    cache_path: str | Path,
+    max_rel: float = 1e-2,
+) -> EngineCheck:
+    """Build the engine for `model_path` and compare it with ONNX Runtime CPU at every profile point.
+
+    Raises TensorRTUnavailable (with the reason) where no GPU or TensorRT exists. The check passes
+    when every point is within `max_rel` of the output's scale (the fp16 bound of issue 3).
+    """
+    from export.runtime import ort_runner, ort_session
+
+    reason = unavailable_reason()
+    if reason:
+        raise TensorRTUnavailable(reason)
+    Path(cache_path).mkdir(parents=True, exist_ok=True)
+    options = provider_options(cfg, limits, cache_path)
+    session = ort_session(model_path, providers=ort_providers(options))
+    if session.get_providers()[0] != TRT_PROVIDER:
+        raise TensorRTUnavailable(f"the session fell back to {session.get_providers()}")
+    gpu, cpu = ort_runner(session), ort_runner(ort_session(model_path))
+    errors = {}
+    for point, sizes in limits.points(cfg).items():
+        inputs = random_inputs(cfg, sizes, _float_dtype(session))
+        expected, actual = cpu(inputs), gpu(inputs)
+        scale = float(np.abs(expected[names.OUTPUT].astype(np.float64)).max())
+        errors[point] = float(np.abs(actual[names.OUTPUT] - expected[names.OUTPUT].astype(np.float64)).max()) / scale
+    files = sorted(p.name for p in Path(cache_path).iterdir())
+    return EngineCheck(session.get_providers(), errors, max_rel, files)
+
+
+def _float_dtype(session) -> type:
+    hidden = next(i for i in session.get_inputs() if i.name == names.HIDDEN_STATES)
+    return np.float16 if hidden.type == "tensor(float16)" else np.float32
+
+
+def random_inputs(cfg: ModelConfig, sizes: dict[str, int], dtype: type = np.float32, seed: int = 0) -> dict:
+    """Random inputs with the shapes of one profile point (an all-ones mask)."""
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for spec in names.input_specs(cfg):
+        shape = tuple(_size(axis, sizes) for axis in spec.shape)
+        inputs[spec.name] = np.ones(shape, np.int64) if spec.is_mask else rng.standard_normal(shape).astype(dtype)
+    return inputs

@@ -1,0 +1,172 @@
+"""Triton `config.pbtxt` for every model of DESIGN.md 3.4, generated, never hand-written.
+
+Each config is a `model_config_pb2.ModelConfig` built from a `ModelConfig` and the naming table
+(`export.names`), written with `text_format`; a test parses each one back and checks it against
+the ONNX graph its model loads.
+
+- `mha` (python backend): stateless, the graph's inputs and outputs exactly (DESIGN 3.2) with the
+  batch axis in `dims` (`max_batch_size: 0`: Triton must not add a batch axis of its own, the
+  graph already has one). The mask and the past are optional: a first call leaves the past out.
+- `mha_session` (python backend): Triton sequence batching. A step sends the new tokens only,
+  `hidden_states` [1, T, d_model] and optionally their `attention_mask` [1, T]; the server keeps
+  each sequence's cache. Strategy `oldest` (`direct` fills empty batch slots with null requests
+  that need answers too); `allow_ragged_batch` lets steps with different T share one execute().
+- `mha_onnx` (onnxruntime backend, GPU hosts): stateless like `mha`, with the TensorRT
+  accelerator in FP16 from `export.tensorrt`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as pb
+
+from export import names
+from export.config import ModelConfig
+from export.names import TensorSpec
+
+MHA, MHA_SESSION, MHA_ONNX = "mha", "mha_session", "mha_onnx"
+MODELS = (MHA, MHA_SESSION, MHA_ONNX)
+PYTHON_MODELS = (MHA, MHA_SESSION)
+CONFIG_FILENAME = "config.pbtxt"
+ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_filename
+
+# The module that implements each python-backend model; the shim `model.py` imports it.
+IMPLEMENTATIONS = {MHA: "serving.triton_models.mha", MHA_SESSION: "serving.triton_models.mha_session"}
+
+# Parameter keys the python models read (serving/triton_models/*.py).
+P_IMPLEMENTATION = "implementation"
+P_ONNX_FILE = "onnx_file"
+P_THREADS = "threads"
+P_KV_CACHE_BYTES = "kv_cache_bytes"
+P_IDLE_TIMEOUT = "idle_timeout_seconds"
+
+_FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingSettings:
+    """What a deployment tunes; everything else in the configs follows from the ModelConfig."""
+
+    threads: int = 0  # ONNX Runtime intra-op threads per model; 0 = its default (one per physical core)
+    kv_cache_bytes: int = 2 << 30  # mha_session: all sequences' caches together
+    # mha_session: a sequence idle this long loses its cache. Triton forgets the sequence after twice
+    # this, so a late step first meets our precise "evicted" error rather than Triton's generic one.
+    idle_timeout_seconds: float = 300.0
+    max_batch_size: int = 32  # mha_session: most sequences stepped in one execute()
+    max_queue_delay_microseconds: int = 0  # batch what queued while the model was busy; never wait
+    trt_cache_dir: str = "/tmp/triton-trt-cache"  # mha_onnx: TensorRT engine cache (must be writable)
+
+    def __post_init__(self) -> None:
+        if self.threads < 0 or self.kv_cache_bytes <= 0 or self.idle_timeout_seconds <= 0 or self.max_batch_size < 1:
+            raise ValueError(f"invalid serving settings: {self}")
+
+    @property
+    def triton_idle_microseconds(self) -> int:
+        return int(2 * self.idle_timeout_seconds * 1e6)
+
+
+def _dims(shape: tuple[str | int, ...]) -> list[int]:
+    return [-1 if isinstance(axis, str) else axis for axis in shape]
+
+
+def _data_type(spec: TensorSpec, float_dtype: str) -> int:
+    return pb.TYPE_INT64 if spec.is_mask else _FLOAT_TYPES[float_dtype]
+
+
+def _add_stateless_io(config: pb.ModelConfig, cfg: ModelConfig, float_dtype: str, optional: bool) -> None:
+    """Every graph input and output with its full shape; the mask and past optional when `optional`."""
+    for spec in names.input_specs(cfg):
+        config.input.add(
+            name=spec.name,
+            data_type=_data_type(spec, float_dtype),
+            dims=_dims(spec.shape),
+            optional=optional and spec.name != names.HIDDEN_STATES,
+        )
+    for spec in names.output_specs(cfg):
+        config.output.add(name=spec.name, data_type=_data_type(spec, float_dtype), dims=_dims(spec.shape))
+
+
+def _python_model(name: str, onnx_file: str, settings: ServingSettings) -> pb.ModelConfig:
+    config = pb.ModelConfig(name=name, backend="python")
+    # KIND_CPU: the runner picks the GPU itself when one exists; KIND_GPU would not load on a CPU host
+    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
+    _set_parameters(
+        config, {P_IMPLEMENTATION: IMPLEMENTATIONS[name], P_ONNX_FILE: onnx_file, P_THREADS: settings.threads}
+    )
+    return config
+
+
+def _set_parameters(config: pb.ModelConfig, values: dict[str, object]) -> None:
+    for key, value in values.items():
+        config.parameters[key].string_value = str(value)
+
+
+def mha_config(cfg: ModelConfig, onnx_file: str, settings: ServingSettings) -> pb.ModelConfig:
+    config = _python_model(MHA, onnx_file, settings)
+    config.max_batch_size = 0  # the batch axis is the graph's own, in dims as -1
+    _add_stateless_io(config, cfg, "float32", optional=True)
+    return config
+
+
+def mha_session_config(cfg: ModelConfig, onnx_file: str, settings: ServingSettings) -> pb.ModelConfig:
+    config = _python_model(MHA_SESSION, onnx_file, settings)
+    config.max_batch_size = settings.max_batch_size  # Triton's batch axis = one row per sequence
+    ragged = {"allow_ragged_batch": True}  # steps with different T share one execute()
+    config.input.add(name=names.HIDDEN_STATES, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model], **ragged)
+    config.input.add(name=names.ATTENTION_MASK, data_type=pb.TYPE_INT64, dims=[-1], optional=True, **ragged)
+    config.output.add(name=names.OUTPUT, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model])
+    batching = config.sequence_batching
+    batching.max_sequence_idle_microseconds = settings.triton_idle_microseconds
+    # A candidate slot is held from START to END or Triton's idle timeout, also by a sequence our cache
+    # refused: keep far more slots than the budget holds sequences so that the budget (a clear
+    # UNAVAILABLE) and not Triton's backlog (a silent wait) is what limits sessions.
+    batching.oldest.max_candidate_sequences = max(1024, 4 * settings.max_batch_size)
+    batching.oldest.max_queue_delay_microseconds = settings.max_queue_delay_microseconds
+    _set_parameters(
+        config,
+        {P_KV_CACHE_BYTES: settings.kv_cache_bytes, P_IDLE_TIMEOUT: f"{settings.idle_timeout_seconds:g}"},
+    )
+    return config
+
+
+def mha_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConfig:
+    """The onnxruntime backend on a GPU: CUDA EP plus the TensorRT accelerator in FP16.
+
+    It loads the plain `fp32` graph (see `repository.onnx_backend_variant` for why). Every input is
+    required: the backend feeds the graph only what a request carries, so a first call sends a
+    zero-length past and the full mask.
+    """
+    from export import tensorrt
+
+    config = pb.ModelConfig(name=MHA_ONNX, backend="onnxruntime", max_batch_size=0)
+    config.default_model_filename = ONNX_BACKEND_FILENAME
+    _add_stateless_io(config, cfg, "float32", optional=False)
+    config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
+    cache = f"{settings.trt_cache_dir.rstrip('/')}/{MHA_ONNX}"
+    options = tensorrt.provider_options(cfg, tensorrt.Limits(), cache_path=cache, fp16=True)
+    config.optimization.CopyFrom(tensorrt.triton_optimization(options))
+    return config
+
+
+def model_configs(cfg: ModelConfig, python_onnx_file: str, settings: ServingSettings) -> dict[str, pb.ModelConfig]:
+    """Every model's config; the python models load `python_onnx_file` from their version folder."""
+    return {
+        MHA: mha_config(cfg, python_onnx_file, settings),
+        MHA_SESSION: mha_session_config(cfg, python_onnx_file, settings),
+        MHA_ONNX: mha_onnx_config(cfg, settings),
+    }
+
+
+def to_text(config: pb.ModelConfig) -> str:
+    return text_format.MessageToString(config)
+
+
+def parse(text: str) -> pb.ModelConfig:
+    """A config.pbtxt as Triton reads it (raises text_format.ParseError on anything Triton would refuse)."""
+    return text_format.Parse(text, pb.ModelConfig())
+
+
+def parameter(config: pb.ModelConfig, key: str) -> str:
+    return config.parameters[key].string_value

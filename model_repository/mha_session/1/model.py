@@ -1,0 +1,42 @@
+"""Triton Python-backend entry point, copied verbatim into model_repository/<model>/1/model.py by
+`python -m export repository`; the model's implementation lives in the `serving` package and is
+named by the config parameter `implementation`.
+
+Triton's stub runs the first `python3` on PATH but ignores PYTHONPATH for sys.path (measured), so
+`serving` is found, in order: in that interpreter's site-packages (`pip install -e .`), in the
+PYTHONPATH entries the launcher sets, or in a checkout holding this repository.
+"""
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _find_serving():
+    try:
+        import serving
+    except ImportError:
+        candidates = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        candidates += [str(p) for p in Path(__file__).resolve().parents if (p / "serving" / "__init__.py").is_file()]
+        sys.path[:0] = [c for c in candidates if c not in sys.path]
+        import serving
+    return serving
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        _find_serving()
+        config = json.loads(args["model_config"])
+        module = importlib.import_module(config["parameters"]["implementation"]["string_value"])
+        self._model = module.TritonPythonModel()
+        self._model.initialize(args)
+
+    def execute(self, requests):
+        return self._model.execute(requests)
+
+    def finalize(self):
+        model = getattr(self, "_model", None)
+        if model is not None and hasattr(model, "finalize"):
+            model.finalize()

@@ -1,0 +1,104 @@
+"""Several sequences' decode steps as ONE graph run.
+
+Triton's sequence batcher may hand `mha_session` one execute() with steps of different sequences,
+each with its own past length P_r and number of new tokens T_r. They run as one batch:
+
+    row r = [ left padding (P_max - P_r) | past (P_r) | new (T_r) | right padding (T_max - T_r) ]
+
+The padding has mask 0, so no real query attends it. A padded query (right padding) only produces
+an output nobody reads, and a real query at position P_max + t sees keys j <= P_max + t, which never
+include padded new tokens (they sit after every real one). Each sequence then takes back its own
+output rows [:T_r] and its present positions [P_max - P_r, P_max + T_r), so the cache it keeps holds
+exactly its real past and new tokens, as if it had run alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from serving.runner import Runner, nbytes
+
+
+@dataclasses.dataclass
+class Step:
+    """One sequence's step: the new tokens, and the sequence's cache before them."""
+
+    hidden: np.ndarray  # (T, d_model) float32
+    new_mask: np.ndarray  # (T,) int64: 1 = a real token
+    past: list[Any]  # runner values, (1, n_kv, P, hd) each, naming-table order
+    past_mask: np.ndarray  # (P,) int64
+
+    @property
+    def past_length(self) -> int:
+        return int(self.past_mask.shape[0])
+
+    @property
+    def new_length(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+@dataclasses.dataclass
+class StepResult:
+    output: np.ndarray  # (T, d_model)
+    present: list[Any]  # (1, n_kv, P+T, hd) each, on the runner's device
+    mask: np.ndarray  # (P+T,): the sequence's mask from now on
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each step sits in the padded batch."""
+
+    hidden: np.ndarray  # (B, T_max, d_model)
+    mask: np.ndarray  # (B, P_max + T_max)
+    left_pads: list[int]  # P_max - P_r
+    starts: list[int]  # first present position of row r: P_max - P_r
+    ends: list[int]  # one past its last: P_max + T_r
+    max_past: int
+    max_new: int
+
+
+def layout(steps: Sequence[Step]) -> Layout:
+    max_past = max(step.past_length for step in steps)
+    max_new = max(step.new_length for step in steps)
+    d_model = steps[0].hidden.shape[1]
+    hidden = np.zeros((len(steps), max_new, d_model), np.float32)  # (B, T_max, d)
+    mask = np.zeros((len(steps), max_past + max_new), np.int64)  # (B, P_max + T_max)
+    left_pads, starts, ends = [], [], []
+    for r, step in enumerate(steps):
+        pad, new = max_past - step.past_length, step.new_length
+        hidden[r, :new] = step.hidden
+        mask[r, pad:max_past] = step.past_mask
+        mask[r, max_past : max_past + new] = step.new_mask
+        left_pads.append(pad)
+        starts.append(pad)
+        ends.append(max_past + new)
+    return Layout(hidden, mask, left_pads, starts, ends, max_past, max_new)
+
+
+def run_steps(runner: Runner, steps: Sequence[Step]) -> list[StepResult]:
+    """Every step in one graph run; results in the order of `steps`."""
+    if len(steps) == 1:  # alone: no padding, the present is kept as it comes out of the graph
+        return [_run_one(runner, steps[0])]
+    # longest pasts first: the rows that need no padding lead, which is what the stack kernel expects
+    order = sorted(range(len(steps)), key=lambda r: -steps[r].past_length)
+    ordered = [steps[r] for r in order]
+    plan = layout(ordered)
+    past = runner.kernels.stack([step.past for step in ordered], plan.left_pads)
+    output, presents = runner.run(plan.hidden, plan.mask, past)
+    per_row = runner.kernels.split(presents, plan.starts, plan.ends)
+    results: list[StepResult | None] = [None] * len(steps)
+    for row, (r, step) in enumerate(zip(order, ordered, strict=True)):
+        mask = np.concatenate([step.past_mask, step.new_mask])
+        results[r] = StepResult(output[row, : step.new_length].copy(), per_row[row], mask, nbytes(per_row[row]))
+    return results  # type: ignore[return-value]
+
+
+def _run_one(runner: Runner, step: Step) -> StepResult:
+    mask = np.concatenate([step.past_mask, step.new_mask])  # (P+T,)
+    output, present = runner.run(step.hidden[None], mask[None], step.past)
+    return StepResult(output[0], present, mask, nbytes(present))

@@ -1,0 +1,58 @@
+"""The gateway app: `create_app(settings)` wires settings, auth, limits, metrics and routes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from serving.gateway import routes
+from serving.gateway.errors import install_handlers
+from serving.gateway.limits import BodyLimitMiddleware
+from serving.gateway.metrics import MetricsMiddleware
+from serving.gateway.settings import Settings
+from serving.gateway.state import Gateway
+
+DESCRIPTION = """
+A gateway in front of Triton for the attention model (DESIGN.md 3.4): stateless attention with a
+client-side KV cache (`/v1/attend`) and sessions whose KV cache the server keeps (`/v1/sessions`).
+
+**Auth.** Send `Authorization: Bearer <key>` or `X-API-Key: <key>`. `/healthz`, `/readyz` and
+`/metrics` are open.
+
+**Tensors.** Nested JSON lists, or `{"dtype": "float32", "shape": [...], "b64": "..."}` objects
+(raw little-endian C-order bytes, base64) anywhere a tensor goes. Add `?encoding=b64` to get the
+response's tensors in that form.
+
+**Errors.** Always `{"error": {"code": ..., "message": ...}}`.
+"""
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    gateway: Gateway = app.state.gateway
+    await gateway.start()
+    try:
+        yield
+    finally:
+        await gateway.stop()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The gateway as an ASGI app; `settings=None` reads them from the environment."""
+    settings = settings or Settings()
+    app = FastAPI(
+        title="attention-serving gateway",
+        version="1.0.0",
+        description=DESCRIPTION,
+        lifespan=_lifespan,
+    )
+    app.state.gateway = Gateway(settings)
+    install_handlers(app)
+    app.include_router(routes.health)
+    app.include_router(routes.v1)
+    # added last = outermost: metrics see every answer, the body limit runs before any parsing
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.gateway.metrics)
+    return app

@@ -1,0 +1,141 @@
+"""Errors the gateway answers with: always `{"error": {"code": ..., "message": ...}}`.
+
+Routes raise a typed `ApiError`; the handlers installed by `install_handlers` turn it, FastAPI's
+validation errors, Starlette's HTTP errors (unknown route, wrong method) and anything unexpected
+into that JSON body. An unexpected exception is logged with its traceback and answered with a
+bare 500: the client never sees a stack trace.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, ClassVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable machine-readable code, e.g. `invalid_input`")
+    message: str = Field(description="what is wrong, naming the input and the expected and actual value")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    status = 500
+    code = "internal"
+    headers: ClassVar[dict[str, str] | None] = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(ApiError):
+    status, code = 400, "invalid_input"
+
+
+class Unauthorized(ApiError):
+    status, code = 401, "unauthorized"
+    headers: ClassVar[dict[str, str] | None] = {"WWW-Authenticate": 'Bearer realm="attention-serving"'}
+
+
+class SessionNotFound(ApiError):
+    status, code = 404, "session_not_found"
+
+
+class SessionConflict(ApiError):
+    status, code = 409, "session_conflict"
+
+
+class BodyTooLarge(ApiError):
+    status, code = 413, "body_too_large"
+
+
+class TooManySessions(ApiError):
+    status, code = 429, "too_many_sessions"
+
+
+class UpstreamFailed(ApiError):
+    status, code = 502, "upstream_error"
+
+
+class UpstreamUnavailable(ApiError):
+    status, code = 503, "upstream_unavailable"
+    headers: ClassVar[dict[str, str] | None] = {"Retry-After": "1"}
+
+
+class UpstreamTimeout(ApiError):
+    status, code = 504, "upstream_timeout"
+
+
+# Statuses each kind of route can answer with, for the OpenAPI document.
+DESCRIPTIONS = {
+    400: "invalid input: the message names the input with the expected and actual shape, dtype or value",
+    401: "missing or wrong API key (`Authorization: Bearer <key>` or `X-API-Key: <key>`)",
+    404: "no such session (or it belongs to another key)",
+    409: "the session was closed or expired, or another step of it is in flight",
+    413: "request body larger than the configured limit",
+    422: "the body does not match the schema",
+    429: "this API key holds as many open sessions as it may",
+    502: "Triton failed on a request it accepted",
+    503: "Triton is unavailable, not ready or busy (see Retry-After)",
+    504: "the request took longer than the per-request timeout",
+}
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorBody, "description": DESCRIPTIONS[status]} for status in statuses}
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"code": code, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    return error_response(error.status, error.code, error.message, error.headers)
+
+
+def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    return error_response(422, "validation_error", describe_validation(error.errors()))
+
+
+def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    return error_response(error.status_code, codes.get(error.status_code, "http_error"), str(error.detail))
+
+
+def _unexpected(request: Request, error: Exception) -> JSONResponse:
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
+    return error_response(500, "internal", "internal error; it is logged on the server")
+
+
+def describe_validation(errors: Any) -> str:
+    """One line per problem, at most five: `body.hidden_states.0.1: Input should be a valid number (got 'x')`.
+    The input itself is echoed only when short: a tensor can be megabytes."""
+    lines = []
+    for error in list(errors)[:5]:
+        location = ".".join(str(part) for part in error.get("loc", ()))
+        line = f"{location}: {error.get('msg', 'invalid')}"
+        value = repr(error.get("input"))
+        if "input" in error and len(value) <= 40:
+            line += f" (got {value})"
+        lines.append(line)
+    more = len(list(errors)) - len(lines)
+    return "; ".join(lines) + (f"; and {more} more" if more > 0 else "")
+
+
+def install_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected)

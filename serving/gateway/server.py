@@ -1,0 +1,127 @@
+"""Running the gateway with uvicorn: in the foreground (`serve`) or on a thread (`run_gateway`).
+
+Without API keys the gateway binds to 127.0.0.1 whatever `host` says, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import uvicorn
+
+from serving.gateway.app import create_app
+from serving.gateway.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def _config(settings: Settings) -> uvicorn.Config:
+    host = settings.bind_host()
+    if not settings.auth_enabled:
+        ignored = f" (SERVING_HOST={settings.host} ignored)" if settings.host != host else ""
+        log.warning(
+            "auth is DISABLED: no SERVING_API_KEYS or SERVING_API_KEYS_FILE; serving on %s only%s", host, ignored
+        )
+    else:
+        log.info("auth is enabled: %d API key(s)", len(settings.accepted_keys()))
+    return uvicorn.Config(
+        create_app(settings),
+        host=host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+        server_header=False,  # no version banner for scanners
+    )
+
+
+def serve(settings: Settings | None = None) -> None:
+    """Serve in the foreground until SIGINT/SIGTERM (uvicorn then re-raises the signal it caught)."""
+    settings = settings or Settings()
+    log.info("gateway for Triton gRPC at %s", settings.triton_url)
+    uvicorn.Server(_config(settings)).run()
+
+
+class GatewayStartError(RuntimeError):
+    """The gateway did not start listening (a taken port, a bad address)."""
+
+
+class RunningGateway:
+    """A gateway serving on a background thread; `stop()` (or leaving `with`) shuts it down."""
+
+    def __init__(self, settings: Settings, ready_timeout: float = 30.0) -> None:
+        self.settings = settings
+        self._server = uvicorn.Server(_config(settings))
+        # off the main thread uvicorn installs no signal handlers: the caller owns Ctrl-C
+        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+        self._thread.start()
+        self._wait_started(ready_timeout)
+
+    def _wait_started(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise GatewayStartError(
+                    f"the gateway did not start on {self.settings.bind_host()}:{self.settings.port} "
+                    "(is the port taken? see the log above)"
+                )
+            time.sleep(0.02)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when settings.port is 0)."""
+        return self._server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.bind_host()}:{self.port}"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> RunningGateway:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def banner(gateway: RunningGateway) -> str:
+    """What `python -m serving` prints once the gateway is up: its URLs and a curl line that works."""
+    settings, url = gateway.settings, gateway.url
+    d_model = _served_width(settings)
+    auth = ' -H "X-API-Key: $SERVING_API_KEY"' if settings.auth_enabled else ""
+    hidden = f'{{"hidden_states": [[[0.1] * {d_model}]]}}'
+    state = (
+        f"enabled ({len(settings.accepted_keys())} key(s)); set SERVING_API_KEY to one for the curl line"
+        if settings.auth_enabled
+        else "disabled (no SERVING_API_KEYS or SERVING_API_KEYS_FILE): listening on 127.0.0.1 only"
+    )
+    return "\n".join(
+        [
+            f"gateway         {url}   (API docs: {url}/docs, OpenAPI: {url}/openapi.json)",
+            f"gateway auth    {state}",
+            "try             "
+            f"python3 -c 'import json; print(json.dumps({hidden}))' | "
+            f"curl -s {url}/v1/attend -H 'Content-Type: application/json'{auth} -d @- | head -c 300; echo",
+        ]
+    )
+
+
+def _served_width(settings: Settings) -> int | str:
+    """d_model of the served model, for the curl line (a placeholder if Triton does not say)."""
+    from client import Client, ClientError
+
+    try:
+        with Client(settings.triton_url, model=settings.model, timeout=5, retries=1) as triton:
+            return triton.metadata().d_model
+    except ClientError:
+        return "D_MODEL"
+
+
+def run_gateway(settings: Settings | None = None, ready_timeout: float = 30.0) -> RunningGateway:
+    """Start the gateway on a background thread; return once it accepts connections."""
+    return RunningGateway(settings or Settings(), ready_timeout)

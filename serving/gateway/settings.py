@@ -1,0 +1,71 @@
+"""The gateway's settings, read from the environment (prefix `SERVING_`) by pydantic-settings.
+
+Every field is one environment variable: `api_keys` is `SERVING_API_KEYS`, `triton_url` is
+`SERVING_TRITON_URL`, and so on. Values given to `Settings(...)` directly win over the
+environment (the tests and `python -m serving` pass theirs that way).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+LOOPBACK = "127.0.0.1"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SERVING_", frozen=True, extra="ignore")
+
+    # NoDecode: the variable is comma-separated text, not the JSON list pydantic-settings expects
+    api_keys: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(), description="accepted API keys, comma-separated; none configured = auth disabled"
+    )
+    api_keys_file: Path | None = Field(
+        default=None, description="a file with one API key per line (blank lines and # comments ignored)"
+    )
+    triton_url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC address, host:port")
+    model: str = Field(default="mha", description="the stateless Triton model")
+    session_model: str = Field(default="mha_session", description="the stateful (sequence batching) Triton model")
+    host: str = Field(default=LOOPBACK, description="address to bind; loopback unless told")
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="larger request bodies get 413")
+    request_timeout_s: float = Field(default=30.0, gt=0, description="per request, upstream included; past it 504")
+    sessions_per_key: int = Field(default=16, ge=1, description="open sessions one API key may hold; past it 429")
+    session_idle_s: float = Field(default=300.0, gt=0, description="a session unused this long is closed")
+    readiness_timeout_s: float = Field(default=2.0, gt=0, description="how long /readyz waits for Triton")
+    log_level: str = Field(default="info")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    def accepted_keys(self) -> tuple[str, ...]:
+        """Every accepted key: the list plus the file's lines (read now, so a rotated file is seen
+        on the next start)."""
+        keys = list(self.api_keys)
+        if self.api_keys_file is not None:
+            keys += read_keys_file(self.api_keys_file)
+        return tuple(dict.fromkeys(keys))
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.accepted_keys())
+
+    def bind_host(self) -> str:
+        """Without keys the gateway serves loopback only, whatever `host` says: an open gateway
+        must not be reachable from the network."""
+        return self.host if self.auth_enabled else LOOPBACK
+
+
+def read_keys_file(path: Path) -> list[str]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"SERVING_API_KEYS_FILE {path}: cannot read it ({error.strerror})") from error
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]

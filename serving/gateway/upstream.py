@@ -1,0 +1,67 @@
+"""Calls to Triton through the client library: one deadline per request, typed errors mapped to HTTP.
+
+| client error            | HTTP | why                                                          |
+|-------------------------|------|--------------------------------------------------------------|
+| InvalidInputError       | 400  | the caller's tensors do not fit the model (message names it) |
+| UnknownSessionError     | 409  | Triton no longer holds the session's state (evicted, expired)|
+| ServerBusyError         | 503  | Triton is up but its KV-cache budget is full: retry later    |
+| ServerUnavailableError  | 503  | Triton cannot be reached or is not ready                     |
+| ModelNotFoundError      | 503  | the model is not loaded (yet)                                |
+| RequestTimeoutError     | 504  | no answer within the per-request timeout                     |
+| ServerError, other      | 502  | Triton failed on a request it accepted                       |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from client import errors as client_errors
+from serving.gateway.errors import (
+    ApiError,
+    InvalidInput,
+    SessionConflict,
+    UpstreamFailed,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from serving.gateway.metrics import Metrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_BY_TYPE: list[tuple[type[client_errors.ClientError], type[ApiError]]] = [
+    (client_errors.InvalidInputError, InvalidInput),
+    (client_errors.UnknownSessionError, SessionConflict),
+    (client_errors.ServerBusyError, UpstreamUnavailable),
+    (client_errors.ServerUnavailableError, UpstreamUnavailable),
+    (client_errors.ModelNotFoundError, UpstreamUnavailable),
+    (client_errors.RequestTimeoutError, UpstreamTimeout),
+]
+
+
+def to_api_error(error: client_errors.ClientError) -> ApiError:
+    for client_type, api_type in _BY_TYPE:
+        if isinstance(error, client_type):
+            return api_type(f"{_prefix(api_type)}{error.message}")
+    return UpstreamFailed(f"Triton failed on the request: {error.message}")
+
+
+def _prefix(api_type: type[ApiError]) -> str:
+    return "" if api_type is InvalidInput else "Triton: "
+
+
+async def call(awaitable: Awaitable[T], *, timeout_s: float, metrics: Metrics, what: str) -> T:
+    """Await an upstream call under the per-request deadline, with its errors as ApiErrors."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    except TimeoutError:
+        metrics.upstream_errors.labels("timeout").inc()
+        raise UpstreamTimeout(f"{what}: no answer within {timeout_s:g} s (SERVING_REQUEST_TIMEOUT_S)") from None
+    except client_errors.ClientError as error:
+        if not isinstance(error, client_errors.InvalidInputError):  # a caller's mistake is no upstream failure
+            metrics.upstream_errors.labels(type(error).__name__).inc()
+        raise to_api_error(error) from None

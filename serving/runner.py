@@ -1,0 +1,283 @@
+"""ONNX Runtime behind the Python-backend models: the graph's session, its execution provider chosen
+by availability (TensorRT, then CUDA, then CPU), and the caches kept on that provider's device.
+
+There is one code path for every device: inputs and caches are `OrtValue`s bound with IOBinding,
+the graph's presents are bound to the device and kept there as the next step's past, and the
+copies that batching needs (left-padding pasts into one batch, slicing each sequence's present
+back out) run as two tiny ONNX graphs on the same device. On the CPU this is the path the tests
+run; on a GPU the caches never travel to the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from export import names, tensorrt
+from export.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+CPU_PROVIDER = "CPUExecutionProvider"
+CPU, CUDA = "cpu", "cuda"
+KERNEL_OPSET = 18
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The providers a session asks for, best first, and why the better ones were left out."""
+
+    providers: list
+    notes: list[str]
+
+
+def choose_placement(cfg: ModelConfig, limits: tensorrt.Limits, trt_cache: Path, device_id: int = 0) -> Placement:
+    available = ort.get_available_providers()
+    providers: list = []
+    notes = []
+    trt_missing = tensorrt.unavailable_reason()
+    if trt_missing is None:
+        options = tensorrt.provider_options(cfg, limits, trt_cache)
+        providers.append((tensorrt.TRT_PROVIDER, {"device_id": device_id, **options}))
+        notes.append(f"TensorRT options {options}")
+    else:
+        notes.append(f"no TensorRT: {trt_missing}")
+    if tensorrt.CUDA_PROVIDER in available:
+        # ONNX Runtime falls back to the CPU by itself when CUDA cannot start; the session says which ran
+        providers.append((tensorrt.CUDA_PROVIDER, {"device_id": device_id}))
+    else:
+        notes.append(f"no CUDA: onnxruntime {ort.__version__} offers {', '.join(available)}")
+    providers.append(CPU_PROVIDER)
+    return Placement(providers, notes)
+
+
+def _session_options(threads: int) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    # idle pool threads must sleep, not spin: the model and the cache kernels run one after the
+    # other, and a spinning pool of one session steals the cores the next session needs
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # no CPU arena: a sequence's cache is a present this session allocated; without the arena, freeing
+    # it (END, eviction) gives the memory back to the system instead of keeping the arena's peak
+    options.enable_cpu_mem_arena = False
+    options.log_severity_level = 3  # errors only
+    return options
+
+
+def _device_of(session: ort.InferenceSession) -> str:
+    return CUDA if session.get_providers()[0] in (tensorrt.TRT_PROVIDER, tensorrt.CUDA_PROVIDER) else CPU
+
+
+class Runner:
+    """The graph of `model_path` on the best available device, with device-resident caches."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: ModelConfig,
+        threads: int = 0,
+        limits: tensorrt.Limits | None = None,
+        trt_cache: str | Path | None = None,
+        providers: Sequence | None = None,
+        device_id: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.device_id = device_id
+        if providers is None:
+            trt_cache = Path(trt_cache or Path(tempfile.gettempdir()) / "attention-serving-trt")
+            placement = choose_placement(cfg, limits or tensorrt.Limits(), trt_cache, device_id)
+        else:
+            placement = Placement(list(providers), ["providers given by the caller"])
+        self.session = ort.InferenceSession(
+            str(model_path), sess_options=_session_options(threads), providers=placement.providers
+        )
+        self.device = _device_of(self.session)
+        # the copies run where the caches are; TensorRT would only build engines for them
+        on_device = [(tensorrt.CUDA_PROVIDER, {"device_id": device_id})] if self.device == CUDA else []
+        self.kernels = CacheKernels(cfg, [*on_device, CPU_PROVIDER], self.device, device_id)
+        self.past_names = names.past_names(cfg.n_layers)
+        self.present_names = names.present_names(cfg.n_layers)
+        self.description = (
+            f"{Path(model_path).name} on {self.session.get_providers()[0]} (caches on {self.device}); "
+            + "; ".join(placement.notes)
+        )
+        log.info("runner: %s", self.description)
+
+    def to_device(self, array: np.ndarray) -> ort.OrtValue:
+        """A host array as a value on the runner's device (no copy on the CPU)."""
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, self.device_id)
+
+    def empty_past(self, batch: int = 1) -> list[ort.OrtValue]:
+        shape = (batch, self.cfg.n_kv_heads, 0, self.cfg.head_dim)
+        return [self.to_device(np.zeros(shape, np.float32)) for _ in self.past_names]
+
+    def run(
+        self, hidden: np.ndarray, mask: np.ndarray, past: Sequence[ort.OrtValue], presents_on_host: bool = False
+    ) -> tuple[np.ndarray, list[ort.OrtValue]]:
+        """One graph run: hidden (B, T, d) and mask (B, P+T) from the host, past on the device.
+
+        Returns the output on the host and the presents on the device (or the host if asked).
+        """
+        binding = self.session.io_binding()
+        binding.bind_ortvalue_input(names.HIDDEN_STATES, self.to_device(hidden))
+        binding.bind_ortvalue_input(names.ATTENTION_MASK, self.to_device(mask))
+        for name, value in zip(self.past_names, past, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output(names.OUTPUT, CPU)
+        present_device = CPU if presents_on_host else self.device
+        for name in self.present_names:
+            binding.bind_output(name, present_device, self.device_id)
+        self.session.run_with_iobinding(binding)
+        values = binding.get_outputs()  # in binding order: output, then the presents
+        return values[0].numpy(), list(values[1:])
+
+    def run_arrays(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Stateless: named host arrays in and out (an omitted mask is all ones, an omitted past empty)."""
+        hidden = feeds[names.HIDDEN_STATES]
+        batch, new = hidden.shape[:2]
+        if self.past_names[0] in feeds:
+            past = [self.to_device(feeds[name]) for name in self.past_names]
+            past_length = feeds[self.past_names[0]].shape[2]
+        else:
+            past, past_length = self.empty_past(batch), 0
+        mask = feeds.get(names.ATTENTION_MASK)
+        if mask is None:
+            mask = np.ones((batch, past_length + new), np.int64)
+        output, presents = self.run(hidden, mask, past, presents_on_host=True)
+        return {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
+
+
+def nbytes(values: Sequence[ort.OrtValue]) -> int:
+    return sum(value.tensor_size_in_bytes() for value in values)
+
+
+class CacheKernels:
+    """Batching's device-side copies as tiny ONNX graphs on the runner's device.
+
+    `stack`: each row's past (1, n_kv, P_r, hd) left-padded with zeros to P_max, rows concatenated
+    into the batch's past. Rows that need no padding (P_r = P_max) come first and skip the Pad, a
+    copy: decoding in near lockstep, many rows have the longest past. One graph per (batch size,
+    rows without padding).
+    `split`: row r's present positions [start_r, end_r) cut out of the batch's (B, n_kv, S, hd) into
+    a value of its own (the cache the sequence keeps), so that the batch's buffer is freed.
+    """
+
+    MAX_GRAPHS = 128  # stack graphs kept (a few kB and one small session each); least recent go first
+
+    def __init__(self, cfg: ModelConfig, providers: list, device: str, device_id: int) -> None:
+        self.cfg, self.providers, self.device, self.device_id = cfg, providers, device, device_id
+        self.tensor_names = names.past_names(cfg.n_layers)
+        self._stack: collections.OrderedDict[tuple[int, int], ort.InferenceSession] = collections.OrderedDict()
+        self._split: dict[int, ort.InferenceSession] = {}
+
+    def _session(self, model, temporary_outputs: bool) -> ort.InferenceSession:
+        options = _session_options(threads=1)  # copies are memory-bound: no thread pool to wake
+        # the stacked past lives for one graph run: an arena reuses its memory instead of faulting
+        # fresh pages in every time; split outputs are kept caches and must be freed for real
+        options.enable_cpu_mem_arena = temporary_outputs
+        return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=self.providers)
+
+    def _stack_session(self, batch: int, unpadded: int) -> ort.InferenceSession:
+        key = (batch, unpadded)
+        if key in self._stack:
+            self._stack.move_to_end(key)
+        else:
+            self._stack[key] = self._session(_stack_graph(self.cfg, self.tensor_names, batch, unpadded), True)
+            if len(self._stack) > self.MAX_GRAPHS:
+                self._stack.popitem(last=False)
+        return self._stack[key]
+
+    def stack(self, rows: Sequence[Sequence[ort.OrtValue]], left_pads: Sequence[int]) -> list[ort.OrtValue]:
+        """rows[r][k]: row r's k-th past tensor, rows without padding first; the k-th batched pasts."""
+        unpadded = next((r for r, pad in enumerate(left_pads) if pad), len(left_pads))
+        assert all(left_pads[unpadded:]), "rows without padding must lead"
+        session = self._stack_session(len(rows), unpadded)
+        binding = session.io_binding()
+        for r, (row, pad) in enumerate(zip(rows, left_pads, strict=True)):
+            if r >= unpadded:
+                pads = np.array([0, 0, pad, 0, 0, 0, 0, 0], np.int64)  # (begin per axis, end per axis)
+                binding.bind_ortvalue_input(f"pads.{r}", ort.OrtValue.ortvalue_from_numpy(pads))
+            for name, value in zip(self.tensor_names, row, strict=True):
+                binding.bind_ortvalue_input(f"{name}.{r}", value)
+        for name in self.tensor_names:
+            binding.bind_output(name, self.device, self.device_id)
+        session.run_with_iobinding(binding)
+        return list(binding.get_outputs())
+
+    def split(self, batched: Sequence[ort.OrtValue], starts: Sequence[int], ends: Sequence[int]) -> list[list]:
+        """Per row r, each tensor's positions [starts[r], ends[r]) as its own (1, n_kv, len, hd) value."""
+        batch = len(starts)
+        if batch not in self._split:
+            self._split[batch] = self._session(_split_graph(self.cfg, self.tensor_names, batch), False)
+        session = self._split[batch]
+        binding = session.io_binding()
+        for name, value in zip(self.tensor_names, batched, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        for r, (start, end) in enumerate(zip(starts, ends, strict=True)):
+            binding.bind_ortvalue_input(f"starts.{r}", ort.OrtValue.ortvalue_from_numpy(np.array([r, start])))
+            binding.bind_ortvalue_input(f"ends.{r}", ort.OrtValue.ortvalue_from_numpy(np.array([r + 1, end])))
+        for r in range(batch):
+            for name in self.tensor_names:
+                binding.bind_output(f"{name}.{r}", self.device, self.device_id)
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()
+        width = len(self.tensor_names)
+        return [list(values[r * width : (r + 1) * width]) for r in range(batch)]
+
+
+def _cache_info(name: str, cfg: ModelConfig, batch: int | str, length: str):
+    from onnx import TensorProto, helper
+
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, cfg.n_kv_heads, length, cfg.head_dim])
+
+
+def _kernel_model(nodes, inputs, outputs, initializers=()):
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, "cache_kernel", inputs, outputs, initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", KERNEL_OPSET)])
+    model.ir_version = 10  # what ONNX Runtime 1.31 loads (DESIGN.md 4)
+    return model
+
+
+def _stack_graph(cfg: ModelConfig, tensor_names: list[str], batch: int, unpadded: int):
+    from onnx import TensorProto, helper
+
+    padded = [r >= unpadded for r in range(batch)]
+    inputs = [helper.make_tensor_value_info(f"pads.{r}", TensorProto.INT64, [8]) for r in range(unpadded, batch)]
+    nodes, outputs = [], []
+    for name in tensor_names:
+        pieces = []
+        for r in range(batch):
+            inputs.append(_cache_info(f"{name}.{r}", cfg, 1, f"past_{r}"))
+            pieces.append(f"{name}.{r}.padded" if padded[r] else f"{name}.{r}")
+            if padded[r]:
+                nodes.append(helper.make_node("Pad", [f"{name}.{r}", f"pads.{r}"], [pieces[-1]]))
+        nodes.append(helper.make_node("Concat", pieces, [name], axis=0))
+        outputs.append(_cache_info(name, cfg, batch, "max_past"))
+    return _kernel_model(nodes, inputs, outputs)
+
+
+def _split_graph(cfg: ModelConfig, tensor_names: list[str], batch: int):
+    from onnx import TensorProto, helper
+
+    axes = helper.make_tensor("axes", TensorProto.INT64, [2], [0, 2])  # batch row, sequence positions
+    inputs = [_cache_info(name, cfg, batch, "total") for name in tensor_names]
+    for r in range(batch):
+        inputs.append(helper.make_tensor_value_info(f"starts.{r}", TensorProto.INT64, [2]))
+        inputs.append(helper.make_tensor_value_info(f"ends.{r}", TensorProto.INT64, [2]))
+    nodes, outputs = [], []
+    for r in range(batch):
+        for name in tensor_names:
+            nodes.append(helper.make_node("Slice", [name, f"starts.{r}", f"ends.{r}", "axes"], [f"{name}.{r}"]))
+            outputs.append(_cache_info(f"{name}.{r}", cfg, 1, f"length_{r}"))
+    return _kernel_model(nodes, inputs, outputs, [axes])

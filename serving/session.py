@@ -1,0 +1,156 @@
+"""The stateful model's logic without Triton: one execute() worth of sequence steps in, one
+output or one error per step out.
+
+Each request is checked and matched with its sequence's cache on its own, so one bad request gets
+its own error and nothing else changes; the good ones then run as one batch (serving/batching.py),
+and only after the batch succeeded do their caches advance. A request with the END flag frees its
+sequence whatever else happens to it (Triton has ended the sequence either way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from export import names
+from export.config import ModelConfig
+from export.inputs import InputError, check_inputs
+from serving import errors
+from serving.batching import Step, run_steps
+from serving.kv_cache import KVCacheStore
+from serving.runner import Runner
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRequest:
+    """What a Triton request carries: the sequence, its flags and the new tokens."""
+
+    sequence_id: Hashable
+    start: bool
+    end: bool
+    hidden: np.ndarray | None  # (1, T, d_model) float32; T may be 0 only with `end`
+    mask: np.ndarray | None = None  # (1, T) int64; all ones when left out
+
+
+Result = np.ndarray | Exception  # the output (1, T, d_model), or what to answer instead
+
+
+def check_step(cfg: ModelConfig, request: StepRequest) -> int:
+    """The number of new tokens; raises InputError naming the input, expected and actual."""
+    hidden = request.hidden
+    if hidden is None:
+        raise InputError(names.HIDDEN_STATES, "missing")
+    if hidden.ndim == 3 and hidden.shape[1] == 0 and request.end:
+        new = 0  # closing a session without computing
+    else:
+        check_inputs(cfg, {names.HIDDEN_STATES: hidden})
+        new = hidden.shape[1]
+    if hidden.shape[0] != 1:
+        raise InputError(names.HIDDEN_STATES, f"one sequence per step: expected batch 1, got {list(hidden.shape)}")
+    if request.mask is not None and tuple(request.mask.shape) != (1, new):
+        raise InputError(
+            names.ATTENTION_MASK,
+            f"a step's mask covers its new tokens only: expected shape [1, {new}], got {list(request.mask.shape)}",
+        )
+    return new
+
+
+class SessionEngine:
+    def __init__(self, runner: Runner, store: KVCacheStore) -> None:
+        self.runner, self.store, self.cfg = runner, store, runner.cfg
+        self.largest_batch = 0  # most steps one graph run has taken (proof that batching happens)
+
+    def execute(self, requests: Sequence[StepRequest]) -> list[Result]:
+        results: list[Result | None] = [None] * len(requests)
+        for indices in _rounds(requests):
+            self._round([requests[i] for i in indices], indices, results)
+        return results  # type: ignore[return-value]
+
+    def _round(self, requests: list[StepRequest], indices: list[int], results: list) -> None:
+        runnable: dict[int, tuple[StepRequest, Step]] = {}
+        for index, request in zip(indices, requests, strict=True):
+            try:
+                step = self._prepare(request)
+            except (errors.ServingError, InputError) as error:
+                results[index] = error
+                continue
+            if step is None:  # END with no new tokens: nothing to compute
+                results[index] = np.zeros((1, 0, self.cfg.d_model), np.float32)
+            else:
+                runnable[index] = (request, step)
+        if runnable:
+            self._run(runnable, results)
+        for request in requests:
+            if request.end:
+                self.store.end(request.sequence_id)
+
+    def _prepare(self, request: StepRequest) -> Step | None:
+        """The request's step with its sequence's cache; None when there is nothing to compute."""
+        new = check_step(self.cfg, request)
+        if new == 0 and not request.start:
+            # closing: whatever the store knows, the sequence is gone afterwards (Triton ends it too),
+            # so a client's close() succeeds also after an eviction or a refused START
+            return None
+        if request.start:
+            if new > self.store.max_positions:
+                raise errors.SequenceTooLong(request.sequence_id, new, self.store.max_positions)
+            entry = self.store.start(request.sequence_id, self.runner.empty_past())
+        else:
+            entry = self.store.get(request.sequence_id)
+            self.store.check_length(request.sequence_id, entry, new)
+        if new == 0:
+            return None
+        new_mask = np.ones(new, np.int64) if request.mask is None else request.mask[0].astype(np.int64)
+        return Step(request.hidden[0], new_mask, entry.caches, entry.mask)
+
+    def _run(self, runnable: dict[int, tuple[StepRequest, Step]], results: list) -> None:
+        try:
+            outcomes = run_steps(self.runner, [step for _, step in runnable.values()])
+        except Exception as error:  # not the requests' fault; their caches stay as they were
+            for index in runnable:
+                results[index] = error
+            return
+        self.largest_batch = max(self.largest_batch, len(runnable))
+        for (index, (request, _)), outcome in zip(runnable.items(), outcomes, strict=True):
+            self.store.update(request.sequence_id, outcome.present, outcome.mask, outcome.nbytes)
+            results[index] = outcome.output[None]  # (1, T, d_model)
+
+
+def _rounds(requests: Sequence[StepRequest]) -> list[list[int]]:
+    """Indices grouped so that each sequence appears at most once per round, its steps in order.
+
+    Triton's sequence batcher sends one step per sequence per execute(); this keeps the caches right
+    even if it did not.
+    """
+    rounds: list[list[int]] = []
+    last_round: dict[Hashable, int] = {}
+    for index, request in enumerate(requests):
+        k = last_round.get(request.sequence_id, -1) + 1
+        last_round[request.sequence_id] = k
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append(index)
+    return rounds
+
+
+class Sweeper:
+    """Every `interval`: evict idle sequences (so memory comes back without new requests), then call
+    `on_tick` (the model publishes its gauges there, off the request path)."""
+
+    def __init__(self, store: KVCacheStore, on_tick: Callable[[], None], interval: float) -> None:
+        self.store, self.on_tick, self.interval = store, on_tick, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-cache-sweeper", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.store.evict_idle()
+            self.on_tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

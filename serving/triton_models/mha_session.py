@@ -1,0 +1,120 @@
+"""`mha_session`: the stateful model under Triton's sequence batcher. A step carries the new tokens
+of one sequence (`hidden_states` [1, T, d_model], optional `attention_mask` [1, T]); the server keeps
+each sequence's KV cache (serving/kv_cache.py) from START to END or eviction. All steps of one
+execute() run as one batch (serving/batching.py); errors are answered per request."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import ClassVar
+
+import triton_python_backend_utils as pb_utils
+
+from export import names, tensorrt, triton_config
+from serving.kv_cache import KVCacheStore
+from serving.session import SessionEngine, StepRequest, Sweeper
+from serving.triton_models import common
+
+START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
+END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
+
+
+class TritonPythonModel:
+    def initialize(self, args: dict) -> None:
+        config = json.loads(args["model_config"])
+        limits = tensorrt.Limits(max_batch=int(config["max_batch_size"]))
+        self.model = common.Loaded(args, limits)
+        cfg, parameters = self.model.cfg, self.model.parameters
+        idle = float(parameters[triton_config.P_IDLE_TIMEOUT])
+        self.store = KVCacheStore(
+            bytes_per_position=cfg.kv_cache_bytes(batch=1, length=1),
+            max_positions=cfg.max_seq_len,
+            budget_bytes=int(parameters[triton_config.P_KV_CACHE_BYTES]),
+            idle_timeout=idle,
+        )
+        self.engine = SessionEngine(self.model.runner, self.store)
+        self.metrics = Metrics(self.model.name)
+        self.sweeper = Sweeper(self.store, self._publish, interval=min(0.25, idle / 4))
+        pb_utils.Logger.log_info(
+            f"{self.model.name}: KV cache budget {self.store.budget} bytes = {self.store.capacity} sequences "
+            f"of up to {cfg.max_seq_len} positions; idle timeout {idle:g} s"
+        )
+
+    def execute(self, requests: list) -> list:
+        steps = [_step_request(request) for request in requests]
+        results = self.engine.execute(steps)
+        self._publish(every_value=False)
+        return [
+            common.error_response(self.model.name, result)
+            if isinstance(result, Exception)
+            else common.response({names.OUTPUT: result})
+            for result in results
+        ]
+
+    def _publish(self, every_value: bool = True) -> None:
+        """Gauges to Triton. After a request only what START and END change (each update is a round
+        trip to the Triton process); the sweeper publishes the per-step byte count 4 times a second."""
+        stats = self.store.stats()
+        values = {
+            "sequences": stats.sequences,
+            "held_bytes": stats.held_bytes,
+            "reserved_bytes": stats.reserved_bytes,
+            "evictions": stats.evictions,
+            "largest_batch": self.engine.largest_batch,
+        }
+        if not every_value and not self.metrics.changed("sequences", stats.sequences):
+            values = {"largest_batch": self.engine.largest_batch}
+        self.metrics.publish(values)
+
+    def finalize(self) -> None:
+        self.sweeper.stop()
+
+
+def _step_request(request) -> StepRequest:
+    hidden = pb_utils.get_input_tensor_by_name(request, names.HIDDEN_STATES)
+    mask = pb_utils.get_input_tensor_by_name(request, names.ATTENTION_MASK)
+    flags = request.flags()
+    return StepRequest(
+        sequence_id=request.correlation_id(),
+        start=bool(flags & START),
+        end=bool(flags & END),
+        hidden=None if hidden is None else hidden.as_numpy(),
+        mask=None if mask is None else mask.as_numpy(),
+    )
+
+
+class Metrics:
+    """The cache store and the batching on Triton's metrics endpoint (label model=<name>).
+
+    Triton's own nv_inference_exec_count against nv_inference_request_success shows how many
+    requests an execute() took; `largest_batch` shows that steps really shared a graph run. Each
+    update is a round trip to the Triton process (40 to 200 us), so only changed values are sent.
+    """
+
+    GAUGES: ClassVar[dict[str, tuple[str, str]]] = {
+        "sequences": ("attention_kv_cache_sequences", "Sequences holding a KV cache"),
+        "held_bytes": ("attention_kv_cache_bytes", "Bytes the KV caches hold"),
+        "reserved_bytes": ("attention_kv_cache_reserved_bytes", "Bytes of the budget reserved by live sequences"),
+        "evictions": ("attention_kv_cache_evictions", "Sequences evicted for idleness so far"),
+        "largest_batch": ("attention_session_largest_batch", "Most sequence steps in one graph run so far"),
+    }
+
+    def __init__(self, model_name: str) -> None:
+        self._families, self._metrics = [], {}
+        self._sent: dict[str, float] = {}
+        self._lock = threading.Lock()  # execute() and the sweeper both publish
+        for key, (name, description) in self.GAUGES.items():
+            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
+            self._families.append(family)  # a family must outlive its metrics
+            self._metrics[key] = family.Metric(labels={"model": model_name})
+
+    def changed(self, key: str, value: float) -> bool:
+        return self._sent.get(key) != value
+
+    def publish(self, values: dict[str, float]) -> None:
+        with self._lock:
+            for key, value in values.items():
+                if self._sent.get(key) != value:
+                    self._metrics[key].set(value)
+                    self._sent[key] = value

@@ -1,0 +1,41 @@
+"""`python -m bench model` end to end on the tiny preset in quick mode: it runs and writes its
+results. Timings are not asserted (this is a smoke test, not a benchmark)."""
+
+import json
+import shutil
+
+from bench import model
+from bench.__main__ import COMMANDS, main
+from export import artifacts
+
+
+def test_quick_model_benchmark_writes_json_png_and_a_table(artifact_dir, tmp_path, capsys):
+    shutil.copytree(artifact_dir("tiny"), tmp_path / "artifacts" / "tiny")  # reuse the session's build
+    out = tmp_path / "results"
+    argv = ["model", "--quick", "--presets", "tiny", "--out", str(out), "--artifacts", str(tmp_path / "artifacts")]
+    assert main(argv) == 0
+
+    results = json.loads((out / "model.json").read_text())
+    assert (out / "model_decode.png").read_bytes().startswith(b"\x89PNG")
+    assert results["bandwidth"]["gbps"] > 0 and results["quick"] is True
+    rows = results["presets"]["tiny"]["rows"]
+    assert [row["label"] for row in rows] == [shape.label for shape in model.shapes(quick=True)]
+    for row in rows:
+        assert set(row["candidates"]) == set(model.CANDIDATES)
+        assert all(
+            c["runs"] >= 2 and c["median_ms"] > 0 and c["p90_ms"] >= c["median_ms"] for c in row["candidates"].values()
+        )
+        assert (row["phase"] == "decode") == ("floor_ms" in row)
+    assert set(results["targets"]) >= {"fused_vs_fp32_worst", "tiny_fp16_file_vs_fused"}
+    assert (tmp_path / "artifacts" / "tiny" / artifacts.model_filename(model.QKV)).is_file()
+
+    printed = capsys.readouterr().out
+    assert "decode B1 P1024" in printed and "fused/floor" in printed and "targets:" in printed
+
+
+def test_no_command_runs_every_benchmark(monkeypatch):
+    ran = []
+    for name, module in COMMANDS.items():
+        monkeypatch.setattr(module, "run", lambda args, name=name: ran.append((name, args.command)) or 0)
+    assert main([]) == 0
+    assert ran == [(name, name) for name in COMMANDS] and ("model", "model") in ran

@@ -1,0 +1,176 @@
+"""Generated Triton configs: each parses as Triton's schema, fits the ONNX graph its model loads, and
+the committed model_repository/ is exactly what the generator makes for the default preset."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+from tritonclient.grpc import model_config_pb2 as pb
+
+from export import artifacts, names, repository, triton_config
+from export.config import DEFAULT_PRESET, ModelConfig, preset
+from export.triton_config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+COMMITTED = PROJECT_ROOT / "model_repository"
+ONNX_TYPES = {onnx.TensorProto.FLOAT: pb.TYPE_FP32, onnx.TensorProto.INT64: pb.TYPE_INT64}
+
+
+@pytest.fixture(scope="module")
+def built(artifact_dir, tmp_path_factory) -> Path:
+    return repository.write_repository(artifact_dir("gqa"), tmp_path_factory.mktemp("repo"))
+
+
+def graph_io(path: Path) -> dict[str, tuple[int, list[int | None]]]:
+    """name -> (Triton data type, dims with None for dynamic axes), inputs and outputs alike."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    io = {}
+    for value in [*graph.input, *graph.output]:
+        tensor = value.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        io[value.name] = (ONNX_TYPES[tensor.elem_type], dims)
+    return io
+
+
+def loaded_onnx(repo: Path, config: pb.ModelConfig) -> Path:
+    version = repo / config.name / repository.VERSION
+    if config.backend == "onnxruntime":
+        return version / config.default_model_filename
+    return version / triton_config.parameter(config, triton_config.P_ONNX_FILE)
+
+
+def read_config(repo: Path, model: str) -> pb.ModelConfig:
+    return triton_config.parse((repo / model / triton_config.CONFIG_FILENAME).read_text())
+
+
+def assert_fits(config_io, graph: dict, batch_axis_added: bool) -> None:
+    """Each config tensor exists in the graph with its dtype, its rank and its fixed sizes."""
+    for tensor in config_io:
+        dtype, graph_dims = graph[tensor.name]
+        dims = list(tensor.dims)
+        if batch_axis_added:  # max_batch_size > 0: Triton adds the batch axis in front
+            dims = [-1, *dims]
+            if len(dims) < len(graph_dims):  # a session step: [batch, T, ...] of the graph's [B, T, ...]
+                dims = dims[:1] + [-1] * (len(graph_dims) - len(dims)) + dims[1:]
+        assert tensor.data_type == dtype, tensor.name
+        assert len(dims) == len(graph_dims), (tensor.name, dims, graph_dims)
+        for mine, theirs in zip(dims, graph_dims, strict=True):
+            assert mine == (theirs if theirs is not None else -1), (tensor.name, dims, graph_dims)
+
+
+@pytest.mark.parametrize("model", [MHA, MHA_ONNX])
+def test_stateless_configs_are_the_graphs_io_exactly(built, model):
+    config = read_config(built, model)
+    graph = graph_io(loaded_onnx(built, config))
+    cfg = ModelConfig.load(built / model / repository.VERSION)
+    assert [t.name for t in config.input] == names.input_names(cfg.n_layers)
+    assert [t.name for t in config.output] == names.output_names(cfg.n_layers)
+    assert config.max_batch_size == 0
+    assert_fits([*config.input, *config.output], graph, batch_axis_added=False)
+    assert set(graph) == {t.name for t in [*config.input, *config.output]}
+
+
+def test_mha_leaves_mask_and_past_optional_mha_onnx_requires_them(built):
+    optional = {t.name: t.optional for t in read_config(built, MHA).input}
+    assert optional.pop(names.HIDDEN_STATES) is False and all(optional.values())
+    assert not any(t.optional for t in read_config(built, MHA_ONNX).input)
+
+
+def test_session_config_takes_new_tokens_only_and_fits_the_graph(built):
+    config = read_config(built, MHA_SESSION)
+    graph = graph_io(loaded_onnx(built, config))
+    assert [t.name for t in config.input] == [names.HIDDEN_STATES, names.ATTENTION_MASK]
+    assert [t.name for t in config.output] == [names.OUTPUT]
+    assert all(t.allow_ragged_batch for t in config.input)
+    assert [t.optional for t in config.input] == [False, True]
+    assert config.max_batch_size > 0
+    assert_fits([*config.input, *config.output], graph, batch_axis_added=True)
+
+
+def test_session_batching_is_oldest_and_both_timeouts_come_from_one_setting(artifact_dir, tmp_path):
+    settings = ServingSettings(idle_timeout_seconds=7.5, kv_cache_bytes=123 << 20)
+    repo = repository.write_repository(artifact_dir("gqa"), tmp_path, settings, models=(MHA_SESSION,))
+    config = read_config(repo, MHA_SESSION)
+    assert config.sequence_batching.WhichOneof("strategy_choice") == "oldest"  # `direct` injects null requests
+    assert config.sequence_batching.max_sequence_idle_microseconds == 15_000_000  # Triton forgets after 2x
+    assert triton_config.parameter(config, triton_config.P_IDLE_TIMEOUT) == "7.5"
+    assert triton_config.parameter(config, triton_config.P_KV_CACHE_BYTES) == str(123 << 20)
+
+
+def test_mha_onnx_runs_on_the_gpu_with_tensorrt_in_fp16(built):
+    config = read_config(built, MHA_ONNX)
+    assert config.backend == "onnxruntime" and config.default_model_filename == "model.onnx"
+    assert [g.kind for g in config.instance_group] == [pb.ModelInstanceGroup.KIND_GPU]
+    (accelerator,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+    assert accelerator.name == "tensorrt" and accelerator.parameters["precision_mode"] == "FP16"
+    assert "trt_profile_min_shapes" in accelerator.parameters
+
+
+def test_the_version_folders_hold_what_each_model_loads(built, artifact_dir):
+    for model in triton_config.MODELS:
+        version = built / model / repository.VERSION
+        assert ModelConfig.load(version) == ModelConfig.load(artifact_dir("gqa"))
+        assert loaded_onnx(built, read_config(built, model)).is_file()
+    assert (built / MHA / "1" / "model.fp32-fused.onnx").is_file()  # the fused graph passed: it is served
+    assert (built / MHA / "1" / "model.py").read_text() == repository.SHIM_SOURCE.read_text()
+
+
+def test_a_repository_is_complete_only_with_configs_and_models(built, tmp_path):
+    assert repository.is_complete(built)
+    shutil.copytree(built, tmp_path / "repo")
+    (tmp_path / "repo" / MHA_SESSION / "1" / "model.fp32-fused.onnx").unlink()
+    assert not repository.is_complete(tmp_path / "repo")  # `python -m serving` would export first
+    assert not repository.is_complete(tmp_path / "empty")
+
+
+def test_fp32_is_served_when_the_fused_variant_failed(artifact_dir, tmp_path):
+    source = tmp_path / "artifact"
+    shutil.copytree(artifact_dir("gqa"), source)
+    report_path = source / artifacts.REPORT_FILENAME
+    report = json.loads(report_path.read_text())
+    report["variants"]["fp32-fused"]["passed"] = False
+    report_path.write_text(json.dumps(report))
+    repo = repository.write_repository(source, tmp_path / "repo")
+    served = read_config(repo, MHA)
+    assert triton_config.parameter(served, triton_config.P_ONNX_FILE) == "model.fp32.onnx"
+    assert sorted(p.name for p in (repo / MHA / "1").glob("*.onnx")) == ["model.fp32.onnx"]
+
+
+def test_no_passing_variant_is_a_clear_error(artifact_dir, tmp_path):
+    source = tmp_path / "artifact"
+    shutil.copytree(artifact_dir("gqa"), source)
+    for variant in repository.PYTHON_VARIANTS:
+        (source / artifacts.model_filename(variant)).unlink()
+    with pytest.raises(repository.RepositoryError, match="none of"):
+        repository.write_repository(source, tmp_path / "repo")
+
+
+def test_the_committed_repository_is_what_the_generator_makes_for_the_default_preset():
+    configs = triton_config.model_configs(
+        preset(DEFAULT_PRESET), artifacts.model_filename(repository.DEFAULT_PYTHON_VARIANT), ServingSettings()
+    )
+    for name, config in configs.items():
+        committed = (COMMITTED / name / triton_config.CONFIG_FILENAME).read_text()
+        assert committed == triton_config.to_text(config), f"regenerate with `python -m export` ({name})"
+    for name in triton_config.PYTHON_MODELS:
+        assert (COMMITTED / name / "1" / "model.py").read_text() == repository.SHIM_SOURCE.read_text()
+
+
+def test_the_repository_command(artifact_dir, tmp_path):
+    command = [sys.executable, "-m", "export", "repository", "--artifacts", str(artifact_dir("gqa"))]
+    command += ["--repository", str(tmp_path), "--models", "mha_session", "--kv-cache-mib", "64", "--idle-timeout", "9"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    config = read_config(tmp_path, MHA_SESSION)
+    assert triton_config.parameter(config, triton_config.P_KV_CACHE_BYTES) == str(64 << 20)
+    assert config.sequence_batching.max_sequence_idle_microseconds == 18_000_000
+    assert [p.name for p in tmp_path.iterdir()] == [MHA_SESSION]
+    bad_command = [*command[:4], "--artifacts", str(tmp_path / "nothing"), "--repository", str(tmp_path)]
+    bad = subprocess.run(bad_command, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "error:" in bad.stderr

@@ -1,0 +1,85 @@
+"""docker-compose.yml and the two Dockerfiles, checked offline: Debian's docker-compose (v1.29)
+validates the file (`config -q`), and its normalized form is checked for what the GPU deployment
+relies on. There is no Docker engine here, so nothing is built or started.
+
+docker-compose missing is a failure, not a skip: CI installs it (`apt-get install docker-compose`).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "serving" / "docker"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is not installed: `apt-get install -y docker-compose` (Debian's v1.29)"
+    run = subprocess.run(
+        [binary, "-f", "docker-compose.yml", "config"], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert run.returncode == 0, run.stderr
+    quiet = subprocess.run(
+        [binary, "-f", "docker-compose.yml", "config", "-q"], cwd=ROOT, capture_output=True, check=False
+    )
+    assert quiet.returncode == 0 and not quiet.stdout, quiet.stderr
+    return yaml.safe_load(run.stdout)
+
+
+def test_two_services_the_gateway_waits_for_a_healthy_triton(compose):
+    services = compose["services"]
+    assert set(services) == {"triton", "serving"}
+    assert services["serving"]["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    assert services["serving"]["environment"]["SERVING_TRITON_URL"] == "triton:8001"
+    assert services["serving"]["environment"]["SERVING_API_KEYS_FILE"].startswith("/run/secrets/")
+    health = " ".join(services["triton"]["healthcheck"]["test"])
+    assert "/v2/health/ready" in health
+
+
+def test_triton_gets_a_gpu_a_read_only_repository_and_no_admin_apis(compose):
+    triton = compose["services"]["triton"]
+    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert any("gpu" in device["capabilities"] and device["driver"] == "nvidia" for device in devices)
+    # v1.29 prints volumes as source:target:mode
+    assert f"{ROOT / 'model_repository'}:/models:ro" in triton["volumes"]
+    command = " ".join(triton["command"])
+    assert "--model-control-mode=none" in command and "--model-repository=/models" in command
+    for flag in ("--http-restricted-api=", "--grpc-restricted-protocol="):
+        restricted = re.search(re.escape(flag) + r"(\S+):", command)
+        assert restricted, flag
+        assert {"model-repository", "shared-memory"} <= set(restricted.group(1).split(",")), restricted.group(1)
+
+
+def test_only_the_gateway_is_published_triton_only_on_loopback(compose):
+    serving = compose["services"]["serving"]["ports"]
+    assert [(p["published"], p["target"], p.get("host_ip")) for p in serving] == [(8080, 8080, None)]
+    for port in compose["services"]["triton"].get("ports", []):  # v1.29 prints host_ip:published:target/proto
+        assert port.startswith("127.0.0.1:"), port  # the client library on this host, nobody else
+
+
+def test_images_are_pinned_and_run_as_a_user():
+    triton = (DOCKER / "triton.Dockerfile").read_text()
+    image = re.search(r"^ARG TRITON_IMAGE=(\S+)$", triton, flags=re.MULTILINE).group(1)
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", image), image
+    assert re.search(r"onnxruntime-gpu==[\d.]+", triton)
+    for dockerfile in ("triton.Dockerfile", "gateway.Dockerfile"):
+        users = re.findall(r"^USER (\S+)$", (DOCKER / dockerfile).read_text(), flags=re.MULTILINE)
+        assert users and users[-1] not in ("root", "0"), dockerfile
+
+
+def test_the_gateway_image_pins_the_web_stack_as_pyproject_does():
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["serving"]
+    pins = dict(re.fullmatch(r"([\w-]+)==([\w.]+)", requirement).groups() for requirement in extra)
+    gateway = (DOCKER / "gateway.Dockerfile").read_text()
+    installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', gateway))
+    assert installed == {name: pins[name] for name in installed}
+    assert set(installed) == set(pins) - {"nvidia-pytriton"}  # the bundled Triton is not the gateway's

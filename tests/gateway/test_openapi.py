@@ -1,0 +1,70 @@
+"""Property-based tests of the gateway against its own OpenAPI document (schemathesis): hundreds of
+generated requests per operation, valid and invalid, over real HTTP to a gateway in front of the
+real Triton. None may get a 5xx, and every answer must be one the document declares, with the
+declared content type and body schema."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from serving.gateway import Settings, create_app
+from tests.gateway.conftest import running
+
+KEY = "fuzz-key"
+EXAMPLES = 200  # per operation and generation mode
+SPEC = create_app(Settings(api_keys=(KEY,))).openapi()
+schema = schemathesis.openapi.from_dict(SPEC)
+schema.config.generation.update(modes=["positive", "negative"], max_examples=EXAMPLES, deterministic=True)
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
+
+
+@pytest.fixture(scope="module")
+def fuzzed(triton):
+    """A gateway of its own: the fuzzer opens sessions up to the limit, which must not touch other tests."""
+    with running(api_keys=(KEY,), triton_url=triton.grpc_url, sessions_per_key=4) as gateway:
+        yield gateway
+
+
+def test_the_served_document_is_the_one_fuzzed(fuzzed):
+    assert httpx.get(f"{fuzzed.url}/openapi.json").json() == SPEC
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+def test_generated_requests_get_declared_answers_and_no_5xx(case, fuzzed):
+    response = case.call(base_url=fuzzed.url, headers={"X-API-Key": KEY}, timeout=30)
+    case.validate_response(response, checks=CHECKS)
+
+
+def test_the_fuzzing_reached_the_handlers_past_auth(fuzzed):
+    """Runs after the fuzzing (file order): the generated requests got past auth into validation,
+    the shape checks and the session store, not only 401s."""
+    counts = httpx.get(f"{fuzzed.url}/metrics").text
+    for route, status in [
+        ("/v1/attend", 400),
+        ("/v1/attend", 422),
+        ("/v1/sessions", 201),
+        ("/v1/sessions", 429),
+        ("/v1/sessions/{session_id}/step", 404),
+        ("/v1/sessions/{session_id}/step", 422),
+        ("/v1/sessions/{session_id}", 404),
+        ("/v1/models", 200),
+    ]:
+        assert f'route="{route}",status="{status}"' in counts, (route, status)
+    assert 'status="5' not in counts

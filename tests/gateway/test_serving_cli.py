@@ -1,0 +1,54 @@
+"""Issue 5's done-when through the command a user runs: with SERVING_API_KEYS=k,
+`python -m serving --model-repository REPO --gateway-port P ...` on a repository built from a config
+no preset uses answers /v1/attend with 401 without the key and, with it, outputs equal to the
+independent implementation (tests/reference.py); Ctrl-C stops Triton and the gateway cleanly."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from export import names
+from export.artifacts import WEIGHTS_FILENAME
+from export.config import ModelConfig
+from export.repository import write_repository
+from export.triton_config import ServingSettings
+from tests import reference
+from tests.fixtures.serving_process import serving_process
+
+
+@pytest.fixture(scope="module")
+def served_unseen(artifact_dir, tmp_path_factory):
+    artifact = artifact_dir("unseen")
+    work = tmp_path_factory.mktemp("serving-cli")
+    repository = write_repository(artifact, work / "repository", ServingSettings(threads=1))
+    with serving_process(repository, work, env={"SERVING_API_KEYS": "k"}) as served:
+        yield artifact, served
+
+
+def test_attend_needs_the_key_and_matches_the_independent_implementation(served_unseen):
+    artifact, served = served_unseen
+    cfg = ModelConfig.load(artifact)
+    url = f"{served.gateway_url}/v1/attend"
+    rng = np.random.default_rng(5)
+    hidden = rng.standard_normal((3, 4, cfg.d_model)).astype(np.float32)
+    mask = np.ones((3, 4), dtype=np.int64)
+    mask[1, :1] = 0
+    mask[2, :3] = 0
+    body = {names.HIDDEN_STATES: hidden.tolist(), names.ATTENTION_MASK: mask.tolist()}
+
+    assert httpx.post(url, json=body, timeout=60).status_code == 401
+    answer = httpx.post(url, json=body, headers={"X-API-Key": "k"}, timeout=60)
+    assert answer.status_code == 200, answer.text
+
+    weights = reference.load_weights(artifact / WEIGHTS_FILENAME)
+    expected, presents = reference.forward(cfg, weights, hidden, mask)
+    real = reference.real_rows(mask, new=4)
+    np.testing.assert_allclose(np.array(answer.json()["output"])[real], expected[real], atol=1e-5, rtol=1e-5)
+    real_keys = mask == 1
+    for pair, (key, value) in zip(answer.json()["present"], presents, strict=True):
+        for served_cache, theirs in ((pair["key"], key), (pair["value"], value)):
+            ours = np.array(served_cache).transpose(0, 2, 1, 3)[real_keys]
+            np.testing.assert_allclose(ours, theirs.transpose(0, 2, 1, 3)[real_keys], atol=1e-5, rtol=1e-5)
+    assert "gateway auth    enabled (1 key(s))" in served.output()

@@ -1,0 +1,92 @@
+"""The parts that need no Triton: settings from the environment, the loopback rule without keys,
+key comparison, and the binary tensor encoding."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from serving.gateway import Settings, run_gateway
+from serving.gateway.auth import key_matches
+from serving.gateway.encoding import EncodedTensor, decode, encode
+from serving.gateway.errors import InvalidInput
+
+
+def test_settings_come_from_serving_variables(monkeypatch, tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# rotated 2024-06\nfrom-file\n\n  other  \nshared\n")
+    monkeypatch.setenv("SERVING_API_KEYS", " a, b ,,shared")
+    monkeypatch.setenv("SERVING_API_KEYS_FILE", str(keys_file))
+    monkeypatch.setenv("SERVING_TRITON_URL", "triton:8001")
+    monkeypatch.setenv("SERVING_SESSIONS_PER_KEY", "2")
+    settings = Settings()
+    assert settings.accepted_keys() == ("a", "b", "shared", "from-file", "other")
+    assert (settings.triton_url, settings.sessions_per_key, settings.port) == ("triton:8001", 2, 8080)
+    assert Settings(sessions_per_key=5).sessions_per_key == 5  # arguments win over the environment
+
+
+def test_without_keys_the_gateway_binds_loopback_only_and_says_so(monkeypatch, caplog):
+    monkeypatch.delenv("SERVING_API_KEYS", raising=False)
+    monkeypatch.delenv("SERVING_API_KEYS_FILE", raising=False)
+    assert Settings(host="0.0.0.0", api_keys="k").bind_host() == "0.0.0.0"
+    with caplog.at_level(logging.WARNING), run_gateway(Settings(host="0.0.0.0", port=0)) as gateway:
+        assert gateway._server.servers[0].sockets[0].getsockname()[0] == "127.0.0.1"
+    assert "auth is DISABLED" in caplog.text and "SERVING_HOST=0.0.0.0 ignored" in caplog.text
+
+
+def test_bad_settings_stop_the_cli_with_a_message(tmp_path):
+    env = {"SERVING_API_KEYS_FILE": str(tmp_path / "missing"), "SERVING_PORT": "8080", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run(
+        [sys.executable, "-m", "serving.gateway"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 2 and "SERVING_API_KEYS_FILE" in run.stderr and "cannot read it" in run.stderr
+    env = {"SERVING_PORT": "eighty", "PATH": "/usr/bin:/bin"}
+    run = subprocess.run(
+        [sys.executable, "-m", "serving.gateway"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert run.returncode == 2 and "port" in run.stderr
+
+
+def test_keys_are_compared_as_bytes_against_every_key():
+    keys = [b"alpha", b"beta"]
+    assert key_matches("beta", keys) and not key_matches("bet", keys) and not key_matches("béta", keys)
+    assert not key_matches("alpha", [])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int64"])
+def test_b64_tensors_round_trip_bit_exact(dtype):
+    rng = np.random.default_rng(0)
+    array = (rng.standard_normal((2, 3, 5)) * 100).astype(dtype)
+    if dtype == "int64":
+        array = (array > 0).astype(dtype)
+    encoded = encode(array, "b64")
+    assert encoded["dtype"] == dtype and encoded["shape"] == [2, 3, 5]
+    decoded = decode(EncodedTensor(**encoded), "x", dtype)
+    assert decoded.dtype == np.dtype(dtype) and decoded.flags.writeable
+    np.testing.assert_array_equal(decoded, array)
+    np.testing.assert_array_equal(decode(encode(array, "json"), "x", dtype), array)  # nested lists too
+
+
+def test_b64_bytes_are_little_endian_c_order():
+    encoded = encode(np.array([[1.0, 2.0]], dtype=np.float32), "b64")
+    assert encoded["b64"] == "AACAPwAAAEA="  # 0x3f800000, 0x40000000 little-endian
+    assert encode(np.array([[1, 0]], dtype=np.int64), "b64")["b64"] == "AQAAAAAAAAAAAAAAAAAAAA=="
+
+
+@pytest.mark.parametrize(
+    ("tensor", "dtype", "message"),
+    [
+        ({"dtype": "float32", "shape": [2], "b64": "AACAPw=="}, "float32", "shape [2] of float32 needs 8 bytes"),
+        ({"dtype": "float32", "shape": [0, 2**31 - 1, 2**31 - 1, 2**31 - 1], "b64": ""}, "float32", "not a valid"),
+        ({"dtype": "float32", "shape": [1], "b64": "AACAfw=="}, "float32", "finite float32; got inf at [0]"),
+        ({"dtype": "float16", "shape": [1], "b64": "ADw="}, "float32", "expected dtype float32, got float16"),
+    ],
+)
+def test_b64_tensors_that_do_not_fit_are_named_errors(tensor, dtype, message):
+    with pytest.raises(InvalidInput, match=r"^x: ") as error:
+        decode(EncodedTensor(**tensor), "x", dtype)
+    assert message in error.value.message

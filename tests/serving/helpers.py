@@ -1,0 +1,64 @@
+"""Small tritonclient helpers shared by the serving tests (not our client library: these tests
+check the server through Triton's own client)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import np_to_triton_dtype
+
+from export import names
+
+PROTOCOLS = {"http": httpclient, "grpc": grpcclient}
+_ids = itertools.count(random.randrange(1 << 40, 1 << 41))  # apart from other tests' sequence ids
+
+
+def new_sequence_id() -> int:
+    return next(_ids)
+
+
+class Client:
+    """One protocol's tritonclient, for `mha` calls and `mha_session` steps; close() it (Triton waits
+    for open connections when it shuts down)."""
+
+    def __init__(self, server, protocol: str) -> None:
+        self.module = PROTOCOLS[protocol]
+        self.client = self.module.InferenceServerClient(server.http_url if protocol == "http" else server.grpc_url)
+
+    def infer(self, model: str, arrays: dict[str, np.ndarray], **sequence) -> dict[str, np.ndarray]:
+        inputs = []
+        for name, array in arrays.items():
+            tensor = self.module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(np.ascontiguousarray(array))
+            inputs.append(tensor)
+        result = self.client.infer(model, inputs, **sequence)
+        response = result.get_response()
+        if isinstance(response, dict):  # HTTP
+            outputs = [output["name"] for output in response["outputs"]]
+        else:
+            outputs = [output.name for output in response.outputs]
+        return {name: result.as_numpy(name) for name in outputs}
+
+    def step(self, sequence_id, hidden: np.ndarray, mask=None, start=False, end=False) -> np.ndarray:
+        arrays = {names.HIDDEN_STATES: hidden}
+        if mask is not None:
+            arrays[names.ATTENTION_MASK] = mask
+        sequence = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
+        return self.infer("mha_session", arrays, **sequence)[names.OUTPUT]
+
+    def end(self, sequence_id, d_model: int) -> np.ndarray:
+        """END with no new tokens: how a client ends a session without computing."""
+        return self.step(sequence_id, np.zeros((1, 0, d_model), np.float32), end=True)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

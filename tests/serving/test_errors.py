@@ -1,0 +1,147 @@
+"""Every error of issue point 3, over HTTP and gRPC: a 4xx-class answer whose message names the
+input (or the sequence) and what was expected; then a correct request gets the same output as
+before the error, so the server kept serving and no state changed.
+
+Triton core answers some of these itself before our model sees the request (wrong dtype, rank or
+fixed size; a step for a sequence it does not know): those checks are part of the served contract
+too. The cache budget and idle eviction are in test_cli_server.py, on a server with a small budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from export import names
+from export.config import ModelConfig
+from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
+
+INVALID = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
+
+
+@pytest.fixture(scope="module")
+def clients(triton):
+    made = {protocol: Client(triton, protocol) for protocol in PROTOCOLS}
+    yield made
+    for client in made.values():
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def cfg(triton_artifact) -> ModelConfig:
+    return ModelConfig.load(triton_artifact)
+
+
+def good_inputs(cfg: ModelConfig, past: int = 4, new: int = 3) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    arrays = {
+        names.HIDDEN_STATES: rng.standard_normal((1, new, cfg.d_model)).astype(np.float32),
+        names.ATTENTION_MASK: np.ones((1, past + new), np.int64),
+    }
+    for name in names.past_names(cfg.n_layers):
+        arrays[name] = rng.standard_normal((1, cfg.n_kv_heads, past, cfg.head_dim)).astype(np.float32)
+    return arrays
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    change: Callable[[dict, ModelConfig], dict]  # the good inputs -> the bad ones
+    says: tuple[str, ...]  # what the message must contain
+
+
+def _replace(name: str, make: Callable[[dict, ModelConfig], np.ndarray]) -> Callable[[dict, ModelConfig], dict]:
+    return lambda arrays, cfg: {**arrays, name: make(arrays, cfg)}
+
+
+def _drop(name: str) -> Callable[[dict, ModelConfig], dict]:
+    return lambda arrays, cfg: {k: v for k, v in arrays.items() if k != name}
+
+
+H, M, K0, V0 = names.HIDDEN_STATES, names.ATTENTION_MASK, names.past_name(0, "key"), names.past_name(0, "value")
+STATELESS_CASES = {
+    "wrong dtype": Case(_replace(H, lambda a, c: a[H].astype(np.float64)), (H, "FP64", "FP32")),
+    "wrong rank": Case(_replace(H, lambda a, c: a[H][0]), (H, "[-1,-1,256]")),
+    "wrong size": Case(_replace(H, lambda a, c: a[H][:, :, :255].copy()), (H, "[-1,-1,256]")),
+    "mask dtype": Case(_replace(M, lambda a, c: a[M].astype(np.int32)), (M, "INT32", "INT64")),
+    "cache heads": Case(_replace(K0, lambda a, c: a[K0][:, :3].copy()), (K0, "[-1,4,-1,32]")),
+    "mask and past lengths disagree": Case(
+        _replace(M, lambda a, c: np.ones((1, 6), np.int64)), (M, "past + new = 4 + 3 = 7", "got 6")
+    ),
+    "mask batch": Case(_replace(M, lambda a, c: np.ones((2, 7), np.int64)), (M, "batch_size", "2", "1")),
+    "cache batch": Case(_replace(K0, lambda a, c: np.repeat(a[K0], 2, axis=0)), (K0, "batch_size", "2", "1")),
+    "cache length": Case(_replace(K0, lambda a, c: a[K0][:, :, :3].copy()), ("past_sequence_length", "4", "3")),
+    "half the past": Case(_drop(V0), (V0, "missing", "every past key and value")),
+    "no hidden states": Case(_drop(H), (H, "missing")),
+}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("case", STATELESS_CASES)
+def test_stateless_error_names_the_input_and_the_server_goes_on(clients, cfg, protocol, case):
+    client, good = clients[protocol], good_inputs(cfg)
+    before = client.infer("mha", good)
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer("mha", STATELESS_CASES[case].change(good, cfg))
+    assert raised.value.status() == INVALID[protocol], raised.value
+    for fragment in STATELESS_CASES[case].says:
+        assert fragment in raised.value.message(), raised.value.message()
+    after = client.infer("mha", good)
+    for name, array in before.items():
+        np.testing.assert_array_equal(after[name], array)
+
+
+# --- the stateful model ---------------------------------------------------------------------------
+
+SESSION_CASES = {
+    # (hidden (1, T, d) maker, mask maker or None, what the message says)
+    "wrong dtype": (lambda d: np.ones((1, 2, d), np.float64), None, (H, "FP64", "FP32")),
+    "wrong size": (lambda d: np.ones((1, 2, d - 1), np.float32), None, (H, "[-1,-1,256]")),
+    "two rows": (lambda d: np.ones((2, 2, d), np.float32), None, ("mha_session", "batch-size 1")),  # Triton core
+    "mask length": (lambda d: np.ones((1, 2, d), np.float32), np.ones((1, 3), np.int64), (M, "[1, 2]", "[1, 3]")),
+    "no new tokens": (lambda d: np.ones((1, 0, d), np.float32), None, (H, "sequence_length must be at least 1")),
+    "too long": (lambda d: np.ones((1, 2048, d), np.float32), None, ("would hold 2051 positions", "max_seq_len 2048")),
+}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("case", SESSION_CASES)
+def test_a_bad_step_leaves_the_sequence_as_it_was(clients, cfg, protocol, case):
+    """The same steps on two sequences, one of them with a bad step in between: same outputs after."""
+    stepper = clients[protocol]
+    rng = np.random.default_rng(3)
+    steps = [rng.standard_normal((1, n, cfg.d_model)).astype(np.float32) for n in (3, 1)]
+    twin, tested = new_sequence_id(), new_sequence_id()
+    for sequence_id in (twin, tested):
+        stepper.step(sequence_id, steps[0], start=True)
+    make_hidden, mask, says = SESSION_CASES[case]
+    try:
+        with pytest.raises(InferenceServerException) as raised:
+            stepper.step(tested, make_hidden(cfg.d_model), mask)
+        assert raised.value.status() == INVALID[protocol], raised.value
+        for fragment in says:
+            assert fragment in raised.value.message(), raised.value.message()
+        expected = stepper.step(twin, steps[1])
+        np.testing.assert_array_equal(stepper.step(tested, steps[1]), expected)
+    finally:
+        for sequence_id in (twin, tested):
+            stepper.end(sequence_id, cfg.d_model)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_step_for_an_unknown_or_ended_sequence_names_it(clients, cfg, protocol):
+    stepper, sequence_id = clients[protocol], new_sequence_id()
+    hidden = np.ones((1, 1, cfg.d_model), np.float32)
+    with pytest.raises(InferenceServerException) as unknown:
+        stepper.step(sequence_id, hidden)
+    first = stepper.step(sequence_id, hidden, start=True)
+    stepper.end(sequence_id, cfg.d_model)
+    with pytest.raises(InferenceServerException) as ended:
+        stepper.step(sequence_id, hidden)
+    for raised in (unknown, ended):  # Triton core answers: it knows which sequences are live
+        assert raised.value.status() == INVALID[protocol]
+        assert f"sequence {sequence_id}" in raised.value.message() and "START" in raised.value.message()
+    np.testing.assert_array_equal(stepper.step(sequence_id, hidden, start=True, end=True), first)
