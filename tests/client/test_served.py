@@ -23,10 +23,8 @@ from client.errors import (
     UnknownSessionError,
 )
 from export import names
-from export.artifacts import load_model
-from export.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Runner, torch_runner
+from export.runtime import Runner
 from tests.client.conftest import DelayedProxy
 from tests.fixtures.triton import metric
 
@@ -38,18 +36,8 @@ def url(triton, protocol: str) -> str:
     return triton.grpc_url if protocol == "grpc" else triton.http_url
 
 
-@pytest.fixture(scope="module")
-def cfg(triton_artifact) -> ModelConfig:
-    return ModelConfig.load(triton_artifact)
-
-
-@pytest.fixture(scope="module")
-def reference(triton_artifact) -> Runner:
-    return torch_runner(load_model(triton_artifact))
-
-
-def hidden(cfg, batch: int, tokens: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((batch, tokens, cfg.d_model)).astype(np.float32)
+def hidden(served_cfg, batch: int, tokens: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((batch, tokens, served_cfg.d_model)).astype(np.float32)
 
 
 def client_runner(infer) -> Runner:
@@ -69,9 +57,9 @@ def client_runner(infer) -> Runner:
     return run
 
 
-def assert_parity(cfg, reference, runner) -> None:
+def assert_parity(served_cfg, served_reference, runner) -> None:
     scenario = Scenario(batch=3, prefill=7, steps=12, padding=(0, 2, 5))  # left-padded; the past starts empty
-    result = compare_rung(cfg, reference, runner, scenario, TOLERANCES["fp32"])
+    result = compare_rung(served_cfg, served_reference, runner, scenario, TOLERANCES["fp32"])
     worst = {name: (error.max_abs, error.step) for name, error in result.tensors.items()}
     assert result.passed and max(error.max_abs for error in result.tensors.values()) <= 1e-5, worst
     assert len(result.step_errors) == scenario.steps + 1
@@ -81,35 +69,35 @@ def assert_parity(cfg, reference, runner) -> None:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_infer_matches_pytorch_over_prefill_and_decode(triton, cfg, reference, protocol):
+def test_infer_matches_pytorch_over_prefill_and_decode(triton, served_cfg, served_reference, protocol):
     with Client(url(triton, protocol), protocol) as client:
         info = client.metadata()
         assert (info.n_layers, info.d_model, info.n_kv_heads, info.head_dim) == (
-            cfg.n_layers,
-            cfg.d_model,
-            cfg.n_kv_heads,
-            cfg.head_dim,
+            served_cfg.n_layers,
+            served_cfg.d_model,
+            served_cfg.n_kv_heads,
+            served_cfg.head_dim,
         )
-        assert_parity(cfg, reference, client_runner(client.infer))
+        assert_parity(served_cfg, served_reference, client_runner(client.infer))
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_async_infer_matches_pytorch_over_prefill_and_decode(triton, cfg, reference, protocol):
+def test_async_infer_matches_pytorch_over_prefill_and_decode(triton, served_cfg, served_reference, protocol):
     with asyncio.Runner() as loop:  # one loop for the whole scenario: the client belongs to it
         client = AsyncClient(url(triton, protocol), protocol)
-        assert loop.run(client.metadata()).n_layers == cfg.n_layers
-        assert_parity(cfg, reference, client_runner(lambda *args: loop.run(client.infer(*args))))
+        assert loop.run(client.metadata()).n_layers == served_cfg.n_layers
+        assert_parity(served_cfg, served_reference, client_runner(lambda *args: loop.run(client.infer(*args))))
         loop.run(client.close())
 
 
 # --- sessions -------------------------------------------------------------------------------
 
 
-def full_forward(reference, pieces: list[np.ndarray], mask: np.ndarray | None = None) -> np.ndarray:
+def full_forward(served_reference, pieces: list[np.ndarray], mask: np.ndarray | None = None) -> np.ndarray:
     inputs = {names.HIDDEN_STATES: np.concatenate(pieces, axis=1)}
     if mask is not None:
         inputs[names.ATTENTION_MASK] = mask
-    return reference(inputs)[names.OUTPUT]
+    return served_reference(inputs)[names.OUTPUT]
 
 
 def live_sequences(triton, expected: float, timeout: float = 5.0) -> float:
@@ -121,8 +109,8 @@ def live_sequences(triton, expected: float, timeout: float = 5.0) -> float:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_session_equals_the_full_causal_forward_and_ends_on_exit(triton, cfg, reference, protocol):
-    pieces = [hidden(cfg, 1, 6, seed=1)] + [hidden(cfg, 1, 1, seed=2 + i) for i in range(10)]
+def test_a_session_equals_the_full_causal_forward_and_ends_on_exit(triton, served_cfg, served_reference, protocol):
+    pieces = [hidden(served_cfg, 1, 6, seed=1)] + [hidden(served_cfg, 1, 1, seed=2 + i) for i in range(10)]
     before = metric(triton, SEQUENCES, "mha_session")
     with Client(url(triton, protocol), protocol) as client:
         with client.session() as session:
@@ -133,11 +121,11 @@ def test_a_session_equals_the_full_causal_forward_and_ends_on_exit(triton, cfg, 
         assert session.closed
         assert live_sequences(triton, before) == before  # END (a zero-token request) freed it
     served = np.concatenate(outputs, axis=1)
-    np.testing.assert_allclose(served, full_forward(reference, pieces), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(served, full_forward(served_reference, pieces), rtol=0, atol=1e-5)
 
 
-def test_a_session_with_padding_and_end_on_the_last_step(triton, cfg, reference):
-    pieces = [hidden(cfg, 1, 5, seed=3), hidden(cfg, 1, 1, seed=4), hidden(cfg, 1, 2, seed=5)]
+def test_a_session_with_padding_and_end_on_the_last_step(triton, served_cfg, served_reference):
+    pieces = [hidden(served_cfg, 1, 5, seed=3), hidden(served_cfg, 1, 1, seed=4), hidden(served_cfg, 1, 2, seed=5)]
     masks = [np.array([[0, 0, 1, 1, 1]]), np.ones((1, 1), np.int64), np.ones((1, 2), np.int64)]
     with Client(triton.grpc_url) as client:
         session = client.session()
@@ -147,7 +135,7 @@ def test_a_session_with_padding_and_end_on_the_last_step(triton, cfg, reference)
         with pytest.raises(UnknownSessionError, match="closed"):
             session.step(pieces[1])
     served = np.concatenate(outputs, axis=1)
-    expected = full_forward(reference, pieces, np.concatenate(masks, axis=1))
+    expected = full_forward(served_reference, pieces, np.concatenate(masks, axis=1))
     np.testing.assert_allclose(served[:, 2:], expected[:, 2:], rtol=0, atol=1e-5)  # padded rows: unspecified
 
 
@@ -157,20 +145,22 @@ def fail_inside(session, x) -> None:
         raise KeyError("the caller's own error")
 
 
-def test_a_session_is_ended_even_when_the_block_fails(triton, cfg):
+def test_a_session_is_ended_even_when_the_block_fails(triton, served_cfg):
     before = metric(triton, SEQUENCES, "mha_session")
     with Client(triton.http_url, "http") as client:
         session = client.session()
         with pytest.raises(KeyError, match="the caller's own error"):
-            fail_inside(session, hidden(cfg, 1, 2, seed=6))
+            fail_inside(session, hidden(served_cfg, 1, 2, seed=6))
     assert session.closed
     assert live_sequences(triton, before) == before
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_concurrent_async_sessions_each_equal_their_own_forward(triton, cfg, reference, protocol):
+def test_concurrent_async_sessions_each_equal_their_own_forward(triton, served_cfg, served_reference, protocol):
     async def drive(client, seed):
-        pieces = [hidden(cfg, 1, 3 + seed % 3, seed=100 + seed)] + [hidden(cfg, 1, 1, seed + 200 + i) for i in range(6)]
+        pieces = [hidden(served_cfg, 1, 3 + seed % 3, seed=100 + seed)] + [
+            hidden(served_cfg, 1, 1, seed + 200 + i) for i in range(6)
+        ]
         async with client.session() as session:
             outputs = [await session.step(piece) for piece in pieces]
         return pieces, np.concatenate(outputs, axis=1)
@@ -180,15 +170,17 @@ def test_concurrent_async_sessions_each_equal_their_own_forward(triton, cfg, ref
             return await asyncio.gather(*(drive(client, seed) for seed in range(8)))
 
     for pieces, served in asyncio.run(run()):
-        np.testing.assert_allclose(served, full_forward(reference, pieces), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(served, full_forward(served_reference, pieces), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_one_client_serves_sessions_from_several_threads(triton, cfg, reference, protocol):
+def test_one_client_serves_sessions_from_several_threads(triton, served_cfg, served_reference, protocol):
     results = {}
 
     def drive(client, seed):
-        pieces = [hidden(cfg, 1, 4, seed=300 + seed)] + [hidden(cfg, 1, 1, seed=400 + 10 * seed + i) for i in range(4)]
+        pieces = [hidden(served_cfg, 1, 4, seed=300 + seed)] + [
+            hidden(served_cfg, 1, 1, seed=400 + 10 * seed + i) for i in range(4)
+        ]
         with client.session() as session:
             results[seed] = pieces, np.concatenate([session.step(piece) for piece in pieces], axis=1)
 
@@ -200,7 +192,7 @@ def test_one_client_serves_sessions_from_several_threads(triton, cfg, reference,
             thread.join(60)
     assert sorted(results) == [0, 1, 2, 3]
     for pieces, served in results.values():
-        np.testing.assert_allclose(served, full_forward(reference, pieces), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(served, full_forward(served_reference, pieces), rtol=0, atol=1e-5)
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -214,19 +206,19 @@ def request_count(triton, model: str) -> int:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_bad_inputs_are_refused_before_sending(triton, cfg, protocol):
+def test_bad_inputs_are_refused_before_sending(triton, served_cfg, protocol):
     with Client(url(triton, protocol), protocol) as client:
         client.metadata()
         before = request_count(triton, "mha")
         with pytest.raises(InvalidInputError, match="hidden_states") as caught:
-            client.infer(hidden(cfg, 1, 2, seed=0).astype(np.float64))
+            client.infer(hidden(served_cfg, 1, 2, seed=0).astype(np.float64))
         assert caught.value.status is None
         assert request_count(triton, "mha") == before  # no round trip
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_server_rejections_are_typed_and_the_server_keeps_serving(triton, cfg, protocol):
-    x = hidden(cfg, 2, 3, seed=7)
+def test_server_rejections_are_typed_and_the_server_keeps_serving(triton, served_cfg, protocol):
+    x = hidden(served_cfg, 2, 3, seed=7)
     with (
         Client(url(triton, protocol), protocol) as client,
         Client(url(triton, protocol), protocol, validate=False) as raw,
@@ -246,8 +238,8 @@ def test_server_rejections_are_typed_and_the_server_keeps_serving(triton, cfg, p
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_session_the_server_forgot_is_unknown(triton, cfg, protocol):
-    x = hidden(cfg, 1, 2, seed=8)
+def test_a_session_the_server_forgot_is_unknown(triton, served_cfg, protocol):
+    x = hidden(served_cfg, 1, 2, seed=8)
     with Client(url(triton, protocol), protocol) as client:
         with client.session() as session:
             session.step(x)
@@ -257,7 +249,7 @@ def test_a_session_the_server_forgot_is_unknown(triton, cfg, protocol):
             assert caught.value.status in ("400", "StatusCode.INVALID_ARGUMENT")
             assert session.closed  # nothing left to end
         with client.session() as fresh:  # and the server goes on
-            assert fresh.step(x).shape == (1, 2, cfg.d_model)
+            assert fresh.step(x).shape == (1, 2, served_cfg.d_model)
 
 
 def fill_budget(client, sessions: list, token: np.ndarray) -> None:
@@ -267,15 +259,15 @@ def fill_budget(client, sessions: list, token: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_full_kv_cache_budget_is_server_busy(triton, cfg, protocol):
-    token = hidden(cfg, 1, 1, seed=9)
+def test_a_full_kv_cache_budget_is_server_busy(triton, served_cfg, protocol):
+    token = hidden(served_cfg, 1, 1, seed=9)
     with Client(url(triton, protocol), protocol) as client:
         sessions = []
         try:
             with pytest.raises(ServerBusyError, match="budget") as caught:
                 fill_budget(client, sessions, token)
             assert caught.value.status in ("503", "StatusCode.UNAVAILABLE")
-            assert sessions[0].step(token).shape == (1, 1, cfg.d_model)  # the live ones keep working
+            assert sessions[0].step(token).shape == (1, 1, served_cfg.d_model)  # the live ones keep working
         finally:
             for session in sessions:
                 session.close()
@@ -300,37 +292,37 @@ def test_waiting_for_readiness(triton, protocol):
     assert asyncio.run(run()).ok
 
 
-def test_an_unknown_model_is_named(triton, cfg):
+def test_an_unknown_model_is_named(triton, served_cfg):
     with Client(triton.grpc_url, model="nope", retries=0) as client, pytest.raises(ModelNotFoundError, match="nope"):
-        client.infer(hidden(cfg, 1, 1, seed=0))
+        client.infer(hidden(served_cfg, 1, 1, seed=0))
 
 
 # --- timeouts and retries -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_request_slower_than_the_timeout_times_out(triton, cfg, protocol):
-    long_prefill = hidden(cfg, 1, 1024, seed=10)  # tens of milliseconds of work
+def test_a_request_slower_than_the_timeout_times_out(triton, served_cfg, protocol):
+    long_prefill = hidden(served_cfg, 1, 1024, seed=10)  # tens of milliseconds of work
     hasty = Client(url(triton, protocol), protocol, timeout=0.001, validate=False)
     with hasty, pytest.raises(RequestTimeoutError):
         hasty.infer(long_prefill)
     with Client(url(triton, protocol), protocol) as client:
-        assert client.infer(hidden(cfg, 1, 2, seed=11)).output.shape == (1, 2, cfg.d_model)
+        assert client.infer(hidden(served_cfg, 1, 2, seed=11)).output.shape == (1, 2, served_cfg.d_model)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_async_a_step_slower_than_the_timeout_times_out(triton, cfg, protocol):
+def test_async_a_step_slower_than_the_timeout_times_out(triton, served_cfg, protocol):
     async def run():
         async with AsyncClient(url(triton, protocol), protocol, timeout=0.001, validate=False) as hasty:
             session = hasty.session()
             with pytest.raises(RequestTimeoutError):
-                await session.step(hidden(cfg, 1, 1024, seed=12))
+                await session.step(hidden(served_cfg, 1, 1024, seed=12))
             with contextlib.suppress(RequestTimeoutError):  # its END may not make it in 1 ms either
                 await session.close()
             assert session.closed
         async with AsyncClient(url(triton, protocol), protocol) as client:
             # whether the timed-out START ran is unknown: restart and end the id to free its cache
-            await client.session(sequence_id=session.id).step(hidden(cfg, 1, 1, seed=13), end=True)
+            await client.session(sequence_id=session.id).step(hidden(served_cfg, 1, 1, seed=13), end=True)
             return await client.ready()
 
     assert asyncio.run(run()) is True
@@ -355,19 +347,19 @@ def test_retries_ride_out_a_server_that_comes_up(triton, protocol, caplog):
 # --- the command line -----------------------------------------------------------------------
 
 
-def test_cli_health_infer_and_bench(triton, cfg, tmp_path, capsys):
+def test_cli_health_infer_and_bench(triton, served_cfg, tmp_path, capsys):
     from client.__main__ import main
 
     assert main(["health", "--url", triton.grpc_url]) == 0
     assert "model mha_session: ready" in capsys.readouterr().out
-    np.save(tmp_path / "hidden.npy", hidden(cfg, 2, 3, seed=13))
+    np.save(tmp_path / "hidden.npy", hidden(served_cfg, 2, 3, seed=13))
     assert (
         main(["infer", "--url", triton.http_url, "--protocol", "http", "--hidden", str(tmp_path / "hidden.npy")]) == 0
     )
     out = capsys.readouterr().out
-    assert f"output (2, 3, {cfg.d_model}) float32" in out and "present.1: key (2, 4, 3, 32)" in out
+    assert f"output (2, 3, {served_cfg.d_model}) float32" in out and "present.1: key (2, 4, 3, 32)" in out
     assert main(["infer", "--url", triton.grpc_url, "--session", "--tokens", "4"]) == 0
-    assert f"output (1, 4, {cfg.d_model})" in capsys.readouterr().out
+    assert f"output (1, 4, {served_cfg.d_model})" in capsys.readouterr().out
     for protocol, mode in (("grpc", "session"), ("http", "stateless")):
         argv = ["bench", "--url", url(triton, protocol), "--protocol", protocol, "--mode", mode, "--steps", "5"]
         assert main(argv) == 0

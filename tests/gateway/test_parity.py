@@ -7,29 +7,18 @@ import numpy as np
 import pytest
 
 from export import names
-from export.artifacts import load_model
 from export.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Runner, torch_runner
+from export.runtime import Runner
 from tests.gateway.conftest import attend_body, attend_outputs, b64_tensor, from_b64
 
 
-@pytest.fixture(scope="module")
-def cfg(triton_artifact) -> ModelConfig:
-    return ModelConfig.load(triton_artifact)
-
-
-@pytest.fixture(scope="module")
-def reference(triton_artifact) -> Runner:
-    return torch_runner(load_model(triton_artifact))
-
-
-def gateway_runner(api, cfg: ModelConfig, binary: bool) -> Runner:
+def gateway_runner(api, served_cfg: ModelConfig, binary: bool) -> Runner:
     """/v1/attend as a parity-ladder runner: named arrays in, named arrays out, through HTTP."""
     path = "/v1/attend?encoding=b64" if binary else "/v1/attend"
 
     def run(inputs):
-        response = api.post(path, json=attend_body(inputs, cfg.n_layers, binary))
+        response = api.post(path, json=attend_body(inputs, served_cfg.n_layers, binary))
         assert response.status_code == 200, response.text
         return attend_outputs(response.json(), binary)
 
@@ -37,17 +26,19 @@ def gateway_runner(api, cfg: ModelConfig, binary: bool) -> Runner:
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "b64"])
-def test_attend_prefill_and_decode_steps_match_pytorch(api, cfg, reference, binary):
+def test_attend_prefill_and_decode_steps_match_pytorch(api, served_cfg, served_reference, binary):
     scenario = Scenario(batch=3, prefill=6, steps=12, padding=(0, 2, 4), past=5, seed=3)
-    result = compare_rung(cfg, reference, gateway_runner(api, cfg, binary), scenario, TOLERANCES["fp32"])
+    result = compare_rung(
+        served_cfg, served_reference, gateway_runner(api, served_cfg, binary), scenario, TOLERANCES["fp32"]
+    )
     worst = {name: (error.max_abs, error.step, error.index) for name, error in result.tensors.items()}
     assert result.passed, worst
     assert max(error.max_abs for error in result.tensors.values()) <= 1e-5, worst
 
 
-def test_session_steps_match_the_pytorch_full_forward(api, cfg, reference):
+def test_session_steps_match_the_pytorch_full_forward(api, served_cfg, served_reference):
     rng = np.random.default_rng(7)
-    chunks = [rng.standard_normal((1, t, cfg.d_model)).astype(np.float32) for t in (5, 1, 1, 3, *[1] * 8)]
+    chunks = [rng.standard_normal((1, t, served_cfg.d_model)).astype(np.float32) for t in (5, 1, 1, 3, *[1] * 8)]
     session = api.post("/v1/sessions").json()["id"]
     outputs = []
     for i, chunk in enumerate(chunks):
@@ -58,5 +49,5 @@ def test_session_steps_match_the_pytorch_full_forward(api, cfg, reference):
         output = response.json()["output"]
         outputs.append(from_b64(output) if binary else np.asarray(output, dtype=np.float32))
     assert api.delete(f"/v1/sessions/{session}").status_code == 204
-    expected = reference({names.HIDDEN_STATES: np.concatenate(chunks, axis=1)})[names.OUTPUT]
+    expected = served_reference({names.HIDDEN_STATES: np.concatenate(chunks, axis=1)})[names.OUTPUT]
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, atol=1e-5, rtol=1e-5)

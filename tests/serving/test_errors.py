@@ -18,32 +18,19 @@ from tritonclient.utils import InferenceServerException
 
 from export import names
 from export.config import ModelConfig
-from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
+from tests.serving.helpers import PROTOCOLS, new_sequence_id
 
 INVALID = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
 
 
-@pytest.fixture(scope="module")
-def clients(triton):
-    made = {protocol: Client(triton, protocol) for protocol in PROTOCOLS}
-    yield made
-    for client in made.values():
-        client.close()
-
-
-@pytest.fixture(scope="module")
-def cfg(triton_artifact) -> ModelConfig:
-    return ModelConfig.load(triton_artifact)
-
-
-def good_inputs(cfg: ModelConfig, past: int = 4, new: int = 3) -> dict[str, np.ndarray]:
+def good_inputs(served_cfg: ModelConfig, past: int = 4, new: int = 3) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
     arrays = {
-        names.HIDDEN_STATES: rng.standard_normal((1, new, cfg.d_model)).astype(np.float32),
+        names.HIDDEN_STATES: rng.standard_normal((1, new, served_cfg.d_model)).astype(np.float32),
         names.ATTENTION_MASK: np.ones((1, past + new), np.int64),
     }
-    for name in names.past_names(cfg.n_layers):
-        arrays[name] = rng.standard_normal((1, cfg.n_kv_heads, past, cfg.head_dim)).astype(np.float32)
+    for name in names.past_names(served_cfg.n_layers):
+        arrays[name] = rng.standard_normal((1, served_cfg.n_kv_heads, past, served_cfg.head_dim)).astype(np.float32)
     return arrays
 
 
@@ -54,11 +41,11 @@ class Case:
 
 
 def _replace(name: str, make: Callable[[dict, ModelConfig], np.ndarray]) -> Callable[[dict, ModelConfig], dict]:
-    return lambda arrays, cfg: {**arrays, name: make(arrays, cfg)}
+    return lambda arrays, served_cfg: {**arrays, name: make(arrays, served_cfg)}
 
 
 def _drop(name: str) -> Callable[[dict, ModelConfig], dict]:
-    return lambda arrays, cfg: {k: v for k, v in arrays.items() if k != name}
+    return lambda arrays, served_cfg: {k: v for k, v in arrays.items() if k != name}
 
 
 H, M, K0, V0 = names.HIDDEN_STATES, names.ATTENTION_MASK, names.past_name(0, "key"), names.past_name(0, "value")
@@ -81,11 +68,11 @@ STATELESS_CASES = {
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("case", STATELESS_CASES)
-def test_stateless_error_names_the_input_and_the_server_goes_on(clients, cfg, protocol, case):
-    client, good = clients[protocol], good_inputs(cfg)
+def test_stateless_error_names_the_input_and_the_server_goes_on(clients, served_cfg, protocol, case):
+    client, good = clients[protocol], good_inputs(served_cfg)
     before = client.infer("mha", good)
     with pytest.raises(InferenceServerException) as raised:
-        client.infer("mha", STATELESS_CASES[case].change(good, cfg))
+        client.infer("mha", STATELESS_CASES[case].change(good, served_cfg))
     assert raised.value.status() == INVALID[protocol], raised.value
     for fragment in STATELESS_CASES[case].says:
         assert fragment in raised.value.message(), raised.value.message()
@@ -109,18 +96,18 @@ SESSION_CASES = {
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("case", SESSION_CASES)
-def test_a_bad_step_leaves_the_sequence_as_it_was(clients, cfg, protocol, case):
+def test_a_bad_step_leaves_the_sequence_as_it_was(clients, served_cfg, protocol, case):
     """The same steps on two sequences, one of them with a bad step in between: same outputs after."""
     stepper = clients[protocol]
     rng = np.random.default_rng(3)
-    steps = [rng.standard_normal((1, n, cfg.d_model)).astype(np.float32) for n in (3, 1)]
+    steps = [rng.standard_normal((1, n, served_cfg.d_model)).astype(np.float32) for n in (3, 1)]
     twin, tested = new_sequence_id(), new_sequence_id()
     for sequence_id in (twin, tested):
         stepper.step(sequence_id, steps[0], start=True)
     make_hidden, mask, says = SESSION_CASES[case]
     try:
         with pytest.raises(InferenceServerException) as raised:
-            stepper.step(tested, make_hidden(cfg.d_model), mask)
+            stepper.step(tested, make_hidden(served_cfg.d_model), mask)
         assert raised.value.status() == INVALID[protocol], raised.value
         for fragment in says:
             assert fragment in raised.value.message(), raised.value.message()
@@ -128,17 +115,17 @@ def test_a_bad_step_leaves_the_sequence_as_it_was(clients, cfg, protocol, case):
         np.testing.assert_array_equal(stepper.step(tested, steps[1]), expected)
     finally:
         for sequence_id in (twin, tested):
-            stepper.end(sequence_id, cfg.d_model)
+            stepper.end(sequence_id, served_cfg.d_model)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_a_step_for_an_unknown_or_ended_sequence_names_it(clients, cfg, protocol):
+def test_a_step_for_an_unknown_or_ended_sequence_names_it(clients, served_cfg, protocol):
     stepper, sequence_id = clients[protocol], new_sequence_id()
-    hidden = np.ones((1, 1, cfg.d_model), np.float32)
+    hidden = np.ones((1, 1, served_cfg.d_model), np.float32)
     with pytest.raises(InferenceServerException) as unknown:
         stepper.step(sequence_id, hidden)
     first = stepper.step(sequence_id, hidden, start=True)
-    stepper.end(sequence_id, cfg.d_model)
+    stepper.end(sequence_id, served_cfg.d_model)
     with pytest.raises(InferenceServerException) as ended:
         stepper.step(sequence_id, hidden)
     for raised in (unknown, ended):  # Triton core answers: it knows which sequences are live

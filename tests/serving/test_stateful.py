@@ -14,22 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from export.artifacts import load_model
 from tests.fixtures.triton import metric, wait_for_metric
 from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
-
-
-@pytest.fixture(scope="module")
-def clients(triton):
-    made = {protocol: Client(triton, protocol) for protocol in PROTOCOLS}
-    yield made
-    for client in made.values():
-        client.close()
-
-
-@pytest.fixture(scope="module")
-def model(triton_artifact):
-    return load_model(triton_artifact)
 
 
 def run_session(client: Client, hidden: np.ndarray, chunks: list[int], mask=None) -> np.ndarray:
@@ -45,37 +31,37 @@ def run_session(client: Client, hidden: np.ndarray, chunks: list[int], mask=None
     return np.concatenate(outputs, axis=1)
 
 
-def full_forward(model, hidden: np.ndarray, mask=None) -> np.ndarray:
+def full_forward(served_model, hidden: np.ndarray, mask=None) -> np.ndarray:
     with torch.no_grad():
         mask_tensor = None if mask is None else torch.from_numpy(mask)
-        return model(torch.from_numpy(hidden), mask_tensor).output.numpy()
+        return served_model(torch.from_numpy(hidden), mask_tensor).output.numpy()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_64_steps_equal_the_full_causal_forward(clients, model, protocol):
-    hidden = np.random.default_rng(0).standard_normal((1, 64, model.cfg.d_model)).astype(np.float32)
+def test_64_steps_equal_the_full_causal_forward(clients, served_model, protocol):
+    hidden = np.random.default_rng(0).standard_normal((1, 64, served_model.cfg.d_model)).astype(np.float32)
     served = run_session(clients[protocol], hidden, [1] * 64)
-    np.testing.assert_allclose(served, full_forward(model, hidden), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(served, full_forward(served_model, hidden), atol=1e-5, rtol=1e-5)
 
 
-def test_a_padded_prefill_stays_masked_in_later_steps(clients, model):
+def test_a_padded_prefill_stays_masked_in_later_steps(clients, served_model):
     rng = np.random.default_rng(1)
-    hidden = rng.standard_normal((1, 12, model.cfg.d_model)).astype(np.float32)
+    hidden = rng.standard_normal((1, 12, served_model.cfg.d_model)).astype(np.float32)
     mask = np.ones((1, 12), np.int64)
     mask[0, :3] = 0  # left padding in the prefill: later steps must not attend it either
     served = run_session(clients["grpc"], hidden, [5, 1, 1, 2, 3], mask)
-    expected = full_forward(model, hidden, mask)
+    expected = full_forward(served_model, hidden, mask)
     real = mask[0].astype(bool)
     np.testing.assert_allclose(served[:, real], expected[:, real], atol=1e-5, rtol=1e-5)
 
 
-def test_start_on_a_live_sequence_restarts_it(clients, model):
+def test_start_on_a_live_sequence_restarts_it(clients, served_model):
     client, sequence_id = clients["grpc"], new_sequence_id()
-    hidden = np.random.default_rng(2).standard_normal((1, 4, model.cfg.d_model)).astype(np.float32)
+    hidden = np.random.default_rng(2).standard_normal((1, 4, served_model.cfg.d_model)).astype(np.float32)
     client.step(sequence_id, hidden[:, :3], start=True)
     again = client.step(sequence_id, hidden[:, 3:], start=True)  # a fresh sequence of one token
-    client.end(sequence_id, model.cfg.d_model)
-    np.testing.assert_allclose(again, full_forward(model, hidden[:, 3:]), atol=1e-5, rtol=1e-5)
+    client.end(sequence_id, served_model.cfg.d_model)
+    np.testing.assert_allclose(again, full_forward(served_model, hidden[:, 3:]), atol=1e-5, rtol=1e-5)
 
 
 def session_plan(k: int, d_model: int) -> tuple[np.ndarray, list[int]]:
@@ -106,9 +92,9 @@ def run_concurrently(server, plans: list) -> list[np.ndarray | BaseException | N
     return results
 
 
-def test_16_concurrent_sessions_each_equal_their_run_alone_and_share_executes(triton, clients, model):
+def test_16_concurrent_sessions_each_equal_their_run_alone_and_share_executes(triton, clients, served_model):
     count = 16
-    plans = [session_plan(k, model.cfg.d_model) for k in range(count)]
+    plans = [session_plan(k, served_model.cfg.d_model) for k in range(count)]
     alone = [run_session(clients["grpc"], hidden, chunks) for hidden, chunks in plans]
 
     requests_before = metric(triton, "nv_inference_request_success", "mha_session")
@@ -120,7 +106,7 @@ def test_16_concurrent_sessions_each_equal_their_run_alone_and_share_executes(tr
     for k in range(count):
         assert isinstance(together[k], np.ndarray), together[k]
         np.testing.assert_allclose(together[k], alone[k], atol=1e-5, rtol=1e-5, err_msg=f"session {k}")
-        np.testing.assert_allclose(together[k], full_forward(model, plans[k][0]), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(together[k], full_forward(served_model, plans[k][0]), atol=1e-5, rtol=1e-5)
     assert requests == count * 26  # prefill, 24 steps, end
     # Triton counts one execution per execute() call: fewer executions than requests means that
     # several sequences' steps ran together (measured here: about 5 per execute)
@@ -128,14 +114,14 @@ def test_16_concurrent_sessions_each_equal_their_run_alone_and_share_executes(tr
     assert metric(triton, "attention_session_largest_batch", "mha_session") > 1
 
 
-def test_end_gives_the_memory_back(triton, clients, model):
+def test_end_gives_the_memory_back(triton, clients, served_model):
     client, held = clients["grpc"], "attention_kv_cache_bytes"
     time.sleep(0.5)  # the bytes gauge follows steps within a quarter second: let other tests' settle
     held_before = metric(triton, held, "mha_session")
     sequence_id = new_sequence_id()
-    client.step(sequence_id, np.ones((1, 10, model.cfg.d_model), np.float32), start=True)
-    with_cache = held_before + model.cfg.kv_cache_bytes(batch=1, length=10)
+    client.step(sequence_id, np.ones((1, 10, served_model.cfg.d_model), np.float32), start=True)
+    with_cache = held_before + served_model.cfg.kv_cache_bytes(batch=1, length=10)
     assert wait_for_metric(triton, held, "mha_session", with_cache) == with_cache
-    closed = client.end(sequence_id, model.cfg.d_model)
-    assert closed.shape == (1, 0, model.cfg.d_model)
+    closed = client.end(sequence_id, served_model.cfg.d_model)
+    assert closed.shape == (1, 0, served_model.cfg.d_model)
     assert wait_for_metric(triton, held, "mha_session", held_before) == held_before
