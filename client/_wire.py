@@ -7,6 +7,7 @@ differ in where the timeout goes and in how metadata comes back. Nothing here do
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,37 @@ from export.inputs import named_inputs
 PROTOCOLS = ("grpc", "http")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 Pairs = list[tuple[np.ndarray, np.ndarray]]
+
+
+class ClientSettings:
+    """What `Client` and `AsyncClient` are made of; they differ only in how they call."""
+
+    _module_suffix = ""  # ".aio" for the asyncio twins of tritonclient's clients
+
+    def __init__(
+        self,
+        url: str = "127.0.0.1",  # the port defaults to the protocol's: gRPC 8001, HTTP 8000
+        protocol: str = "grpc",
+        model: str = "mha",
+        session_model: str = "mha_session",
+        *,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.1,
+        validate: bool = True,
+    ) -> None:
+        self.protocol = check_protocol(protocol)
+        self.url = normalize_url(url, protocol)
+        self.model, self.session_model = model, session_model
+        self.timeout, self.validate = timeout, validate
+        self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max(backoff, 2.0))
+        self._module = importlib.import_module(f"tritonclient.{protocol}{self._module_suffix}")
+        self._timeout_kw = timeout_kwargs(protocol, timeout)
+        self._infos: dict[str, ModelInfo] = {}
+        self._init_connections()
+
+    def _init_connections(self) -> None:
+        """The subclass's connection bookkeeping (connections themselves open on first use)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -19,33 +18,16 @@ from client.metadata import ModelInfo, parse_metadata
 T = TypeVar("T")
 
 
-class AsyncClient:
+class AsyncClient(_wire.ClientSettings):
     """`client.Client` for asyncio: same arguments, awaitable methods, `async with`.
 
     The tritonclient underneath is made on first use, inside the running event loop (aiohttp and
     grpc.aio bind to the loop that creates them); use one AsyncClient per event loop.
     """
 
-    def __init__(
-        self,
-        url: str = "127.0.0.1",  # the port defaults to the protocol's: gRPC 8001, HTTP 8000
-        protocol: str = "grpc",
-        model: str = "mha",
-        session_model: str = "mha_session",
-        *,
-        timeout: float = 30.0,
-        retries: int = 3,
-        backoff: float = 0.1,
-        validate: bool = True,
-    ) -> None:
-        self.protocol = _wire.check_protocol(protocol)
-        self.url = _wire.normalize_url(url, protocol)
-        self.model, self.session_model = model, session_model
-        self.timeout, self.validate = timeout, validate
-        self.policy = retry.RetryPolicy(retries=retries, backoff=backoff, max_backoff=max(backoff, 2.0))
-        self._module = importlib.import_module(f"tritonclient.{protocol}.aio")
-        self._timeout_kw = _wire.timeout_kwargs(protocol, timeout)
-        self._infos: dict[str, ModelInfo] = {}
+    _module_suffix = ".aio"
+
+    def _init_connections(self) -> None:
         self._stub_instance = None
 
     def _stub(self):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,7 +18,7 @@ from client.metadata import ModelInfo, parse_metadata
 T = TypeVar("T")
 
 
-class Client:
+class Client(_wire.ClientSettings):
     """A Triton client for the attention model, over gRPC (default) or HTTP.
 
     `timeout` (seconds) bounds every call; calls that are safe to repeat (health, metadata,
@@ -28,26 +27,7 @@ class Client:
     before they are sent (`validate=False` leaves that to the server). Thread-safe.
     """
 
-    def __init__(
-        self,
-        url: str = "127.0.0.1",  # the port defaults to the protocol's: gRPC 8001, HTTP 8000
-        protocol: str = "grpc",
-        model: str = "mha",
-        session_model: str = "mha_session",
-        *,
-        timeout: float = 30.0,
-        retries: int = 3,
-        backoff: float = 0.1,
-        validate: bool = True,
-    ) -> None:
-        self.protocol = _wire.check_protocol(protocol)
-        self.url = _wire.normalize_url(url, protocol)
-        self.model, self.session_model = model, session_model
-        self.timeout, self.validate = timeout, validate
-        self.policy = retry.RetryPolicy(retries=retries, backoff=backoff, max_backoff=max(backoff, 2.0))
-        self._module = importlib.import_module(f"tritonclient.{protocol}")
-        self._timeout_kw = _wire.timeout_kwargs(protocol, timeout)
-        self._infos: dict[str, ModelInfo] = {}
+    def _init_connections(self) -> None:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._stubs: list = []
