@@ -26,7 +26,7 @@ from onnx import numpy_helper
 
 from export.fusion import fused_proto
 from export.model import AttentionModel
-from export.onnx_export import export_onnx, save_onnx
+from export.onnx_export import plain_graph, save_onnx
 
 
 class FP16Error(ValueError):
@@ -77,6 +77,5 @@ def _float_constants(model_proto: onnx.ModelProto):
 
 def make_fp16_fused(model: AttentionModel, directory: Path, path: Path) -> Path:
     """The `fp16-fused` variant at `path`: the plain export, fused, converted, checked."""
-    export_onnx(model, path)
-    fused, _ = fused_proto(onnx.load(str(path)))
+    fused, _ = fused_proto(plain_graph(model))
     return save_onnx(to_fp16(fused), path)

@@ -60,7 +60,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.version_converter import convert_version
 
 from export.model import AttentionModel
-from export.onnx_export import IR_VERSION, export_onnx, save_onnx
+from export.onnx_export import IR_VERSION, plain_graph, save_onnx
 
 # The first ONNX opset with `Attention` (past/present, GQA, boolean masks).
 ATTENTION_OPSET = 23
@@ -256,6 +256,5 @@ def fused_proto(plain: onnx.ModelProto, *, fuse_qkv: bool = False) -> tuple[onnx
 
 def make_fp32_fused(model: AttentionModel, directory: Path, path: Path, fuse_qkv: bool = False) -> Path:
     """The `fp32-fused` variant at `path`: the plain export, fused, checked by onnx.checker."""
-    export_onnx(model, path)
-    fused, _ = fused_proto(onnx.load(str(path)), fuse_qkv=fuse_qkv)
+    fused, _ = fused_proto(plain_graph(model), fuse_qkv=fuse_qkv)
     return save_onnx(fused, path)

@@ -5,6 +5,7 @@ Names and dynamic axes come from the naming table; the config rides along in `me
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 from pathlib import Path
@@ -108,7 +109,33 @@ def save_onnx(model_proto: onnx.ModelProto, path: Path) -> Path:
 
 def export_onnx(model: AttentionModel, path: str | Path) -> Path:
     """Write the plain fp32 graph of `model` to `path` and return it."""
-    cfg, path = model.cfg, Path(path)
+    return save_onnx(plain_graph(model), Path(path))
+
+
+# The last model exported, by a fingerprint of its config and weights: the fused variants start
+# from the plain graph, and one build should pay for the exporter (seconds) once, not per variant.
+_last_export: dict[bytes, bytes] = {}
+
+
+def plain_graph(model: AttentionModel) -> onnx.ModelProto:
+    """The plain graph of `model` (every op decomposed, opset 18), exported once per config and weights."""
+    key = _fingerprint(model)
+    if key not in _last_export:
+        _last_export.clear()
+        _last_export[key] = _export(model).SerializeToString()
+    return onnx.load_from_string(_last_export[key])
+
+
+def _fingerprint(model: AttentionModel) -> bytes:
+    digest = hashlib.blake2b(model.cfg.to_json().encode(), digest_size=16)
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().numpy().tobytes())
+    return digest.digest()
+
+
+def _export(model: AttentionModel) -> onnx.ModelProto:
+    cfg = model.cfg
     graph = GraphSignature(model.eval())
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
@@ -128,7 +155,7 @@ def export_onnx(model: AttentionModel, path: str | Path) -> Path:
     model_proto.producer_name = "export"
     name_axes(model_proto, cfg)
     attach_config(model_proto, cfg)
-    return save_onnx(model_proto, path)
+    return model_proto
 
 
 class _quiet_exporter:

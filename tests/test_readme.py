@@ -61,11 +61,11 @@ def default_stack(tmp_path_factory):
 
 def localize(code: str, served, work: Path) -> str:
     return (
-        code.replace("127.0.0.1:8080", f"127.0.0.1:{served.gateway_port}")
+        code.replace("/tmp/", f"{work}/")  # first: the interpreter's own path may be under /tmp
+        .replace("127.0.0.1:8080", f"127.0.0.1:{served.gateway_port}")
         .replace("127.0.0.1:8001", f"127.0.0.1:{served.grpc_port}")
         .replace("127.0.0.1:8000", f"127.0.0.1:{served.http_port}")
         .replace(".venv/bin/python", sys.executable)
-        .replace("/tmp/", f"{work}/")
     )
 
 

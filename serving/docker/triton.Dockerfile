@@ -1,11 +1,13 @@
 # Triton for GPU hosts: the NGC Triton image (Python backend, ONNX Runtime and TensorRT backends)
 # plus ONNX Runtime for Python and this package, which the Python-backend models import.
 #
-# The tag is pinned. 24.12 is Triton 2.53 on Ubuntu 24.04 with Python 3.12, CUDA 12.6.3 and
-# TensorRT 10.7. It is the release closest to the 2.51 our CPU tests run (the nvidia-pytriton
-# wheel) whose Python can run this package: the Python backend's stub runs the image's own
-# Python, and 24.10 (Triton 2.51) ships Python 3.10 while this package needs 3.11 or newer.
-ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.12-py3
+# The tag is pinned. The Python-backend models run the image's own Python (3.12 on these Ubuntu
+# 24.04 images; this package needs 3.11 or newer: 24.10, Triton 2.51 like our CPU tests, has 3.10)
+# and ONNX Runtime 1.31, the version every parity test runs here: its CUDA build needs CUDA 13 and
+# cuDNN 9, which 26.04 (CUDA 13.2.1) provides, and it runs the fused graph's opset-23 `Attention`
+# op on CUDA. (onnxruntime-gpu for CUDA 12 stops at 1.26; 1.20, the last for 24.xx images, has no
+# opset 23 and could serve only the plain fp32 graph.)
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:26.04-py3
 FROM ${TRITON_IMAGE}
 
 # Installing into the image's Python is the point here (the stub imports from it), so PEP 668's
@@ -15,17 +17,14 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONDONTWRITEBYTECODE=1
 
-# onnxruntime-gpu 1.20.1 is built for CUDA 12 and cuDNN 9 and has the TensorRT 10 provider, which
-# this image provides (newer onnxruntime-gpu releases move to CUDA 13). numpy < 2 as in pyproject.
-RUN python3 -m pip install "numpy>=1.26,<2" "onnxruntime-gpu==1.20.1"
-
-# Only what the models import at run time; `--no-deps`: numpy and ONNX Runtime are above, and the
-# client's tritonclient is not needed inside the server.
+# What the Python-backend models import at run time, pinned as in pyproject.toml: ONNX Runtime
+# (GPU build), onnx (the runner's cache-copy kernels), and this package with its own dependencies
+# (numpy < 2, tritonclient for the config schema). No torch: exporting is done before, on the host.
 COPY pyproject.toml README.md /tmp/src/
 COPY export /tmp/src/export
 COPY serving /tmp/src/serving
 COPY client /tmp/src/client
-RUN python3 -m pip install --no-deps /tmp/src && rm -rf /tmp/src
+RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" /tmp/src && rm -rf /tmp/src
 
 # Not root. The TensorRT engine caches (see export/triton_config.py and serving/triton_models)
 # are created here so that volumes mounted on them start owned by this user.
