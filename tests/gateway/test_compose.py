@@ -82,4 +82,12 @@ def test_the_gateway_image_pins_the_web_stack_as_pyproject_does():
     gateway = (DOCKER / "gateway.Dockerfile").read_text()
     installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', gateway))
     assert installed == {name: pins[name] for name in installed}
-    assert set(installed) == set(pins) - {"nvidia-pytriton"}  # the bundled Triton is not the gateway's
+    # the bundled Triton and the runner's onnx are the server's, not the gateway's
+    assert set(installed) == set(pins) - {"nvidia-pytriton", "onnx"}
+
+
+def test_the_triton_image_runs_the_onnx_runtime_the_tests_run():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = dict(re.fullmatch(r"([\w-]+)==([\w.]+)", r).groups() for r in [*extras["cpu"], *extras["serving"]])
+    installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', (DOCKER / "triton.Dockerfile").read_text()))
+    assert installed == {"onnxruntime-gpu": pins["onnxruntime"], "onnx": pins["onnx"]}
