@@ -88,9 +88,9 @@ def run_steps(runner: Runner, steps: Sequence[Step]) -> list[StepResult]:
     order = sorted(range(len(steps)), key=lambda r: -steps[r].past_length)
     ordered = [steps[r] for r in order]
     plan = layout(ordered)
-    past = runner.kernels.stack([step.past for step in ordered], plan.left_pads)
+    past = runner.copies.stack([step.past for step in ordered], plan.left_pads)
     output, presents = runner.run(plan.hidden, plan.mask, past)
-    per_row = runner.kernels.split(presents, plan.starts, plan.ends)
+    per_row = runner.copies.split(presents, plan.starts, plan.ends)
     results: list[StepResult | None] = [None] * len(steps)
     for row, (r, step) in enumerate(zip(order, ordered, strict=True)):
         mask = np.concatenate([step.past_mask, step.new_mask])
@@ -100,5 +100,5 @@ def run_steps(runner: Runner, steps: Sequence[Step]) -> list[StepResult]:
 
 def _run_one(runner: Runner, step: Step) -> StepResult:
     mask = np.concatenate([step.past_mask, step.new_mask])  # (P+T,)
-    output, present = runner.run(step.hidden[None], mask[None], step.past)
+    output, present = runner.run(step.hidden[None], mask[None], step.past, presents="kept")
     return StepResult(output[0], present, mask, nbytes(present))

@@ -1,11 +1,11 @@
 """ONNX Runtime behind the Python-backend models: the graph's session, its execution provider chosen
 by availability (TensorRT, then CUDA, then CPU), and the caches kept on that provider's device.
 
-There is one code path for every device: inputs and caches are `OrtValue`s bound with IOBinding,
-the graph's presents are bound to the device and kept there as the next step's past, and the
-copies that batching needs (left-padding pasts into one batch, slicing each sequence's present
-back out) run as two tiny ONNX graphs on the same device. On the CPU this is the path the tests
-run; on a GPU the caches never travel to the host.
+Inputs and caches are `OrtValue`s bound with IOBinding: the graph's presents stay on the device as
+the next step's past, so on a GPU the caches never travel to the host. The copies batching needs
+(left-padding pasts into one batch, slicing each sequence's present back out) run as two tiny ONNX
+graphs on the GPU (`DeviceCopies`), and as numpy copies on the CPU (`HostCopies`: a CPU cache is
+host memory already, and a graph run per copy costs more than the copy). Tests run both on the CPU.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def choose_placement(cfg: ModelConfig, limits: tensorrt.Limits, trt_cache: Path,
     return Placement(providers, notes)
 
 
-def _session_options(threads: int) -> ort.SessionOptions:
+def _session_options(threads: int, arena: bool = True) -> ort.SessionOptions:
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
@@ -66,9 +66,9 @@ def _session_options(threads: int) -> ort.SessionOptions:
     # idle pool threads must sleep, not spin: the model and the cache kernels run one after the
     # other, and a spinning pool of one session steals the cores the next session needs
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    # no CPU arena: a sequence's cache is a present this session allocated; without the arena, freeing
-    # it (END, eviction) gives the memory back to the system instead of keeping the arena's peak
-    options.enable_cpu_mem_arena = False
+    # the arena recycles a run's intermediates and a batch's temporary presents (fresh pages fault in
+    # on every allocation otherwise); caches that outlive a run are allocated outside it (`run`)
+    options.enable_cpu_mem_arena = arena
     options.log_severity_level = 3  # errors only
     return options
 
@@ -89,7 +89,9 @@ class Runner:
         trt_cache: str | Path | None = None,
         providers: Sequence | None = None,
         device_id: int = 0,
+        copies: str | None = None,
     ) -> None:
+        """`copies="device"` runs batching's copies as device graphs even on the CPU (tests of the GPU path)."""
         self.cfg = cfg
         self.device_id = device_id
         if providers is None:
@@ -101,9 +103,14 @@ class Runner:
             str(model_path), sess_options=_session_options(threads), providers=placement.providers
         )
         self.device = _device_of(self.session)
-        # the copies run where the caches are; TensorRT would only build engines for them
-        on_device = [(tensorrt.CUDA_PROVIDER, {"device_id": device_id})] if self.device == CUDA else []
-        self.kernels = CacheKernels(cfg, [*on_device, CPU_PROVIDER], self.device, device_id)
+        if self.device == CUDA or copies == "device":
+            # the copies run where the caches are; TensorRT would only build engines for them
+            on_device = [(tensorrt.CUDA_PROVIDER, {"device_id": device_id})] if self.device == CUDA else []
+            self.copies: HostCopies | DeviceCopies = DeviceCopies(
+                cfg, [*on_device, CPU_PROVIDER], self.device, device_id
+            )
+        else:
+            self.copies = HostCopies()
         self.past_names = names.past_names(cfg.n_layers)
         self.present_names = names.present_names(cfg.n_layers)
         self.description = (
@@ -121,11 +128,13 @@ class Runner:
         return [self.to_device(np.zeros(shape, np.float32)) for _ in self.past_names]
 
     def run(
-        self, hidden: np.ndarray, mask: np.ndarray, past: Sequence[ort.OrtValue], presents_on_host: bool = False
+        self, hidden: np.ndarray, mask: np.ndarray, past: Sequence[ort.OrtValue], presents: str = "temporary"
     ) -> tuple[np.ndarray, list[ort.OrtValue]]:
         """One graph run: hidden (B, T, d) and mask (B, P+T) from the host, past on the device.
 
-        Returns the output on the host and the presents on the device (or the host if asked).
+        Returns the output on the host and the presents: `temporary` on the device from the session's
+        arena (a batch's, sliced up right after), `kept` on the device in allocations of their own
+        (caches that outlive the run: freed when dropped, not parked in the arena), or `host`.
         """
         binding = self.session.io_binding()
         binding.bind_ortvalue_input(names.HIDDEN_STATES, self.to_device(hidden))
@@ -133,9 +142,14 @@ class Runner:
         for name, value in zip(self.past_names, past, strict=True):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output(names.OUTPUT, CPU)
-        present_device = CPU if presents_on_host else self.device
-        for name in self.present_names:
-            binding.bind_output(name, present_device, self.device_id)
+        if presents == "kept" and self.device == CPU:
+            shape = [hidden.shape[0], self.cfg.n_kv_heads, mask.shape[1], self.cfg.head_dim]
+            for name in self.present_names:
+                binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32))
+        else:
+            device = CPU if presents == "host" else self.device
+            for name in self.present_names:
+                binding.bind_output(name, device, self.device_id)
         self.session.run_with_iobinding(binding)
         values = binding.get_outputs()  # in binding order: output, then the presents
         return values[0].numpy(), list(values[1:])
@@ -152,7 +166,7 @@ class Runner:
         mask = feeds.get(names.ATTENTION_MASK)
         if mask is None:
             mask = np.ones((batch, past_length + new), np.int64)
-        output, presents = self.run(hidden, mask, past, presents_on_host=True)
+        output, presents = self.run(hidden, mask, past, presents="host")
         return {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
 
 
@@ -160,7 +174,32 @@ def nbytes(values: Sequence[ort.OrtValue]) -> int:
     return sum(value.tensor_size_in_bytes() for value in values)
 
 
-class CacheKernels:
+class HostCopies:
+    """Batching's copies on the CPU, in numpy: a CPU cache is host memory, `OrtValue.numpy()` views it."""
+
+    def stack(self, rows: Sequence[Sequence[ort.OrtValue]], left_pads: Sequence[int]) -> list[ort.OrtValue]:
+        """rows[r][k]: row r's k-th past tensor (1, n_kv, P_r, hd); the k-th batched pasts, each row
+        left-padded with zeros to P_max = P_r + left_pads[r]."""
+        stacked = []
+        for k in range(len(rows[0])):
+            first = rows[0][k].numpy()
+            batch = np.empty((len(rows), first.shape[1], first.shape[2] + left_pads[0], first.shape[3]), np.float32)
+            for r, (row, pad) in enumerate(zip(rows, left_pads, strict=True)):
+                batch[r, :, :pad] = 0
+                batch[r, :, pad:] = row[k].numpy()[0]
+            stacked.append(ort.OrtValue.ortvalue_from_numpy(batch))
+        return stacked
+
+    def split(self, batched: Sequence[ort.OrtValue], starts: Sequence[int], ends: Sequence[int]) -> list[list]:
+        """Per row r, each tensor's positions [starts[r], ends[r]) as its own (1, n_kv, len, hd) value."""
+        arrays = [value.numpy() for value in batched]
+        return [
+            [ort.OrtValue.ortvalue_from_numpy(array[r : r + 1, :, start:end].copy()) for array in arrays]
+            for r, (start, end) in enumerate(zip(starts, ends, strict=True))
+        ]
+
+
+class DeviceCopies:
     """Batching's device-side copies as tiny ONNX graphs on the runner's device.
 
     `stack`: each row's past (1, n_kv, P_r, hd) left-padded with zeros to P_max, rows concatenated
@@ -180,10 +219,9 @@ class CacheKernels:
         self._split: dict[int, ort.InferenceSession] = {}
 
     def _session(self, model, temporary_outputs: bool) -> ort.InferenceSession:
-        options = _session_options(threads=1)  # copies are memory-bound: no thread pool to wake
-        # the stacked past lives for one graph run: an arena reuses its memory instead of faulting
-        # fresh pages in every time; split outputs are kept caches and must be freed for real
-        options.enable_cpu_mem_arena = temporary_outputs
+        # copies are memory-bound: no thread pool to wake. The stacked past lives for one graph run:
+        # an arena reuses its memory; split outputs are kept caches and must be freed for real
+        options = _session_options(threads=1, arena=temporary_outputs)
         return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=self.providers)
 
     def _stack_session(self, batch: int, unpadded: int) -> ort.InferenceSession:

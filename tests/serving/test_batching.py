@@ -1,6 +1,7 @@
 """Several sequences' steps as one padded batch equal each step run alone; the session engine answers
 errors per request and never loses another sequence's state. ONNX Runtime on the CPU, no server:
-the device code path (OrtValues, IOBinding, the pad/slice kernels) is the one a GPU runs."""
+both the CPU's numpy copies and the device copy graphs a GPU runs (OrtValues, IOBinding, pad and
+slice graphs) are checked."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ from serving.runner import CPU, Runner, choose_placement
 from serving.session import SessionEngine, StepRequest, Sweeper
 
 
-@pytest.fixture(scope="module", params=["fp32", "fp32-fused"])
+@pytest.fixture(
+    scope="module", params=[("fp32", "host"), ("fp32-fused", "host"), ("fp32-fused", "device")], ids="-".join
+)
 def runner(request, artifact_dir) -> Runner:
     directory = artifact_dir("gqa")
-    return Runner(directory / model_filename(request.param), ModelConfig.load(directory), threads=1)
+    variant, copies = request.param
+    return Runner(directory / model_filename(variant), ModelConfig.load(directory), threads=1, copies=copies)
 
 
 def random_step(runner: Runner, rng, past: int, new: int, padded: int = 0) -> Step:
