@@ -100,5 +100,5 @@ def run_steps(runner: Runner, steps: Sequence[Step]) -> list[StepResult]:
 
 def _run_one(runner: Runner, step: Step) -> StepResult:
     mask = np.concatenate([step.past_mask, step.new_mask])  # (P+T,)
-    output, present = runner.run(step.hidden[None], mask[None], step.past, presents="kept")
+    output, present = runner.run(step.hidden[None], mask[None], step.past)
     return StepResult(output[0], present, mask, nbytes(present))

@@ -131,7 +131,7 @@ class KVCacheStore:
         deadline = self._clock() - self.idle_timeout
         idle = [sid for sid, entry in self._live.items() if entry.last_used <= deadline]
         for sid in idle:
-            del self._live[sid]  # dropping the last reference frees the memory (no arena holds it)
+            del self._live[sid]  # dropping the last reference gives the memory back for the next sequences
             self._forget(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))
         self._evictions += len(idle)
         return idle
