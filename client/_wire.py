@@ -92,7 +92,8 @@ class Health:
 class SessionState:
     """A session's bookkeeping, shared by the sync and asyncio sessions (they add the I/O)."""
 
-    def __init__(self, sequence_id: int | None = None) -> None:
+    def __init__(self, client: Any, sequence_id: int | None = None) -> None:
+        self.client = client  # the Client or AsyncClient that sends this session's steps
         self.id = check_sequence_id(sequence_id)
         self.started = False  # the server has answered a step (START went through)
         self.closed = False

@@ -137,10 +137,6 @@ class AsyncClient(_wire.ClientSettings):
 class AsyncSession(_wire.SessionState):
     """`client.Session` for asyncio: `await session.step(...)`, `async with client.session() as s`."""
 
-    def __init__(self, client: AsyncClient, sequence_id: int | None = None) -> None:
-        super().__init__(sequence_id)
-        self.client = client
-
     async def step(self, hidden_states: np.ndarray, attention_mask: np.ndarray | None = None, *, end: bool = False):
         """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model)."""
         self._check_open()

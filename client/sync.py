@@ -156,10 +156,6 @@ class Session(_wire.SessionState):
     """One sequence whose KV cache the server keeps: START goes with the first step, END with
     `step(..., end=True)` or `close()` (a zero-token request). Use it as a context manager."""
 
-    def __init__(self, client: Client, sequence_id: int | None = None) -> None:
-        super().__init__(sequence_id)
-        self.client = client
-
     def step(self, hidden_states: np.ndarray, attention_mask: np.ndarray | None = None, *, end: bool = False):
         """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model)."""
         self._check_open()

@@ -54,9 +54,9 @@ def _passing_variants(artifact_dir: Path) -> set[str]:
     }
 
 
-def python_variant(artifact_dir: str | Path) -> str:
+def python_variant(artifact_dir: str | Path, passing: set[str] | None = None) -> str:
     """The variant the python-backend models load: `fp32-fused` if it passed, else `fp32`."""
-    passing = _passing_variants(Path(artifact_dir))
+    passing = _passing_variants(Path(artifact_dir)) if passing is None else passing
     for name in PYTHON_VARIANTS:
         if name in passing:
             return name
@@ -76,8 +76,9 @@ def write_repository(
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; choose from {list(triton_config.MODELS)}")
     cfg = ModelConfig.load(artifact_dir)
-    variant = python_variant(artifact_dir)
-    if triton_config.MHA_ONNX in models and ONNX_BACKEND_VARIANT not in _passing_variants(artifact_dir):
+    passing = _passing_variants(artifact_dir)
+    variant = python_variant(artifact_dir, passing)
+    if triton_config.MHA_ONNX in models and ONNX_BACKEND_VARIANT not in passing:
         raise RepositoryError(f"{artifact_dir}: {triton_config.MHA_ONNX} needs the passing `{ONNX_BACKEND_VARIANT}`")
     configs = triton_config.model_configs(cfg, artifacts.model_filename(variant), settings)
     for name in models:

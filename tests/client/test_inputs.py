@@ -136,7 +136,7 @@ def test_session_steps_hold_one_sequence():
 
 
 def test_a_session_ends_with_a_zero_token_request_of_its_own_width():
-    state = _wire.SessionState()
+    state = _wire.SessionState(client=None)
     state._sending({names.HIDDEN_STATES: np.zeros((1, 5, 48), np.float16)})
     end = state._end_tensors()[names.HIDDEN_STATES]
     assert end.shape == (1, 0, 48) and end.dtype == np.float16
