@@ -3,6 +3,7 @@
 python -m bench model            # PyTorch eager vs each ONNX variant on ONNX Runtime CPU
 python -m bench model --quick    # a few small shapes, short budgets
 python -m bench serving          # in-process vs Triton stateless vs stateful, gRPC and HTTP
+python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import model, serving
+from bench import gpu, model, serving
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
-COMMANDS: dict[str, ModuleType] = {"model": model, "serving": serving}
+# `gpu` runs only when asked: it needs a CUDA host.
+COMMANDS: dict[str, ModuleType] = {"model": model, "serving": serving, "gpu": gpu}
+DEFAULT_COMMANDS = ("model", "serving")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -28,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command is None:  # every benchmark with its defaults
-        return max(COMMANDS[name].run(parser().parse_args([name])) for name in COMMANDS)
+        return max(COMMANDS[name].run(parser().parse_args([name])) for name in DEFAULT_COMMANDS)
     return COMMANDS[args.command].run(args)
 
 

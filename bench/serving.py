@@ -171,7 +171,9 @@ def stateless(server, protocol: str, cfg: ModelConfig, past: int, runs: int) -> 
         client.close()
 
 
-def stateful(server, protocol: str, cfg: ModelConfig, past: int, runs: int, sequence_id: int) -> dict:
+def stateful(
+    server, protocol: str, cfg: ModelConfig, past: int, runs: int, sequence_id: int, model: str = "mha_session"
+) -> dict:
     """A session prefilled with `past` tokens, then `runs` timed steps (its past grows by `runs`)."""
     module = _module(protocol)
     client = module.InferenceServerClient(_url(server, protocol))
@@ -182,18 +184,17 @@ def stateful(server, protocol: str, cfg: ModelConfig, past: int, runs: int, sequ
     token = infer_inputs(module, {names.HIDDEN_STATES: rng.standard_normal((1, 1, cfg.d_model)).astype(np.float32)})
     close = infer_inputs(module, {names.HIDDEN_STATES: np.zeros((1, 0, cfg.d_model), np.float32)})
     try:
-        client.infer("mha_session", prefill, sequence_id=sequence_id, sequence_start=True)
-        return timed(lambda: client.infer("mha_session", token, sequence_id=sequence_id), runs)
+        client.infer(model, prefill, sequence_id=sequence_id, sequence_start=True)
+        return timed(lambda: client.infer(model, token, sequence_id=sequence_id), runs)
     finally:
-        client.infer("mha_session", close, sequence_id=sequence_id, sequence_end=True)
+        client.infer(model, close, sequence_id=sequence_id, sequence_end=True)
         client.close()
 
 
 def _module(protocol: str):
-    import tritonclient.grpc as grpcclient
-    import tritonclient.http as httpclient
+    import importlib
 
-    return grpcclient if protocol == "grpc" else httpclient
+    return importlib.import_module(f"tritonclient.{protocol}")  # http needs gevent, which a GPU host may lack
 
 
 def _url(server, protocol: str) -> str:

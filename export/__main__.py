@@ -48,8 +48,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--variants",
         type=_variants,
-        default=DEFAULT_VARIANTS,
-        help=f"comma-separated, default {','.join(DEFAULT_VARIANTS)}",
+        help=f"comma-separated (default: every variant the config can have, of {','.join(DEFAULT_VARIANTS)})",
     )
     b.add_argument("--seed", type=int, default=0, help="weight initialization seed")
     _repository_parser(commands)

@@ -15,13 +15,23 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from export import artifacts, graph_stats
+from export import artifacts, forms, graph_stats, targets
 from export.config import ModelConfig
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
+from export.kv_pool import KVPool
 from export.model import AttentionModel
 from export.onnx_export import export_onnx
-from export.parity import TOLERANCES, RungResult, Scenario, Tolerance, compare_rung
+from export.parity import (
+    POOL_ROWS,
+    TOLERANCES,
+    RungResult,
+    Scenario,
+    Tolerance,
+    compare_pool_rung,
+    compare_rung,
+    pool_schedule,
+)
 from export.progress import Progress
 from export.runtime import ort_runner, ort_session, torch_runner
 
@@ -30,42 +40,87 @@ class BuildError(RuntimeError):
     """The build could not produce an acceptable artifact."""
 
 
+STATELESS, POOL = "stateless", "pool"  # the ladder a variant climbs (export/parity.py)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    # (the PyTorch original, the artifact directory, the path to write) -> the written path
-    make: Callable[[AttentionModel, Path, Path], Path]
+    make: Callable[[AttentionModel, Path], Path]  # (the PyTorch original, the path to write) -> the path
     tolerance: Tolerance
     float_dtype: type = np.float32
     fused: bool = False  # must hold one fused attention op per layer
+    ladder: str = STATELESS
+    # the engine the graph is for, checked by `targets.problems` (None: ONNX Runtime CPU, no extra check)
+    target: str | None = None
+    # why a config cannot have this variant (None: it can); such a variant is skipped by default
+    unsupported: Callable[[ModelConfig], str | None] = lambda cfg: None
 
     def cast(self, array: np.ndarray) -> np.ndarray:
         return array.astype(self.float_dtype)
 
 
-def _make_fp32(model: AttentionModel, directory: Path, path: Path) -> Path:
+def _make_fp32(model: AttentionModel, path: Path) -> Path:
     return export_onnx(model, path)
 
 
 VARIANTS: dict[str, Variant] = {
-    "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"]),
+    "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"], target=targets.ONNX_BACKEND),
     "fp32-fused": Variant("fp32-fused", make_fp32_fused, TOLERANCES["fp32-fused"], fused=True),
     "fp16-fused": Variant("fp16-fused", make_fp16_fused, TOLERANCES["fp16-fused"], np.float16, fused=True),
+    "fp32-static": Variant(
+        "fp32-static",
+        forms.make_fp32_static,
+        TOLERANCES["fp32-static"],
+        fused=True,
+        ladder=POOL,
+        target=targets.STATIC,
+        unsupported=forms.static_problem,
+    ),
+    "fp16-static": Variant(
+        "fp16-static",
+        forms.make_fp16_static,
+        TOLERANCES["fp16-static"],
+        np.float16,
+        fused=True,
+        ladder=POOL,
+        target=targets.STATIC_CUDA,
+        unsupported=forms.static_problem,
+    ),
+    "fp32-trt": Variant("fp32-trt", forms.make_fp32_trt, TOLERANCES["fp32-trt"], fused=True, target=targets.TENSORRT),
+    "fp16-trt": Variant(
+        "fp16-trt", forms.make_fp16_trt, TOLERANCES["fp16-trt"], np.float16, fused=True, target=targets.TENSORRT
+    ),
 }
 DEFAULT_VARIANTS = tuple(VARIANTS)
 
-# The ladder each variant climbs: a left-padded prefill from an empty past then decode steps,
-# and a prefill onto an existing cache (batch 3, rows padded by 0, 2 and 5 tokens).
+# The ladder each stateless variant climbs: a left-padded prefill from an empty past then decode
+# steps, and a prefill onto an existing cache (batch 3, rows padded by 0, 2 and 5 tokens). The
+# static variants climb the pool rung (`parity.pool_schedule`): 256 decode steps over ragged rows.
 SCENARIOS = {
     "empty_past": Scenario(batch=3, prefill=7, steps=16, padding=(0, 2, 5)),
     "with_past": Scenario(batch=3, prefill=5, steps=4, padding=(0, 1, 3), past=33, seed=1),
 }
+POOL_SCENARIO = "pool"
 
 
-def check_variant(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict:
-    """Climb the ladder with the ONNX file at `path`; return its report entry."""
-    model_proto = onnx.load(str(path), load_external_data=False)
-    reference, candidate = torch_runner(model), ort_runner(ort_session(path))
+def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict[str, RungResult]:
+    reference = torch_runner(model)
+    if variant.ladder == POOL:
+        schedule = pool_schedule(model.cfg.max_seq_len)
+        pool = KVPool(ort_session(path), model.cfg, rows=POOL_ROWS, capacity=model.cfg.max_seq_len)
+        total = len(schedule)
+        return {
+            POOL_SCENARIO: compare_pool_rung(
+                model.cfg,
+                reference,
+                pool,
+                schedule,
+                variant.tolerance,
+                on_step=lambda step: progress.update(f"parity {POOL_SCENARIO} step {step + 1}/{total}"),
+            )
+        }
+    candidate = ort_runner(ort_session(path))
     results: dict[str, RungResult] = {}
     for name, scenario in SCENARIOS.items():
         total = scenario.steps + 1
@@ -78,16 +133,28 @@ def check_variant(model: AttentionModel, path: Path, variant: Variant, progress:
             cast=variant.cast,
             on_step=lambda step, name=name, total=total: progress.update(f"parity {name} step {step + 1}/{total}"),
         )
+    return results
+
+
+def check_variant(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict:
+    """Climb the ladder with the ONNX file at `path` and check its fit; return its report entry."""
+    model_proto = onnx.load(str(path), load_external_data=False)
+    results = _climb(model, path, variant, progress)
     fused = graph_stats.fused_attention_count(model_proto)
     problems = [f"parity failed in scenario '{n}'" for n, r in results.items() if not r.passed]
     if variant.fused and fused < model.cfg.n_layers:
         problems.append(f"{fused} fused attention ops for {model.cfg.n_layers} layers")
+    if variant.target:
+        problems += [
+            f"does not fit {variant.target}: {p}" for p in targets.problems(variant.target, model_proto, model.cfg)
+        ]
     return {
         "file": path.name,
         "file_bytes": path.stat().st_size,
         "opset": graph_stats.opset_of(model_proto),
         "op_histogram": graph_stats.op_histogram(model_proto),
         "fused_attention_ops": fused,
+        "target": variant.target,
         "tolerance": dataclasses.asdict(variant.tolerance),
         "parity": {name: result.to_dict() for name, result in results.items()},
         "worst": _worst(results),
@@ -109,14 +176,18 @@ def _worst(results: dict[str, RungResult]) -> dict[str, dict]:
 def build(
     cfg: ModelConfig,
     out: str | Path,
-    variants: tuple[str, ...] = DEFAULT_VARIANTS,
+    variants: tuple[str, ...] | None = None,
     seed: int = 0,
     progress: Progress | None = None,
 ) -> dict:
     """Write config, weights, every passing variant and `report.json` to `out`; return the report.
 
+    `variants=None` builds every variant the config can have (the others are reported as skipped,
+    with the reason); a variant asked for by name that the config cannot have fails the build.
     Raises BuildError (after writing the report) when any variant fails.
     """
+    asked = variants is not None
+    variants = DEFAULT_VARIANTS if variants is None else variants
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
@@ -127,7 +198,13 @@ def build(
         artifacts.save_artifact(model, out)
     report = {"config": cfg.to_dict(), "seed": seed, "variants": {}}
     for name in variants:
-        report["variants"][name] = _build_variant(model, out, VARIANTS[name], progress)
+        variant = VARIANTS[name]
+        reason = variant.unsupported(cfg)
+        if reason is None:
+            report["variants"][name] = _build_variant(model, out, variant, progress)
+        else:
+            (out / artifacts.model_filename(name)).unlink(missing_ok=True)
+            report["variants"][name] = _not_built(reason, failed=asked)
     report["passed"] = all(entry["passed"] for entry in report["variants"].values())
     (out / artifacts.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     if not report["passed"]:
@@ -136,13 +213,17 @@ def build(
     return report
 
 
+def _not_built(reason: str, failed: bool) -> dict:
+    return {"file": None, "skipped": reason, "passed": not failed, "problems": [reason] if failed else []}
+
+
 def _build_variant(model: AttentionModel, out: Path, variant: Variant, progress: Progress) -> dict:
     final = out / artifacts.model_filename(variant.name)
     staging = out / f".{final.name}.partial"
     final.unlink(missing_ok=True)  # a stale file must not pass for this build's result
     started = time.perf_counter()
     with progress.stage(f"{variant.name}: export"):
-        variant.make(model, out, staging)
+        variant.make(model, staging)
     with progress.stage(f"{variant.name}: parity"):
         entry = check_variant(model, staging, variant, progress)
     entry["build_seconds"] = round(time.perf_counter() - started, 2)

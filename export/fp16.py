@@ -75,7 +75,7 @@ def _float_constants(model_proto: onnx.ModelProto):
             yield from (a.t for a in node.attribute if a.name == "value" and a.t.data_type in floats)
 
 
-def make_fp16_fused(model: AttentionModel, directory: Path, path: Path) -> Path:
+def make_fp16_fused(model: AttentionModel, path: Path) -> Path:
     """The `fp16-fused` variant at `path`: the plain export, fused, converted, checked."""
     fused, _ = fused_proto(plain_graph(model))
     return save_onnx(to_fp16(fused), path)

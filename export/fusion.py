@@ -254,7 +254,7 @@ def fused_proto(plain: onnx.ModelProto, *, fuse_qkv: bool = False) -> tuple[onnx
     return proto, counts
 
 
-def make_fp32_fused(model: AttentionModel, directory: Path, path: Path, fuse_qkv: bool = False) -> Path:
+def make_fp32_fused(model: AttentionModel, path: Path, fuse_qkv: bool = False) -> Path:
     """The `fp32-fused` variant at `path`: the plain export, fused, checked by onnx.checker."""
     fused, _ = fused_proto(plain_graph(model), fuse_qkv=fuse_qkv)
     return save_onnx(fused, path)

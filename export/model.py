@@ -27,9 +27,10 @@ class KVCache(NamedTuple):
     value: Tensor
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, batch: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    def empty(cls, cfg: ModelConfig, batch: int, like: Tensor) -> KVCache:
+        """A zero-length cache with the dtype and device of `like`."""
         shape = (batch, cfg.n_kv_heads, 0, cfg.head_dim)
-        return cls(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        return cls(like.new_zeros(shape), like.new_zeros(shape))
 
     @property
     def length(self) -> int:
@@ -135,8 +136,8 @@ class AttentionModel(nn.Module):
                 fan_in = parameter.shape[1]
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(fan_in))
 
-    def empty_cache(self, batch: int, dtype: torch.dtype = torch.float32) -> list[KVCache]:
-        return [KVCache.empty(self.cfg, batch, dtype) for _ in self.layers]
+    def empty_cache(self, batch: int, like: Tensor) -> list[KVCache]:
+        return [KVCache.empty(self.cfg, batch, like) for _ in self.layers]
 
     def forward(
         self,
@@ -148,10 +149,10 @@ class AttentionModel(nn.Module):
         if not torch.compiler.is_compiling():  # eager callers get named errors; a traced graph's runtime checks its own
             check_inputs(self.cfg, named_inputs(hidden_states, attention_mask, past), float_dtype=None)
         B, T, _ = hidden_states.shape  # (B, T, d_model)
-        past = self.empty_cache(B, hidden_states.dtype) if past is None else past
+        past = self.empty_cache(B, hidden_states) if past is None else past
         P = past[0].length
         if attention_mask is None:
-            attention_mask = torch.ones(B, P + T, dtype=torch.int64)  # (B, P+T)
+            attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=hidden_states.device)  # (B, P+T)
         allowed = attention_allowed(attention_mask, P, T)  # (B, 1, T, P+T)
 
         x, present, attention = hidden_states, [], []

@@ -19,6 +19,15 @@ SEQUENCE = "sequence_length"
 PAST_SEQUENCE = "past_sequence_length"
 TOTAL_SEQUENCE = "past_sequence_length + sequence_length"
 
+# The static-cache graphs (`fp32-static`, `fp16-static`): per layer one buffer of `CACHE_LENGTH`
+# positions per row that is both the past and the present (written in place at each row's length).
+# The two length inputs are the ones `com.microsoft.GroupQueryAttention` takes, named as
+# onnxruntime-genai names them: SEQLENS_K[b] = row b's length after the step minus one, and
+# TOTAL_SEQUENCE_LENGTH = the longest row's length after the step (a scalar).
+SEQLENS_K = "seqlens_k"
+TOTAL_SEQUENCE_LENGTH = "total_sequence_length"
+CACHE_LENGTH = "cache_length"
+
 KEY = "key"
 VALUE = "value"
 KV_KINDS = (KEY, VALUE)
@@ -62,6 +71,7 @@ class TensorSpec:
     name: str
     shape: tuple[str | int, ...]
     is_mask: bool = False
+    is_length: bool = False  # an int32 length of the static-cache graphs
 
     @property
     def dynamic_axes(self) -> dict[int, str]:
@@ -81,6 +91,26 @@ def input_specs(cfg: ModelConfig) -> list[TensorSpec]:
 def output_specs(cfg: ModelConfig) -> list[TensorSpec]:
     """Stateless graph outputs, in graph order."""
     cache_shape = (BATCH, cfg.n_kv_heads, TOTAL_SEQUENCE, cfg.head_dim)
+    return [
+        TensorSpec(OUTPUT, (BATCH, SEQUENCE, cfg.d_model)),
+        *(TensorSpec(name, cache_shape) for name in present_names(cfg.n_layers)),
+    ]
+
+
+def static_input_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Static-cache graph inputs, in graph order: the new tokens, the lengths, the cache buffers."""
+    cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cfg.head_dim)
+    return [
+        TensorSpec(HIDDEN_STATES, (BATCH, SEQUENCE, cfg.d_model)),
+        TensorSpec(SEQLENS_K, (BATCH,), is_length=True),
+        TensorSpec(TOTAL_SEQUENCE_LENGTH, (), is_length=True),
+        *(TensorSpec(name, cache_shape) for name in past_names(cfg.n_layers)),
+    ]
+
+
+def static_output_specs(cfg: ModelConfig) -> list[TensorSpec]:
+    """Static-cache graph outputs: each present is its past's buffer, updated in place."""
+    cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cfg.head_dim)
     return [
         TensorSpec(OUTPUT, (BATCH, SEQUENCE, cfg.d_model)),
         *(TensorSpec(name, cache_shape) for name in present_names(cfg.n_layers)),

@@ -70,9 +70,10 @@ def dynamic_shapes(cfg: ModelConfig) -> dict:
     return {"hidden_states": specs[names.HIDDEN_STATES], "attention_mask": specs[names.ATTENTION_MASK], "past": past}
 
 
-def name_axes(model_proto: onnx.ModelProto, cfg: ModelConfig) -> None:
-    """Give every graph input and output the axis names of the naming table."""
-    specs = {spec.name: spec for spec in [*names.input_specs(cfg), *names.output_specs(cfg)]}
+def name_axes(model_proto: onnx.ModelProto, cfg: ModelConfig, specs: list[names.TensorSpec] | None = None) -> None:
+    """Give every graph input and output the axis names of the naming table (the stateless specs
+    unless `specs` are given)."""
+    specs = {spec.name: spec for spec in specs or [*names.input_specs(cfg), *names.output_specs(cfg)]}
     for value in [*model_proto.graph.input, *model_proto.graph.output]:
         dims = value.type.tensor_type.shape.dim
         spec = specs[value.name]

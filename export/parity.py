@@ -54,7 +54,24 @@ TOLERANCES: dict[str, Tolerance] = {
         "roundings, so the error is a small multiple of 4.9e-4 of the output's largest magnitude "
         "(measured about 7e-4, also at magnitude 1e3); 2e-3 (about 4 units) leaves room for more layers",
     ),
+    "fp32-static": Tolerance(
+        atol=1e-5,
+        rtol=1e-5,
+        scale=0.0,
+        why="fp32 like `fp32-fused`: GroupQueryAttention sums in another order and reads each row's real "
+        "keys only (measured about 1e-7 on the pool rung, 256 decode steps included)",
+    ),
+    "fp32-trt": Tolerance(
+        atol=1e-5,
+        rtol=1e-5,
+        scale=0.0,
+        why="fp32 like `fp32-fused`: the same Attention op, its cache Concat outside the node",
+    ),
 }
+# The fp16 forms round the same values as `fp16-fused` (inputs, weights, caches, outputs at 2^-11);
+# only where attention runs differs, so they share its bound and its reason.
+TOLERANCES["fp16-static"] = TOLERANCES["fp16-fused"]
+TOLERANCES["fp16-trt"] = TOLERANCES["fp16-fused"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,3 +193,69 @@ def compare_rung(
 def _layer_kind(present: str) -> tuple[int, str]:
     _, layer, kind = present.split(".")
     return int(layer), kind
+
+
+# --- the static-cache rung: a pool of rows driven the way the session engine drives it ------------
+
+
+def pool_schedule(max_length: int, decode_steps: int = 256) -> list[dict[int, int]]:
+    """Steps over a pool of 4 rows, each step {row: new tokens}: prefills into empty rows, ragged rows
+    decoding in one run, rows of length 0 inside the decode window beside long ones, a chunked
+    prefill onto a past, a prefill in the same step as decodes, and a late row joining the decode.
+    Sized so that no row exceeds `max_length` positions (fewer decode steps for a short context)."""
+    prefill_0, prefill_3, chunk, prefill_2 = (7, 5, 4, 6) if max_length >= 32 else (2, 2, 2, 2)
+    assert max_length >= MIN_POOL_LENGTH, f"the pool rung needs {MIN_POOL_LENGTH} positions, got {max_length}"
+    steps: list[dict[int, int]] = [{0: prefill_0}, {3: prefill_3}]  # rows 1 and 2 stay empty between them
+    steps += [{0: 1, 3: 1}] * 3
+    steps += [{3: chunk}, {0: 1, 2: prefill_2, 3: 1}]
+    longest = prefill_3 + 3 + chunk + 1  # row 3 before the decode steps
+    decode_steps = max(0, min(decode_steps, max_length - longest))
+    for step in range(decode_steps):
+        steps.append({0: 1, 2: 1, 3: 1} | ({1: 1} if step >= decode_steps // 2 else {}))
+    return steps
+
+
+MIN_POOL_LENGTH = 8  # the short schedule's longest row before it decodes
+POOL_ROWS = 4
+
+
+def compare_pool_rung(
+    cfg: ModelConfig,
+    reference: Runner,
+    pool,
+    schedule: list[dict[int, int]],
+    tolerance: Tolerance,
+    seed: int = 0,
+    on_step: Callable[[int], None] | None = None,
+) -> RungResult:
+    """Drive `pool` (an export.kv_pool.KVPool) and the PyTorch original, one sequence per row, through
+    `schedule`; compare every output as it comes and every row's cache at the end."""
+    rng = np.random.default_rng(seed)
+    tensors = {name: TensorError(name) for name in names.output_names(cfg.n_layers)}
+    ref_past: dict[int, Arrays] = {}
+    step_errors = []
+    for step, new_tokens in enumerate(schedule):
+        hidden = {row: rng.standard_normal((new, cfg.d_model)).astype(np.float32) for row, new in new_tokens.items()}
+        actual = pool.run({row: h.astype(pool.dtype) for row, h in hidden.items()})
+        failed = {row: out for row, out in actual.items() if isinstance(out, Exception)}
+        if failed:
+            raise next(iter(failed.values()))
+        worst = 0.0
+        for row, h in hidden.items():
+            expected = reference({names.HIDDEN_STATES: h[None], **ref_past.get(row, {})})
+            tensors[names.OUTPUT].update(
+                step, actual[row][None], expected[names.OUTPUT], np.ones((1, 1, 1), bool), tolerance
+            )
+            worst = max(worst, float(np.abs(actual[row].astype(np.float64) - expected[names.OUTPUT][0]).max()))
+            ref_past[row] = {names.past_name(*_layer_kind(n)): expected[n] for n in names.present_names(cfg.n_layers)}
+        step_errors.append(worst)
+        if on_step:
+            on_step(step)
+    for row, past in ref_past.items():
+        cached = pool.read(row)
+        for present in names.present_names(cfg.n_layers):
+            past_name = names.past_name(*_layer_kind(present))
+            tensors[present].update(
+                len(schedule), cached[past_name], past[past_name], np.ones((1, 1, 1, 1), bool), tolerance
+            )
+    return RungResult(tensors, step_errors)

@@ -33,6 +33,10 @@ class Progress:
         if self._live:
             self._write(f"{self._label} ... {detail}", final=False)
 
+    def note(self, text: str) -> None:
+        """A line that stays (a warning, a section that failed)."""
+        self._write(text)
+
     def _write(self, text: str, final: bool = True) -> None:
         if not self.enabled:
             return

@@ -15,18 +15,19 @@ Arrays = dict[str, np.ndarray]
 Runner = Callable[[Mapping[str, np.ndarray]], Arrays]
 
 
-def torch_runner(model) -> Runner:
-    """The PyTorch original as a runner (the reference rung)."""
+def torch_runner(model, device: str = "cpu") -> Runner:
+    """The PyTorch original as a runner (the reference rung), on `device` ("cuda" on a GPU host)."""
     import torch
 
     from export import names
     from export.model import KVCache
 
     n_layers = model.cfg.n_layers
+    model = model.to(device)
 
     @torch.no_grad()
     def run(inputs: Mapping[str, np.ndarray]) -> Arrays:
-        tensor = {name: torch.from_numpy(np.ascontiguousarray(array)) for name, array in inputs.items()}
+        tensor = {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in inputs.items()}
         past = None
         if names.past_name(0, names.KEY) in tensor:
             past = [
@@ -34,10 +35,10 @@ def torch_runner(model) -> Runner:
                 for i in range(n_layers)
             ]
         result = model(tensor[names.HIDDEN_STATES], tensor.get(names.ATTENTION_MASK), past)
-        arrays = {names.OUTPUT: result.output.numpy()}
+        arrays = {names.OUTPUT: result.output.cpu().numpy()}
         for i, cache in enumerate(result.present):
-            arrays[names.present_name(i, names.KEY)] = cache.key.numpy()
-            arrays[names.present_name(i, names.VALUE)] = cache.value.numpy()
+            arrays[names.present_name(i, names.KEY)] = cache.key.cpu().numpy()
+            arrays[names.present_name(i, names.VALUE)] = cache.value.cpu().numpy()
         return arrays
 
     return run

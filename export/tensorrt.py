@@ -43,12 +43,13 @@ class TensorRTUnavailable(RuntimeError):
 class Limits:
     """What a deployment serves: batch rows, new tokens per call, cached tokens before the call.
 
+    `max_sequence=None` is 512 new tokens, or half of max_seq_len when that is shorter;
     `max_past=None` sizes the cache to the config (`max_seq_len - max_sequence`); the opt point is
     a decode step (one new token) halfway into the cache unless given.
     """
 
     max_batch: int = 8
-    max_sequence: int = 512
+    max_sequence: int | None = None
     max_past: int | None = None
     opt_batch: int = 1
     opt_sequence: int = 1
@@ -56,23 +57,28 @@ class Limits:
 
     def points(self, cfg: ModelConfig) -> dict[str, dict[str, int]]:
         """Axis sizes (naming-table axis names) at the min, opt and max points."""
-        max_past = cfg.max_seq_len - self.max_sequence if self.max_past is None else self.max_past
+        max_sequence = self.sequence_limit(cfg)
+        max_past = cfg.max_seq_len - max_sequence if self.max_past is None else self.max_past
         opt_past = max_past // 2 if self.opt_past is None else self.opt_past
-        self._check(cfg, max_past, opt_past)
+        self._check(cfg, max_past, opt_past, max_sequence)
         corners = {
             "min": (1, 1, 0),  # one row, one token, empty past: the smallest valid call
             "opt": (self.opt_batch, self.opt_sequence, opt_past),
-            "max": (self.max_batch, self.max_sequence, max_past),
+            "max": (self.max_batch, max_sequence, max_past),
         }
         return {point: axis_sizes(*corner) for point, corner in corners.items()}
 
-    def _check(self, cfg: ModelConfig, max_past: int, opt_past: int) -> None:
+    def sequence_limit(self, cfg: ModelConfig) -> int:
+        """New tokens per call at the max point."""
+        return self.max_sequence if self.max_sequence is not None else max(1, min(512, cfg.max_seq_len // 2))
+
+    def _check(self, cfg: ModelConfig, max_past: int, opt_past: int, max_sequence: int) -> None:
         for name, value, low, high in [
             ("max_batch", self.max_batch, 1, None),
-            ("max_sequence", self.max_sequence, 1, cfg.max_seq_len),
-            ("max_past", max_past, 0, cfg.max_seq_len - self.max_sequence),
+            ("max_sequence", max_sequence, 1, cfg.max_seq_len),
+            ("max_past", max_past, 0, cfg.max_seq_len - max_sequence),
             ("opt_batch", self.opt_batch, 1, self.max_batch),
-            ("opt_sequence", self.opt_sequence, 1, self.max_sequence),
+            ("opt_sequence", self.opt_sequence, 1, max_sequence),
             ("opt_past", opt_past, 0, max_past),
         ]:
             if value < low or (high is not None and value > high):
@@ -175,7 +181,7 @@ def unavailable_reason() -> str | None:
     available = ort.get_available_providers()
     if TRT_PROVIDER not in available:
         return f"onnxruntime {ort.__version__} has no {TRT_PROVIDER} (it offers {', '.join(available)})"
-    if _cuda_device_count() < 1:
+    if cuda_device_count() < 1:
         return "no CUDA GPU: the CUDA driver (libcuda.so.1) is missing or reports no device"
     if not _loadable("libnvinfer.so.10"):
         return "TensorRT 10 (libnvinfer.so.10) is not installed"
@@ -190,7 +196,7 @@ def _loadable(library: str) -> bool:
     return True
 
 
-def _cuda_device_count() -> int:
+def cuda_device_count() -> int:
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError:

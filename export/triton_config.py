@@ -35,12 +35,17 @@ ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_
 # The module that implements each python-backend model; the shim `model.py` imports it.
 IMPLEMENTATIONS = {MHA: "serving.triton_models.mha", MHA_SESSION: "serving.triton_models.mha_session"}
 
-# Parameter keys the python models read (serving/triton_models/*.py).
+# Parameter keys the python models read (serving/triton_models/*.py, serving/engines.py).
 P_IMPLEMENTATION = "implementation"
-P_ONNX_FILE = "onnx_file"
+P_ONNX_FILE = "onnx_file"  # the graph for the CPU
+P_ONNX_FILE_CUDA = "onnx_file_cuda"  # the graph for ONNX Runtime's CUDA provider
+P_ONNX_FILE_TENSORRT = "onnx_file_tensorrt"  # the graph for its TensorRT provider
 P_THREADS = "threads"
 P_KV_CACHE_BYTES = "kv_cache_bytes"
 P_IDLE_TIMEOUT = "idle_timeout_seconds"
+P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
+ENGINE_STATIC, ENGINE_CONCAT = "static", "concat"
+ENGINES = (ENGINE_STATIC, ENGINE_CONCAT)
 
 _FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
 
@@ -57,10 +62,14 @@ class ServingSettings:
     max_batch_size: int = 32  # mha_session: most sequences stepped in one execute()
     max_queue_delay_microseconds: int = 0  # batch what queued while the model was busy; never wait
     trt_cache_dir: str = "/tmp/triton-trt-cache"  # mha_onnx: TensorRT engine cache (must be writable)
+    # mha_session: the slot pool over the static-cache graph, or per-sequence caches batched by padding
+    engine: str = ENGINE_STATIC
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.kv_cache_bytes <= 0 or self.idle_timeout_seconds <= 0 or self.max_batch_size < 1:
             raise ValueError(f"invalid serving settings: {self}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
 
     @property
     def triton_idle_microseconds(self) -> int:
@@ -88,13 +97,12 @@ def _add_stateless_io(config: pb.ModelConfig, cfg: ModelConfig, float_dtype: str
         config.output.add(name=spec.name, data_type=_data_type(spec, float_dtype), dims=_dims(spec.shape))
 
 
-def _python_model(name: str, onnx_file: str, settings: ServingSettings) -> pb.ModelConfig:
+def _python_model(name: str, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
+    """`onnx_files`: file parameter (P_ONNX_FILE, P_ONNX_FILE_CUDA, P_ONNX_FILE_TENSORRT) -> file name."""
     config = pb.ModelConfig(name=name, backend="python")
     # KIND_CPU: the runner picks the GPU itself when one exists; KIND_GPU would not load on a CPU host
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
-    _set_parameters(
-        config, {P_IMPLEMENTATION: IMPLEMENTATIONS[name], P_ONNX_FILE: onnx_file, P_THREADS: settings.threads}
-    )
+    _set_parameters(config, {P_IMPLEMENTATION: IMPLEMENTATIONS[name], P_THREADS: settings.threads, **onnx_files})
     return config
 
 
@@ -103,15 +111,19 @@ def _set_parameters(config: pb.ModelConfig, values: dict[str, object]) -> None:
         config.parameters[key].string_value = str(value)
 
 
-def mha_config(cfg: ModelConfig, onnx_file: str, settings: ServingSettings) -> pb.ModelConfig:
-    config = _python_model(MHA, onnx_file, settings)
+def mha_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
+    config = _python_model(MHA, onnx_files, settings)
     config.max_batch_size = 0  # the batch axis is the graph's own, in dims as -1
     _add_stateless_io(config, cfg, "float32", optional=True)
     return config
 
 
-def mha_session_config(cfg: ModelConfig, onnx_file: str, settings: ServingSettings) -> pb.ModelConfig:
-    config = _python_model(MHA_SESSION, onnx_file, settings)
+def mha_session_config(
+    cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings, engine: str | None = None
+) -> pb.ModelConfig:
+    """`engine` overrides `settings.engine` (the repository falls back to `concat` when the static
+    graph could not be built for the config)."""
+    config = _python_model(MHA_SESSION, onnx_files, settings)
     config.max_batch_size = settings.max_batch_size  # Triton's batch axis = one row per sequence
     ragged = {"allow_ragged_batch": True}  # steps with different T share one execute()
     config.input.add(name=names.HIDDEN_STATES, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model], **ragged)
@@ -126,7 +138,11 @@ def mha_session_config(cfg: ModelConfig, onnx_file: str, settings: ServingSettin
     batching.oldest.max_queue_delay_microseconds = settings.max_queue_delay_microseconds
     _set_parameters(
         config,
-        {P_KV_CACHE_BYTES: settings.kv_cache_bytes, P_IDLE_TIMEOUT: f"{settings.idle_timeout_seconds:g}"},
+        {
+            P_KV_CACHE_BYTES: settings.kv_cache_bytes,
+            P_IDLE_TIMEOUT: f"{settings.idle_timeout_seconds:g}",
+            P_ENGINE: engine or settings.engine,
+        },
     )
     return config
 
@@ -150,11 +166,13 @@ def mha_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConf
     return config
 
 
-def model_configs(cfg: ModelConfig, python_onnx_file: str, settings: ServingSettings) -> dict[str, pb.ModelConfig]:
-    """Every model's config; the python models load `python_onnx_file` from their version folder."""
+def model_configs(
+    cfg: ModelConfig, onnx_files: dict[str, dict[str, str]], settings: ServingSettings, engine: str | None = None
+) -> dict[str, pb.ModelConfig]:
+    """Every model's config; `onnx_files[model]` are the python models' file parameters."""
     return {
-        MHA: mha_config(cfg, python_onnx_file, settings),
-        MHA_SESSION: mha_session_config(cfg, python_onnx_file, settings),
+        MHA: mha_config(cfg, onnx_files[MHA], settings),
+        MHA_SESSION: mha_session_config(cfg, onnx_files[MHA_SESSION], settings, engine),
         MHA_ONNX: mha_onnx_config(cfg, settings),
     }
 

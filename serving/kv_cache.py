@@ -12,7 +12,6 @@ a START that does not fit gets `CacheFull` (UNAVAILABLE). Idle sequences are evi
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from serving import errors
+from serving.tombstones import Tombstones
 
 SequenceId = Hashable  # Triton's correlation id: an int, or a str
 
@@ -65,9 +65,7 @@ class KVCacheStore:
         self.idle_timeout = idle_timeout
         self._clock = clock
         self._live: dict[SequenceId, SequenceCache] = {}
-        # id -> the error to answer a step with, oldest first; bounded so that it cannot grow forever
-        self._gone: collections.OrderedDict[SequenceId, Callable[[], errors.SequenceError]] = collections.OrderedDict()
-        self._remember = remember
+        self._gone = Tombstones(remember)
         self._evictions = 0
         self._lock = threading.Lock()  # execute() and the idle sweeper both use the store
 
@@ -80,7 +78,7 @@ class KVCacheStore:
         """A new, empty sequence; a repeated START restarts the sequence (as Triton does)."""
         with self._lock:
             self._live.pop(sequence_id, None)
-            self._gone.pop(sequence_id, None)
+            self._gone.revive(sequence_id)
             self._evict_idle_locked()
             if len(self._live) >= self.capacity:
                 raise errors.CacheFull(sequence_id, self._full_message())
@@ -101,7 +99,7 @@ class KVCacheStore:
         with self._lock:
             entry = self._live.get(sequence_id)
             if entry is None:
-                raise self._gone.get(sequence_id, functools.partial(errors.UnknownSequence, sequence_id))()
+                raise self._gone.answer(sequence_id, functools.partial(errors.UnknownSequence, sequence_id))
             entry.last_used = self._clock()
             return entry
 
@@ -120,7 +118,7 @@ class KVCacheStore:
         """Free a sequence's cache; False if it held none."""
         with self._lock:
             freed = self._live.pop(sequence_id, None) is not None
-            self._forget(sequence_id, functools.partial(errors.SequenceEnded, sequence_id))
+            self._gone.bury(sequence_id, functools.partial(errors.SequenceEnded, sequence_id))
             return freed
 
     def evict_idle(self) -> list[SequenceId]:
@@ -132,15 +130,9 @@ class KVCacheStore:
         idle = [sid for sid, entry in self._live.items() if entry.last_used <= deadline]
         for sid in idle:
             del self._live[sid]  # dropping the last reference gives the memory back for the next sequences
-            self._forget(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))
+            self._gone.bury(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))
         self._evictions += len(idle)
         return idle
-
-    def _forget(self, sequence_id: SequenceId, answer: Callable[[], errors.SequenceError]) -> None:
-        self._gone[sequence_id] = answer
-        self._gone.move_to_end(sequence_id)
-        while len(self._gone) > self._remember:
-            self._gone.popitem(last=False)
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -22,40 +22,78 @@ import onnxruntime as ort
 
 from export import names, tensorrt
 from export.config import ModelConfig
+from export.kv_pool import session_device, session_float_dtype
 
 log = logging.getLogger(__name__)
 
 CPU_PROVIDER = "CPUExecutionProvider"
-CPU, CUDA = "cpu", "cuda"
+CPU, CUDA = "cpu", "cuda"  # where tensors live (ONNX Runtime's device names)
+TENSORRT = "tensorrt"  # a placement kind: TensorRT engines, CUDA for what they leave out
 KERNEL_OPSET = 18
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """The providers a session asks for, best first, and why the better ones were left out."""
+    """The providers a session asks for, best first, and why the better ones were left out.
+    `kind` (TENSORRT, CUDA or CPU) says which of a model's ONNX files it runs."""
 
+    kind: str
     providers: list
     notes: list[str]
 
 
-def choose_placement(cfg: ModelConfig, limits: tensorrt.Limits, trt_cache: Path, device_id: int = 0) -> Placement:
+def cuda_usable() -> bool:
+    return tensorrt.CUDA_PROVIDER in ort.get_available_providers() and tensorrt.cuda_device_count() > 0
+
+
+def choose_placement(
+    cfg: ModelConfig,
+    limits: tensorrt.Limits,
+    trt_cache: Path,
+    device_id: int = 0,
+    allow_tensorrt: bool = True,
+    cuda_graphs: bool = False,
+) -> Placement:
+    """TensorRT, else CUDA, else the CPU, whichever is usable here; `allow_tensorrt=False` for graphs
+    TensorRT cannot take whole (the static cache's GroupQueryAttention); `cuda_graphs` turns on ONNX
+    Runtime's CUDA graphs (for fixed-address decode steps, export/kv_pool.py)."""
     available = ort.get_available_providers()
-    providers: list = []
     notes = []
-    trt_missing = tensorrt.unavailable_reason()
+    trt_missing = tensorrt.unavailable_reason() if allow_tensorrt else "not for this graph"
     if trt_missing is None:
         options = tensorrt.provider_options(cfg, limits, trt_cache)
-        providers.append((tensorrt.TRT_PROVIDER, {"device_id": device_id, **options}))
         notes.append(f"TensorRT options {options}")
-    else:
-        notes.append(f"no TensorRT: {trt_missing}")
+        providers = [(tensorrt.TRT_PROVIDER, {"device_id": device_id, **options}), _cuda(device_id), CPU_PROVIDER]
+        return Placement(TENSORRT, providers, notes)
+    notes.append(f"no TensorRT: {trt_missing}")
+    if cuda_usable():
+        preload_cuda_libraries()
+        provider = _cuda(device_id, enable_cuda_graph="1") if cuda_graphs else _cuda(device_id)
+        return Placement(CUDA, [provider, CPU_PROVIDER], notes + (["CUDA graphs on"] if cuda_graphs else []))
     if tensorrt.CUDA_PROVIDER in available:
-        # ONNX Runtime falls back to the CPU by itself when CUDA cannot start; the session says which ran
-        providers.append((tensorrt.CUDA_PROVIDER, {"device_id": device_id}))
+        notes.append("no CUDA: the CUDA provider is installed but no CUDA device answers")
     else:
         notes.append(f"no CUDA: onnxruntime {ort.__version__} offers {', '.join(available)}")
-    providers.append(CPU_PROVIDER)
-    return Placement(providers, notes)
+    return Placement(CPU, [CPU_PROVIDER], notes)
+
+
+def _cuda(device_id: int, **options: str) -> tuple[str, dict]:
+    return (tensorrt.CUDA_PROVIDER, {"device_id": device_id, **options})
+
+
+def preload_cuda_libraries() -> None:
+    """CUDA and cuDNN from the nvidia-* pip packages, where the CUDA provider finds them (a Triton stub
+    has not imported torch, which would have loaded them)."""
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:
+        try:
+            preload()
+        except Exception as error:  # the session still tries the system's libraries
+            log.warning("onnxruntime.preload_dlls failed: %s", error)
+
+
+def open_session(model_path: str | Path, placement: Placement, threads: int = 0) -> ort.InferenceSession:
+    return ort.InferenceSession(str(model_path), sess_options=_session_options(threads), providers=placement.providers)
 
 
 def _session_options(threads: int, arena: bool = True) -> ort.SessionOptions:
@@ -75,10 +113,6 @@ def _session_options(threads: int, arena: bool = True) -> ort.SessionOptions:
     return options
 
 
-def _device_of(session: ort.InferenceSession) -> str:
-    return CUDA if session.get_providers()[0] in (tensorrt.TRT_PROVIDER, tensorrt.CUDA_PROVIDER) else CPU
-
-
 class Runner:
     """The graph of `model_path` on the best available device, with device-resident caches."""
 
@@ -92,19 +126,22 @@ class Runner:
         providers: Sequence | None = None,
         device_id: int = 0,
         copies: str | None = None,
+        placement: Placement | None = None,
     ) -> None:
-        """`copies="device"` runs batching's copies as device graphs even on the CPU (tests of the GPU path)."""
+        """`copies="device"` runs batching's copies as device graphs even on the CPU (tests of the GPU path).
+        Placement: `placement` when given, else `providers` when given, else the best usable here."""
         self.cfg = cfg
         self.device_id = device_id
-        if providers is None:
+        if placement is not None:
+            pass
+        elif providers is None:
             trt_cache = Path(trt_cache or Path(tempfile.gettempdir()) / "attention-serving-trt")
             placement = choose_placement(cfg, limits or tensorrt.Limits(), trt_cache, device_id)
         else:
-            placement = Placement(list(providers), ["providers given by the caller"])
-        self.session = ort.InferenceSession(
-            str(model_path), sess_options=_session_options(threads), providers=placement.providers
-        )
-        self.device = _device_of(self.session)
+            placement = Placement(CPU, list(providers), ["providers given by the caller"])
+        self.session = open_session(model_path, placement, threads)
+        self.device = session_device(self.session)
+        self.dtype = session_float_dtype(self.session)
         if self.device == CUDA or copies == "device":
             # the copies run where the caches are; TensorRT would only build engines for them
             on_device = [(tensorrt.CUDA_PROVIDER, {"device_id": device_id})] if self.device == CUDA else []
@@ -122,12 +159,15 @@ class Runner:
         log.info("runner: %s", self.description)
 
     def to_device(self, array: np.ndarray) -> ort.OrtValue:
-        """A host array as a value on the runner's device (no copy on the CPU)."""
+        """A host array as a value on the runner's device (no copy on the CPU), floats in the graph's
+        float dtype (an fp16 graph takes the served fp32 values rounded)."""
+        if array.dtype.kind == "f" and array.dtype != self.dtype:
+            array = array.astype(self.dtype)
         return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, self.device_id)
 
     def empty_past(self, batch: int = 1) -> list[ort.OrtValue]:
         shape = (batch, self.cfg.n_kv_heads, 0, self.cfg.head_dim)
-        return [self.to_device(np.zeros(shape, np.float32)) for _ in self.past_names]
+        return [self.to_device(np.zeros(shape, self.dtype)) for _ in self.past_names]
 
     def run(
         self, hidden: np.ndarray, mask: np.ndarray, past: Sequence[ort.OrtValue], presents_on_host: bool = False
@@ -162,7 +202,8 @@ class Runner:
         if mask is None:
             mask = np.ones((batch, past_length + new), np.int64)
         output, presents = self.run(hidden, mask, past, presents_on_host=True)
-        return {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
+        arrays = {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
+        return {name: array.astype(np.float32, copy=False) for name, array in arrays.items()}  # served IO is fp32
 
 
 def nbytes(values: Sequence[ort.OrtValue]) -> int:

@@ -59,13 +59,25 @@ def check_step(cfg: ModelConfig, request: StepRequest) -> int:
 
 
 class SessionEngine:
+    """The `concat` engine: each sequence's cache is its own value, batched by padding per execute()."""
+
     def __init__(self, runner: Runner, store: KVCacheStore) -> None:
         self.runner, self.store, self.cfg = runner, store, runner.cfg
         self.largest_batch = 0  # most steps one graph run has taken (proof that batching happens)
 
+    @property
+    def capacity(self) -> int:
+        return self.store.capacity
+
+    def stats(self):
+        return self.store.stats()
+
+    def evict_idle(self) -> list:
+        return self.store.evict_idle()
+
     def execute(self, requests: Sequence[StepRequest]) -> list[Result]:
         results: list[Result | None] = [None] * len(requests)
-        for indices in _rounds(requests):
+        for indices in rounds(requests):
             self._round([requests[i] for i in indices], indices, results)
         return results  # type: ignore[return-value]
 
@@ -119,7 +131,7 @@ class SessionEngine:
             results[index] = outcome.output[None]  # (1, T, d_model)
 
 
-def _rounds(requests: Sequence[StepRequest]) -> list[list[int]]:
+def rounds(requests: Sequence[StepRequest]) -> list[list[int]]:
     """Indices grouped so that each sequence appears at most once per round, its steps in order.
 
     Triton's sequence batcher sends one step per sequence per execute(); this keeps the caches right
@@ -138,17 +150,18 @@ def _rounds(requests: Sequence[StepRequest]) -> list[list[int]]:
 
 class Sweeper:
     """Every `interval`: evict idle sequences (so memory comes back without new requests), then call
-    `on_tick` (the model publishes its gauges there, off the request path)."""
+    `on_tick` (the model publishes its gauges there, off the request path). `engine` is either
+    session engine (anything with `evict_idle()`)."""
 
-    def __init__(self, store: KVCacheStore, on_tick: Callable[[], None], interval: float) -> None:
-        self.store, self.on_tick, self.interval = store, on_tick, interval
+    def __init__(self, engine, on_tick: Callable[[], None], interval: float) -> None:
+        self.engine, self.on_tick, self.interval = engine, on_tick, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-cache-sweeper", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            self.store.evict_idle()
+            self.engine.evict_idle()
             self.on_tick()
 
     def stop(self) -> None:

@@ -3,36 +3,25 @@
 from __future__ import annotations
 
 import json
-import tempfile
 import traceback
 from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from export import tensorrt, triton_config
 from export.config import ModelConfig
 from serving import errors
-from serving.runner import Runner
 
 
 class Loaded:
-    """A model instance's config, parameters and runner, read from its version folder."""
+    """A model instance's name, Triton config, parameters, version folder and ModelConfig."""
 
-    def __init__(self, args: dict, limits: tensorrt.Limits) -> None:
+    def __init__(self, args: dict) -> None:
         self.name = args["model_name"]
         self.model_config = json.loads(args["model_config"])
         self.parameters = {key: value["string_value"] for key, value in self.model_config["parameters"].items()}
-        version = _version_dir(args)
-        self.cfg = ModelConfig.load(version)
-        self.runner = Runner(
-            version / self.parameters[triton_config.P_ONNX_FILE],
-            self.cfg,
-            threads=int(self.parameters.get(triton_config.P_THREADS, "0")),
-            limits=limits,
-            trt_cache=Path(tempfile.gettempdir()) / "attention-serving-trt" / self.name,
-        )
-        pb_utils.Logger.log_info(f"{self.name}: {self.runner.description}")
+        self.version = _version_dir(args)
+        self.cfg = ModelConfig.load(self.version)
 
 
 def _version_dir(args: dict) -> Path:

@@ -5,15 +5,14 @@ execute() run as one batch (serving/batching.py); errors are answered per reques
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import ClassVar
 
 import triton_python_backend_utils as pb_utils
 
-from export import names, tensorrt, triton_config
-from serving.kv_cache import KVCacheStore
-from serving.session import SessionEngine, StepRequest, Sweeper
+from export import names, triton_config
+from serving import engines
+from serving.session import StepRequest, Sweeper
 from serving.triton_models import common
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -22,23 +21,17 @@ END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
-        config = json.loads(args["model_config"])
-        limits = tensorrt.Limits(max_batch=int(config["max_batch_size"]))
-        self.model = common.Loaded(args, limits)
+        self.model = common.Loaded(args)
         cfg, parameters = self.model.cfg, self.model.parameters
+        max_batch = int(self.model.model_config["max_batch_size"])
+        self.engine = engines.session_engine(self.model.version, cfg, parameters, max_batch, self.model.name)
         idle = float(parameters[triton_config.P_IDLE_TIMEOUT])
-        self.store = KVCacheStore(
-            bytes_per_position=cfg.kv_cache_bytes(batch=1, length=1),
-            max_positions=cfg.max_seq_len,
-            budget_bytes=int(parameters[triton_config.P_KV_CACHE_BYTES]),
-            idle_timeout=idle,
-        )
-        self.engine = SessionEngine(self.model.runner, self.store)
         self.metrics = Metrics(self.model.name)
-        self.sweeper = Sweeper(self.store, self._publish, interval=min(0.25, idle / 4))
+        self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
+        stats = self.engine.stats()
         pb_utils.Logger.log_info(
-            f"{self.model.name}: KV cache budget {self.store.budget} bytes = {self.store.capacity} sequences "
-            f"of up to {cfg.max_seq_len} positions; idle timeout {idle:g} s"
+            f"{self.model.name}: runner {engines.describe(self.engine)}; KV cache budget {stats.budget_bytes} bytes = "
+            f"{self.engine.capacity} sequences of up to {cfg.max_seq_len} positions; idle timeout {idle:g} s"
         )
 
     def execute(self, requests: list) -> list:
@@ -55,7 +48,7 @@ class TritonPythonModel:
     def _publish(self, every_value: bool = True) -> None:
         """Gauges to Triton. After a request only what START and END change (each update is a round
         trip to the Triton process); the sweeper publishes the per-step byte count 4 times a second."""
-        stats = self.store.stats()
+        stats = self.engine.stats()
         values = {
             "sequences": stats.sequences,
             "held_bytes": stats.held_bytes,

@@ -5,7 +5,7 @@ import json
 import shutil
 
 from bench import model
-from bench.__main__ import COMMANDS, main
+from bench.__main__ import COMMANDS, DEFAULT_COMMANDS, main
 from export import artifacts
 
 
@@ -33,9 +33,10 @@ def test_quick_model_benchmark_writes_json_png_and_a_table(artifact_dir, tmp_pat
     assert "decode B1 P1024" in printed and "fused/floor" in printed and "targets:" in printed
 
 
-def test_no_command_runs_every_benchmark(monkeypatch):
+def test_no_command_runs_every_cpu_benchmark_and_not_the_gpu_proof(monkeypatch):
     ran = []
     for name, module in COMMANDS.items():
         monkeypatch.setattr(module, "run", lambda args, name=name: ran.append((name, args.command)) or 0)
     assert main([]) == 0
-    assert ran == [(name, name) for name in COMMANDS] and ("model", "model") in ran
+    assert ran == [(name, name) for name in DEFAULT_COMMANDS] and ("model", "model") in ran
+    assert "gpu" in COMMANDS and ("gpu", "gpu") not in ran  # it needs a CUDA host: run only when asked

@@ -133,7 +133,7 @@ def test_unavailable_reasons_say_what_is_missing(monkeypatch):
         f"onnxruntime {onnxruntime.__version__} has no TensorrtExecutionProvider (it offers CPUExecutionProvider)"
     )
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["TensorrtExecutionProvider"])
-    monkeypatch.setattr(tensorrt, "_cuda_device_count", lambda: 0)
+    monkeypatch.setattr(tensorrt, "cuda_device_count", lambda: 0)
     assert "no CUDA GPU" in tensorrt.unavailable_reason()
 
 

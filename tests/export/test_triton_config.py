@@ -13,13 +13,17 @@ import onnx
 import pytest
 from tritonclient.grpc import model_config_pb2 as pb
 
-from export import artifacts, names, repository, triton_config
+from export import artifacts, build, names, repository, triton_config
 from export.config import DEFAULT_PRESET, ModelConfig, preset
 from export.triton_config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = PROJECT_ROOT / "model_repository"
-ONNX_TYPES = {onnx.TensorProto.FLOAT: pb.TYPE_FP32, onnx.TensorProto.INT64: pb.TYPE_INT64}
+ONNX_TYPES = {
+    onnx.TensorProto.FLOAT: pb.TYPE_FP32,
+    onnx.TensorProto.INT64: pb.TYPE_INT64,
+    onnx.TensorProto.INT32: pb.TYPE_INT32,
+}
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +86,50 @@ def test_mha_leaves_mask_and_past_optional_mha_onnx_requires_them(built):
     assert not any(t.optional for t in read_config(built, MHA_ONNX).input)
 
 
-def test_session_config_takes_new_tokens_only_and_fits_the_graph(built):
-    config = read_config(built, MHA_SESSION)
-    graph = graph_io(loaded_onnx(built, config))
+@pytest.mark.parametrize("engine", triton_config.ENGINES)
+def test_session_config_takes_new_tokens_only_and_fits_the_graph(artifact_dir, tmp_path, engine):
+    settings = ServingSettings(engine=engine)
+    repo = repository.write_repository(artifact_dir("gqa"), tmp_path, settings, models=(MHA_SESSION,))
+    config = read_config(repo, MHA_SESSION)
+    assert triton_config.parameter(config, triton_config.P_ENGINE) == engine
+    graph = graph_io(loaded_onnx(repo, config))
     assert [t.name for t in config.input] == [names.HIDDEN_STATES, names.ATTENTION_MASK]
     assert [t.name for t in config.output] == [names.OUTPUT]
     assert all(t.allow_ragged_batch for t in config.input)
     assert [t.optional for t in config.input] == [False, True]
     assert config.max_batch_size > 0
-    assert_fits([*config.input, *config.output], graph, batch_axis_added=True)
+    if engine == triton_config.ENGINE_STATIC:
+        # the step's mask is the engine's (padded tokens never enter the cache); the graph takes lengths
+        assert names.ATTENTION_MASK not in graph and names.SEQLENS_K in graph
+        assert_fits([config.input[0], *config.output], graph, batch_axis_added=True)
+    else:
+        assert_fits([*config.input, *config.output], graph, batch_axis_added=True)
+
+
+def test_each_python_model_gets_a_graph_per_placement(built):
+    mha, session = read_config(built, MHA), read_config(built, MHA_SESSION)
+    assert {k: triton_config.parameter(mha, k) for k in repository.PYTHON_FILES[MHA]} == {
+        triton_config.P_ONNX_FILE: "model.fp32-fused.onnx",
+        triton_config.P_ONNX_FILE_CUDA: "model.fp16-fused.onnx",  # the fastest stateless form on CUDA (docs/gpu.md)
+        triton_config.P_ONNX_FILE_TENSORRT: "model.fp16-trt.onnx",
+    }
+    assert triton_config.parameter(session, triton_config.P_ENGINE) == triton_config.ENGINE_STATIC
+    assert triton_config.parameter(session, triton_config.P_ONNX_FILE) == "model.fp32-static.onnx"
+    assert triton_config.parameter(session, triton_config.P_ONNX_FILE_CUDA) == "model.fp16-static.onnx"
+    for model, config in ((MHA, mha), (MHA_SESSION, session)):
+        files = sorted(p.name for p in (built / model / "1").glob("*.onnx"))
+        assert files == sorted({v.string_value for k, v in config.parameters.items() if k.startswith("onnx_file")})
+
+
+def test_a_config_the_static_form_cannot_take_gets_the_concat_engine(artifact_dir, tmp_path):
+    source = tmp_path / "artifact"
+    shutil.copytree(artifact_dir("gqa"), source)
+    for variant in ("fp32-static", "fp16-static"):
+        (source / artifacts.model_filename(variant)).unlink()
+    repo = repository.write_repository(source, tmp_path / "repo", models=(MHA_SESSION,))
+    config = read_config(repo, MHA_SESSION)
+    assert triton_config.parameter(config, triton_config.P_ENGINE) == triton_config.ENGINE_CONCAT
+    assert triton_config.parameter(config, triton_config.P_ONNX_FILE) == "model.fp32-fused.onnx"
 
 
 def test_session_batching_is_oldest_and_both_timeouts_come_from_one_setting(artifact_dir, tmp_path):
@@ -124,7 +163,7 @@ def test_the_version_folders_hold_what_each_model_loads(built, artifact_dir):
 def test_a_repository_is_complete_only_with_configs_and_models(built, tmp_path):
     assert repository.is_complete(built)
     shutil.copytree(built, tmp_path / "repo")
-    (tmp_path / "repo" / MHA_SESSION / "1" / "model.fp32-fused.onnx").unlink()
+    (tmp_path / "repo" / MHA_SESSION / "1" / "model.fp32-static.onnx").unlink()
     assert not repository.is_complete(tmp_path / "repo")  # `python -m serving` would export first
     assert not repository.is_complete(tmp_path / "empty")
 
@@ -139,22 +178,21 @@ def test_fp32_is_served_when_the_fused_variant_failed(artifact_dir, tmp_path):
     repo = repository.write_repository(source, tmp_path / "repo")
     served = read_config(repo, MHA)
     assert triton_config.parameter(served, triton_config.P_ONNX_FILE) == "model.fp32.onnx"
-    assert sorted(p.name for p in (repo / MHA / "1").glob("*.onnx")) == ["model.fp32.onnx"]
+    assert "model.fp32-fused.onnx" not in {p.name for p in (repo / MHA / "1").glob("*.onnx")}
 
 
 def test_no_passing_variant_is_a_clear_error(artifact_dir, tmp_path):
     source = tmp_path / "artifact"
     shutil.copytree(artifact_dir("gqa"), source)
-    for variant in repository.PYTHON_VARIANTS:
+    for variant in repository.PYTHON_FILES[MHA][repository.P_CPU]:
         (source / artifacts.model_filename(variant)).unlink()
-    with pytest.raises(repository.RepositoryError, match="none of"):
+    with pytest.raises(repository.RepositoryError, match="no passing variant for mha on the CPU"):
         repository.write_repository(source, tmp_path / "repo")
 
 
 def test_the_committed_repository_is_what_the_generator_makes_for_the_default_preset():
-    configs = triton_config.model_configs(
-        preset(DEFAULT_PRESET), artifacts.model_filename(repository.DEFAULT_PYTHON_VARIANT), ServingSettings()
-    )
+    every_variant = set(build.DEFAULT_VARIANTS)  # the default preset passes them all (the build tests prove it)
+    configs = repository.model_configs(preset(DEFAULT_PRESET), every_variant)
     for name, config in configs.items():
         committed = (COMMITTED / name / triton_config.CONFIG_FILENAME).read_text()
         assert committed == triton_config.to_text(config), f"regenerate with `python -m export` ({name})"

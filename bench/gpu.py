@@ -1,0 +1,744 @@
+"""GPU proof: parity on the GPU, decode latency against the HBM floor, the models served on the GPU.
+
+`make gpu-proof` (or `python -m bench gpu`) on a CUDA host with PyTorch and onnxruntime-gpu, no
+Docker and no network:
+
+(a) parity: every GPU variant on ONNX Runtime's CUDA provider against the PyTorch original in fp32
+    on the same GPU: the stateless forms over a left-padded prefill and 128 decode steps, the static
+    form over the pool rung (ragged rows, chunked prefill, 128 decode steps); fp16 within its
+    documented tolerance, nothing NaN or Inf;
+(b) latency of one decode step against past length and batch: the PyTorch original in fp16, the
+    PyTorch static-cache peer (gpt-fast style, SDPA) in fp16 and each fp16 ONNX form, interleaved,
+    with the HBM floor from a device-to-device copy measured in the same run;
+(c) the models served by the bundled tritonserver with the Python models on the GPU: the served
+    stateful step (gRPC) against the same engine in-process, and a no-op Python model's round trip;
+(d) JSON and PNG plots in `--out`, a ratio table on stdout.
+
+Every ONNX Runtime session reports where its nodes ran (ONNX Runtime's profiler); a GPU candidate
+with a compute node on the CPU fails the proof, as does a served model whose runner is not on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import platform
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from bench.timing import Budget, Timing, measure
+from export import artifacts, names
+from export.config import ModelConfig, preset
+from export.progress import Progress
+
+RESULTS = Path(__file__).parent / "results" / "gpu"
+CUDA = "CUDAExecutionProvider"
+# the forms meant for a GPU; fp32-static is not one (GroupQueryAttention runs fp16/bf16 on CUDA)
+GRAPHS = "fp16-static+graphs"  # fp16-static with ONNX Runtime's CUDA graphs: the decode engine's GPU form
+BUILT_VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-trt", "fp16-trt", "fp16-static")
+PARITY_VARIANTS = (*BUILT_VARIANTS, GRAPHS)
+LATENCY_VARIANTS = ("fp16-fused", "fp16-trt", "fp16-static", GRAPHS)
+TORCH, PEER = "torch-fp16", "torch-static-fp16"
+# both PyTorch candidates are fp16: they differ by fp16 roundings of the same sums (a few 2^-11)
+PEER_BOUND = 5e-3
+CANDIDATES = (TORCH, PEER, *LATENCY_VARIANTS)
+PASTS = (128, 512, 1024, 2048, 4096, 8192, 16384)
+BATCHES = (1, 8, 32)
+PRESETS = ("seed", "large")
+
+
+class GPUProofError(RuntimeError):
+    """The proof cannot run here, or a GPU run fell back to the CPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """Where a run happens: the proof runs on CUDA; the test suite runs the same code on the CPU."""
+
+    torch: str  # torch device
+    provider: str  # ONNX Runtime execution provider
+    ort: str  # ONNX Runtime's name for the device's memory
+
+    def synchronize(self) -> None:
+        if self.torch == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+
+GPU = Device("cuda", CUDA, "cuda")
+CPU = Device("cpu", "CPUExecutionProvider", "cpu")
+
+
+def bench_config(name: str, longest_past: int = max(PASTS)) -> ModelConfig:
+    """The preset, sized for the longest past measured plus the steps that follow it."""
+    return dataclasses.replace(preset(name), max_seq_len=longest_past + 64)
+
+
+# --- the host ------------------------------------------------------------------------------------------
+
+
+def host() -> dict:
+    """What this GPU host is; raises GPUProofError when it cannot run the proof."""
+    import onnxruntime as ort
+    import torch
+
+    if not torch.cuda.is_available():
+        raise GPUProofError("PyTorch sees no CUDA device: the GPU proof needs a CUDA host")
+    if CUDA not in ort.get_available_providers():
+        raise GPUProofError(
+            f"onnxruntime {ort.__version__} has no {CUDA} (it offers {ort.get_available_providers()}): "
+            "install onnxruntime-gpu"
+        )
+    properties = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "memory_gib": round(properties.total_memory / (1 << 30), 1),
+        "multiprocessors": properties.multi_processor_count,
+        "driver": _driver_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "onnxruntime": ort.__version__,
+        "onnxruntime_providers": ort.get_available_providers(),
+        "python": platform.python_version(),
+    }
+
+
+def _driver_version() -> str | None:
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
+def hbm_bandwidth(device: Device, megabytes: int = 2048, repeats: int = 20) -> float:
+    """GB/s of a device-to-device copy, counting the bytes read and the bytes written (best of the runs)."""
+    import torch
+
+    source = torch.empty(megabytes << 20, dtype=torch.uint8, device=device.torch)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        device.synchronize()
+        started = time.perf_counter()
+        target.copy_(source)
+        device.synchronize()
+        best = min(best, time.perf_counter() - started)
+    return 2 * source.numel() / best / 1e9
+
+
+# --- ONNX Runtime on CUDA, and where its nodes really ran --------------------------------------------
+
+
+def variant_file(directory: Path, name: str) -> Path:
+    return directory / artifacts.model_filename(name.removesuffix("+graphs"))
+
+
+def candidate_session(directory: Path, name: str, device: Device):
+    """The session of a candidate: `+graphs` ones with CUDA graphs (not profiled: a replay has no
+    per-node events), the others profiled."""
+    graphs = name.endswith("+graphs") and device.provider == CUDA
+    return device_session(variant_file(directory, name), device, profile=not graphs, cuda_graphs=graphs)
+
+
+def device_session(path: Path, device: Device, profile: bool = True, cuda_graphs: bool = False):
+    """A session on `device` (CUDA with TF32 off, so that the fp32 rungs are fp32), profiled so that
+    `node_placement` can say where each node ran."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    if profile:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tempfile.gettempdir()) / f"gpu-proof-{path.stem}")
+    # the arena grows by what is asked (not to the next power of two): a B32 P16k run holds GBs per session
+    cuda_options = {"device_id": 0, "use_tf32": 0, "arena_extend_strategy": "kSameAsRequested"}
+    if cuda_graphs:
+        cuda_options["enable_cuda_graph"] = "1"
+    providers = [(CUDA, cuda_options)] if device.provider == CUDA else []
+    return ort.InferenceSession(str(path), sess_options=options, providers=[*providers, "CPUExecutionProvider"])
+
+
+def node_placement(session) -> dict:
+    """Where the nodes of the runs so far ran (ONNX Runtime's profile): per execution provider the
+    count of each op, and the names of the nodes that ran on the CPU."""
+    profile = Path(session.end_profiling())
+    events = json.loads(profile.read_text())
+    profile.unlink(missing_ok=True)
+    placed: dict[str, Counter] = {}
+    on_cpu = set()
+    for event in events:
+        args = event.get("args", {})
+        if event.get("cat") != "Node" or "provider" not in args or not event["name"].endswith("_kernel_time"):
+            continue
+        placed.setdefault(args["provider"], Counter())[args.get("op_name", "?")] += 1
+        if args["provider"] == "CPUExecutionProvider":
+            on_cpu.add(event["name"].removesuffix("_kernel_time"))
+    return {"providers": {provider: dict(counts) for provider, counts in placed.items()}, "cpu_nodes": sorted(on_cpu)}
+
+
+def cpu_compute_nodes(path: Path, placement: dict) -> list[str]:
+    """CPU nodes that compute floats: a fallback. Integer and boolean nodes (shape arithmetic, the
+    mask's positions) are placed on the CPU by ONNX Runtime on purpose and are not counted."""
+    import onnx
+
+    if not placement.get("cpu_nodes"):
+        return []
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)))
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.output]}
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+    nodes = {node.name: node for node in model.graph.node}
+    found = []
+    for name in placement["cpu_nodes"]:
+        node = nodes.get(name)
+        if node is None or any(types.get(output) in floats for output in node.output):
+            found.append(f"{node.op_type if node else '?'} {name}")
+    return found
+
+
+# --- (a) parity on the GPU -------------------------------------------------------------------------------
+
+
+def parity(directory: Path, device: Device, progress: Progress, decode_steps: int = 128) -> dict:
+    from export.build import POOL, VARIANTS
+    from export.kv_pool import KVPool
+    from export.parity import POOL_ROWS, Scenario, compare_pool_rung, compare_rung, pool_schedule
+    from export.runtime import ort_runner, torch_runner
+
+    model = artifacts.load_model(directory)
+    cfg = model.cfg
+    reference = torch_runner(model, device.torch)
+    scenario = Scenario(batch=3, prefill=7, steps=decode_steps, padding=(0, 2, 5))
+    results = {}
+    for name in PARITY_VARIANTS:
+        variant = VARIANTS[name.removesuffix("+graphs")]
+        with progress.stage(f"parity on {device.torch}: {name}"):
+            session = candidate_session(directory, name, device)
+            if variant.ladder == POOL:
+                pool = KVPool(session, cfg, rows=POOL_ROWS, capacity=cfg.max_seq_len)
+                schedule = pool_schedule(cfg.max_seq_len, decode_steps)
+                rung = compare_pool_rung(cfg, reference, pool, schedule, variant.tolerance)
+            else:
+                rung = compare_rung(cfg, reference, ort_runner(session), scenario, variant.tolerance, cast=variant.cast)
+            placement = node_placement(session) if session.get_session_options().enable_profiling else {}
+        worst = {tensor: error.to_dict() for tensor, error in rung.tensors.items()}
+        results[name] = {
+            "passed": rung.passed,
+            "finite": all(error.finite for error in rung.tensors.values()),
+            "tolerance": dataclasses.asdict(variant.tolerance),
+            "worst": worst,
+            "placement": placement,
+            "cpu_compute_ops": cpu_compute_nodes(variant_file(directory, name), placement),
+        }
+    return results
+
+
+# --- (b) decode latency -----------------------------------------------------------------------------------
+
+Step = Callable[[], object]
+
+
+def torch_step(model, device: Device, batch: int, past: int) -> Step:
+    """The PyTorch original in the model's dtype: concat cache, explicit masked softmax (export/model.py)."""
+    import torch
+
+    from export.model import KVCache
+
+    cfg, like = model.cfg, next(model.parameters())
+    shape = (batch, cfg.n_kv_heads, past, cfg.head_dim)
+    cache = [KVCache(like.new_empty(shape).normal_(), like.new_empty(shape).normal_()) for _ in model.layers]
+    hidden = like.new_empty((batch, 1, cfg.d_model)).normal_()
+    mask = torch.ones(batch, past + 1, dtype=torch.int64, device=like.device)
+
+    def step():
+        with torch.inference_mode():
+            model(hidden, mask, cache)
+        device.synchronize()
+
+    return step
+
+
+def peer_step(model, device: Device, batch: int, past: int) -> Step:
+    from bench.peers import StaticCacheDecoder
+
+    decoder = StaticCacheDecoder(model, batch, capacity=past + 1)
+    hidden = next(model.parameters()).new_empty((batch, 1, model.cfg.d_model)).normal_()
+
+    def step():
+        decoder.length = past
+        decoder.step(hidden)
+        device.synchronize()
+
+    return step
+
+
+def stateless_step(session, device: Device, cfg: ModelConfig, batch: int, past: int) -> Step:
+    """A stateless graph: the past on the device (torch's memory, bound by address), the presents left
+    there, as a server keeping caches on the device would run it."""
+    import torch
+
+    from export.kv_pool import session_float_dtype
+
+    dtype = session_float_dtype(session)
+    shape = (batch, cfg.n_kv_heads, past, cfg.head_dim)
+    caches = [
+        torch.randn(shape, device=device.torch).to(getattr(torch, np.dtype(dtype).name))
+        for _ in names.past_names(cfg.n_layers)
+    ]
+    rng = np.random.default_rng(0)
+    binding = session.io_binding()
+    binding.bind_cpu_input(names.HIDDEN_STATES, rng.standard_normal((batch, 1, cfg.d_model)).astype(dtype))
+    binding.bind_cpu_input(names.ATTENTION_MASK, np.ones((batch, past + 1), np.int64))
+    for name, cache in zip(names.past_names(cfg.n_layers), caches, strict=True):
+        binding.bind_input(name, device.ort, 0, dtype, list(shape), cache.data_ptr())
+    binding.bind_output(names.OUTPUT, "cpu")
+    for name in names.present_names(cfg.n_layers):
+        binding.bind_output(name, device.ort, 0)
+
+    def step():
+        session.run_with_iobinding(binding)
+        return caches  # kept alive with the step
+
+    return step
+
+
+def static_step(pool, cfg: ModelConfig, batch: int, past: int) -> Step:
+    """A static-cache graph: `batch` rows of the pool at length `past`, every row adding one token.
+    One pool per batch size and session, as long as the longest past: a CUDA graph is captured once
+    per window and replayed whatever the lengths, as the serving engine replays it."""
+    rng = np.random.default_rng(0)
+    tokens = {row: rng.standard_normal((1, cfg.d_model)).astype(pool.dtype) for row in range(batch)}
+
+    def step():
+        pool.lengths[:batch] = past
+        return pool.run(tokens)
+
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    past: int
+
+    @property
+    def label(self) -> str:
+        return f"B{self.batch} P{self.past}"
+
+
+def decode_floor_ms(cfg: ModelConfig, shape: Shape, gbps: float) -> float:
+    """Reading the fp16 cache and weights once at the measured HBM bandwidth."""
+    nbytes = cfg.kv_cache_bytes(shape.batch, shape.past, 2) + cfg.n_params() * 2
+    return nbytes / (gbps * 1e9) * 1e3
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    pasts: tuple[int, ...] = PASTS
+    batches: tuple[int, ...] = BATCHES
+
+    def shapes(self) -> list[Shape]:
+        return [Shape(batch, past) for batch in self.batches for past in self.pasts]
+
+
+def latency(directory: Path, device: Device, grid: Grid, budget: Budget, passes: int, progress: Progress) -> dict:
+    """Every candidate at every shape in fp16, interleaved per shape (the order reversed on every pass)."""
+    import torch
+
+    from bench.peers import check_peer
+
+    model = artifacts.load_model(directory).to(device.torch).half()
+    cfg = model.cfg
+    peer_error = check_peer(model, device.torch, torch.float16)
+    sessions = {name: candidate_session(directory, name, device) for name in LATENCY_VARIANTS}
+    capacity = max(grid.pasts) + 1
+    makers = {
+        TORCH: lambda s: torch_step(model, device, s.batch, s.past),
+        PEER: lambda s: peer_step(model, device, s.batch, s.past),
+        **{name: _session_maker(directory, sessions[name], device, cfg, name, capacity) for name in LATENCY_VARIANTS},
+    }
+    rows = []
+    for shape in grid.shapes():
+        with progress.stage(f"{cfg_label(cfg)} decode {shape.label}"):
+            rows.append(_measure_shape(shape, makers, budget, passes))
+        gc.collect()
+        if device.torch == "cuda":
+            torch.cuda.empty_cache()
+    placement = {
+        name: node_placement(session)
+        for name, session in sessions.items()
+        if session.get_session_options().enable_profiling
+    }
+    cpu_nodes = {name: cpu_compute_nodes(variant_file(directory, name), p) for name, p in placement.items()}
+    return {
+        "config": cfg.to_dict(),
+        "peer_error": peer_error,
+        "rows": rows,
+        "placement": placement,
+        "cpu_compute_ops": cpu_nodes,
+    }
+
+
+def _measure_shape(shape: Shape, makers: dict[str, Callable[[Shape], Step]], budget: Budget, passes: int) -> dict:
+    steps = {name: make(shape) for name, make in makers.items()}
+    timings = {name: Timing() for name in CANDIDATES}
+    for turn in range(passes):
+        for name in CANDIDATES if turn % 2 == 0 else CANDIDATES[::-1]:
+            measure(steps[name], budget, into=timings[name])
+    candidates = {name: timing.to_dict() for name, timing in timings.items()}
+    return {"batch": shape.batch, "past": shape.past, "label": shape.label, "candidates": candidates}
+
+
+def _session_maker(
+    directory: Path, session, device: Device, cfg: ModelConfig, name: str, capacity: int
+) -> Callable[[Shape], Step]:
+    if "-static" not in name:
+        return lambda s: stateless_step(session, device, cfg, s.batch, s.past)
+    from export.kv_pool import KVPool
+
+    pools: dict[int, KVPool] = {}  # one pool per batch, on a session of its own when graphs are on
+
+    def pool_for(batch: int) -> KVPool:
+        if batch not in pools:
+            graphs = name.endswith("+graphs") and device.provider == CUDA
+            pool_session = (
+                device_session(variant_file(directory, name), device, profile=False, cuda_graphs=graphs)
+                if pools
+                else session
+            )
+            pools[batch] = KVPool(pool_session, cfg, rows=batch, capacity=capacity)
+        return pools[batch]
+
+    return lambda s: static_step(pool_for(s.batch), cfg, s.batch, s.past)
+
+
+def cfg_label(cfg: ModelConfig) -> str:
+    return f"d{cfg.d_model}/h{cfg.n_heads}/kv{cfg.n_kv_heads}/L{cfg.n_layers}"
+
+
+# --- (c) served on the GPU ---------------------------------------------------------------------------------
+
+
+def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progress: Progress) -> dict:
+    """The seed model served by the bundled Triton on the GPU: stateful step over gRPC vs the same
+    engine in-process, at several pasts, and a no-op Python model's round trip."""
+    from bench.serving import stateful
+    from export.repository import write_repository
+    from export.triton_config import ServingSettings
+    from serving.launcher import start_triton
+
+    cfg = ModelConfig.load(directory)
+    settings = ServingSettings(kv_cache_bytes=cfg.kv_cache_bytes(1, cfg.max_seq_len) * 8)
+    repository = write_repository(directory, root / "repository", settings, models=("mha", "mha_session"))
+    write_noop_model(repository)
+    log_path = root / "triton.log"
+    with progress.stage("start Triton (the Python models place themselves: the GPU where there is one)"):
+        server = start_triton(repository, log_path=log_path, ready_timeout=300)
+    try:
+        runners = runner_lines(log_path)
+        noop = stateful(server, "grpc", cfg, 1, runs, (1 << 40) + 999, model=NOOP)
+        rows = []
+        for k, past in enumerate(pasts):
+            with progress.stage(f"served stateful step at past {past}"):
+                row = {"past": past, "stateful_grpc": stateful(server, "grpc", cfg, past, runs, (1 << 40) + k)}
+                row["in_process"] = in_process_step(repository, cfg, past, runs)
+                rows.append(row)
+    finally:
+        server.stop(keep_log=True)
+    on_cpu = [line for line in runners if "on CPUExecutionProvider" in line]
+    return {"runners": runners, "on_cpu": on_cpu, "noop_grpc": noop, "rows": rows}
+
+
+def runner_lines(log_path: Path) -> list[str]:
+    """What each Python model said at load that it runs on (serving/triton_models/*.py log it)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    return [line.split("] ", 1)[-1] for line in lines if ": runner " in line and ".onnx on " in line]
+
+
+def in_process_step(repository: Path, cfg: ModelConfig, past: int, runs: int) -> dict:
+    """mha_session's engine built from its folder as the model builds it, without Triton: a session
+    prefilled to `past`, then timed steps."""
+    from bench.serving import timed
+    from export.triton_config import MHA_SESSION, parse
+    from serving import engines
+    from serving.session import StepRequest
+
+    config = parse((repository / MHA_SESSION / "config.pbtxt").read_text())
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    engine = engines.session_engine(repository / MHA_SESSION / "1", cfg, parameters, config.max_batch_size, "bench")
+    rng = np.random.default_rng(3)
+    prompt = rng.standard_normal((1, past, cfg.d_model)).astype(np.float32)
+    token = rng.standard_normal((1, 1, cfg.d_model)).astype(np.float32)
+
+    def step(start: bool = False, end: bool = False, hidden=token):
+        (result,) = engine.execute([StepRequest(1, start, end, hidden)])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    step(start=True, hidden=prompt)
+    try:
+        return timed(step, runs) | {"engine": engines.describe(engine)}
+    finally:
+        step(end=True, hidden=np.zeros((1, 0, cfg.d_model), np.float32))
+
+
+NOOP = "noop"
+
+
+def write_noop_model(repository: Path) -> None:
+    """`noop`: mha_session's Triton config (sequence batching and all) on a Python model that answers
+    its input, so that the served step can be set against Triton's own round trip for the same call."""
+    from export.triton_config import MHA_SESSION, parse, to_text
+
+    config = parse((repository / MHA_SESSION / "config.pbtxt").read_text())
+    config.name = NOOP
+    config.parameters.clear()
+    (repository / NOOP / "1").mkdir(parents=True, exist_ok=True)
+    (repository / NOOP / "config.pbtxt").write_text(to_text(config))
+    (repository / NOOP / "1" / "model.py").write_text(_NOOP_SOURCE)
+
+
+_NOOP_SOURCE = """import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        answers = []
+        for request in requests:
+            hidden = pb_utils.get_input_tensor_by_name(request, "hidden_states").as_numpy()
+            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("output", hidden)]))
+        return answers
+"""
+
+
+# --- (d) the run, its files and its table -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    grid: Grid = dataclasses.field(default_factory=Grid)
+    budget: Budget = dataclasses.field(default_factory=lambda: Budget(0.25, min_runs=20, warmup=3))
+    passes: int = 2
+    parity_steps: int = 128
+    served_pasts: tuple[int, ...] = (128, 1024, 4096)
+    served_runs: int = 60
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(budget=Budget(0.05, min_runs=5), passes=1, served_runs=10)
+
+
+def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, progress: Progress, out: Path) -> dict:
+    """Every section in turn; a section that raises is recorded as failed and the next one still runs,
+    and the results are written after each (a long run loses nothing it measured)."""
+    results: dict = {"host": host() if device == GPU else {"device": "cpu"}, "started": time.strftime("%Y-%m-%d %H:%M")}
+    results["errors"], results["presets"] = {}, {}
+
+    def section(name: str, run: Callable[[], object]) -> object:
+        try:
+            return run()
+        except Exception as error:
+            results["errors"][name] = f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=8)}"
+            progress.note(f"{name} failed: {type(error).__name__}: {error}")
+            return None
+        finally:
+            write(results, out, plots=False)
+
+    results["hbm_gbps_before"] = section("bandwidth", lambda: hbm_bandwidth(device))
+    results["served"] = None
+    for name in presets:  # the served models are the first preset's: measured right after it
+        directory = root / name
+        built = section(f"{name} build", lambda name=name, directory=directory: _build(name, directory, plan, progress))
+        if built is None:
+            continue
+        entry = results["presets"][name] = {}
+        entry["parity"] = section(f"{name} parity", lambda d=directory: parity(d, device, progress, plan.parity_steps))
+        entry["latency"] = section(
+            f"{name} latency", lambda d=directory: latency(d, device, plan.grid, plan.budget, plan.passes, progress)
+        )
+        if name == presets[0]:
+            results["served"] = section(
+                "served", lambda d=directory: served(d, root / "served", plan.served_pasts, plan.served_runs, progress)
+            )
+    results["hbm_gbps_after"] = section("bandwidth again", lambda: hbm_bandwidth(device))
+    measured = [g for g in (results["hbm_gbps_before"], results["hbm_gbps_after"]) if g]
+    results["hbm_gbps"] = max(measured) if measured else None
+    for entry in results["presets"].values():
+        if entry.get("latency") and results["hbm_gbps"]:
+            add_floors(entry["latency"], results["hbm_gbps"])
+    results["problems"] = problems(results)
+    return results
+
+
+def _build(name: str, directory: Path, plan: Plan, progress: Progress) -> Path:
+    from export.build import build
+
+    build(bench_config(name, max(plan.grid.pasts)), directory, (*BUILT_VARIANTS, "fp32-static"), progress=progress)
+    return directory
+
+
+def add_floors(latency_entry: dict, gbps: float) -> None:
+    cfg = ModelConfig.from_dict(latency_entry["config"])
+    for row in latency_entry["rows"]:
+        row["floor_ms"] = decode_floor_ms(cfg, Shape(row["batch"], row["past"]), gbps)
+
+
+def problems(results: dict) -> list[str]:
+    """What fails the proof: a section that broke, a parity miss, NaN/Inf, a GPU run on the CPU."""
+    found = [f"{name} broke: {error.splitlines()[0]}" for name, error in results["errors"].items()]
+    for preset_name, entry in results["presets"].items():
+        for variant, outcome in (entry.get("parity") or {}).items():
+            if not outcome["passed"] or not outcome["finite"]:
+                found.append(f"{preset_name} {variant}: parity failed or not finite")
+            if outcome["cpu_compute_ops"]:
+                found.append(f"{preset_name} {variant}: {outcome['cpu_compute_ops']} ran on the CPU")
+        for variant, nodes in ((entry.get("latency") or {}).get("cpu_compute_ops") or {}).items():
+            if nodes:
+                found.append(f"{preset_name} {variant} (latency): {nodes} ran on the CPU")
+        peer_error = (entry.get("latency") or {}).get("peer_error", 0.0)
+        if peer_error > PEER_BOUND:
+            found.append(f"{preset_name}: the PyTorch static-cache peer is off the original by {peer_error:.1e}")
+    if results.get("served") and results["served"]["on_cpu"]:
+        found.append(f"served models on the CPU: {results['served']['on_cpu']}")
+    return found
+
+
+def median(row: dict, name: str) -> float:
+    return row["candidates"][name]["median_ms"]
+
+
+def latency_table(results: dict) -> str:
+    header = f"{'preset':<6} {'shape':<12} {'torch ms':>9} " + " ".join(f"{n + ' (x)':>24}" for n in CANDIDATES[1:])
+    header += f" {'floor ms':>9} {'static/floor':>12}"
+    lines = [header, "-" * len(header)]
+    for preset_name, entry in results["presets"].items():
+        for row in (entry.get("latency") or {}).get("rows", []):
+            base = median(row, TORCH)
+            cells = " ".join(f"{median(row, n):>14.4f} ({base / median(row, n):>5.2f}x)" for n in CANDIDATES[1:])
+            floor = row["floor_ms"]
+            ratio = median(row, GRAPHS) / floor
+            lines.append(f"{preset_name:<6} {row['label']:<12} {base:>9.4f} {cells} {floor:>9.4f} {ratio:>12.2f}")
+    lines.append(
+        f"(x) = {TORCH} median / candidate median; floor = fp16 cache + weights read once at the HBM bandwidth"
+    )
+    return "\n".join(lines)
+
+
+def parity_table(results: dict) -> str:
+    lines = [f"{'preset':<6} {'variant':<12} {'output abs':>10} {'output rel':>10} {'result':<8} where it ran"]
+    for preset_name, entry in results["presets"].items():
+        for variant, outcome in (entry.get("parity") or {}).items():
+            output = outcome["worst"][names.OUTPUT]
+            placed = (outcome["placement"] or {}).get("providers", {})
+            providers = ", ".join(f"{p.replace('ExecutionProvider', '')}: {sum(c.values())}" for p, c in placed.items())
+            result = "pass" if outcome["passed"] else "FAIL"
+            if outcome["cpu_compute_ops"]:
+                result += " (CPU!)"
+            errors = f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}"
+            lines.append(f"{preset_name:<6} {variant:<12} {errors} {result:<8} {providers}")
+    return "\n".join(lines)
+
+
+def served_table(results: dict) -> str:
+    served_results = results["served"]
+    noop = served_results["noop_grpc"]["p50_ms"]
+    lines = [
+        f"no-op model with mha_session's sequence batching, gRPC step p50: {noop:.3f} ms",
+        "past   served p50 ms  in-process p50 ms  ratio  in-process + no-op + 0.3 ms",
+    ]
+    for row in served_results["rows"]:
+        served_ms, local_ms = row["stateful_grpc"]["p50_ms"], row["in_process"]["p50_ms"]
+        budget = local_ms + noop + 0.3
+        lines.append(
+            f"{row['past']:<6} {served_ms:>13.3f} {local_ms:>18.3f} {served_ms / local_ms:>6.2f} {budget:>28.3f}"
+        )
+    return "\n".join(lines)
+
+
+def report(results: dict) -> str:
+    parts = []
+    if any(entry.get("parity") for entry in results["presets"].values()):
+        parts.append(parity_table(results))
+    if any(entry.get("latency") and "floor_ms" in entry["latency"]["rows"][0] for entry in results["presets"].values()):
+        parts.append(latency_table(results))
+    if results.get("served"):
+        parts.append(served_table(results))
+    return "\n\n".join(parts)
+
+
+def write(results: dict, out: Path, plots: bool = True) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu.json").write_text(json.dumps(results, indent=2) + "\n")
+    return [out / "gpu.json", *(plot(results, out) if plots else [])]
+
+
+def plot(results: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for preset_name, entry in results["presets"].items():
+        batches = sorted({row["batch"] for row in entry["latency"]["rows"]})
+        figure, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+        for axis, batch in zip(axes[0], batches, strict=True):
+            rows = [r for r in entry["latency"]["rows"] if r["batch"] == batch]
+            pasts = [r["past"] for r in rows]
+            for name in CANDIDATES:
+                axis.plot(pasts, [median(r, name) for r in rows], marker="o", label=name)
+            axis.plot(pasts, [r["floor_ms"] for r in rows], "k:", label="HBM floor (fp16)")
+            axis.set(title=f"{preset_name}, batch {batch}", xlabel="past length", ylabel="ms per step")
+            axis.set(xscale="log", yscale="log")
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend(fontsize=7)
+        figure.suptitle(f"decode step on {results['host']['device']} ({results['hbm_gbps']:.0f} GB/s copy)")
+        figure.tight_layout()
+        path = out / f"gpu_decode_{preset_name}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--presets", default=",".join(PRESETS), help=f"comma-separated (default {','.join(PRESETS)})")
+    parser.add_argument("--quick", action="store_true", help="short budgets, one pass")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
+    parser.add_argument("--artifacts", type=Path, help="build artifacts under DIR/<preset> (default: temporary)")
+
+
+def run(args) -> int:
+    progress = Progress()
+    presets = tuple(name for name in args.presets.split(",") if name)
+    plan = Plan.quick() if args.quick else Plan()
+    try:
+        host()  # before any work: a host without CUDA stops here with the reason
+    except GPUProofError as error:
+        print(f"error: {error}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gpu-proof-") as scratch:
+        results = benchmark(presets, args.artifacts or Path(scratch), GPU, plan, progress, args.out)
+    files = write(results, args.out)
+    print(report(results))
+    for problem in results["problems"]:
+        print(f"FAILED: {problem}")
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 1 if results["problems"] else 0

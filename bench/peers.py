@@ -1,0 +1,62 @@
+"""The PyTorch peer the decode engines are measured against: gpt-fast's static KV cache in eager mode.
+
+One preallocated buffer per layer, (B, n_kv, capacity, head_dim); a step writes the new key and value
+at its position with `index_copy_` and attends over the filled part with
+`F.scaled_dot_product_attention` (GQA by `enable_gqa`). Same weights as the PyTorch original
+(`export/model.py`), whose math it repeats in the form a PyTorch user would deploy; `check_peer`
+holds it to the original before any timing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from export.model import AttentionModel
+
+
+class StaticCacheDecoder:
+    """Decode steps of `model` over a static cache of `capacity` positions for `batch` rows, every row
+    at the same length (a benchmark's shape)."""
+
+    def __init__(self, model: AttentionModel, batch: int, capacity: int) -> None:
+        self.model, self.cfg = model, model.cfg
+        parameter = next(model.parameters())
+        shape = (batch, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
+        self.keys = [parameter.new_zeros(shape) for _ in model.layers]
+        self.values = [parameter.new_zeros(shape) for _ in model.layers]
+        self.length = 0
+
+    @torch.inference_mode()
+    def step(self, hidden: Tensor) -> Tensor:
+        """hidden (B, 1, d_model) at position `length`; returns (B, 1, d_model) and advances by one."""
+        position = torch.tensor([self.length], device=hidden.device)
+        x = hidden
+        for layer, keys, values in zip(self.model.layers, self.keys, self.values, strict=True):
+            attn = layer.attn
+            h = layer.norm(x)
+            q = attn.split_heads(attn.W_q(h), attn.n_heads)  # (B, nh, 1, hs)
+            keys.index_copy_(2, position, attn.split_heads(attn.W_k(h), attn.n_kv_heads))  # (B, n_kv, cap, hs)
+            values.index_copy_(2, position, attn.split_heads(attn.W_v(h), attn.n_kv_heads))
+            filled = self.length + 1
+            context = F.scaled_dot_product_attention(
+                q, keys[:, :, :filled], values[:, :, :filled], scale=1 / math.sqrt(attn.head_dim), enable_gqa=True
+            )  # (B, nh, 1, hs): one query sees every filled position
+            x = x + attn.W_o(attn.combine_heads(context))
+        self.length += 1
+        return x
+
+
+def check_peer(model: AttentionModel, device: str, dtype: torch.dtype) -> float:
+    """Prefill the peer token by token and compare its outputs with the original's; returns the worst
+    error relative to the output's scale."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randn(2, 9, model.cfg.d_model, generator=generator).to(device=device, dtype=dtype)
+    with torch.inference_mode():
+        expected = model(tokens).output
+    peer = StaticCacheDecoder(model, batch=2, capacity=16)
+    actual = torch.cat([peer.step(tokens[:, t : t + 1]) for t in range(tokens.shape[1])], dim=1)
+    return float((actual.float() - expected.float()).abs().max() / expected.float().abs().max())

@@ -1,0 +1,205 @@
+"""`mha_session`'s static engine: every live sequence owns one row (a slot) of a KV pool allocated
+once at model load, and a step appends its tokens in place (export/kv_pool.py).
+
+START takes the lowest free slot (so live sequences cluster in the first rows and a decode window
+spans few idle ones), END and idle eviction give it back. The steps of one execute() run as few graph
+runs as GroupQueryAttention allows, the decode steps of all sequences in one, and no cache is copied.
+Memory is the pool's from load on: the KV budget is a number of slots of `max_seq_len` positions.
+
+A step's `attention_mask` marks which of its new tokens are real. The static form has no mask input,
+so padded tokens are dropped before they enter the cache and their output rows are zeros (a padded
+query's output is unspecified by the contract). Outputs of the real tokens are unchanged by this:
+the model has no positional encoding, so a key's position only matters through causality, which
+dropping a masked key does not alter. `length` counts cached (real) tokens only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from export.inputs import InputError
+from export.kv_pool import KVPool
+from serving import errors
+from serving.kv_cache import CacheStats, SequenceId
+from serving.session import Result, StepRequest, check_step, rounds
+from serving.tombstones import Tombstones
+
+
+@dataclasses.dataclass
+class Slot:
+    row: int
+    last_used: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    index: int  # the request's place in execute()'s answers
+    tokens: np.ndarray  # (T_real, d_model) in the pool's dtype
+    keep: np.ndarray  # (T,) bool: which of the request's tokens are real
+
+
+class StaticSessionEngine:
+    def __init__(
+        self,
+        pool: KVPool,
+        idle_timeout: float,
+        remember: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
+        description: str = "",
+    ) -> None:
+        assert idle_timeout > 0
+        self.pool, self.cfg, self.description = pool, pool.cfg, description
+        self.max_positions = pool.capacity
+        self.idle_timeout = idle_timeout
+        self._clock = clock
+        self._slots: dict[SequenceId, Slot] = {}
+        self._free = list(range(pool.rows))  # a heap: the lowest free row first
+        self._gone = Tombstones(remember)
+        self._evictions = 0
+        self._lock = threading.Lock()  # execute() and the idle sweeper both change the slots
+        self.largest_batch = 0  # most decode steps one graph run has taken
+
+    @property
+    def capacity(self) -> int:
+        """How many sequences fit at once: the pool's rows."""
+        return self.pool.rows
+
+    def length(self, sequence_id: SequenceId) -> int:
+        with self._lock:
+            slot = self._slots.get(sequence_id)
+            return -1 if slot is None else int(self.pool.lengths[slot.row])
+
+    # --- one execute() ------------------------------------------------------------------------------
+
+    def execute(self, requests: Sequence[StepRequest]) -> list[Result]:
+        results: list[Result | None] = [None] * len(requests)
+        for indices in rounds(requests):
+            self._round([requests[i] for i in indices], indices, results)
+        return results  # type: ignore[return-value]
+
+    def _round(self, requests: list[StepRequest], indices: list[int], results: list) -> None:
+        work: dict[int, _Work] = {}
+        for index, request in zip(indices, requests, strict=True):
+            try:
+                prepared = self._prepare(request)
+            except (errors.ServingError, InputError) as error:
+                results[index] = error
+                continue
+            if prepared is None:
+                results[index] = self._zeros(request)
+            else:
+                row, tokens, keep = prepared
+                work[row] = _Work(index, tokens, keep)
+        if work:
+            self._run(work, results)
+        for request in requests:
+            if request.end:
+                self._end(request.sequence_id)
+
+    def _zeros(self, request: StepRequest) -> np.ndarray:
+        new = 0 if request.hidden is None or request.hidden.ndim != 3 else request.hidden.shape[1]
+        return np.zeros((1, new, self.cfg.d_model), np.float32)
+
+    def _prepare(self, request: StepRequest) -> tuple[int, np.ndarray, np.ndarray] | None:
+        """The request's slot and real tokens; None when there is nothing to compute."""
+        new = check_step(self.cfg, request)
+        if new == 0 and not request.start:
+            return None  # closing: the sequence is gone afterwards whatever the slots know
+        keep = np.ones(new, bool) if request.mask is None else request.mask[0].astype(bool)
+        tokens = request.hidden[0][keep]  # (T_real, d_model)
+        if request.start:
+            if len(tokens) > self.max_positions:
+                raise errors.SequenceTooLong(request.sequence_id, len(tokens), self.max_positions)
+            row = self._start(request.sequence_id)
+        else:
+            row = self._row(request.sequence_id)
+            length = int(self.pool.lengths[row]) + len(tokens)
+            if length > self.max_positions:
+                raise errors.SequenceTooLong(request.sequence_id, length, self.max_positions)
+        if len(tokens) == 0:
+            return None
+        return row, tokens.astype(self.pool.dtype, copy=False), keep
+
+    def _run(self, work: dict[int, _Work], results: list) -> None:
+        outputs = self.pool.run({row: item.tokens for row, item in work.items()})
+        decoding = sum(len(item.tokens) == 1 for item in work.values())
+        self.largest_batch = max(self.largest_batch, decoding)
+        for row, item in work.items():
+            output = outputs[row]
+            if isinstance(output, Exception):  # not the request's fault; its cache length is unchanged
+                results[item.index] = output
+                continue
+            full = np.zeros((1, len(item.keep), self.cfg.d_model), np.float32)
+            full[0, item.keep] = output
+            results[item.index] = full
+
+    # --- slots --------------------------------------------------------------------------------------
+
+    def _start(self, sequence_id: SequenceId) -> int:
+        """A fresh slot for the sequence; a repeated START restarts it (as Triton does)."""
+        with self._lock:
+            previous = self._slots.pop(sequence_id, None)
+            if previous is not None:
+                heapq.heappush(self._free, previous.row)
+            self._gone.revive(sequence_id)
+            self._evict_idle_locked()
+            if not self._free:
+                raise errors.CacheFull(sequence_id, self._full_message())
+            row = heapq.heappop(self._free)
+            self.pool.reset(row)
+            self._slots[sequence_id] = Slot(row, self._clock())
+            return row
+
+    def _full_message(self) -> str:
+        mib = self.pool.nbytes / (1 << 20)
+        return (
+            f"the KV cache budget is full: all {self.pool.rows} slots of {self.max_positions} positions "
+            f"({mib:.1f} MiB) hold live sequences; retry later or end a sequence"
+        )
+
+    def _row(self, sequence_id: SequenceId) -> int:
+        with self._lock:
+            slot = self._slots.get(sequence_id)
+            if slot is None:
+                raise self._gone.answer(sequence_id, functools.partial(errors.UnknownSequence, sequence_id))
+            slot.last_used = self._clock()
+            return slot.row
+
+    def _end(self, sequence_id: SequenceId) -> None:
+        with self._lock:
+            slot = self._slots.pop(sequence_id, None)
+            if slot is not None:
+                heapq.heappush(self._free, slot.row)
+            self._gone.bury(sequence_id, functools.partial(errors.SequenceEnded, sequence_id))
+
+    def evict_idle(self) -> list[SequenceId]:
+        with self._lock:
+            return self._evict_idle_locked()
+
+    def _evict_idle_locked(self) -> list[SequenceId]:
+        deadline = self._clock() - self.idle_timeout
+        idle = [sid for sid, slot in self._slots.items() if slot.last_used <= deadline]
+        for sid in idle:
+            heapq.heappush(self._free, self._slots.pop(sid).row)
+            self._gone.bury(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))
+        self._evictions += len(idle)
+        return idle
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            rows = [slot.row for slot in self._slots.values()]
+            per_position = self.pool.row_bytes * len(self.pool.buffers) // self.pool.row_shape[1]
+            return CacheStats(
+                sequences=len(rows),
+                held_bytes=int(self.pool.lengths[rows].sum()) * per_position,
+                reserved_bytes=len(rows) * self.pool.row_bytes * len(self.pool.buffers),
+                budget_bytes=self.pool.nbytes,
+                evictions=self._evictions,
+            )
