@@ -5,7 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test lint format serve bench export clean
+GPU_VENV := .venv-gpu
+
+.PHONY: install test lint format serve bench export clean gpu-install gpu-proof
 
 install: $(STAMP)
 
@@ -35,5 +37,18 @@ serve: install
 bench: install
 	$(BIN)/python -m bench
 
+# The GPU proof (docs/gpu.md) on a CUDA host: its own environment with onnxruntime-gpu instead of the
+# CPU build, then parity, decode latency against the HBM floor and the models served on the GPU.
+gpu-install: $(GPU_VENV)/.installed
+
+$(GPU_VENV)/.installed: pyproject.toml
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24"
+	$(GPU_VENV)/bin/python -m pip install --quiet -e ".[export,serving,dev,gpu]"
+	@touch $@
+
+gpu-proof: gpu-install
+	$(GPU_VENV)/bin/python -m bench gpu
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GPU_VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -584,6 +584,7 @@ def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, 
         if entry.get("latency") and results["hbm_gbps"]:
             add_floors(entry["latency"], results["hbm_gbps"])
     results["problems"] = problems(results)
+    write(results, out, plots=False)
     return results
 
 

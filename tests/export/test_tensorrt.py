@@ -142,7 +142,7 @@ def test_unavailable_reasons_say_what_is_missing(monkeypatch):
 def test_engine_builds_and_matches_cpu(artifact_dir, tmp_path):
     directory = artifact_dir("unseen")
     limits = Limits(max_batch=2, max_sequence=32, max_past=64)
-    check = tensorrt.check_engine(directory / artifacts.model_filename("fp16-fused"), GQA, limits, tmp_path)
+    check = tensorrt.check_engine(directory / artifacts.model_filename("fp16-trt"), GQA, limits, tmp_path)
     assert check.providers[0] == "TensorrtExecutionProvider"
     assert check.engine_files, "the engine cache is empty"
     assert check.passed and check.bound == 1e-2, check.max_rel

@@ -125,3 +125,24 @@ def test_end_gives_the_memory_back(triton, clients, served_model):
     closed = client.end(sequence_id, served_model.cfg.d_model)
     assert closed.shape == (1, 0, served_model.cfg.d_model)
     assert wait_for_metric(triton, held, "mha_session", held_before) == held_before
+
+
+def mixed_plan(k: int, d_model: int) -> tuple[np.ndarray, list[int]]:
+    """Session k of 8, each of another length: a prefill of 1..15 tokens, decode steps, a chunked
+    prefill of 2..7 tokens onto its past in the middle, more decode steps."""
+    prefill, chunk, decode = 1 + 2 * k, 2 + k % 6, 6 + k
+    chunks = [prefill] + [1] * decode + [chunk] + [1] * decode
+    hidden = np.random.default_rng(300 + k).standard_normal((1, sum(chunks), d_model)).astype(np.float32)
+    return hidden, chunks
+
+
+def test_8_interleaved_sessions_of_different_lengths_equal_the_original(triton, served_model):
+    """The slot pool (the default engine) with prefills, chunked prefills and decode steps of 8
+    sequences arriving together: each equals the PyTorch original's causal forward of its tokens."""
+    plans = [mixed_plan(k, served_model.cfg.d_model) for k in range(8)]
+    together = run_concurrently(triton, plans)
+    for k, (hidden, chunks) in enumerate(plans):
+        assert isinstance(together[k], np.ndarray), together[k]
+        assert together[k].shape == hidden.shape, (k, chunks)
+        expected = full_forward(served_model, hidden)
+        np.testing.assert_allclose(together[k], expected, atol=1e-5, rtol=1e-5, err_msg=f"session {k}")

@@ -1,0 +1,77 @@
+"""The GPU proof's code on this CPU host: every section runs (build, parity, latency with the peer,
+the served models), and the CPU placement it finds is reported as the fallback it would be on a GPU
+host; `python -m bench gpu` itself refuses a host without CUDA, with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench import gpu
+from bench.timing import Budget
+from export import names
+from export.progress import Progress
+
+PLAN = gpu.Plan(
+    grid=gpu.Grid(pasts=(8, 16), batches=(1, 2)),
+    budget=Budget(0.005, min_runs=2),
+    passes=1,
+    parity_steps=8,
+    served_pasts=(8,),
+    served_runs=3,
+)
+
+
+@pytest.fixture(scope="module")
+def proof(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-proof")
+    results = gpu.benchmark(("tiny",), root / "work", gpu.CPU, PLAN, Progress(enabled=False), root / "out")
+    return results, root / "out"
+
+
+def test_every_section_ran_and_wrote_its_results(proof):
+    results, out = proof
+    assert results["errors"] == {}
+    entry = results["presets"]["tiny"]
+    assert set(entry["parity"]) == set(gpu.PARITY_VARIANTS)
+    for variant, outcome in entry["parity"].items():
+        assert outcome["passed"] and outcome["finite"], variant
+        assert outcome["worst"][names.OUTPUT]["max_abs"] < (1e-4 if variant.startswith("fp32") else 1e-2)
+    rows = entry["latency"]["rows"]
+    assert [(r["batch"], r["past"]) for r in rows] == [(1, 8), (1, 16), (2, 8), (2, 16)]
+    assert all(set(r["candidates"]) == set(gpu.CANDIDATES) and r["floor_ms"] > 0 for r in rows)
+    assert entry["latency"]["peer_error"] < gpu.PEER_BOUND  # the PyTorch static-cache peer is the original
+    served = results["served"]
+    assert [r["past"] for r in served["rows"]] == [8] and served["noop_grpc"]["p50_ms"] > 0
+    assert {line.split(":")[0].strip('"') for line in served["runners"]} == {"mha", "mha_session"}
+    assert json.loads((out / "gpu.json").read_text())["presets"]["tiny"]["latency"]["rows"] == rows
+
+
+def test_a_run_on_the_cpu_is_reported_as_a_fallback(proof):
+    results, _ = proof
+    problems = results["problems"]
+    assert any("fp16-static: ['" in p and "ran on the CPU" in p for p in problems)
+    assert any(p.startswith("served models on the CPU") for p in problems)
+
+
+def test_the_report_and_the_plots(proof, tmp_path):
+    results, _ = proof
+    text = gpu.report(results)
+    assert "fp16-static+graphs" in text and "static/floor" in text and "no-op model" in text
+    assert [p.name for p in gpu.write(results, tmp_path)] == ["gpu.json", "gpu_decode_tiny.png"]
+
+
+def test_the_command_refuses_a_host_without_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the proof would run")
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "gpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "error: PyTorch sees no CUDA device: the GPU proof needs a CUDA host" in done.stdout
+    assert not list(tmp_path.iterdir())  # nothing half-written

@@ -1,0 +1,87 @@
+"""Driving a static-cache graph: the pool's windows, its bounds, a failed run, the CUDA-graph path
+(its fixed buffers and window [0, rows) run here on the CPU, where ONNX Runtime ignores the graph id)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from export import kv_pool
+from export.artifacts import load_model, model_filename
+from export.kv_pool import KVPool
+from export.parity import POOL_ROWS, TOLERANCES, compare_pool_rung, pool_schedule
+from export.runtime import ort_session, torch_runner
+
+
+@pytest.fixture(scope="module")
+def tiny(artifact_dir):
+    directory = artifact_dir("tiny")
+    return directory, load_model(directory)
+
+
+def pool(tiny, rows: int = 4, capacity: int = 32, variant: str = "fp32-static") -> KVPool:
+    directory, model = tiny
+    return KVPool(ort_session(directory / model_filename(variant)), model.cfg, rows=rows, capacity=capacity)
+
+
+def test_the_graph_path_climbs_the_pool_rung_like_the_plain_one(tiny):
+    _, model = tiny
+    results = []
+    for graphs in (False, True):
+        made = pool(tiny, rows=POOL_ROWS, capacity=model.cfg.max_seq_len)
+        made.cuda_graphs = graphs  # the code path of a CUDA host; the CPU provider ignores the graph ids
+        rung = compare_pool_rung(
+            model.cfg, torch_runner(model), made, pool_schedule(model.cfg.max_seq_len, 64), TOLERANCES["fp32-static"]
+        )
+        assert rung.passed, rung.to_dict()
+        results.append(made)
+    plain, graphs = results
+    assert not plain._graphs and sorted(graphs._graphs) == [4]  # every decode window started at row 0
+    for row in range(POOL_ROWS):
+        for name, array in plain.read(row).items():
+            np.testing.assert_array_equal(array, graphs.read(row)[name])
+
+
+def test_a_step_past_the_capacity_is_refused_before_anything_runs(tiny):
+    made = pool(tiny, capacity=8)
+    d = made.cfg.d_model
+    made.run({0: np.zeros((8, d), np.float32)})
+    with pytest.raises(ValueError, match="row 0: 8 \\+ 1 positions exceed the capacity 8"):
+        made.run({0: np.zeros((1, d), np.float32), 1: np.zeros((1, d), np.float32)})
+    assert list(made.lengths) == [8, 0, 0, 0]
+
+
+def test_a_failed_run_leaves_its_rows_as_they_were_and_the_others_advance(tiny):
+    made = pool(tiny)
+    d = made.cfg.d_model
+    made.run({1: np.ones((2, d), np.float32)})
+    results = made.run({0: np.ones((1, d), np.float32), 1: np.ones((3, d + 1), np.float32)})  # row 1: wrong width
+    assert isinstance(results[0], np.ndarray) and isinstance(results[1], Exception)
+    assert list(made.lengths[:2]) == [1, 2]
+
+
+def test_a_reset_row_starts_empty_and_the_others_keep_their_cache(tiny):
+    made = pool(tiny)
+    d = made.cfg.d_model
+    made.run({0: np.ones((3, d), np.float32), 2: np.ones((5, d), np.float32)})
+    kept = made.read(2)
+    made.reset(0)
+    made.run({0: np.ones((1, d), np.float32)})
+    assert made.lengths[0] == 1 and made.read(0)["past_key_values.0.key"].shape[2] == 1
+    for name, array in kept.items():
+        np.testing.assert_array_equal(made.read(2)[name], array)
+
+
+def test_a_session_with_cuda_graphs_serves_one_pool_only(tiny, monkeypatch):
+    directory, model = tiny
+    monkeypatch.setattr(kv_pool, "uses_cuda_graphs", lambda session: True)
+    session = ort_session(directory / model_filename("fp32-static"))
+    KVPool(session, model.cfg, rows=2, capacity=16)
+    with pytest.raises(ValueError, match="belong to another KVPool"):
+        KVPool(session, model.cfg, rows=2, capacity=16)
+
+
+def test_the_pool_holds_the_graphs_float_type(tiny):
+    made = pool(tiny, variant="fp16-static")
+    assert made.dtype is np.float16 and made.buffers[0].data_type() == "tensor(float16)"
+    assert made.nbytes == 4 * made.cfg.kv_cache_bytes(1, 32 + 1, itemsize=2)
