@@ -6,7 +6,9 @@
 # and ONNX Runtime 1.31, the version every parity test runs here: its CUDA build needs CUDA 13 and
 # cuDNN 9, which 26.04 (CUDA 13.2.1) provides, and it runs the fused graph's opset-23 `Attention`
 # op on CUDA. (onnxruntime-gpu for CUDA 12 stops at 1.26; 1.20, the last for 24.xx images, has no
-# opset 23 and could serve only the plain fp32 graph.)
+# opset 23 and could serve only the plain fp32 graph.) Its TensorRT provider links TensorRT 10
+# (libnvinfer.so.10): with an image whose TensorRT is 11 the runner logs that and uses CUDA.
+# docs/gpu.md has what the static cache and CUDA graphs measured on an H100 with this ONNX Runtime.
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:26.04-py3
 FROM ${TRITON_IMAGE}
 
@@ -19,7 +21,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 # What the Python-backend models import at run time, pinned as in pyproject.toml: ONNX Runtime
 # (GPU build), onnx (the runner's cache-copy kernels), and this package with its own dependencies
-# (numpy < 2, tritonclient for the config schema). No torch: exporting is done before, on the host.
+# (numpy < 2, tritonclient for the config schema). No torch: the `export` service builds the models.
 COPY pyproject.toml README.md /tmp/src/
 COPY export /tmp/src/export
 COPY serving /tmp/src/serving

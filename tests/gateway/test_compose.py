@@ -35,9 +35,10 @@ def compose() -> dict:
     return yaml.safe_load(run.stdout)
 
 
-def test_two_services_the_gateway_waits_for_a_healthy_triton(compose):
+def test_the_chain_export_then_triton_then_the_gateway(compose):
     services = compose["services"]
-    assert set(services) == {"triton", "serving"}
+    assert set(services) == {"export", "triton", "serving"}
+    assert services["triton"]["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
     assert services["serving"]["depends_on"] == {"triton": {"condition": "service_healthy"}}
     assert services["serving"]["environment"]["SERVING_TRITON_URL"] == "triton:8001"
     assert services["serving"]["environment"]["SERVING_API_KEYS_FILE"].startswith("/run/secrets/")
@@ -49,8 +50,8 @@ def test_triton_gets_a_gpu_a_read_only_repository_and_no_admin_apis(compose):
     triton = compose["services"]["triton"]
     devices = triton["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in device["capabilities"] and device["driver"] == "nvidia" for device in devices)
-    # v1.29 prints volumes as source:target:mode
-    assert f"{ROOT / 'model_repository'}:/models:ro" in triton["volumes"]
+    # v1.29 prints volumes as source:target:mode: the export's named volume, read-only here
+    assert "model-repository:/models:ro" in triton["volumes"]
     command = " ".join(triton["command"])
     assert "--model-control-mode=none" in command and "--model-repository=/models" in command
     for flag in ("--http-restricted-api=", "--grpc-restricted-protocol="):
@@ -71,7 +72,7 @@ def test_images_are_pinned_and_run_as_a_user():
     image = re.search(r"^ARG TRITON_IMAGE=(\S+)$", triton, flags=re.MULTILINE).group(1)
     assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-py3", image), image
     assert re.search(r"onnxruntime-gpu==[\d.]+", triton)
-    for dockerfile in ("triton.Dockerfile", "gateway.Dockerfile"):
+    for dockerfile in ("triton.Dockerfile", "gateway.Dockerfile", "export.Dockerfile"):
         users = re.findall(r"^USER (\S+)$", (DOCKER / dockerfile).read_text(), flags=re.MULTILINE)
         assert users and users[-1] not in ("root", "0"), dockerfile
 
@@ -91,3 +92,42 @@ def test_the_triton_image_runs_the_onnx_runtime_the_tests_run():
     pins = dict(re.fullmatch(r"([\w-]+)==([\w.]+)", r).groups() for r in [*extras["cpu"], *extras["serving"]])
     installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', (DOCKER / "triton.Dockerfile").read_text()))
     assert installed == {"onnxruntime-gpu": pins["onnxruntime"], "onnx": pins["onnx"]}
+
+
+def test_the_export_service_fills_the_repository_volume_once_without_a_gpu(compose):
+    export = compose["services"]["export"]
+    assert export["volumes"] == ["model-repository:/models:rw"] and "model-repository" in compose["volumes"]
+    assert "deploy" not in export and export["restart"] == "no"  # one shot, on the CPU
+    script = " ".join(export["entrypoint"])
+    assert "python -m export ensure --repository /models" in script
+    for source in ("--config-json", "--config", "--preset"):
+        assert source in script
+    assert export["environment"]["MODEL_PRESET"] == "seed"
+
+
+def test_the_export_service_runs_the_chosen_model_as_the_cli_does(compose, tmp_path):
+    """The entrypoint's shell, with `python` standing for the container's, picks the model from
+    the environment in the documented order; the command it runs is the real `ensure`."""
+    script = compose["services"]["export"]["entrypoint"][-1].replace("$$", "$")
+    fake_python = tmp_path / "python"
+    fake_python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake_python.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "MODEL_PRESET": "gqa", "EXPORT_ARGS": "--kv-cache-mib 64"}
+    seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert seen == ["-m", "export", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"] + [
+        "--preset",
+        "gqa",
+        "--kv-cache-mib",
+        "64",
+    ]
+    env["MODEL_CONFIG_JSON"] = '{"d_model": 64, "n_heads": 4}'
+    seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+    assert '--config-json\n{"d_model": 64, "n_heads": 4}\n' in seen
+
+
+def test_the_export_image_pins_torch_as_pyproject_does_and_owns_its_volume():
+    export = (DOCKER / "export.Dockerfile").read_text()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    torch_pin = next(r for r in extras["export"] if r.startswith("torch=="))
+    assert f'"{torch_pin}"' in export and "[export,cpu]" in export
+    assert "chown serving:serving /models" in export
