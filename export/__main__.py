@@ -200,17 +200,20 @@ def _repository(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.command is None:
-        try:
-            export_default()
-        except (BuildError, RepositoryError) as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        return 0
-    if args.command == "repository":
-        return _repository(args)
-    if args.command == "ensure":
-        return _ensure(args)
+    commands = {None: _default, "build": _build, "repository": _repository, "ensure": _ensure}
+    return commands[args.command](args)
+
+
+def _default(args: argparse.Namespace) -> int:
+    try:
+        export_default()
+    except (BuildError, RepositoryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
     except (OSError, ValueError) as error:

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from export import __main__ as export_cli
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "serving" / "docker"
 
@@ -114,15 +116,14 @@ def test_the_export_service_runs_the_chosen_model_as_the_cli_does(compose, tmp_p
     fake_python.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "MODEL_PRESET": "gqa", "EXPORT_ARGS": "--kv-cache-mib 64"}
     seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert seen == ["-m", "export", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"] + [
-        "--preset",
-        "gqa",
-        "--kv-cache-mib",
-        "64",
-    ]
+    head = ["-m", "export", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
+    assert seen == [*head, "--preset", "gqa", "--kv-cache-mib", "64"]
+    parsed = export_cli.parser().parse_args(seen[2:])  # the real CLI takes it
+    assert (parsed.command, parsed.preset, parsed.kv_cache_mib) == ("ensure", "gqa", 64.0)
     env["MODEL_CONFIG_JSON"] = '{"d_model": 64, "n_heads": 4}'
     seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert '--config-json\n{"d_model": 64, "n_heads": 4}\n' in seen
+    assert export_cli.parser().parse_args(seen.splitlines()[2:]).config_json == '{"d_model": 64, "n_heads": 4}'
 
 
 def test_the_export_image_pins_torch_as_pyproject_does_and_owns_its_volume():
