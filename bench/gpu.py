@@ -438,9 +438,10 @@ def cfg_label(cfg: ModelConfig) -> str:
 def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progress: Progress) -> dict:
     """The seed model served by the bundled Triton on the GPU: stateful step over gRPC vs the same
     engine in-process, at several pasts, and a no-op Python model's round trip."""
-    from bench.serving import stateful
+    from bench.serving import NOOP, in_process, session_engine, stateful, write_noop_model
     from export.repository import write_repository
     from export.triton_config import ServingSettings
+    from serving import engines
     from serving.launcher import start_triton
 
     cfg = ModelConfig.load(directory)
@@ -457,7 +458,9 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
         for k, past in enumerate(pasts):
             with progress.stage(f"served stateful step at past {past}"):
                 row = {"past": past, "stateful_grpc": stateful(server, "grpc", cfg, past, runs, (1 << 40) + k)}
-                row["in_process"] = in_process_step(repository, cfg, past, runs)
+                engine = session_engine(repository, "mha_session", cfg)
+                row["in_process"] = in_process(engine, cfg, past, runs) | {"engine": engines.describe(engine)}
+                del engine
                 rows.append(row)
     finally:
         server.stop(keep_log=True)
@@ -469,63 +472,6 @@ def runner_lines(log_path: Path) -> list[str]:
     """What each Python model said at load that it runs on (serving/triton_models/*.py log it)."""
     lines = log_path.read_text(errors="replace").splitlines()
     return [line.split("] ", 1)[-1] for line in lines if ": runner " in line and ".onnx on " in line]
-
-
-def in_process_step(repository: Path, cfg: ModelConfig, past: int, runs: int) -> dict:
-    """mha_session's engine built from its folder as the model builds it, without Triton: a session
-    prefilled to `past`, then timed steps."""
-    from bench.serving import timed
-    from export.triton_config import MHA_SESSION, parse
-    from serving import engines
-    from serving.session import StepRequest
-
-    config = parse((repository / MHA_SESSION / "config.pbtxt").read_text())
-    parameters = {key: value.string_value for key, value in config.parameters.items()}
-    engine = engines.session_engine(repository / MHA_SESSION / "1", cfg, parameters, config.max_batch_size, "bench")
-    rng = np.random.default_rng(3)
-    prompt = rng.standard_normal((1, past, cfg.d_model)).astype(np.float32)
-    token = rng.standard_normal((1, 1, cfg.d_model)).astype(np.float32)
-
-    def step(start: bool = False, end: bool = False, hidden=token):
-        (result,) = engine.execute([StepRequest(1, start, end, hidden)])
-        if isinstance(result, Exception):
-            raise result
-        return result
-
-    step(start=True, hidden=prompt)
-    try:
-        return timed(step, runs) | {"engine": engines.describe(engine)}
-    finally:
-        step(end=True, hidden=np.zeros((1, 0, cfg.d_model), np.float32))
-
-
-NOOP = "noop"
-
-
-def write_noop_model(repository: Path) -> None:
-    """`noop`: mha_session's Triton config (sequence batching and all) on a Python model that answers
-    its input, so that the served step can be set against Triton's own round trip for the same call."""
-    from export.triton_config import MHA_SESSION, parse, to_text
-
-    config = parse((repository / MHA_SESSION / "config.pbtxt").read_text())
-    config.name = NOOP
-    config.parameters.clear()
-    (repository / NOOP / "1").mkdir(parents=True, exist_ok=True)
-    (repository / NOOP / "config.pbtxt").write_text(to_text(config))
-    (repository / NOOP / "1" / "model.py").write_text(_NOOP_SOURCE)
-
-
-_NOOP_SOURCE = """import triton_python_backend_utils as pb_utils
-
-
-class TritonPythonModel:
-    def execute(self, requests):
-        answers = []
-        for request in requests:
-            hidden = pb_utils.get_input_tensor_by_name(request, "hidden_states").as_numpy()
-            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("output", hidden)]))
-        return answers
-"""
 
 
 # --- (d) the run, its files and its table -------------------------------------------------------------------

@@ -1,14 +1,19 @@
 """PyTorch eager (the original) against each ONNX variant on ONNX Runtime CPU: prefill and decode.
 
-Writes `model.json` (every latency, the measured memory bandwidth, the decode floors, the issue's
-targets) and `model_decode.png` (decode latency against past length) and prints a table of ratios.
+Writes `model.json` (every latency, the measured memory bandwidth, the decode floors, the targets)
+and `model_decode.png` (decode latency against past length) and prints a table of ratios.
 
-Conditions: each candidate uses `--threads` threads (PyTorch's intra-op pool, ONNX Runtime's
-intra-op pool) and runs alone; ONNX Runtime is driven through IOBinding (inputs bound in place,
-outputs left in ONNX Runtime's memory), as PyTorch returns its tensors without a copy. A decode
-step is timed at a fixed past length (the same inputs every call). The decode floor is the time to
-stream the KV cache and the weights once at the measured bandwidth:
-(KV-cache bytes + weight bytes) / bandwidth.
+Candidates: the PyTorch original (concat cache), the PyTorch static-cache peer (gpt-fast's
+`index_copy_` into a preallocated buffer, SDPA; `bench/peers.py`), the stateless ONNX variants
+(the past in, a new present out: the cache is read and written again every step), `fp32-static`
+(a KV pool, export/kv_pool.py: the cache read once and the new token written in place) and the
+Q/K/V-merged candidate. Conditions: each candidate uses `--threads` threads (PyTorch's intra-op
+pool, ONNX Runtime's intra-op pool) and runs alone; ONNX Runtime is driven through IOBinding (inputs
+bound in place, outputs left in ONNX Runtime's memory), as PyTorch returns its tensors without a
+copy. A decode step is timed at a fixed past length (the same inputs every call; the static forms
+rewind their length). The decode floor is the time to stream the KV cache and the weights once at
+the measured bandwidth: (KV-cache bytes + weight bytes) / bandwidth; a stateless step must also
+write the present, a second pass over the cache.
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ from export.progress import Progress
 from export.tensorrt import axis_sizes, random_inputs
 
 RESULTS = Path(__file__).parent / "results"
-VARIANTS = ("fp32", "fp32-fused", "fp16-fused")
+VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-static")
 QKV = "fp32-fused+qkv"  # not shipped: measured here to decide whether fusing Q/K/V pays
-TORCH = "torch"
-CANDIDATES = (TORCH, *VARIANTS, QKV)
-FUSED, PLAIN, FP16 = "fp32-fused", "fp32", "fp16-fused"
+TORCH, TORCH_STATIC = "torch", "torch-static"
+CANDIDATES = (TORCH, TORCH_STATIC, *VARIANTS, QKV)
+FUSED, PLAIN, FP16, STATIC = "fp32-fused", "fp32", "fp16-fused", "fp32-static"
 
 
 class BenchError(RuntimeError):
@@ -85,9 +90,10 @@ class Plan:
         return cls({"prefill": prefill, "decode": decode}, {"prefill": 2, "decode": 4})
 
 
-# --- candidates: each opens once per preset and prepares a zero-argument step per input set --------
+# --- candidates: each opens once per preset and prepares a zero-argument step per shape -----------
 
-Prepare = Callable[[dict[str, np.ndarray]], Callable[[], object]]
+Step = Callable[[], object]
+Prepare = Callable[[Shape], Step]
 
 
 def torch_candidate(directory: Path, threads: int) -> Prepare:
@@ -98,7 +104,8 @@ def torch_candidate(directory: Path, threads: int) -> Prepare:
     torch.set_num_threads(threads)
     model = artifacts.load_model(directory)
 
-    def prepare(inputs: dict[str, np.ndarray]) -> Callable[[], object]:
+    def prepare(shape: Shape) -> Step:
+        inputs = stateless_inputs(model.cfg, shape, np.float32)
         tensors = {name: torch.from_numpy(array) for name, array in inputs.items()}
         past = [
             KVCache(tensors[names.past_name(i, names.KEY)], tensors[names.past_name(i, names.VALUE)])
@@ -114,15 +121,40 @@ def torch_candidate(directory: Path, threads: int) -> Prepare:
     return prepare
 
 
-def ort_candidate(path: Path, threads: int) -> Prepare:
+def torch_static_candidate(directory: Path, threads: int) -> Prepare:
+    """gpt-fast's static cache in eager PyTorch: decode only (its prefill is the original's)."""
+    import torch
+
+    from bench.peers import StaticCacheDecoder
+
+    torch.set_num_threads(threads)
+    model = artifacts.load_model(directory)
+
+    def prepare(shape: Shape) -> Step:
+        if shape.phase != "decode":
+            return torch_candidate(directory, threads)(shape)
+        decoder = StaticCacheDecoder(model, shape.batch, capacity=shape.past + 1)
+        hidden = torch.randn(shape.batch, 1, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
+
+        def step():
+            decoder.length = shape.past
+            return decoder.step(hidden)
+
+        return step
+
+    return prepare
+
+
+def ort_candidate(path: Path, threads: int, dtype: type) -> Prepare:
     from export.runtime import ort_session
 
     session = ort_session(path, threads=threads)
     outputs = [o.name for o in session.get_outputs()]
+    cfg = ModelConfig.load(path.parent)
 
-    def prepare(inputs: dict[str, np.ndarray]) -> Callable[[], object]:
+    def prepare(shape: Shape) -> Step:
         binding = session.io_binding()
-        for name, array in inputs.items():
+        for name, array in stateless_inputs(cfg, shape, dtype).items():
             binding.bind_cpu_input(name, array)
         for name in outputs:
             binding.bind_output(name, "cpu")
@@ -131,8 +163,43 @@ def ort_candidate(path: Path, threads: int) -> Prepare:
     return prepare
 
 
-def candidate_dtype(name: str) -> type:
-    return np.float16 if name == FP16 else np.float32
+def static_candidate(path: Path, threads: int) -> Prepare:
+    """A KV pool of `batch` rows: decode appends one token per row at `past` (rewound every call),
+    prefill puts `new` tokens into each empty row (one graph run per row, as the engine runs it)."""
+    from export.kv_pool import KVPool
+    from export.runtime import ort_session
+
+    session = ort_session(path, threads=threads)
+    cfg = ModelConfig.load(path.parent)
+
+    def prepare(shape: Shape) -> Step:
+        pool = KVPool(session, cfg, rows=shape.batch, capacity=shape.past + shape.new)
+        rng = np.random.default_rng(0)
+        if shape.past:  # real keys and values in the rows: untouched pages would all read one zero page
+            pool.run({r: rng.standard_normal((shape.past, cfg.d_model)).astype(np.float32) for r in range(shape.batch)})
+        steps = {r: rng.standard_normal((shape.new, cfg.d_model)).astype(np.float32) for r in range(shape.batch)}
+
+        def step():
+            pool.lengths[:] = shape.past
+            return pool.run(steps)
+
+        return step
+
+    return prepare
+
+
+def stateless_inputs(cfg: ModelConfig, shape: Shape, dtype: type) -> dict[str, np.ndarray]:
+    return random_inputs(cfg, axis_sizes(shape.batch, shape.new, shape.past), dtype)
+
+
+def candidate(name: str, directory: Path, paths: dict[str, Path], threads: int) -> Prepare:
+    if name == TORCH:
+        return torch_candidate(directory, threads)
+    if name == TORCH_STATIC:
+        return torch_static_candidate(directory, threads)
+    if name == STATIC:
+        return static_candidate(paths[name], threads)
+    return ort_candidate(paths[name], threads, np.float16 if name == FP16 else np.float32)
 
 
 # --- artifacts ---------------------------------------------------------------------------------
@@ -196,15 +263,10 @@ def measure_preset(
             order = CANDIDATES if turn % 2 == 0 else CANDIDATES[::-1]
             for name in order:
                 with progress.stage(f"{cfg_label(cfg)} {phase} {name} (pass {turn + 1}/{passes})"):
-                    prepare = (
-                        torch_candidate(directory, threads) if name == TORCH else ort_candidate(paths[name], threads)
-                    )
+                    prepare = candidate(name, directory, paths, threads)
                     for shape in phase_shapes:
                         progress.update(shape.label)
-                        inputs = random_inputs(
-                            cfg, axis_sizes(shape.batch, shape.new, shape.past), candidate_dtype(name)
-                        )
-                        measure(prepare(inputs), budget, into=timings.setdefault((name, shape), Timing()))
+                        measure(prepare(shape), budget, into=timings.setdefault((name, shape), Timing()))
                     del prepare
                     gc.collect()
                     time.sleep(SETTLE_S)
@@ -258,6 +320,18 @@ def targets(results: dict) -> dict:
                 "target": "<= 4",
                 "met": floor_ratio <= 4,
             }
+            static_floor = median(decode, STATIC) / decode["floor_ms"]["fp32"]
+            static_speedup = median(decode, FUSED) / median(decode, STATIC)
+            out["seed_decode_B1_P4096_static_vs_floor"] = {
+                "ratio": static_floor,
+                "target": "<= 1.2",
+                "met": static_floor <= 1.2,
+            }
+            out["seed_decode_B1_P4096_static_vs_fused"] = {
+                "speedup": static_speedup,
+                "target": ">= 1.3",
+                "met": static_speedup >= 1.3,
+            }
     worst = max(
         (
             (median(r, FUSED) / median(r, PLAIN), f"{p} {r['label']}")
@@ -283,7 +357,7 @@ def table(results: dict) -> str:
     header = (
         f"{'preset':<7} {'shape':<18} {'torch ms':>9} "
         + " ".join(f"{n + ' ms (x)':>22}" for n in CANDIDATES[1:])
-        + f" {'fused/fp32':>10} {'floor ms':>9} {'fused/floor':>11}"
+        + f" {'fused/fp32':>10} {'floor ms':>9} {'fused/floor':>11} {'static/floor':>12}"
     )
     lines = [header, "-" * len(header)]
     for preset_name, entry in results["presets"].items():
@@ -291,10 +365,13 @@ def table(results: dict) -> str:
             torch_ms = median(row, TORCH)
             cells = " ".join(f"{median(row, n):>12.3f} ({torch_ms / median(row, n):>5.2f}x)  " for n in CANDIDATES[1:])
             floor = row.get("floor_ms", {}).get("fp32")
-            tail = f"{floor:>9.3f} {median(row, FUSED) / floor:>11.2f}" if floor else f"{'':>9} {'':>11}"
+            if floor:
+                tail = f"{floor:>9.3f} {median(row, FUSED) / floor:>11.2f} {median(row, STATIC) / floor:>12.2f}"
+            else:
+                tail = f"{'':>9} {'':>11} {'':>12}"
             ratio = median(row, FUSED) / median(row, PLAIN)
             lines.append(f"{preset_name:<7} {row['label']:<18} {torch_ms:>9.3f} {cells}{ratio:>10.2f} {tail}")
-    lines.append("(x) = PyTorch eager median / candidate median; fused/fp32 and fused/floor use medians")
+    lines.append("(x) = PyTorch eager median / candidate median; fused/fp32 and */floor use medians")
     return "\n".join(lines)
 
 

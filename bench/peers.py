@@ -26,8 +26,9 @@ class StaticCacheDecoder:
         self.model, self.cfg = model, model.cfg
         parameter = next(model.parameters())
         shape = (batch, self.cfg.n_kv_heads, capacity, self.cfg.head_dim)
-        self.keys = [parameter.new_zeros(shape) for _ in model.layers]
-        self.values = [parameter.new_zeros(shape) for _ in model.layers]
+        # random, not zeros: a benchmark must read real memory (and the peer's first steps overwrite it)
+        self.keys = [parameter.new_empty(shape).normal_() for _ in model.layers]
+        self.values = [parameter.new_empty(shape).normal_() for _ in model.layers]
         self.length = 0
 
     @torch.inference_mode()

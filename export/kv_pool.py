@@ -26,6 +26,14 @@ from export import names
 from export.config import ModelConfig
 
 CPU, CUDA = "cpu", "cuda"
+# Prefill chunk: a longer prompt runs as several runs of this many tokens (the op's subsequent-prompt
+# mode), which bounds a run's attention scores (chunk x length per head) and so the memory it takes.
+PREFILL_CHUNK = 512
+# Without CUDA graphs, two runs of decoding rows share one graph run when the idle rows between them
+# hold at most this many bytes of cache: reading those costs less than the fixed cost of another run
+# (measured on our 2-core CPUs, 7 of 16 rows at past 1024 stepping: runs split at any idle row took
+# 1.65 ms a step, merged over gaps of one 4 MB row 1.91 ms, one window over all 2.27 ms).
+MERGE_BYTES = 1 << 20
 
 
 def session_device(session) -> str:
@@ -59,7 +67,7 @@ class KVPool:
             if getattr(session, "_kv_pool_owned", False):
                 raise ValueError("this session's CUDA graphs belong to another KVPool; open a session per pool")
             session._kv_pool_owned = True
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self._windows: dict[tuple[int, int], _DecodeWindow] = {}
         self.session, self.cfg, self.rows, self.capacity = session, cfg, rows, capacity
         self.device, self.device_id = session_device(session), device_id
         self.dtype = session_float_dtype(session)
@@ -76,6 +84,11 @@ class KVPool:
         self.row_bytes = int(np.prod(self.row_shape)) * np.dtype(self.dtype).itemsize
         self.lengths = np.zeros(rows, np.int64)
         self.description = f"{rows} rows of {capacity} positions on {self.device}"
+        # a prefill's scores are chunk x length: the CPU arena gives that memory back after it (decode runs
+        # need little). The GPU arena is left alone: captured graphs keep using what they were given.
+        self._prefill_options = _run_options(
+            {"memory.enable_memory_arena_shrinkage": "cpu:0"} | ({"gpu_graph_id": "-1"} if self.cuda_graphs else {})
+        )
 
     @property
     def nbytes(self) -> int:
@@ -96,55 +109,85 @@ class KVPool:
                 raise ValueError(
                     f"row {row}: {self.lengths[row]} + {hidden.shape[0]} positions exceed the capacity {self.capacity}"
                 )
-        decode = sorted(row for row, hidden in steps.items() if hidden.shape[0] == 1)
-        windows = ([decode] if decode else []) + [[row] for row, hidden in steps.items() if hidden.shape[0] > 1]
         results: dict[int, np.ndarray | Exception] = {}
-        for rows in windows:
+        decode = sorted(row for row, hidden in steps.items() if hidden.shape[0] == 1)
+        for low, count in self.decode_windows(decode):
+            rows = [row for row in decode if low <= row < low + count]
             try:
-                results.update(self._run_window(rows, steps))
+                results.update(self._decode(low, count, rows, steps))
             except Exception as error:  # the next windows still run; these rows answer with the error
                 results.update(dict.fromkeys(rows, error))
+        for row, hidden in steps.items():
+            if hidden.shape[0] > 1:
+                try:
+                    results[row] = self._prefill(row, hidden)
+                except Exception as error:
+                    results[row] = error
         return results
 
-    def _run_window(self, rows: Sequence[int], steps: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
-        low, high = rows[0], rows[-1] + 1
-        new = max(steps[row].shape[0] for row in rows)
-        if new == 1 and self.cuda_graphs:
-            return self._run_graph(rows, steps)
-        hidden = np.zeros((high - low, new, self.cfg.d_model), self.dtype)  # (B, T, d_model)
-        for row in rows:
-            hidden[row - low, : steps[row].shape[0]] = steps[row]
-        seqlens_k = (self.lengths[low:high] + new - 1).astype(np.int32)  # (B,): length after the step - 1
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(names.HIDDEN_STATES, hidden)
-        binding.bind_cpu_input(names.SEQLENS_K, seqlens_k)
-        binding.bind_cpu_input(names.TOTAL_SEQUENCE_LENGTH, np.array(self._total_length(seqlens_k, new), np.int32))
-        binding.bind_output(names.OUTPUT, CPU)
-        self.bind_caches(binding, low, high - low)
-        self.session.run_with_iobinding(binding, _run_options(-1) if self.cuda_graphs else None)
-        return self._advance(rows, steps, binding.get_outputs()[0].numpy(), low)
+    def decode_windows(self, rows: Sequence[int]) -> list[tuple[int, int]]:
+        """(first row, row count) of each graph run for the decode rows `rows` (sorted).
 
-    def _advance(self, rows: Sequence[int], steps: Mapping[int, np.ndarray], output: np.ndarray, low: int) -> dict:
+        With CUDA graphs: one window from row 0, so that each size is one captured graph (a bounded
+        number of them); an idle row inside it costs its length at the GPU's bandwidth. Without: runs
+        of adjacent rows, two runs merged when the idle rows between them hold at most `MERGE_BYTES`
+        of cache (reading them costs less than another run's fixed cost)."""
+        if not rows:
+            return []
+        if self.cuda_graphs:
+            return [(0, rows[-1] + 1)]
+        windows = [[rows[0], rows[0]]]
+        per_position = self.row_bytes * len(self.buffers) // self.row_shape[1]
+        for row in rows[1:]:
+            gap = int(self.lengths[windows[-1][1] + 1 : row].sum()) * per_position
+            if gap <= MERGE_BYTES:
+                windows[-1][1] = row
+            else:
+                windows.append([row, row])
+        return [(low, high - low + 1) for low, high in windows]
+
+    def _decode(self, low: int, count: int, rows: Sequence[int], steps: Mapping[int, np.ndarray]) -> dict:
+        """One decode window through its fixed buffers and binding (and CUDA graph, where on)."""
+        key = (low, count)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _DecodeWindow(self, low, count, graph_id=len(self._windows) + 1)
+        hidden = np.zeros((count, 1, self.cfg.d_model), self.dtype)  # (B, 1, d_model): idle rows step a zero token
+        for row in rows:
+            hidden[row - low] = steps[row]
+        window.run(hidden, self.lengths[low : low + count].astype(np.int32))  # seqlens_k: length after - 1
+        return self._advance(rows, [steps[row].shape[0] for row in rows], window.output(), low)
+
+    def _prefill(self, row: int, hidden: np.ndarray) -> np.ndarray:
+        """A row's several new tokens, in chunks of at most `PREFILL_CHUNK` (each chunk a run of its
+        own: its attention scores, chunk x length, bound the run's memory). Afterwards the arena
+        gives back what the scores took."""
+        outputs = []
+        for start in range(0, hidden.shape[0], PREFILL_CHUNK):
+            chunk = hidden[start : start + PREFILL_CHUNK]
+            outputs.append(self._run_rows(row, chunk))
+        return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
+
+    def _run_rows(self, row: int, chunk: np.ndarray) -> np.ndarray:
+        new = chunk.shape[0]
+        seqlens_k = np.array([self.lengths[row] + new - 1], np.int32)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(names.HIDDEN_STATES, np.ascontiguousarray(chunk[None], self.dtype))
+        binding.bind_cpu_input(names.SEQLENS_K, seqlens_k)
+        binding.bind_cpu_input(names.TOTAL_SEQUENCE_LENGTH, np.array(int(seqlens_k[0]) + 1, np.int32))
+        binding.bind_output(names.OUTPUT, CPU)
+        self.bind_caches(binding, row, 1)
+        self.session.run_with_iobinding(binding, self._prefill_options)
+        (output,) = self._advance([row], [new], binding.get_outputs()[0].numpy(), row).values()
+        return output
+
+    def _advance(self, rows: Sequence[int], added: Sequence[int], output: np.ndarray, low: int) -> dict:
         """The rows' outputs out of the window's (B, T, d_model), their lengths moved on."""
         results = {}
-        for row in rows:
-            added = steps[row].shape[0]
-            self.lengths[row] += added
-            results[row] = output[row - low, :added]
+        for row, count in zip(rows, added, strict=True):
+            self.lengths[row] += count
+            results[row] = output[row - low, :count]
         return results
-
-    def _run_graph(self, rows: Sequence[int], steps: Mapping[int, np.ndarray]) -> dict[int, np.ndarray]:
-        """A decode window [0, high) through its CUDA graph: inputs copied into the graph's own
-        buffers, the caches bound at the pool's base address, the same for every step."""
-        high = rows[-1] + 1
-        graph = self._graphs.get(high) or self._graphs.setdefault(high, _DecodeGraph(self, high))
-        hidden = np.zeros((high, 1, self.cfg.d_model), self.dtype)  # (B, 1, d_model)
-        for row in rows:
-            hidden[row] = steps[row]
-        graph.hidden.update_inplace(hidden)
-        graph.seqlens_k.update_inplace(self.lengths[:high].astype(np.int32))  # one new token: length - 1 after
-        self.session.run_with_iobinding(graph.binding, graph.run_options)
-        return self._advance(rows, steps, graph.output.numpy(), 0)
 
     def bind_caches(self, binding, low: int, count: int) -> None:
         """Rows [low, low + count) of every cache buffer as the graph's past and present."""
@@ -153,14 +196,6 @@ class KVPool:
             address = buffer.data_ptr() + low * self.row_bytes
             binding.bind_input(past, self.device, self.device_id, self.dtype, window, address)
             binding.bind_output(present, self.device, self.device_id, self.dtype, window, address)
-
-    def _total_length(self, seqlens_k: np.ndarray, new: int) -> int:
-        """GroupQueryAttention's `total_sequence_length`. A decode step (one token per row) passes the
-        buffer's length, the same every step: the op then reads each row's length from `seqlens_k` only
-        (token generation: sequence length 1 differs from the total), so a captured CUDA graph stays
-        valid whatever the lengths. A prompt passes its real total (a first prompt is told apart by
-        sequence length == total)."""
-        return self.row_shape[1] if new == 1 else int(seqlens_k.max()) + 1
 
     def read(self, row: int) -> dict[str, np.ndarray]:
         """Row `row`'s cache as host arrays (1, n_kv, length, head_dim), by past name (for checks)."""
@@ -172,36 +207,64 @@ class KVPool:
         }
 
 
-def _run_options(graph_id: int):
-    """ONNX Runtime's CUDA graph annotation: which captured graph a run replays (-1: none)."""
+def _run_options(entries: dict[str, str]):
     import onnxruntime as ort
 
     options = ort.RunOptions()
-    options.add_run_config_entry("gpu_graph_id", str(graph_id))
+    for key, value in entries.items():
+        options.add_run_config_entry(key, value)
     return options
 
 
-class _DecodeGraph:
-    """The fixed buffers and binding of one decode window size [0, rows) of a pool: ONNX Runtime
-    captures the graph on its second run with an id and replays it from then on."""
+class _DecodeWindow:
+    """Rows [low, low + count) for one-token steps: input and output buffers of their own, bound
+    once with the caches' addresses; each step copies its tokens and lengths in and runs. With CUDA
+    graphs the window has a graph id: ONNX Runtime captures it on its second run and replays it from
+    then on (the same addresses every time, which is what a replay needs).
 
-    def __init__(self, pool: KVPool, rows: int) -> None:
+    `total_sequence_length` is the buffer's length, the same every step: in token generation (one
+    new token, fewer than the total) the op reads each row's length from `seqlens_k` only, so a
+    captured graph stays right whatever the lengths (the CPU and GPU parity rungs prove it)."""
+
+    def __init__(self, pool: KVPool, low: int, count: int, graph_id: int) -> None:
         import onnxruntime as ort
 
-        device, device_id, d_model = pool.device, pool.device_id, pool.cfg.d_model
-
-        def on_device(shape, dtype):
-            return ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, device_id)
-
-        self.hidden = on_device((rows, 1, d_model), pool.dtype)
-        self.seqlens_k = on_device((rows,), np.int32)
-        self.output = on_device((rows, 1, d_model), pool.dtype)
-        # a CPU input of the op: read when the graph is captured, so it must not change (it does not)
+        self.pool = pool
+        self.on_cpu = pool.device == CPU
+        shape, d_model = (count, 1, pool.cfg.d_model), pool.cfg.d_model
+        if self.on_cpu:  # host arrays the bound values share: writing them is the copy in
+            self.hidden_array = np.zeros(shape, pool.dtype)
+            self.seqlens_array = np.zeros(count, np.int32)
+            self.output_array = np.zeros((count, 1, d_model), pool.dtype)
+            values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.hidden_array, self.seqlens_array)]
+            self.output_value = ort.OrtValue.ortvalue_from_numpy(self.output_array)
+        else:
+            values = [
+                ort.OrtValue.ortvalue_from_shape_and_type(s, t, pool.device, pool.device_id)
+                for s, t in ((shape, pool.dtype), ((count,), np.int32))
+            ]
+            self.output_value = ort.OrtValue.ortvalue_from_shape_and_type(
+                shape, pool.dtype, pool.device, pool.device_id
+            )
+        self.hidden, self.seqlens_k = values
+        # a CPU input of the op: read when a graph is captured, so it must not change (it does not)
         self.total = ort.OrtValue.ortvalue_from_numpy(np.array(pool.row_shape[1], np.int32))
         self.binding = pool.session.io_binding()
         self.binding.bind_ortvalue_input(names.HIDDEN_STATES, self.hidden)
         self.binding.bind_ortvalue_input(names.SEQLENS_K, self.seqlens_k)
         self.binding.bind_ortvalue_input(names.TOTAL_SEQUENCE_LENGTH, self.total)
-        self.binding.bind_ortvalue_output(names.OUTPUT, self.output)
-        pool.bind_caches(self.binding, 0, rows)
-        self.run_options = _run_options(rows)
+        self.binding.bind_ortvalue_output(names.OUTPUT, self.output_value)
+        pool.bind_caches(self.binding, low, count)
+        self.run_options = _run_options({"gpu_graph_id": str(graph_id)}) if pool.cuda_graphs else None
+
+    def run(self, hidden: np.ndarray, seqlens_k: np.ndarray) -> None:
+        if self.on_cpu:
+            self.hidden_array[...] = hidden
+            self.seqlens_array[...] = seqlens_k
+        else:
+            self.hidden.update_inplace(hidden)
+            self.seqlens_k.update_inplace(seqlens_k)
+        self.pool.session.run_with_iobinding(self.binding, self.run_options)
+
+    def output(self) -> np.ndarray:
+        return self.output_array.copy() if self.on_cpu else self.output_value.numpy()

@@ -42,7 +42,7 @@ class Slot:
 class _Work:
     index: int  # the request's place in execute()'s answers
     tokens: np.ndarray  # (T_real, d_model) in the pool's dtype
-    keep: np.ndarray  # (T,) bool: which of the request's tokens are real
+    keep: np.ndarray | None  # (T,) bool: which of the request's tokens are real; None: all of them
 
 
 class StaticSessionEngine:
@@ -112,8 +112,8 @@ class StaticSessionEngine:
         new = check_step(self.cfg, request)
         if new == 0 and not request.start:
             return None  # closing: the sequence is gone afterwards whatever the slots know
-        keep = np.ones(new, bool) if request.mask is None else request.mask[0].astype(bool)
-        tokens = request.hidden[0][keep]  # (T_real, d_model)
+        keep = None if request.mask is None or request.mask.all() else request.mask[0].astype(bool)
+        tokens = request.hidden[0] if keep is None else request.hidden[0][keep]  # (T_real, d_model)
         if request.start:
             if len(tokens) > self.max_positions:
                 raise errors.SequenceTooLong(request.sequence_id, len(tokens), self.max_positions)
@@ -136,9 +136,12 @@ class StaticSessionEngine:
             if isinstance(output, Exception):  # not the request's fault; its cache length is unchanged
                 results[item.index] = output
                 continue
-            full = np.zeros((1, len(item.keep), self.cfg.d_model), np.float32)
-            full[0, item.keep] = output
-            results[item.index] = full
+            if item.keep is None:
+                results[item.index] = output.astype(np.float32, copy=False)[None]  # (1, T, d_model)
+            else:
+                full = np.zeros((1, len(item.keep), self.cfg.d_model), np.float32)
+                full[0, item.keep] = output
+                results[item.index] = full
 
     # --- slots --------------------------------------------------------------------------------------
 

@@ -1,8 +1,11 @@
-"""The serving benchmark's bookkeeping, without a server: bytes on the wire, targets, the table.
-(The benchmark itself runs against a real Triton: `python -m bench serving`.)"""
+"""The serving benchmark's bookkeeping, without a server: bytes on the wire, the targets (engine
+comparison, memory bounds), the table. (The benchmark itself runs against a real Triton:
+`python -m bench serving`; `--quick` is run by tests/bench/test_serving_bench_run.py.)"""
 
 from bench import serving
 from export.config import preset
+
+MIB = 1 << 20
 
 
 def test_a_stateful_step_sends_the_same_bytes_at_any_past_a_stateless_one_ships_the_cache():
@@ -15,23 +18,63 @@ def test_a_stateful_step_sends_the_same_bytes_at_any_past_a_stateless_one_ships_
     assert long["stateless_request_http"] - short["stateless_request_http"] >= cache_growth
 
 
-def row(past: int, stateless_ms: float, stateful_ms: float, in_process_ms: float) -> dict:
-    modes = {mode: {"p50_ms": stateful_ms, "p99_ms": stateful_ms, "runs": 3} for mode in serving.MODES}
-    modes["in-process"] = {"p50_ms": in_process_ms, "p99_ms": in_process_ms, "runs": 3}
-    for protocol in ("grpc", "http"):
-        modes[f"stateless/{protocol}"] = {"p50_ms": stateless_ms, "p99_ms": stateless_ms, "runs": 3}
+def row(past: int, **p50: float) -> dict:
+    modes = {mode: {"p50_ms": 1.0, "p99_ms": 1.0, "runs": 3} for mode in serving.MODES}
+    for mode, value in p50.items():
+        modes[mode.replace("_", "/")] = {"p50_ms": value, "p99_ms": value, "runs": 3}
     return {"past": past, "modes": modes, "bytes": serving.wire_bytes(preset("tiny"), past)}
 
 
-def test_targets_and_table():
-    results = {
-        "latency": [row(128, 2.0, 1.2, 0.5), row(4096, 90.0, 3.0, 2.5)],
-        "throughput": [{"sessions": 1, "steps_per_s": 500.0}, {"sessions": 16, "steps_per_s": 1200.0}],
+def rate(engine: str, sessions: int, steps_per_s: float, run: int = 1, peak_mib: int = 200) -> dict:
+    return {
+        "engine": engine,
+        "sessions": sessions,
+        "past": 1024,
+        "run": run,
+        "steps_per_s": steps_per_s,
+        "peak_rss_bytes": peak_mib * MIB,
     }
-    targets = serving.targets(results)
-    assert targets["stateful_vs_stateless_grpc"]["speedup"] == 30.0 and targets["stateful_vs_stateless_grpc"]["met"]
-    assert targets["stateful_request_bytes"]["met"]
-    assert targets["throughput_scaling"]["ratio"] == 2.4 and not targets["throughput_scaling"]["met"]
-    assert abs(targets["triton_grpc_added_ms"]["stateful_ms"] - 0.7) < 1e-9 and targets["triton_grpc_added_ms"]["met"]
-    text = serving.table(results) + "\n" + serving.targets_text(targets)
-    assert "4096" in text and "MISSED" in text and "16: 1200" in text
+
+
+def results(after_runs_mib: tuple[int, ...], static_16: float = 1800.0) -> dict:
+    latency = [
+        row(128, **{"in-process/static": 0.4, "in-process/concat": 0.5, "stateful/grpc": 1.2, "noop/grpc": 0.6}),
+        row(4096, **{"in-process/static": 2.5, "in-process/concat": 2.0, "stateful/grpc": 3.2, "noop/grpc": 0.6}),
+    ]
+    for r in latency:
+        r["modes"]["stateful/grpc/concat"] = {"p50_ms": 5.0, "p99_ms": 5.0, "runs": 3}
+    throughput = [rate("static", 1, 500.0), rate("static", 16, static_16), rate("concat", 1, 450.0)]
+    throughput += [rate("concat", 16, 700.0), rate("static", 16, 1750.0, run=2)]
+    memory = {
+        "static": {"engine": "static", "before_bytes": 120 * MIB, "after_bytes": [a * MIB for a in after_runs_mib]},
+        "concat": {"engine": "concat", "before_bytes": 110 * MIB, "after_bytes": [300 * MIB, 600 * MIB]},
+    }
+    sizes = {"pool_bytes": 100 * MIB, "weight_bytes": MIB}
+    return {"latency": latency, "throughput": throughput, "memory": memory, **sizes}
+
+
+def test_the_targets_measure_what_they_say():
+    measured = serving.targets(results((150, 155)))
+    served = measured["served_static_step"]
+    assert served["past"] == 4096 and abs(served["budget_ms"] - (2.5 + 0.6 + 0.3)) < 1e-9 and served["met"]
+    assert measured["throughput_16_sessions"]["ratio"] == 3.6 and measured["throughput_16_sessions"]["met"]
+    assert measured["static_stub_rss_bounded"]["met"]  # peak 200 MiB <= 100 + 1 + 300
+    no_growth = measured["static_stub_rss_no_growth"]
+    assert no_growth["growth_bytes"] == 5 * MIB and no_growth["met"]
+    assert measured["static_wins_everywhere"] == {"losses": ["in-process/static at past 4096"], "met": False}
+
+
+def test_memory_that_grows_from_run_to_run_or_passes_the_pool_misses():
+    grown = serving.targets(results((150, 260)))
+    assert not grown["static_stub_rss_no_growth"]["met"]
+    slow = serving.targets(results((150, 150), static_16=1000.0))
+    assert not slow["throughput_16_sessions"]["met"]
+
+
+def test_table_and_targets_text():
+    data = results((150, 155))
+    data["targets"] = serving.targets(data)
+    text = serving.table(data) + "\n" + serving.targets_text(data["targets"])
+    assert "4096" in text and "static  past 1024  1: 500, 16: 1800 [1750]" in text
+    assert "static stub RSS MiB: before 120, peak 200, after each run 150, 155" in text
+    assert "MISSED (loses: in-process/static at past 4096)" in text
