@@ -29,7 +29,7 @@ format: install
 	$(BIN)/ruff format .
 
 export: install
-	$(BIN)/python -m export
+	$(BIN)/python -m serving ensure --repository model_repository
 
 serve: install
 	$(BIN)/python -m serving

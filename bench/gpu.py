@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.timing import Budget, Timing, measure
-from export import artifacts, names
-from export.config import ModelConfig, preset
+from contract import files, names
+from contract.config import ModelConfig, preset
+from export import artifacts
 from export.progress import Progress
 
 RESULTS = Path(__file__).parent / "results" / "gpu"
@@ -146,7 +147,7 @@ def hbm_bandwidth(device: Device, megabytes: int = 2048, repeats: int = 20) -> f
 
 
 def variant_file(directory: Path, name: str) -> Path:
-    return directory / artifacts.model_filename(name.removesuffix("+graphs"))
+    return directory / files.model_filename(name.removesuffix("+graphs"))
 
 
 def candidate_session(directory: Path, name: str, device: Device):
@@ -439,10 +440,10 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
     """The seed model served by the bundled Triton on the GPU: stateful step over gRPC vs the same
     engine in-process, at several pasts, and a no-op Python model's round trip."""
     from bench.serving import NOOP, in_process, session_engine, stateful, write_noop_model
-    from export.repository import write_repository
-    from export.triton_config import ServingSettings
     from serving import engines
     from serving.launcher import start_triton
+    from serving.triton.config import ServingSettings
+    from serving.triton.repository import write_repository
 
     cfg = ModelConfig.load(directory)
     settings = ServingSettings(kv_cache_bytes=cfg.kv_cache_bytes(1, cfg.max_seq_len) * 8)
@@ -469,7 +470,7 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
 
 
 def runner_lines(log_path: Path) -> list[str]:
-    """What each Python model said at load that it runs on (serving/triton_models/*.py log it)."""
+    """What each Python model said at load that it runs on (serving/triton/models/*.py log it)."""
     lines = log_path.read_text(errors="replace").splitlines()
     return [line.split("] ", 1)[-1] for line in lines if ": runner " in line and ".onnx on " in line]
 
@@ -683,9 +684,9 @@ def run(args) -> int:
         return 2
     with tempfile.TemporaryDirectory(prefix="gpu-proof-") as scratch:
         results = benchmark(presets, args.artifacts or Path(scratch), GPU, plan, progress, args.out)
-    files = write(results, args.out)
+    written = write(results, args.out)
     print(report(results))
     for problem in results["problems"]:
         print(f"FAILED: {problem}")
-    print("wrote " + ", ".join(str(f) for f in files))
+    print("wrote " + ", ".join(str(f) for f in written))
     return 1 if results["problems"] else 0

@@ -32,10 +32,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, measure
-from export import artifacts, names
-from export.config import ModelConfig, preset
+from contract import files, names
+from contract.config import ModelConfig, preset
+from export import artifacts
 from export.progress import Progress
-from export.tensorrt import axis_sizes, random_inputs
+from serving.triton.tensorrt import axis_sizes, random_inputs
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-static")
@@ -209,7 +210,7 @@ def prepare_artifacts(cfg: ModelConfig, directory: Path, progress: Progress) -> 
     """Build (or reuse) the artifact directory and the Q/K/V-fused candidate; return every file."""
     from export.build import build
 
-    paths = {v: directory / artifacts.model_filename(v) for v in (*VARIANTS, QKV)}
+    paths = {v: directory / files.model_filename(v) for v in (*VARIANTS, QKV)}
     if not _reusable(cfg, directory, [paths[v] for v in VARIANTS]):
         build(cfg, directory, VARIANTS, progress=progress)
         paths[QKV].unlink(missing_ok=True)  # made from the old build
@@ -219,9 +220,9 @@ def prepare_artifacts(cfg: ModelConfig, directory: Path, progress: Progress) -> 
     return paths
 
 
-def _reusable(cfg: ModelConfig, directory: Path, files: list[Path]) -> bool:
-    report = directory / artifacts.REPORT_FILENAME
-    if not report.is_file() or not all(p.is_file() for p in files):
+def _reusable(cfg: ModelConfig, directory: Path, graphs: list[Path]) -> bool:
+    report = directory / files.REPORT_FILENAME
+    if not report.is_file() or not all(p.is_file() for p in graphs):
         return False
     content = json.loads(report.read_text())
     return bool(content.get("passed")) and content.get("config") == cfg.to_dict()
@@ -297,8 +298,8 @@ def preset_results(cfg: ModelConfig, grid: list[Shape], timings: dict, gbps: flo
                 "fp16": decode_floor_ms(cfg, shape, 2, gbps),
             }
         rows.append(row)
-    files = {name: path.stat().st_size for name, path in paths.items()}
-    return {"config": cfg.to_dict(), "file_bytes": files, "rows": rows}
+    sizes = {name: path.stat().st_size for name, path in paths.items()}
+    return {"config": cfg.to_dict(), "file_bytes": sizes, "rows": rows}
 
 
 def median(row: dict, name: str) -> float:

@@ -1,4 +1,4 @@
-"""What the sync and asyncio clients share: tensors to send, results to read, per-protocol options.
+"""The wire side of the client core: tensors to send, results to read, per-protocol options.
 
 tritonclient's four clients (grpc, http, and their aio twins) have the same method names; they
 differ in where the timeout goes and in how metadata comes back. Nothing here does I/O.
@@ -7,53 +7,21 @@ differ in where the timeout goes and in how metadata comes back. Nothing here do
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from client.errors import ClientError, InvalidInputError, UnknownSessionError
+from client.errors import ClientError, InvalidInputError
 from client.metadata import ModelInfo
 from client.retry import RetryPolicy
-from export import names
-from export.inputs import named_inputs
+from contract import names
+from contract.inputs import named_inputs
 
 PROTOCOLS = ("grpc", "http")
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 Pairs = list[tuple[np.ndarray, np.ndarray]]
-
-
-class ClientSettings:
-    """What `Client` and `AsyncClient` are made of; they differ only in how they call."""
-
-    _module_suffix = ""  # ".aio" for the asyncio twins of tritonclient's clients
-
-    def __init__(
-        self,
-        url: str = "127.0.0.1",  # the port defaults to the protocol's: gRPC 8001, HTTP 8000
-        protocol: str = "grpc",
-        model: str = "mha",
-        session_model: str = "mha_session",
-        *,
-        timeout: float = 30.0,
-        retries: int = 3,
-        backoff: float = 0.1,
-        validate: bool = True,
-    ) -> None:
-        self.protocol = check_protocol(protocol)
-        self.url = normalize_url(url, protocol)
-        self.model, self.session_model = model, session_model
-        self.timeout, self.validate = timeout, validate
-        self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max(backoff, 2.0))
-        self._module = importlib.import_module(f"tritonclient.{protocol}{self._module_suffix}")
-        self._timeout_kw = timeout_kwargs(protocol, timeout)
-        self._infos: dict[str, ModelInfo] = {}
-        self._init_connections()
-
-    def _init_connections(self) -> None:
-        """The subclass's connection bookkeeping (connections themselves open on first use)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,50 +55,6 @@ class Health:
         found = [what for what, fine in (("server not live", self.live), ("server not ready", self.ready)) if not fine]
         found += [f"model '{name}' not ready" for name, ready in self.models.items() if not ready]
         return "; ".join(found)
-
-
-class SessionState:
-    """A session's bookkeeping, shared by the sync and asyncio sessions (they add the I/O)."""
-
-    def __init__(self, client: Any, sequence_id: int | None = None) -> None:
-        self.client = client  # the Client or AsyncClient that sends this session's steps
-        self.id = check_sequence_id(sequence_id)
-        self.started = False  # the server has answered a step (START went through)
-        self.closed = False
-        self.length = 0  # tokens the server holds for this session
-        # the last step sent: once one went out, the server may hold the sequence even if it failed
-        self._sent: np.ndarray | None = None
-
-    def _check_open(self) -> None:
-        if self.closed:
-            raise UnknownSessionError(f"session {self.id} is closed", status=None)
-
-    def _sending(self, tensors: Mapping[str, np.ndarray]) -> None:
-        self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
-
-    def _end_tensors(self) -> dict[str, np.ndarray]:
-        """The zero-token request that ends the session without computing anything."""
-        hidden = self._sent
-        return {names.HIDDEN_STATES: np.zeros((1, 0, hidden.shape[-1]), dtype=hidden.dtype)}
-
-    def _stepped(self, output: np.ndarray, end: bool) -> np.ndarray:
-        self.started, self.closed = True, end
-        self.length += output.shape[1]
-        return output
-
-    def _forgotten(self) -> None:
-        self.closed = True  # the server does not know it: there is nothing left to end
-
-    def _closing(self) -> bool:
-        """Mark closed; True if an END must still go out. A failed first step may have opened the
-        sequence in Triton's batcher, so it is ended too (an unknown one is answered harmlessly)."""
-        needs_end = self._sent is not None and not self.closed
-        self.closed = True
-        return needs_end
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else "open" if self.started else "new"
-        return f"<{type(self).__name__} {self.id} {state}, {self.length} tokens>"
 
 
 def check_sequence_id(sequence_id: int | None) -> int:

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from client.errors import ClientError, InvalidInputError
-from export import names
-from export.config import ModelConfig
-from export.inputs import InputError, check_inputs
+from contract import names
+from contract.config import ModelConfig
+from contract.inputs import InputError, check_inputs
 
 # Triton datatypes of the model's float tensors, as numpy names (what check_inputs compares).
 _FLOAT_DTYPES = {"FP32": "float32", "FP16": "float16", "FP64": "float64"}

@@ -1,4 +1,6 @@
-"""Retries with exponential backoff and jitter, for calls that are safe to repeat.
+"""Retries with exponential backoff and jitter, for calls that are safe to repeat: the one retry
+loop of the package, written once as a step of a client operation (client/core.py) and run by the
+blocking and the asyncio client alike.
 
 Only health, metadata and stateless inference are retried, and only when the server was
 unreachable or busy (errors.RETRYABLE): the request did not run, or running it again changes
@@ -7,13 +9,12 @@ nothing. A session step is never retried: the server may have appended to its ca
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar
 
 from client import errors
 
@@ -40,53 +41,39 @@ class RetryPolicy:
         return base / 2 + (rng or random).uniform(0, base / 2)
 
 
-def call(
-    fn: Callable[[], T],
-    policy: RetryPolicy,
-    *,
-    what: str,
-    retry: bool = True,
-    session: bool = False,
-    sleep: Callable[[float], None] = time.sleep,
-) -> T:
-    """`fn()`, with tritonclient's errors turned into ours and retried where `retry` allows."""
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One request to tritonclient: `fn(stub)` returns the answer (an awaitable in asyncio)."""
+
+    fn: Callable[[Any], Any]
+    what: str
+    retry: bool = True  # safe to repeat
+    session: bool = False  # a session step: its errors read as a session's
+
+
+@dataclasses.dataclass(frozen=True)
+class Sleep:
+    seconds: float
+
+
+Action = Call | Sleep
+# An operation yields actions; the driver sends back a Call's answer or throws in what it raised.
+Operation = Generator[Action, Any, T]
+
+
+def retried(call: Call, policy: RetryPolicy) -> Operation[Any]:
+    """`call`, its errors turned into ours and retried where `call.retry` allows."""
     for attempt in range(policy.retries + 1):
         try:
-            return fn()
+            return (yield call)
         except Exception as raw:
-            error = errors.from_exception(raw, session=session)
+            error = errors.from_exception(raw, session=call.session)
             if error is None:
                 raise
-            if not _should_retry(error, attempt, policy, retry):
+            if not (call.retry and isinstance(error, errors.RETRYABLE) and attempt < policy.retries):
                 raise error from raw
-        sleep(_announce(policy, attempt, what, error))
+        yield Sleep(_announce(policy, attempt, call.what, error))
     raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-async def acall(
-    fn: Callable[[], Awaitable[T]],
-    policy: RetryPolicy,
-    *,
-    what: str,
-    retry: bool = True,
-    session: bool = False,
-) -> T:
-    """The asyncio twin of `call`."""
-    for attempt in range(policy.retries + 1):
-        try:
-            return await fn()
-        except Exception as raw:
-            error = errors.from_exception(raw, session=session)
-            if error is None:
-                raise
-            if not _should_retry(error, attempt, policy, retry):
-                raise error from raw
-        await asyncio.sleep(_announce(policy, attempt, what, error))
-    raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-def _should_retry(error: errors.ClientError, attempt: int, policy: RetryPolicy, retry: bool) -> bool:
-    return retry and isinstance(error, errors.RETRYABLE) and attempt < policy.retries
 
 
 def _announce(policy: RetryPolicy, attempt: int, what: str, error: errors.ClientError) -> float:
@@ -101,3 +88,63 @@ def _announce(policy: RetryPolicy, attempt: int, what: str, error: errors.Client
         delay,
     )
     return delay
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    value: Any
+
+
+def _next(operation: Operation[Any], answer: Any, raised: BaseException | None) -> Action | Done:
+    """The operation's next action, given the last one's answer or error; Done when it returned."""
+    try:
+        return operation.send(answer) if raised is None else operation.throw(raised)
+    except StopIteration as done:
+        return Done(done.value)
+
+
+def run_blocking(operation: Operation[T], stub: Callable[[], Any], sleep: Callable[[float], None] = time.sleep) -> T:
+    """Drive `operation` in this thread: each Call once on `stub()`, each Sleep a sleep."""
+    action = _next(operation, None, None)
+    while not isinstance(action, Done):
+        answer, raised = None, None
+        if isinstance(action, Sleep):
+            sleep(action.seconds)
+        else:
+            try:
+                answer = action.fn(stub())
+            except Exception as error:  # handed to the operation, which decides
+                raised = error
+        action = _next(operation, answer, raised)
+    return action.value
+
+
+async def run_async(operation: Operation[T], stub: Callable[[], Any]) -> T:
+    """Drive `operation` on the running event loop: each Call awaited, each Sleep an asyncio sleep."""
+    import asyncio
+
+    action = _next(operation, None, None)
+    while not isinstance(action, Done):
+        answer, raised = None, None
+        if isinstance(action, Sleep):
+            await asyncio.sleep(action.seconds)
+        else:
+            try:
+                answer = await action.fn(stub())
+            except Exception as error:  # handed to the operation, which decides
+                raised = error
+        action = _next(operation, answer, raised)
+    return action.value
+
+
+def call(
+    fn: Callable[[], T],
+    policy: RetryPolicy,
+    *,
+    what: str,
+    retry: bool = True,
+    session: bool = False,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """`fn()` through the retry loop, blocking (for callers outside a client)."""
+    return run_blocking(retried(Call(lambda _: fn(), what, retry, session), policy), lambda: None, sleep)

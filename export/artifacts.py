@@ -1,4 +1,5 @@
-"""An artifact directory: `config.json`, `weights.safetensors`, `model.<variant>.onnx`, `report.json`.
+"""An artifact directory: `config.json`, `weights.safetensors`, `model.<variant>.onnx`, `report.json`
+(the names in contract/files.py); the PyTorch side of it: saving and loading the weights.
 
 The config is always rebuilt from the directory's `config.json`, never from memory.
 """
@@ -10,15 +11,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from export.config import ModelConfig
+from contract.config import ModelConfig
+from contract.files import WEIGHTS_FILENAME
 from export.model import AttentionModel
-
-WEIGHTS_FILENAME = "weights.safetensors"
-REPORT_FILENAME = "report.json"
-
-
-def model_filename(variant: str) -> str:
-    return f"model.{variant}.onnx"
 
 
 def save_weights(model: AttentionModel, directory: str | Path) -> Path:

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from contract import files
+from contract.config import ModelConfig
 from export import artifacts, forms, graph_stats, targets
-from export.config import ModelConfig
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
 from export.kv_pool import KVPool
@@ -203,13 +204,13 @@ def build(
         if reason is None:
             report["variants"][name] = _build_variant(model, out, variant, progress)
         else:
-            (out / artifacts.model_filename(name)).unlink(missing_ok=True)
+            (out / files.model_filename(name)).unlink(missing_ok=True)
             report["variants"][name] = _not_built(reason, failed=asked)
     report["passed"] = all(entry["passed"] for entry in report["variants"].values())
-    (out / artifacts.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
+    (out / files.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     if not report["passed"]:
         failed = {n: e["problems"] for n, e in report["variants"].items() if not e["passed"]}
-        raise BuildError(f"variant(s) failed: {failed}; see {out / artifacts.REPORT_FILENAME}")
+        raise BuildError(f"variant(s) failed: {failed}; see {out / files.REPORT_FILENAME}")
     return report
 
 
@@ -218,7 +219,7 @@ def _not_built(reason: str, failed: bool) -> dict:
 
 
 def _build_variant(model: AttentionModel, out: Path, variant: Variant, progress: Progress) -> dict:
-    final = out / artifacts.model_filename(variant.name)
+    final = out / files.model_filename(variant.name)
     staging = out / f".{final.name}.partial"
     final.unlink(missing_ok=True)  # a stale file must not pass for this build's result
     started = time.perf_counter()

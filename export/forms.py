@@ -29,8 +29,8 @@ import onnx_ir as ir
 import onnxruntime  # noqa: F401  (the float16 converter below comes from it; import errors show here)
 from onnxscript.rewriter import pattern
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from export.fusion import clean_up, fused_proto
 from export.model import AttentionModel
 from export.onnx_export import IR_VERSION, name_axes, plain_graph, save_onnx

@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 
 CPU, CUDA = "cpu", "cuda"
 # Prefill chunk: a longer prompt runs as several runs of this many tokens (the op's subsequent-prompt

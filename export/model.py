@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from export.config import ModelConfig
-from export.inputs import check_inputs, named_inputs
+from contract.config import ModelConfig
+from contract.inputs import check_inputs, named_inputs
 
 
 class KVCache(NamedTuple):

@@ -14,8 +14,8 @@ import onnx
 import torch
 from torch import Tensor, nn
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from export.model import AttentionModel, KVCache
 
 # Opset 18 keeps the plain graph loadable by every runtime we target (TensorRT 10's parser,

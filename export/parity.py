@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from export.runtime import Arrays, Runner
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from export import names
+from contract import names
 
 
 def summary_table(report: dict) -> str:

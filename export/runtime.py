@@ -19,7 +19,7 @@ def torch_runner(model, device: str = "cpu") -> Runner:
     """The PyTorch original as a runner (the reference rung), on `device` ("cuda" on a GPU host)."""
     import torch
 
-    from export import names
+    from contract import names
     from export.model import KVCache
 
     n_layers = model.cfg.n_layers
@@ -74,7 +74,7 @@ def ort_runner(session) -> Runner:
 def default_inputs(session, feeds: Mapping[str, np.ndarray], missing: list[str]) -> Arrays:
     """What a caller may leave out, as the PyTorch original reads it: an empty past (zero-length
     tensors) and an all-ones attention mask."""
-    from export import names
+    from contract import names
 
     hidden = feeds[names.HIDDEN_STATES]
     batch, new = hidden.shape[:2]

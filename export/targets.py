@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import onnx
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from export.forms import MICROSOFT_DOMAIN
 
 STATIC = "onnxruntime static cache (CPU)"

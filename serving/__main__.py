@@ -2,6 +2,8 @@
 
 python -m serving [--model-repository REPO] [--gateway-port 8080] [--host 127.0.0.1]
 python -m serving --no-gateway [--model-repository REPO] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+python -m serving repository --artifacts DIR --repository REPO     fill a repository from an artifact
+python -m serving ensure --repository REPO [--preset|--config|--config-json]   build and fill if it lacks the model
 
 The default model is exported first when the repository lacks it. SIGINT or SIGTERM shuts
 everything down gracefully and leaves no process behind.
@@ -44,21 +46,24 @@ def gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from serving.triton import cli
+
     root = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
     triton_arguments(root)
     gateway_arguments(root)
+    cli.add_commands(root.add_subparsers(dest="command"))
     return root
 
 
 def ensure_repository(repository: Path) -> None:
     """Export the default model into `repository` unless it already holds the served models."""
-    from export.repository import is_complete
+    from serving.triton.repository import is_complete
 
     if is_complete(repository):
         return
     print(f"{repository} lacks the models; exporting the default preset first (about a minute)", flush=True)
-    from export.__main__ import export_default
     from export.build import BuildError
+    from serving.triton.cli import export_default
 
     try:
         export_default(repository)
@@ -149,7 +154,11 @@ def watch(server, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run(parser().parse_args(argv))
+    from serving.triton import cli
+
+    args = parser().parse_args(argv)
+    commands = {None: run, "repository": cli.run_repository, "ensure": cli.run_ensure}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

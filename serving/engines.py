@@ -15,13 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from export import tensorrt, triton_config
-from export.config import ModelConfig
+from contract.config import ModelConfig
 from export.kv_pool import KVPool, session_float_dtype
 from serving.kv_cache import KVCacheStore
 from serving.runner import CPU, CUDA, TENSORRT, Placement, Runner, choose_placement, open_session
 from serving.session import SessionEngine
 from serving.static_engine import StaticSessionEngine
+from serving.triton import config as triton_config
+from serving.triton import tensorrt
 
 _FILE_PARAMETERS = {
     TENSORRT: (triton_config.P_ONNX_FILE_TENSORRT, triton_config.P_ONNX_FILE_CUDA, triton_config.P_ONNX_FILE),

@@ -8,7 +8,7 @@ INVALID_ARGUMENT, UNAVAILABLE -> 503 / UNAVAILABLE, INTERNAL -> 500 / INTERNAL.
 
 from __future__ import annotations
 
-from export.inputs import InputError
+from contract.inputs import InputError
 
 INVALID_ARG = "INVALID_ARG"
 UNAVAILABLE = "UNAVAILABLE"

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from export import names, tensorrt
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from export.kv_pool import session_device, session_float_dtype
+from serving.triton import tensorrt
 
 log = logging.getLogger(__name__)
 

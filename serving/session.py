@@ -15,9 +15,9 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-from export import names
-from export.config import ModelConfig
-from export.inputs import InputError, check_inputs
+from contract import names
+from contract.config import ModelConfig
+from contract.inputs import InputError, check_inputs
 from serving import errors
 from serving.batching import Step, run_steps
 from serving.kv_cache import KVCacheStore

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from export.inputs import InputError
+from contract.inputs import InputError
 from export.kv_pool import KVPool
 from serving import errors
 from serving.kv_cache import CacheStats, SequenceId

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from export.config import ModelConfig, preset
+from contract.config import ModelConfig, preset
 
 # the real Triton fixtures (`triton`, `triton_repository`, `triton_artifact`) for every tier
 pytest_plugins = ["tests.fixtures.triton"]

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from contract.config import DEFAULT_PRESET, preset
 from export.build import build
-from export.config import DEFAULT_PRESET, preset
 from export.progress import Progress
-from export.repository import write_repository
-from export.triton_config import ServingSettings
+from serving.triton.config import ServingSettings
+from serving.triton.repository import write_repository
 from tests.fixtures.serving_process import serving_process
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 # The one-shot export of a deployment (compose service `export`): the PyTorch original, its ONNX
 # variants and their parity ladder on the CPU, then the Triton model repository in the named volume
-# mounted at /models, unless that volume already holds the model asked for (`python -m export ensure`).
+# mounted at /models, unless that volume already holds the model asked for (`python -m serving ensure`).
 FROM python:3.11-slim-bookworm
 
 ENV PIP_NO_CACHE_DIR=1 \
@@ -28,5 +28,5 @@ USER serving
 WORKDIR /home/serving
 
 # docker-compose.yml gives the model (MODEL_CONFIG_JSON, MODEL_CONFIG or MODEL_PRESET)
-ENTRYPOINT ["python", "-m", "export", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
+ENTRYPOINT ["python", "-m", "serving", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
 CMD ["--preset", "seed"]

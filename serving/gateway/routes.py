@@ -12,7 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
-from export import names
+from contract import names
 from serving.gateway import schemas
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
 from serving.gateway.encoding import Encoding, decode, encode

@@ -6,7 +6,7 @@ import shutil
 
 from bench import model
 from bench.__main__ import COMMANDS, DEFAULT_COMMANDS, main
-from export import artifacts
+from contract import files
 
 
 def test_quick_model_benchmark_writes_json_png_and_a_table(artifact_dir, tmp_path, capsys):
@@ -27,7 +27,7 @@ def test_quick_model_benchmark_writes_json_png_and_a_table(artifact_dir, tmp_pat
         )
         assert (row["phase"] == "decode") == ("floor_ms" in row)
     assert set(results["targets"]) >= {"fused_vs_fp32_worst", "tiny_fp16_file_vs_fused"}
-    assert (tmp_path / "artifacts" / "tiny" / artifacts.model_filename(model.QKV)).is_file()
+    assert (tmp_path / "artifacts" / "tiny" / files.model_filename(model.QKV)).is_file()
 
     printed = capsys.readouterr().out
     assert "decode B1 P1024" in printed and "fused/floor" in printed and "targets:" in printed

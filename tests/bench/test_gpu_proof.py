@@ -12,7 +12,7 @@ import pytest
 
 from bench import gpu
 from bench.timing import Budget
-from export import names
+from contract import names
 from export.progress import Progress
 
 PLAN = gpu.Plan(

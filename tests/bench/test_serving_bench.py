@@ -3,7 +3,7 @@ comparison, memory bounds), the table. (The benchmark itself runs against a real
 `python -m bench serving`; `--quick` is run by tests/bench/test_serving_bench_run.py.)"""
 
 from bench import serving
-from export.config import preset
+from contract.config import preset
 
 MIB = 1 << 20
 
@@ -32,8 +32,13 @@ def rate(engine: str, sessions: int, steps_per_s: float, run: int = 1, peak_mib:
         "past": 1024,
         "run": run,
         "steps_per_s": steps_per_s,
-        "peak_rss_bytes": peak_mib * MIB,
+        "peak_own_bytes": peak_mib * MIB,
+        "peak_shared_bytes": 400 * MIB,
     }
+
+
+def memory(*own_mib: int) -> list[dict]:
+    return [{"own_bytes": m * MIB, "shared_bytes": 300 * MIB} for m in own_mib]
 
 
 def results(after_runs_mib: tuple[int, ...], static_16: float = 1800.0) -> dict:
@@ -45,12 +50,12 @@ def results(after_runs_mib: tuple[int, ...], static_16: float = 1800.0) -> dict:
         r["modes"]["stateful/grpc/concat"] = {"p50_ms": 5.0, "p99_ms": 5.0, "runs": 3}
     throughput = [rate("static", 1, 500.0), rate("static", 16, static_16), rate("concat", 1, 450.0)]
     throughput += [rate("concat", 16, 700.0), rate("static", 16, 1750.0, run=2)]
-    memory = {
-        "static": {"engine": "static", "before_bytes": 120 * MIB, "after_bytes": [a * MIB for a in after_runs_mib]},
-        "concat": {"engine": "concat", "before_bytes": 110 * MIB, "after_bytes": [300 * MIB, 600 * MIB]},
+    stubs = {
+        "static": {"engine": "static", "before": memory(120)[0], "after": memory(*after_runs_mib)},
+        "concat": {"engine": "concat", "before": memory(110)[0], "after": memory(300, 600)},
     }
     sizes = {"pool_bytes": 100 * MIB, "weight_bytes": MIB}
-    return {"latency": latency, "throughput": throughput, "memory": memory, **sizes}
+    return {"latency": latency, "throughput": throughput, "memory": stubs, **sizes}
 
 
 def test_the_targets_measure_what_they_say():
@@ -58,15 +63,16 @@ def test_the_targets_measure_what_they_say():
     served = measured["served_static_step"]
     assert served["past"] == 4096 and abs(served["budget_ms"] - (2.5 + 0.6 + 0.3)) < 1e-9 and served["met"]
     assert measured["throughput_16_sessions"]["ratio"] == 3.6 and measured["throughput_16_sessions"]["met"]
-    assert measured["static_stub_rss_bounded"]["met"]  # peak 200 MiB <= 100 + 1 + 300
-    no_growth = measured["static_stub_rss_no_growth"]
+    assert measured["static_stub_memory_bounded"]["met"]  # peak 200 MiB <= 100 + 1 + 300
+    assert measured["static_stub_shared_memory"]["peak_bytes"] == 400 * MIB  # reported, not bounded
+    no_growth = measured["static_stub_memory_no_growth"]
     assert no_growth["growth_bytes"] == 5 * MIB and no_growth["met"]
     assert measured["static_wins_everywhere"] == {"losses": ["in-process/static at past 4096"], "met": False}
 
 
 def test_memory_that_grows_from_run_to_run_or_passes_the_pool_misses():
     grown = serving.targets(results((150, 260)))
-    assert not grown["static_stub_rss_no_growth"]["met"]
+    assert not grown["static_stub_memory_no_growth"]["met"]
     slow = serving.targets(results((150, 150), static_16=1000.0))
     assert not slow["throughput_16_sessions"]["met"]
 
@@ -76,5 +82,6 @@ def test_table_and_targets_text():
     data["targets"] = serving.targets(data)
     text = serving.table(data) + "\n" + serving.targets_text(data["targets"])
     assert "4096" in text and "static  past 1024  1: 500, 16: 1800 [1750]" in text
-    assert "static stub RSS MiB: before 120, peak 200, after each run 150, 155" in text
+    assert "static stub own MiB: before 120, peak 200, after each run 150, 155" in text
+    assert "static stub Triton shared memory MiB: before 300, peak 400, after each run 300, 300" in text
     assert "MISSED (loses: in-process/static at past 4096)" in text

@@ -6,10 +6,12 @@ import numpy as np
 import pytest
 
 from client import _wire
+from client.core import SessionCore
 from client.errors import ClientError, InvalidInputError
 from client.metadata import parse_metadata
-from export import names
-from export.config import ModelConfig
+from client.retry import run_blocking
+from contract import names
+from contract.config import ModelConfig
 from tests.conftest import TEST_CONFIGS
 
 
@@ -135,11 +137,29 @@ def test_session_steps_hold_one_sequence():
     assert caught.value.input_name == names.ATTENTION_MASK
 
 
+class Recorder:
+    """The core's client side for a session: records what the session sends."""
+
+    def __init__(self) -> None:
+        self.sent = []
+
+    def _send_step(self, sequence_id, tensors, start, end):
+        self.sent.append((sequence_id, tensors, start, end))
+        return np.zeros((1, 0, 48), np.float16)
+        yield  # an operation: a generator that performs nothing here
+
+
 def test_a_session_ends_with_a_zero_token_request_of_its_own_width():
-    state = _wire.SessionState(client=None)
-    state._sending({names.HIDDEN_STATES: np.zeros((1, 5, 48), np.float16)})
-    end = state._end_tensors()[names.HIDDEN_STATES]
-    assert end.shape == (1, 0, 48) and end.dtype == np.float16
+    recorder = Recorder()
+    session = SessionCore(recorder, sequence_id=5)
+    run_blocking(session._close(), stub=lambda: None)
+    assert recorder.sent == [] and session.closed  # nothing went out: nothing to end
+    session = SessionCore(recorder, sequence_id=6)
+    session._sent = np.zeros((1, 5, 48), np.float16)  # a step went out (and may have failed)
+    run_blocking(session._close(), stub=lambda: None)
+    ((sequence_id, tensors, start, end),) = recorder.sent
+    assert (sequence_id, start, end) == (6, False, True)
+    assert tensors[names.HIDDEN_STATES].shape == (1, 0, 48) and tensors[names.HIDDEN_STATES].dtype == np.float16
 
 
 def test_sequence_ids_are_random_nonzero_and_fit_grpc_int64():

@@ -22,7 +22,7 @@ from client.errors import (
     ServerUnavailableError,
     UnknownSessionError,
 )
-from export import names
+from contract import names
 from export.parity import TOLERANCES, Scenario, compare_rung
 from export.runtime import Runner
 from tests.client.conftest import DelayedProxy

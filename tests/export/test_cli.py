@@ -8,9 +8,10 @@ import sys
 import numpy as np
 import pytest
 
+from contract import names
+from contract.config import ModelConfig
 from export import __main__ as cli
-from export import build, names
-from export.config import ModelConfig
+from export import build
 from export.onnx_export import export_onnx
 from export.runtime import ort_runner, ort_session
 from tests import reference
@@ -143,26 +144,3 @@ def test_a_variant_that_fails_parity_fails_the_command_and_is_not_kept(tmp_path,
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] is False and report["variants"]["fp32"]["file"] is None
     assert report["variants"]["fp32"]["worst"]["present.0.value"]["max_abs"] > 1e-5
-
-
-def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_path, capsys):
-    repository = tmp_path / "models"
-    command = ["ensure", "--repository", str(repository), "--preset", "tiny", "--models", "mha,mha_session"]
-    assert cli.main(command) == 0
-    assert "model repository:" in capsys.readouterr().out
-    built = (repository / "mha_session" / "config.pbtxt").stat().st_mtime_ns
-    assert cli.main(command) == 0
-    assert "already holds this model; nothing to build" in capsys.readouterr().out
-    assert (repository / "mha_session" / "config.pbtxt").stat().st_mtime_ns == built
-    assert cli.main([*command, "--kv-cache-mib", "8"]) == 0  # other settings: the configs are rewritten
-    assert "model repository:" in capsys.readouterr().out
-    as_json = ["--config-json", '{"d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1, "max_seq_len": 64}']
-    assert cli.main([*command[:3], *as_json, "--models", "mha,mha_session"]) == 0  # another model
-    assert json.loads((repository / "mha" / "1" / "config.json").read_text())["n_kv_heads"] == 2
-
-
-def test_ensure_refuses_a_config_that_is_not_one(tmp_path, capsys):
-    bad = ["ensure", "--repository", str(tmp_path / "m"), "--config-json", '{"d_model": 64, "n_heads": 5}']
-    assert cli.main(bad) == 2
-    assert "n_heads (5) must divide d_model (64)" in capsys.readouterr().err
-    assert not (tmp_path / "m").exists()

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from export.config import PRESETS, ModelConfig, preset
+from contract.config import PRESETS, ModelConfig, preset
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -8,8 +8,9 @@ import json
 import onnx
 import pytest
 
-from export import artifacts, build, forms, names, targets
-from export.config import ModelConfig
+from contract import files, names
+from contract.config import ModelConfig
+from export import build, forms, targets
 from export.graph_stats import op_histogram
 from export.model import AttentionModel
 from tests.conftest import TEST_CONFIGS
@@ -18,7 +19,7 @@ STATIC, TRT = ("fp32-static", "fp16-static"), ("fp32-trt", "fp16-trt")
 
 
 def load(directory, variant) -> onnx.ModelProto:
-    return onnx.load(str(directory / artifacts.model_filename(variant)))
+    return onnx.load(str(directory / files.model_filename(variant)))
 
 
 @pytest.fixture(scope="module", params=["tiny", "gqa", "unseen"])
@@ -68,7 +69,7 @@ def test_the_tensorrt_form_has_the_cache_concat_outside_a_single_output_attentio
 @pytest.mark.parametrize("variant", [*STATIC, *TRT])
 def test_the_report_names_the_target_and_the_variant_climbed_its_ladder(built, variant):
     _, directory = built
-    entry = json.loads((directory / artifacts.REPORT_FILENAME).read_text())["variants"][variant]
+    entry = json.loads((directory / files.REPORT_FILENAME).read_text())["variants"][variant]
     assert entry["passed"] and entry["target"] == build.VARIANTS[variant].target and not entry["problems"]
     scenarios = set(entry["parity"])
     assert scenarios == ({build.POOL_SCENARIO} if variant in STATIC else set(build.SCENARIOS))
@@ -118,7 +119,7 @@ def test_a_build_refuses_a_graph_that_does_not_fit_its_target(monkeypatch, tmp_p
     monkeypatch.setitem(build.VARIANTS, "fp32-trt", fused_as_trt)
     with pytest.raises(build.BuildError, match="does not fit TensorRT 10 parser"):
         build.build(TEST_CONFIGS["tiny"], tmp_path, ("fp32-trt",))
-    assert not (tmp_path / artifacts.model_filename("fp32-trt")).exists()
+    assert not (tmp_path / files.model_filename("fp32-trt")).exists()
 
 
 def test_a_config_the_static_form_cannot_take_is_reported_and_refused_when_asked(tmp_path):

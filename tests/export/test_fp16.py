@@ -6,7 +6,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from export import artifacts, names
+from contract import files, names
+from export import artifacts
 from export.fp16 import FP16Error, check_fp16
 from export.parity import TOLERANCES, Scenario, compare_rung
 from export.runtime import ort_runner, ort_session, torch_runner
@@ -14,7 +15,7 @@ from tests.conftest import TEST_CONFIGS
 
 
 def load(directory, variant):
-    return onnx.load(str(directory / artifacts.model_filename(variant)))
+    return onnx.load(str(directory / files.model_filename(variant)))
 
 
 @pytest.fixture(scope="module", params=["gqa", "unseen"])
@@ -49,14 +50,14 @@ def test_the_sensitive_parts_stay_safe(built):
 def test_file_is_at_most_055_of_fp32_fused(built):
     """The tiny preset is left out: at 32 wide its weights weigh less than the graph structure."""
     _, directory = built
-    sizes = {v: (directory / artifacts.model_filename(v)).stat().st_size for v in ("fp32-fused", "fp16-fused")}
+    sizes = {v: (directory / files.model_filename(v)).stat().st_size for v in ("fp32-fused", "fp16-fused")}
     assert sizes["fp16-fused"] <= 0.55 * sizes["fp32-fused"], sizes
 
 
 def test_no_overflow_with_activations_of_magnitude_1e3(built):
     cfg, directory = built
     model = artifacts.load_model(directory)
-    candidate = ort_runner(ort_session(directory / artifacts.model_filename("fp16-fused")))
+    candidate = ort_runner(ort_session(directory / files.model_filename("fp16-fused")))
     scenario = Scenario(batch=3, prefill=7, steps=8, padding=(0, 2, 5), scale=1e3, seed=4)
     result = compare_rung(
         cfg, torch_runner(model), candidate, scenario, TOLERANCES["fp16-fused"], cast=lambda a: a.astype(np.float16)
@@ -71,7 +72,7 @@ def test_no_overflow_with_activations_of_magnitude_1e3(built):
 def test_a_row_of_padding_only_gives_finite_numbers(artifact_dir, variant):
     """Every query of row 0 is padding: nothing to attend (DESIGN 3.1: unspecified but finite)."""
     cfg, directory = TEST_CONFIGS["unseen"], artifact_dir("unseen")
-    run = ort_runner(ort_session(directory / artifacts.model_filename(variant)))
+    run = ort_runner(ort_session(directory / files.model_filename(variant)))
     dtype = np.float16 if variant == "fp16-fused" else np.float32
     mask = np.ones((2, 5), dtype=np.int64)
     mask[0] = 0

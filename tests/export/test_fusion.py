@@ -8,7 +8,8 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from export import artifacts, build, fusion, names
+from contract import files, names
+from export import build, fusion
 from export.__main__ import main as export_main
 from export.graph_stats import fused_attention_count, op_histogram, opset_of
 from export.onnx_export import config_from_onnx
@@ -21,7 +22,7 @@ FUSED = ("fp32-fused", "fp16-fused")
 
 
 def load(directory, variant):
-    return onnx.load(str(directory / artifacts.model_filename(variant)))
+    return onnx.load(str(directory / files.model_filename(variant)))
 
 
 @pytest.fixture(scope="module", params=["tiny", "gqa", "unseen"])
@@ -56,9 +57,9 @@ def test_one_attention_op_per_layer_holds_the_cache(built, variant):
 @pytest.mark.parametrize("variant", FUSED)
 def test_report_records_the_histogram_the_fused_count_and_parity_on_the_fp32_ladder(built, variant):
     cfg, directory = built
-    report = json.loads((directory / artifacts.REPORT_FILENAME).read_text())
+    report = json.loads((directory / files.REPORT_FILENAME).read_text())
     entry = report["variants"][variant]
-    assert entry["passed"] and entry["file"] == artifacts.model_filename(variant)
+    assert entry["passed"] and entry["file"] == files.model_filename(variant)
     assert entry["fused_attention_ops"] == cfg.n_layers == entry["op_histogram"]["Attention"]
     assert set(entry["parity"]) == set(build.SCENARIOS)
     assert set(entry["worst"]) == set(names.output_names(cfg.n_layers))  # every present, every step
@@ -102,9 +103,9 @@ def test_unseen_config_matches_the_independent_implementation(artifact_dir, vari
     NaN or Inf anywhere, over a left-padded prefill and 16 decode steps fed their own presents."""
     cfg, directory = TEST_CONFIGS["unseen"], artifact_dir("unseen")
     assert fused_attention_count(load(directory, variant)) == cfg.n_layers
-    weights = reference.load_weights(directory / artifacts.WEIGHTS_FILENAME)
+    weights = reference.load_weights(directory / files.WEIGHTS_FILENAME)
     run, dtype = (
-        ort_runner(ort_session(directory / artifacts.model_filename(variant))),
+        ort_runner(ort_session(directory / files.model_filename(variant))),
         build.VARIANTS[variant].float_dtype,
     )
     past, worst_abs, worst_rel = None, 0.0, 0.0
@@ -128,7 +129,7 @@ def test_a_graph_without_the_pattern_is_left_alone_and_the_build_fails(tmp_path,
     monkeypatch.setattr(fusion.ATTENTION_RULES, "apply_to_model", lambda model: 0)  # a graph it does not know
     assert export_main(["build", "--preset", "tiny", "--out", str(tmp_path), "--variants", "fp32-fused"]) == 1
     assert "0 fused attention ops for 2 layers" in capsys.readouterr().err
-    assert not (tmp_path / artifacts.model_filename("fp32-fused")).exists()
+    assert not (tmp_path / files.model_filename("fp32-fused")).exists()
 
 
 def test_tiling_kv_heads_is_not_mistaken_for_grouped_query_attention(artifact_dir):
@@ -150,6 +151,6 @@ def test_qkv_projections_fuse_into_one_matmul_and_still_match(artifact_dir):
     assert op_histogram(proto)["MatMul"] == 2 * cfg.n_layers and op_histogram(proto)["Split"] == cfg.n_layers
     path = directory / "qkv.onnx"
     onnx.save(proto, str(path))
-    shipped = ort_runner(ort_session(directory / artifacts.model_filename("fp32-fused")))
+    shipped = ort_runner(ort_session(directory / files.model_filename("fp32-fused")))
     result = compare_rung(cfg, shipped, ort_runner(ort_session(path)), Scenario(steps=3), TOLERANCES["fp32-fused"])
     assert result.passed, result.to_dict()["tensors"]

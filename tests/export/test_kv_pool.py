@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from contract.files import model_filename
 from export import kv_pool
-from export.artifacts import load_model, model_filename
+from export.artifacts import load_model
 from export.kv_pool import KVPool
 from export.parity import POOL_ROWS, TOLERANCES, compare_pool_rung, pool_schedule
 from export.runtime import ort_session, torch_runner

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
+from contract import files
+from contract.config import ModelConfig
+from contract.inputs import InputError
 from export import artifacts
-from export.config import ModelConfig
-from export.inputs import InputError
 from export.model import AttentionModel, KVCache
 from tests import reference
 
@@ -120,7 +121,7 @@ def test_weights_round_trip_through_safetensors_with_the_design_keys(tmp_path):
     artifacts.save_artifact(model, tmp_path)
     from safetensors import safe_open
 
-    with safe_open(str(tmp_path / artifacts.WEIGHTS_FILENAME), "pt") as f:
+    with safe_open(str(tmp_path / files.WEIGHTS_FILENAME), "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("layers.1.attn.W_k.weight").shape == (GQA.kv_dim, GQA.d_model)
     for i in range(GQA.n_layers):
@@ -139,7 +140,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):
     artifacts.save_artifact(AttentionModel(GQA), tmp_path)
     other = AttentionModel(MHA)
     with pytest.raises(ValueError, match=r"layers.0.attn.W_k.weight has shape \[16, 48\], expected \[48, 48\]"):
-        artifacts.load_weights(other, tmp_path / artifacts.WEIGHTS_FILENAME)
+        artifacts.load_weights(other, tmp_path / files.WEIGHTS_FILENAME)
 
 
 @pytest.mark.parametrize(

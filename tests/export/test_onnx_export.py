@@ -4,7 +4,8 @@ import numpy as np
 import onnx
 import pytest
 
-from export import artifacts, names
+from contract import files, names
+from export import artifacts
 from export.graph_stats import fused_attention_count, op_histogram
 from export.onnx_export import IR_VERSION, PLAIN_OPSET, config_from_onnx
 from export.parity import TOLERANCES, Scenario, compare_rung
@@ -17,7 +18,7 @@ GRID = [(past, new) for past in (0, 1, 17, 300) for new in (1, 7)]
 def built(request, artifact_dir):
     directory = artifact_dir(request.param)
     model = artifacts.load_model(directory)
-    path = directory / artifacts.model_filename("fp32")
+    path = directory / files.model_filename("fp32")
     return model, path, ort_session(path)
 
 

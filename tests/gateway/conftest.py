@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from export import names
+from contract import names
 from export.runtime import Arrays
 from serving.gateway import RunningGateway, Settings, run_gateway
 

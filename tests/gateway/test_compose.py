@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from export import __main__ as export_cli
+from serving import __main__ as serving_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "serving" / "docker"
@@ -101,7 +101,7 @@ def test_the_export_service_fills_the_repository_volume_once_without_a_gpu(compo
     assert export["volumes"] == ["model-repository:/models:rw"] and "model-repository" in compose["volumes"]
     assert "deploy" not in export and export["restart"] == "no"  # one shot, on the CPU
     script = " ".join(export["entrypoint"])
-    assert "python -m export ensure --repository /models" in script
+    assert "python -m serving ensure --repository /models" in script
     for source in ("--config-json", "--config", "--preset"):
         assert source in script
     assert export["environment"]["MODEL_PRESET"] == "seed"
@@ -116,14 +116,14 @@ def test_the_export_service_runs_the_chosen_model_as_the_cli_does(compose, tmp_p
     fake_python.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "MODEL_PRESET": "gqa", "EXPORT_ARGS": "--kv-cache-mib 64"}
     seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
-    head = ["-m", "export", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
+    head = ["-m", "serving", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
     assert seen == [*head, "--preset", "gqa", "--kv-cache-mib", "64"]
-    parsed = export_cli.parser().parse_args(seen[2:])  # the real CLI takes it
+    parsed = serving_cli.parser().parse_args(seen[2:])  # the real CLI takes it
     assert (parsed.command, parsed.preset, parsed.kv_cache_mib) == ("ensure", "gqa", 64.0)
     env["MODEL_CONFIG_JSON"] = '{"d_model": 64, "n_heads": 4}'
     seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert '--config-json\n{"d_model": 64, "n_heads": 4}\n' in seen
-    assert export_cli.parser().parse_args(seen.splitlines()[2:]).config_json == '{"d_model": 64, "n_heads": 4}'
+    assert serving_cli.parser().parse_args(seen.splitlines()[2:]).config_json == '{"d_model": 64, "n_heads": 4}'
 
 
 def test_the_export_image_pins_torch_as_pyproject_does_and_owns_its_volume():

@@ -9,10 +9,10 @@ import httpx
 import numpy as np
 import pytest
 
-from export.artifacts import WEIGHTS_FILENAME
-from export.config import ModelConfig
-from export.triton_config import ServingSettings
+from contract.config import ModelConfig
+from contract.files import WEIGHTS_FILENAME
 from serving.gateway import Settings, run_gateway
+from serving.triton.config import ServingSettings
 from tests import reference
 from tests.gateway.conftest import b64_tensor, from_b64
 
@@ -20,8 +20,8 @@ from tests.gateway.conftest import b64_tensor, from_b64
 @pytest.fixture(scope="module")
 def unseen(artifact_dir, tmp_path_factory):
     """(artifact directory, a Triton serving a repository built from it); that Triton is this module's own."""
-    from export.repository import write_repository
     from serving.launcher import start_triton
+    from serving.triton.repository import write_repository
 
     artifact = artifact_dir("unseen")
     repository = write_repository(artifact, tmp_path_factory.mktemp("unseen-repository"), ServingSettings(threads=1))

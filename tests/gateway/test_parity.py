@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
 from export.runtime import Runner
 from tests.gateway.conftest import attend_body, attend_outputs, b64_tensor, from_b64

@@ -9,11 +9,11 @@ import httpx
 import numpy as np
 import pytest
 
-from export import names
-from export.artifacts import WEIGHTS_FILENAME
-from export.config import ModelConfig
-from export.repository import write_repository
-from export.triton_config import ServingSettings
+from contract import names
+from contract.config import ModelConfig
+from contract.files import WEIGHTS_FILENAME
+from serving.triton.config import ServingSettings
+from serving.triton.repository import write_repository
 from tests import reference
 from tests.fixtures.serving_process import serving_process
 

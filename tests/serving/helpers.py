@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import np_to_triton_dtype
 
-from export import names
+from contract import names
 
 PROTOCOLS = {"http": httpclient, "grpc": grpcclient}
 _ids = itertools.count(random.randrange(1 << 40, 1 << 41))  # apart from other tests' sequence ids

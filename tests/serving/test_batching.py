@@ -11,15 +11,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from export import names, tensorrt
-from export.artifacts import model_filename
-from export.config import ModelConfig
-from export.inputs import InputError
+from contract import names
+from contract.config import ModelConfig
+from contract.files import model_filename
+from contract.inputs import InputError
 from serving import errors
 from serving.batching import Step, layout, run_steps
 from serving.kv_cache import KVCacheStore
 from serving.runner import CPU, Runner, choose_placement
 from serving.session import SessionEngine, StepRequest, Sweeper
+from serving.triton import tensorrt
 
 
 @pytest.fixture(

@@ -1,6 +1,7 @@
-"""The issue's done-when, end to end through the commands a user runs:
+"""The serving commands end to end, as a user runs them:
 
-    python -m export repository --artifacts <unseen config's artifacts> --repository R --kv-cache-mib 3 --idle-timeout 2
+    python -m serving repository --artifacts <unseen config's artifacts> --repository R \
+        --kv-cache-mib 3 --idle-timeout 2
     python -m serving --no-gateway --model-repository R --http-port .. --grpc-port .. --metrics-port ..
 
 then plain KServe v2 JSON over HTTP (urllib, no tritonclient) against the independent float64
@@ -26,8 +27,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from serving.launcher import free_port
 from tests import reference
 from tests.fixtures.triton import metric, wait_for_metric
@@ -81,7 +82,7 @@ def stop(served: Served) -> int:
 def served(artifact_dir, tmp_path_factory):
     artifacts = artifact_dir("unseen")
     repository = tmp_path_factory.mktemp("unseen-repository")
-    command = [sys.executable, "-m", "export", "repository", "--artifacts", str(artifacts)]
+    command = [sys.executable, "-m", "serving", "repository", "--artifacts", str(artifacts)]
     command += ["--repository", str(repository), "--kv-cache-mib", "3", "--idle-timeout", str(IDLE_SECONDS)]
     _run([*command, "--threads", "1"], timeout=120)
     ports = {name: free_port() for name in ("http", "grpc", "metrics")}

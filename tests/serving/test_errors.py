@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 from tests.serving.helpers import PROTOCOLS, new_sequence_id
 
 INVALID = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}

@@ -23,7 +23,7 @@ ECHO_MODEL = textwrap.dedent(
     """
     import triton_python_backend_utils as pb_utils
 
-    import export.names  # our own packages import inside the stub
+    import contract.names  # our own packages import inside the stub
 
     {extra}
 

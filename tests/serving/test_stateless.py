@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from export.config import ModelConfig
+from contract.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
 from export.runtime import Runner
 from tests.serving.helpers import PROTOCOLS, Client

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from export import names
-from export.artifacts import load_model, model_filename
-from export.inputs import InputError
+from contract import names
+from contract.files import model_filename
+from contract.inputs import InputError
+from export.artifacts import load_model
 from export.kv_pool import KVPool
 from export.runtime import ort_session, torch_runner
 from serving import errors
@@ -175,7 +176,8 @@ def _cuda_missing() -> str | None:
 @pytest.mark.skipif(_cuda_missing() is not None, reason=_cuda_missing() or "")
 def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(artifact_dir, original, tmp_path):
     """The engine as mha_session builds it on a CUDA host (docs/gpu.md has the proof's numbers)."""
-    from export.triton_config import (
+    from serving import engines
+    from serving.triton.config import (
         ENGINE_STATIC,
         P_ENGINE,
         P_IDLE_TIMEOUT,
@@ -183,7 +185,6 @@ def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(a
         P_ONNX_FILE,
         P_ONNX_FILE_CUDA,
     )
-    from serving import engines
 
     parameters = {
         P_ENGINE: ENGINE_STATIC,

@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 
 TRT_PROVIDER = "TensorrtExecutionProvider"
 CUDA_PROVIDER = "CUDAExecutionProvider"

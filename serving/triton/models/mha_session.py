@@ -10,10 +10,11 @@ from typing import ClassVar
 
 import triton_python_backend_utils as pb_utils
 
-from export import names, triton_config
+from contract import names
 from serving import engines
 from serving.session import StepRequest, Sweeper
-from serving.triton_models import common
+from serving.triton import config as triton_config
+from serving.triton.models import common
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END

@@ -1,6 +1,6 @@
 """`write_repository`: a Triton model repository from an artifact directory (DESIGN.md 3.4).
 
-    REPO/<model>/config.pbtxt          generated (export/triton_config.py)
+    REPO/<model>/config.pbtxt          generated (serving/triton/config.py)
     REPO/<model>/1/model.py            python models: the shim that imports `serving` (copied verbatim)
     REPO/<model>/1/config.json         the ModelConfig the model was built from
     REPO/<model>/1/model.<variant>.onnx  python models: one passing graph per placement (PYTHON_FILES)
@@ -15,12 +15,13 @@ import json
 import shutil
 from pathlib import Path
 
-from export import artifacts, triton_config
-from export.config import CONFIG_FILENAME, ModelConfig
-from export.triton_config import ServingSettings
+from contract.config import ModelConfig
+from contract.files import MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
+from serving.triton import config as triton_config
+from serving.triton.config import ServingSettings
 
 VERSION = "1"
-SHIM_SOURCE = Path(__file__).resolve().parents[1] / "serving" / "triton_models" / "shim.py"
+SHIM_SOURCE = Path(__file__).resolve().parent / "shim.py"
 SHIM_FILENAME = "model.py"
 
 P_CPU, P_CUDA, P_TRT = triton_config.P_ONNX_FILE, triton_config.P_ONNX_FILE_CUDA, triton_config.P_ONNX_FILE_TENSORRT
@@ -51,14 +52,14 @@ class RepositoryError(RuntimeError):
 
 
 def _passing_variants(artifact_dir: Path) -> set[str]:
-    report_path = artifact_dir / artifacts.REPORT_FILENAME
+    report_path = artifact_dir / REPORT_FILENAME
     if not report_path.is_file():
-        raise RepositoryError(f"{artifact_dir} has no {artifacts.REPORT_FILENAME}; run `python -m export build` first")
+        raise RepositoryError(f"{artifact_dir} has no {REPORT_FILENAME}; run `python -m export build` first")
     report = json.loads(report_path.read_text())
     return {
         name
         for name, entry in report.get("variants", {}).items()
-        if entry.get("passed") and entry.get("file") and (artifact_dir / artifacts.model_filename(name)).is_file()
+        if entry.get("passed") and entry.get("file") and (artifact_dir / model_filename(name)).is_file()
     }
 
 
@@ -68,7 +69,7 @@ def python_files(choices: dict[str, tuple[str, ...]], passing: set[str]) -> dict
     for key, variants in choices.items():
         chosen = next((v for v in variants if v in passing), None)
         if chosen:
-            files[key] = artifacts.model_filename(chosen)
+            files[key] = model_filename(chosen)
     return files
 
 
@@ -123,14 +124,14 @@ def write_repository(
     configs = model_configs(cfg, passing, settings)
     for name in models:
         version = _fresh_version_dir(repository / name)
-        (repository / name / triton_config.CONFIG_FILENAME).write_text(triton_config.to_text(configs[name]))
-        shutil.copyfile(artifact_dir / CONFIG_FILENAME, version / CONFIG_FILENAME)
+        (repository / name / triton_config.TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(configs[name]))
+        shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
         if name in triton_config.PYTHON_MODELS:
             shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)
             for onnx_file in sorted(set(files[name].values())):
                 shutil.copyfile(artifact_dir / onnx_file, version / onnx_file)
         else:
-            source = artifact_dir / artifacts.model_filename(ONNX_BACKEND_VARIANT)
+            source = artifact_dir / model_filename(ONNX_BACKEND_VARIANT)
             shutil.copyfile(source, version / triton_config.ONNX_BACKEND_FILENAME)
     return repository
 
@@ -150,11 +151,11 @@ def is_complete(repository_dir: str | Path, models: tuple[str, ...] = triton_con
     repository = Path(repository_dir)
     for name in models:
         version = repository / name / VERSION
-        config_path = repository / name / triton_config.CONFIG_FILENAME
-        if not config_path.is_file() or not (version / CONFIG_FILENAME).is_file():
+        config_path = repository / name / triton_config.TRITON_CONFIG_FILENAME
+        if not config_path.is_file() or not (version / MODEL_CONFIG_FILENAME).is_file():
             return False
         config = triton_config.parse(config_path.read_text())
-        files = [value.string_value for key, value in config.parameters.items() if key.startswith(P_CPU)]
-        if not files or not all((version / file).is_file() for file in files):
+        needed = [value.string_value for key, value in config.parameters.items() if key.startswith(P_CPU)]
+        if not needed or not all((version / name).is_file() for name in [*needed, SHIM_FILENAME]):
             return False
     return True

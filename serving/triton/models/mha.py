@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from export.inputs import check_inputs
+from contract.inputs import check_inputs
 from serving import engines
-from serving.triton_models import common
+from serving.triton.models import common
 
 
 class TritonPythonModel:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from export.config import ModelConfig
+from contract.config import ModelConfig
 
 HIDDEN_STATES = "hidden_states"
 ATTENTION_MASK = "attention_mask"

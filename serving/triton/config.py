@@ -1,7 +1,7 @@
 """Triton `config.pbtxt` for every model of DESIGN.md 3.4, generated, never hand-written.
 
 Each config is a `model_config_pb2.ModelConfig` built from a `ModelConfig` and the naming table
-(`export.names`), written with `text_format`; a test parses each one back and checks it against
+(`contract.names`), written with `text_format`; a test parses each one back and checks it against
 the ONNX graph its model loads.
 
 - `mha` (python backend): stateless, the graph's inputs and outputs exactly (DESIGN 3.2) with the
@@ -12,7 +12,7 @@ the ONNX graph its model loads.
   each sequence's cache. Strategy `oldest` (`direct` fills empty batch slots with null requests
   that need answers too); `allow_ragged_batch` lets steps with different T share one execute().
 - `mha_onnx` (onnxruntime backend, GPU hosts): stateless like `mha`, with the TensorRT
-  accelerator in FP16 from `export.tensorrt`.
+  accelerator in FP16 from `serving.triton.tensorrt`.
 """
 
 from __future__ import annotations
@@ -22,20 +22,21 @@ import dataclasses
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
-from export import names
-from export.config import ModelConfig
-from export.names import TensorSpec
+from contract import names
+from contract.config import ModelConfig
+from contract.names import TensorSpec
 
 MHA, MHA_SESSION, MHA_ONNX = "mha", "mha_session", "mha_onnx"
 MODELS = (MHA, MHA_SESSION, MHA_ONNX)
 PYTHON_MODELS = (MHA, MHA_SESSION)
-CONFIG_FILENAME = "config.pbtxt"
+TRITON_CONFIG_FILENAME = "config.pbtxt"
 ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_filename
 
 # The module that implements each python-backend model; the shim `model.py` imports it.
-IMPLEMENTATIONS = {MHA: "serving.triton_models.mha", MHA_SESSION: "serving.triton_models.mha_session"}
+_MODELS_PACKAGE = __name__.rpartition(".")[0] + ".models"  # serving.triton.models, beside this module
+IMPLEMENTATIONS = {MHA: f"{_MODELS_PACKAGE}.mha", MHA_SESSION: f"{_MODELS_PACKAGE}.mha_session"}
 
-# Parameter keys the python models read (serving/triton_models/*.py, serving/engines.py).
+# Parameter keys the python models read (serving/triton/models/*.py, serving/engines.py).
 P_IMPLEMENTATION = "implementation"
 P_ONNX_FILE = "onnx_file"  # the graph for the CPU
 P_ONNX_FILE_CUDA = "onnx_file_cuda"  # the graph for ONNX Runtime's CUDA provider
@@ -154,7 +155,7 @@ def mha_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConf
     required: the backend feeds the graph only what a request carries, so a first call sends a
     zero-length past and the full mask.
     """
-    from export import tensorrt
+    from serving.triton import tensorrt
 
     config = pb.ModelConfig(name=MHA_ONNX, backend="onnxruntime", max_batch_size=0)
     config.default_model_filename = ONNX_BACKEND_FILENAME

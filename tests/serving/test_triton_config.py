@@ -13,9 +13,12 @@ import onnx
 import pytest
 from tritonclient.grpc import model_config_pb2 as pb
 
-from export import artifacts, build, names, repository, triton_config
-from export.config import DEFAULT_PRESET, ModelConfig, preset
-from export.triton_config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
+from contract import files, names
+from contract.config import DEFAULT_PRESET, ModelConfig, preset
+from export import build
+from serving.triton import config as triton_config
+from serving.triton import repository
+from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = PROJECT_ROOT / "model_repository"
@@ -50,7 +53,7 @@ def loaded_onnx(repo: Path, config: pb.ModelConfig) -> Path:
 
 
 def read_config(repo: Path, model: str) -> pb.ModelConfig:
-    return triton_config.parse((repo / model / triton_config.CONFIG_FILENAME).read_text())
+    return triton_config.parse((repo / model / triton_config.TRITON_CONFIG_FILENAME).read_text())
 
 
 def assert_fits(config_io, graph: dict, batch_axis_added: bool) -> None:
@@ -117,15 +120,15 @@ def test_each_python_model_gets_a_graph_per_placement(built):
     assert triton_config.parameter(session, triton_config.P_ONNX_FILE) == "model.fp32-static.onnx"
     assert triton_config.parameter(session, triton_config.P_ONNX_FILE_CUDA) == "model.fp16-static.onnx"
     for model, config in ((MHA, mha), (MHA_SESSION, session)):
-        files = sorted(p.name for p in (built / model / "1").glob("*.onnx"))
-        assert files == sorted({v.string_value for k, v in config.parameters.items() if k.startswith("onnx_file")})
+        graphs = sorted(p.name for p in (built / model / "1").glob("*.onnx"))
+        assert graphs == sorted({v.string_value for k, v in config.parameters.items() if k.startswith("onnx_file")})
 
 
 def test_a_config_the_static_form_cannot_take_gets_the_concat_engine(artifact_dir, tmp_path):
     source = tmp_path / "artifact"
     shutil.copytree(artifact_dir("gqa"), source)
     for variant in ("fp32-static", "fp16-static"):
-        (source / artifacts.model_filename(variant)).unlink()
+        (source / files.model_filename(variant)).unlink()
     repo = repository.write_repository(source, tmp_path / "repo", models=(MHA_SESSION,))
     config = read_config(repo, MHA_SESSION)
     assert triton_config.parameter(config, triton_config.P_ENGINE) == triton_config.ENGINE_CONCAT
@@ -171,7 +174,7 @@ def test_a_repository_is_complete_only_with_configs_and_models(built, tmp_path):
 def test_fp32_is_served_when_the_fused_variant_failed(artifact_dir, tmp_path):
     source = tmp_path / "artifact"
     shutil.copytree(artifact_dir("gqa"), source)
-    report_path = source / artifacts.REPORT_FILENAME
+    report_path = source / files.REPORT_FILENAME
     report = json.loads(report_path.read_text())
     report["variants"]["fp32-fused"]["passed"] = False
     report_path.write_text(json.dumps(report))
@@ -185,7 +188,7 @@ def test_no_passing_variant_is_a_clear_error(artifact_dir, tmp_path):
     source = tmp_path / "artifact"
     shutil.copytree(artifact_dir("gqa"), source)
     for variant in repository.PYTHON_FILES[MHA][repository.P_CPU]:
-        (source / artifacts.model_filename(variant)).unlink()
+        (source / files.model_filename(variant)).unlink()
     with pytest.raises(repository.RepositoryError, match="no passing variant for mha on the CPU"):
         repository.write_repository(source, tmp_path / "repo")
 
@@ -194,14 +197,13 @@ def test_the_committed_repository_is_what_the_generator_makes_for_the_default_pr
     every_variant = set(build.DEFAULT_VARIANTS)  # the default preset passes them all (the build tests prove it)
     configs = repository.model_configs(preset(DEFAULT_PRESET), every_variant)
     for name, config in configs.items():
-        committed = (COMMITTED / name / triton_config.CONFIG_FILENAME).read_text()
-        assert committed == triton_config.to_text(config), f"regenerate with `python -m export` ({name})"
-    for name in triton_config.PYTHON_MODELS:
-        assert (COMMITTED / name / "1" / "model.py").read_text() == repository.SHIM_SOURCE.read_text()
+        committed = (COMMITTED / name / triton_config.TRITON_CONFIG_FILENAME).read_text()
+        assert committed == triton_config.to_text(config), f"regenerate with `make export` ({name})"
+    # the shim copies (`1/model.py`) are written with the binaries by `python -m serving ensure`, not committed
 
 
 def test_the_repository_command(artifact_dir, tmp_path):
-    command = [sys.executable, "-m", "export", "repository", "--artifacts", str(artifact_dir("gqa"))]
+    command = [sys.executable, "-m", "serving", "repository", "--artifacts", str(artifact_dir("gqa"))]
     command += ["--repository", str(tmp_path), "--models", "mha_session", "--kv-cache-mib", "64", "--idle-timeout", "9"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr

@@ -4,9 +4,10 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
-from export import artifacts, names, tensorrt
-from export.config import ModelConfig, preset
-from export.tensorrt import Limits, LimitsError
+from contract import files, names
+from contract.config import ModelConfig, preset
+from serving.triton import tensorrt
+from serving.triton.tensorrt import Limits, LimitsError
 from tests.conftest import TEST_CONFIGS
 
 SEED = preset("seed")  # 512 wide, 8 heads of 64, 1 layer, max_seq_len 4096
@@ -142,7 +143,7 @@ def test_unavailable_reasons_say_what_is_missing(monkeypatch):
 def test_engine_builds_and_matches_cpu(artifact_dir, tmp_path):
     directory = artifact_dir("unseen")
     limits = Limits(max_batch=2, max_sequence=32, max_past=64)
-    check = tensorrt.check_engine(directory / artifacts.model_filename("fp16-trt"), GQA, limits, tmp_path)
+    check = tensorrt.check_engine(directory / files.model_filename("fp16-trt"), GQA, limits, tmp_path)
     assert check.providers[0] == "TensorrtExecutionProvider"
     assert check.engine_files, "the engine cache is empty"
     assert check.passed and check.bound == 1e-2, check.max_rel

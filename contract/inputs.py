@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from export import names
-from export.config import ModelConfig
+from contract import names
+from contract.config import ModelConfig
 
 
 class InputError(ValueError):

@@ -1,5 +1,5 @@
 """Triton Python-backend entry point, copied verbatim into model_repository/<model>/1/model.py by
-`python -m export repository`; the model's implementation lives in the `serving` package and is
+`python -m serving repository`; the model's implementation lives in the `serving` package and is
 named by the config parameter `implementation`.
 
 Triton's stub runs the first `python3` on PATH but ignores PYTHONPATH for sys.path (measured), so

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from export.config import ModelConfig
+from contract.config import ModelConfig
 from serving import errors
 
 

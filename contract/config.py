@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-CONFIG_FILENAME = "config.json"
+from contract.files import MODEL_CONFIG_FILENAME
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class ModelConfig:
         """Read a `config.json` file, or the one inside an artifact directory."""
         path = Path(path)
         if path.is_dir():
-            path = path / CONFIG_FILENAME
+            path = path / MODEL_CONFIG_FILENAME
         if not path.is_file():
             raise FileNotFoundError(f"no model config at {path}")
         try:
@@ -105,7 +105,7 @@ class ModelConfig:
             raise ValueError(f"{path}: {error}") from error
 
     def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / CONFIG_FILENAME
+        path = Path(directory) / MODEL_CONFIG_FILENAME
         path.write_text(self.to_json())
         return path
 

@@ -1,0 +1,168 @@
+"""The client's one core: settings, and every operation (health, waiting for readiness, metadata,
+stateless inference, a session's steps) written once, as a generator of I/O actions (client/retry.py:
+a Call on tritonclient, a Sleep). `Client` runs the actions blocking and `AsyncClient` awaits them;
+they are the thin fronts (client/sync.py, client/aio.py) and hold no logic of their own.
+
+Why this shape: the blocking and asyncio clients must behave identically (the same checks, errors,
+retries, session bookkeeping), and Python has no way to write one function that both blocks and
+awaits. Writing the logic as a sequence of actions leaves only "how to perform an action" to each
+front: a few lines, where any other split would copy the logic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from client import _wire
+from client._wire import Health, InferResult
+from client.errors import RequestTimeoutError, ServerUnavailableError, UnknownSessionError
+from client.metadata import ModelInfo, parse_metadata
+from client.retry import Call, Operation, RetryPolicy, Sleep, retried
+from contract import names
+
+
+class ClientCore:
+    """What `Client` and `AsyncClient` are made of; they differ only in how they run an operation."""
+
+    _module_suffix = ""  # ".aio" for the asyncio twins of tritonclient's clients
+
+    def __init__(
+        self,
+        url: str = "127.0.0.1",  # the port defaults to the protocol's: gRPC 8001, HTTP 8000
+        protocol: str = "grpc",
+        model: str = "mha",
+        session_model: str = "mha_session",
+        *,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.1,
+        validate: bool = True,
+    ) -> None:
+        self.protocol = _wire.check_protocol(protocol)
+        self.url = _wire.normalize_url(url, protocol)
+        self.model, self.session_model = model, session_model
+        self.timeout, self.validate = timeout, validate
+        self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max(backoff, 2.0))
+        self._module = importlib.import_module(f"tritonclient.{protocol}{self._module_suffix}")
+        self._timeout_kw = _wire.timeout_kwargs(protocol, timeout)
+        self._infos: dict[str, ModelInfo] = {}
+        self._init_connections()
+
+    def _init_connections(self) -> None:
+        """The front's connection bookkeeping (connections themselves open on first use)."""
+
+    def _call(self, what: str, fn, *, retry: bool = True, session: bool = False) -> Operation[Any]:
+        return retried(Call(fn, f"{what} at {self.url}", retry, session), self.policy)
+
+    # --- operations ------------------------------------------------------------------------------
+
+    def _health(self) -> Operation[Health]:
+        kw = self._timeout_kw
+        live = yield from self._call("liveness check", lambda s: s.is_server_live(**kw))
+        ready = yield from self._call("readiness check", lambda s: s.is_server_ready(**kw))
+        models = {}
+        for name in (self.model, self.session_model):
+            check = self._call(f"readiness check of '{name}'", lambda s, name=name: s.is_model_ready(name, **kw))
+            models[name] = yield from check
+        return Health(self.url, live, ready, models)
+
+    def _ready(self) -> Operation[bool]:
+        try:
+            return (yield from self._health()).ok
+        except (ServerUnavailableError, RequestTimeoutError):
+            return False
+
+    def _wait_ready(self, timeout: float, interval: float) -> Operation[Health]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                state = yield from self._health()
+                if state.ok:
+                    return state
+                why = state.problems()
+            except (ServerUnavailableError, RequestTimeoutError) as error:
+                why = error.message
+            if time.monotonic() >= deadline:
+                raise ServerUnavailableError(f"{self.url} is not ready after {timeout:g} s: {why}")
+            yield Sleep(interval)
+
+    def _metadata(self, model: str | None = None) -> Operation[ModelInfo]:
+        model = model or self.model
+        if model not in self._infos:
+            kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
+            raw = yield from self._call(f"metadata of '{model}'", lambda s: s.get_model_metadata(model, **kw))
+            self._infos[model] = parse_metadata(raw)
+        return self._infos[model]
+
+    def _infer(
+        self, hidden_states: Any, attention_mask: Any = None, past: Sequence | None = None
+    ) -> Operation[InferResult]:
+        info = (yield from self._metadata()) if self.validate else None
+        tensors = _wire.stateless_tensors(info, hidden_states, attention_mask, past)
+        inputs = _wire.make_inputs(self._module, tensors)
+        result = yield from self._call(
+            f"infer on '{self.model}'", lambda s: s.infer(self.model, inputs, **self._timeout_kw)
+        )
+        return _wire.read_stateless(result)
+
+    def _send_step(self, sequence_id: int, tensors: dict, start: bool, end: bool) -> Operation[np.ndarray]:
+        # never retried: the server may have appended to the session's cache before the failure
+        inputs = _wire.make_inputs(self._module, tensors)
+        kw = {**_wire.sequence_kwargs(sequence_id, start, end), **self._timeout_kw}
+        result = yield from self._call(
+            f"step of session {sequence_id}",
+            lambda s: s.infer(self.session_model, inputs, **kw),
+            retry=False,
+            session=True,
+        )
+        return _wire.read_step(result)
+
+
+class SessionCore:
+    """A session's bookkeeping and operations, shared by the blocking and the asyncio session."""
+
+    def __init__(self, client: ClientCore, sequence_id: int | None = None) -> None:
+        self.client = client  # the Client or AsyncClient that runs this session's steps
+        self.id = _wire.check_sequence_id(sequence_id)
+        self.started = False  # the server has answered a step (START went through)
+        self.closed = False
+        self.length = 0  # tokens the server holds for this session
+        # the last step sent: once one went out, the server may hold the sequence even if it failed
+        self._sent: np.ndarray | None = None
+
+    def _step(self, hidden_states: Any, attention_mask: Any = None, end: bool = False) -> Operation[np.ndarray]:
+        if self.closed:
+            raise UnknownSessionError(f"session {self.id} is closed", status=None)
+        client = self.client
+        info = (yield from client._metadata(client.session_model)) if client.validate else None
+        tensors = _wire.step_tensors(info, hidden_states, attention_mask)
+        self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
+        try:
+            output = yield from client._send_step(self.id, tensors, start=not self.started, end=end)
+        except UnknownSessionError:
+            self.closed = True  # the server does not know it: there is nothing left to end
+            raise
+        self.started, self.closed = True, end
+        self.length += output.shape[1]
+        return output
+
+    def _close(self) -> Operation[None]:
+        """Mark closed and, once a step went out, END it on the server. A failed first step may have
+        opened the sequence in Triton's batcher, so it is ended too; one the server already forgot
+        is fine."""
+        needs_end = self._sent is not None and not self.closed
+        self.closed = True
+        if needs_end:
+            end = {names.HIDDEN_STATES: np.zeros((1, 0, self._sent.shape[-1]), dtype=self._sent.dtype)}
+            with contextlib.suppress(UnknownSessionError):
+                yield from self.client._send_step(self.id, end, start=False, end=True)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open" if self.started else "new"
+        return f"<{type(self).__name__} {self.id} {state}, {self.length} tokens>"

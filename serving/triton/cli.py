@@ -1,0 +1,175 @@
+"""`python -m serving repository` and `python -m serving ensure`: a model repository from an artifact,
+or from a config when the repository does not hold it yet (the export runs first, on the CPU).
+
+python -m serving repository --artifacts build/artifacts/mine --repository my_repository
+python -m serving ensure --repository /models --preset seed      build and fill unless it holds this model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from contract.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
+from serving.triton.config import (
+    ENGINES,
+    MHA_ONNX,
+    MODELS,
+    PYTHON_MODELS,
+    TRITON_CONFIG_FILENAME,
+    ServingSettings,
+    to_text,
+)
+from serving.triton.repository import (
+    ONNX_BACKEND_VARIANT,
+    RepositoryError,
+    is_complete,
+    model_configs,
+    write_repository,
+)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
+DEFAULT_ARTIFACTS = PROJECT_ROOT / "build" / "artifacts" / DEFAULT_PRESET  # git-ignored
+
+
+def add_commands(commands) -> None:
+    r = commands.add_parser("repository", help="fill a Triton model repository from an artifact directory")
+    r.add_argument("--artifacts", type=Path, required=True, help="an artifact directory (python -m export build)")
+    r.add_argument("--repository", type=Path, required=True, help="the model repository to (over)write")
+    _settings_arguments(r)
+    e = commands.add_parser("ensure", help="build and fill a repository unless it already holds this model")
+    source = e.add_mutually_exclusive_group()
+    source.add_argument("--config", type=Path, help="a config.json (see contract/config.py for the fields)")
+    source.add_argument("--config-json", help="the config as JSON text (compose: an environment variable)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help=f"a named config (default: {DEFAULT_PRESET})")
+    e.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="default: %(default)s")
+    e.add_argument("--artifacts", type=Path, help="where to build and keep the artifacts (default: a temporary dir)")
+    _settings_arguments(e)
+
+
+def _settings_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = ServingSettings()
+    add = parser.add_argument
+    add("--models", type=_models, default=MODELS, help=f"comma-separated, default {','.join(MODELS)}")
+    add("--threads", type=int, default=defaults.threads, help="ONNX Runtime threads (0 = its default)")
+    add(
+        "--kv-cache-mib",
+        type=float,
+        default=defaults.kv_cache_bytes / (1 << 20),
+        help="mha_session: the KV cache budget of all sequences together (MiB)",
+    )
+    add(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_seconds,
+        help="mha_session: seconds after which an idle sequence loses its cache",
+    )
+    add("--max-batch-size", type=int, default=defaults.max_batch_size, help="mha_session: sequences per execute()")
+    add(
+        "--engine",
+        choices=ENGINES,
+        default=defaults.engine,
+        help="mha_session: the slot pool over the static cache (default) or per-sequence caches batched by padding",
+    )
+
+
+def _models(text: str) -> tuple[str, ...]:
+    chosen = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in MODELS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
+    return chosen
+
+
+def settings_from(args: argparse.Namespace) -> ServingSettings:
+    return ServingSettings(
+        threads=args.threads,
+        kv_cache_bytes=int(args.kv_cache_mib * (1 << 20)),
+        idle_timeout_seconds=args.idle_timeout,
+        max_batch_size=args.max_batch_size,
+        engine=args.engine,
+    )
+
+
+def export_to(
+    cfg: ModelConfig,
+    repository: Path,
+    artifacts: Path,
+    settings: ServingSettings | None = None,
+    models: tuple[str, ...] = MODELS,
+) -> Path:
+    """Build `cfg` into `artifacts` (export, on the CPU) and fill `repository` from it.
+
+    A failing variant still fails (BuildError), but the repository is filled from the variants that
+    passed: a failed fp16 graph must not keep `python -m serving` from starting on the CPU.
+    """
+    from export.__main__ import build_and_report
+    from export.build import BuildError
+
+    try:
+        build_and_report(cfg, artifacts)
+    except BuildError:
+        write_repository(artifacts, repository, settings, models)
+        raise
+    write_repository(artifacts, repository, settings, models)
+    print(f"model repository: {repository}")
+    return repository
+
+
+def export_default(repository: Path = DEFAULT_REPOSITORY, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
+    """The default preset into `repository` (what `python -m serving` does when the repository lacks it)."""
+    return export_to(preset(DEFAULT_PRESET), repository, artifacts)
+
+
+def up_to_date(
+    repository: Path, cfg: ModelConfig, models: tuple[str, ...] = MODELS, settings: ServingSettings | None = None
+) -> bool:
+    """Whether `repository` holds every model of `models` built from `cfg` with these settings, i.e.
+    the configs it would write now (nothing to do)."""
+    if not is_complete(repository, tuple(m for m in models if m in PYTHON_MODELS)):
+        return False
+    if any(ModelConfig.load(repository / m / "1") != cfg for m in models if (repository / m / "1").is_dir()):
+        return False
+    graphs = (path.name for model in models for path in (repository / model / "1").glob("model.*.onnx"))
+    present = {name.removeprefix("model.").removesuffix(".onnx") for name in graphs}
+    if MHA_ONNX in models:
+        present.add(ONNX_BACKEND_VARIANT)
+    expected = model_configs(cfg, present, settings)
+    return all((repository / m / TRITON_CONFIG_FILENAME).read_text() == to_text(expected[m]) for m in models)
+
+
+def run_repository(args: argparse.Namespace) -> int:
+    try:
+        write_repository(args.artifacts, args.repository, settings_from(args), args.models)
+    except (OSError, ValueError, RepositoryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"model repository: {args.repository} ({', '.join(args.models)})")
+    return 0
+
+
+def run_ensure(args: argparse.Namespace) -> int:
+    """The one-shot export of a deployment (compose's `export` service)."""
+    from export.__main__ import config_from
+    from export.build import BuildError
+
+    try:
+        cfg, settings = config_from(args), settings_from(args)
+        if up_to_date(args.repository, cfg, args.models, settings):
+            print(f"model repository {args.repository} already holds this model; nothing to build")
+            return 0
+        if args.artifacts:
+            export_to(cfg, args.repository, args.artifacts, settings, args.models)
+        else:
+            with tempfile.TemporaryDirectory(prefix="export-") as scratch:
+                export_to(cfg, args.repository, Path(scratch), settings, args.models)
+    except BuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, RepositoryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,31 @@
+"""`python -m serving ensure`: the one-shot export of a deployment (compose's `export` service)
+builds once, again only for another model or other settings, and refuses what is not a config."""
+
+from __future__ import annotations
+
+import json
+
+from serving import __main__ as serving_cli
+
+
+def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_path, capsys):
+    repository = tmp_path / "models"
+    command = ["ensure", "--repository", str(repository), "--preset", "tiny", "--models", "mha,mha_session"]
+    assert serving_cli.main(command) == 0
+    assert "model repository:" in capsys.readouterr().out
+    built = (repository / "mha_session" / "config.pbtxt").stat().st_mtime_ns
+    assert serving_cli.main(command) == 0
+    assert "already holds this model; nothing to build" in capsys.readouterr().out
+    assert (repository / "mha_session" / "config.pbtxt").stat().st_mtime_ns == built
+    assert serving_cli.main([*command, "--kv-cache-mib", "8"]) == 0  # other settings: the configs are rewritten
+    assert "model repository:" in capsys.readouterr().out
+    as_json = ["--config-json", '{"d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1, "max_seq_len": 64}']
+    assert serving_cli.main([*command[:3], *as_json, "--models", "mha,mha_session"]) == 0  # another model
+    assert json.loads((repository / "mha" / "1" / "config.json").read_text())["n_kv_heads"] == 2
+
+
+def test_ensure_refuses_a_config_that_is_not_one(tmp_path, capsys):
+    bad = ["ensure", "--repository", str(tmp_path / "m"), "--config-json", '{"d_model": 64, "n_heads": 5}']
+    assert serving_cli.main(bad) == 2
+    assert "n_heads (5) must divide d_model (64)" in capsys.readouterr().err
+    assert not (tmp_path / "m").exists()
