@@ -1,10 +1,9 @@
 """The client's exceptions, and the one place that maps tritonclient's errors onto them.
 
-Every exception carries the server's own message (`.message`, verbatim) and the protocol status it
-came with (`.status`: "400", "StatusCode.INVALID_ARGUMENT", ...; None when nothing came back).
-The mapping follows what our Triton 2.51 answers (see DESIGN.md 3.4 and the serving models):
-INVALID_ARGUMENT/400 for inputs, NOT_FOUND/404 or Triton's "must specify the START flag" for a
-sequence the server does not know, UNAVAILABLE/503 for a full KV-cache budget.
+Every exception carries the server's message (`.message`, without its kind tag), the protocol status
+it came with (`.status`: "400", "StatusCode.INVALID_ARGUMENT", ...; None when nothing came back) and
+the kind the served model gave it (`.kind`, contract/errors.py; None for Triton's own errors). The
+kind decides the type; without one, the status does (docs/design.md, "Errors").
 """
 
 from __future__ import annotations
@@ -13,26 +12,32 @@ import http.client
 import re
 import sys
 
+from contract import errors as kinds
+
 
 class ClientError(Exception):
     """Base of every error this package raises."""
 
-    def __init__(self, message: str, *, status: str | None = None) -> None:
+    def __init__(self, message: str, *, status: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.kind = kind
 
 
 class InvalidInputError(ClientError, ValueError):
     """The inputs do not fit the model (checked here before sending, or rejected by the server)."""
 
-    def __init__(self, message: str, *, status: str | None = None, input_name: str | None = None) -> None:
-        super().__init__(message, status=status)
+    def __init__(
+        self, message: str, *, status: str | None = None, kind: str | None = None, input_name: str | None = None
+    ) -> None:
+        super().__init__(message, status=status, kind=kind)
         self.input_name = input_name
 
 
 class UnknownSessionError(ClientError):
-    """The server does not know the session: never started, already ended, or evicted."""
+    """The server does not know the session: never started, already ended, evicted, or lost with the
+    process that held it (`.kind` says which)."""
 
 
 class ServerBusyError(ClientError):
@@ -74,14 +79,15 @@ _BY_CODE: dict[str, type[ClientError]] = {
     "RESOURCE_EXHAUSTED": ServerBusyError,
     "DEADLINE_EXCEEDED": RequestTimeoutError,
 }
-# A step for a sequence the server does not know (never started, ended, evicted): Triton core and
-# our session model both answer INVALID_ARGUMENT, so the message tells it from a bad input.
-_UNKNOWN_SEQUENCE = re.compile(
-    r"must specify the START flag"  # Triton core
-    r"|sequence \S+ (is unknown|has ended|was evicted)"  # our mha_session (serving/errors.py)
-    r"|(unknown|ended|evicted|expired) (sequence|session)",
-    re.IGNORECASE,
-)
+# The served models' kinds (contract/errors.py) and the type each becomes.
+_BY_KIND: dict[str, type[ClientError]] = {
+    kinds.INVALID_INPUT: InvalidInputError,
+    kinds.SEQUENCE_TOO_LONG: InvalidInputError,
+    kinds.CACHE_FULL: ServerBusyError,
+    **dict.fromkeys(kinds.GONE_SEQUENCE, UnknownSessionError),
+}
+# Triton core's own answer to a step of a sequence it does not hold (no kind: it is not our model's)
+_TRITON_NO_SEQUENCE = "must specify the START flag"
 _UNKNOWN_MODEL = re.compile(r"unknown model|has no available versions", re.IGNORECASE)
 # gRPC reports transport failures as UNAVAILABLE too; these words tell them from a busy server.
 _TRANSPORT = re.compile(
@@ -105,10 +111,13 @@ def from_server(message: str, status: str | None, *, session: bool = False) -> C
     code = code_of(status)
     if status is None:  # raised inside tritonclient before anything was sent
         return ClientError(message)
+    kind, message = kinds.read(message)
+    if kind is not None:
+        return _BY_KIND[kind](message, status=status, kind=kind)
     if _UNKNOWN_MODEL.search(message) and code in ("NOT_FOUND", "UNAVAILABLE", "INVALID_ARGUMENT"):
         return ModelNotFoundError(message, status=status)
-    if session and (code == "NOT_FOUND" or _UNKNOWN_SEQUENCE.search(message)):
-        return UnknownSessionError(message, status=status)
+    if session and (code == "NOT_FOUND" or _TRITON_NO_SEQUENCE in message):
+        return UnknownSessionError(message, status=status, kind=kinds.SEQUENCE_UNKNOWN)
     if code == "UNAVAILABLE" and _TRANSPORT.search(message):
         return ServerUnavailableError(message, status=status)
     return _BY_CODE.get(code, ServerError)(message, status=status)

@@ -14,7 +14,6 @@ from typing import Any
 
 from client.errors import ClientError, InvalidInputError
 from contract import names
-from contract.config import ModelConfig
 from contract.inputs import InputError, check_inputs
 
 # Triton datatypes of the model's float tensors, as numpy names (what check_inputs compares).
@@ -42,27 +41,15 @@ class ModelInfo:
     head_dim: int | None = None
 
     @property
-    def present_names(self) -> list[str]:
-        return names.present_names(self.n_layers)
-
-    def config(self) -> ModelConfig:
-        """A ModelConfig with the sizes the inputs check needs (n_heads is not visible in the
-        metadata: d_model // head_dim is exact, since head_dim = d_model // n_heads)."""
-        if not self.n_layers:  # only hidden_states and the mask are checked
-            return ModelConfig(d_model=self.d_model, n_heads=1, n_kv_heads=1, n_layers=1, max_seq_len=2**31)
-        n_heads = self.d_model // self.head_dim
-        return ModelConfig(
-            d_model=self.d_model,
-            n_heads=n_heads,
-            n_kv_heads=self.n_kv_heads,
-            n_layers=self.n_layers,
-            max_seq_len=2**31,  # the server knows its own limit and says so
-        )
+    def sizes(self) -> names.GraphSizes:
+        """What the inputs check needs; a session model (no past inputs) has no cache sizes."""
+        return names.GraphSizes(self.d_model, self.n_layers, self.n_kv_heads or 0, self.head_dim or 0)
 
     def check(self, tensors: Mapping[str, Any]) -> tuple[int, int, int]:
-        """(batch, past, new) of named inputs, or InvalidInputError naming the input at fault."""
+        """(batch, past, new) of named inputs, or InvalidInputError naming the input at fault. The
+        server knows its own limits (max_seq_len) and says so."""
         try:
-            return check_inputs(self.config(), tensors, float_dtype=self.float_dtype)
+            return check_inputs(self.sizes, tensors, float_dtype=self.float_dtype)
         except InputError as error:
             raise InvalidInputError(str(error), input_name=error.input_name) from None
 

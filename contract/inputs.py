@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contract import names
-from contract.config import ModelConfig
 
 
 class InputError(ValueError):
@@ -40,7 +39,7 @@ def _dtype_name(array: Any) -> str:
 
 
 def check_inputs(
-    cfg: ModelConfig,
+    cfg: names.Sizes,
     tensors: Mapping[str, Any],
     float_dtype: str | None = "float32",
     require_mask: bool = False,

@@ -64,6 +64,21 @@ def output_names(n_layers: int) -> list[str]:
 
 
 @dataclasses.dataclass(frozen=True)
+class GraphSizes:
+    """The sizes a graph's tensors are made of: all the specs below need. A ModelConfig has them too;
+    a client that reads a served model's metadata has these and no more (the head count is not in
+    the graph's IO)."""
+
+    d_model: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+
+Sizes = GraphSizes | ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """A graph tensor: its name, its shape (axis names for dynamic axes, ints for fixed ones),
     and whether it carries the model's float dtype or int64."""
@@ -78,7 +93,7 @@ class TensorSpec:
         return {i: axis for i, axis in enumerate(self.shape) if isinstance(axis, str)}
 
 
-def input_specs(cfg: ModelConfig) -> list[TensorSpec]:
+def input_specs(cfg: Sizes) -> list[TensorSpec]:
     """Stateless graph inputs, in graph order."""
     cache_shape = (BATCH, cfg.n_kv_heads, PAST_SEQUENCE, cfg.head_dim)
     return [
@@ -88,7 +103,7 @@ def input_specs(cfg: ModelConfig) -> list[TensorSpec]:
     ]
 
 
-def output_specs(cfg: ModelConfig) -> list[TensorSpec]:
+def output_specs(cfg: Sizes) -> list[TensorSpec]:
     """Stateless graph outputs, in graph order."""
     cache_shape = (BATCH, cfg.n_kv_heads, TOTAL_SEQUENCE, cfg.head_dim)
     return [

@@ -14,7 +14,7 @@ import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
-from export.runtime import Arrays, Runner
+from export.runtime import Arrays, Forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +156,8 @@ class RungResult:
 
 def compare_rung(
     cfg: ModelConfig,
-    reference: Runner,
-    candidate: Runner,
+    reference: Forward,
+    candidate: Forward,
     scenario: Scenario,
     tolerance: Tolerance,
     cast: Callable[[np.ndarray], np.ndarray] = lambda a: a,
@@ -221,7 +221,7 @@ POOL_ROWS = 4
 
 def compare_pool_rung(
     cfg: ModelConfig,
-    reference: Runner,
+    reference: Forward,
     pool,
     schedule: list[dict[int, int]],
     tolerance: Tolerance,

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 
 Arrays = dict[str, np.ndarray]
-Runner = Callable[[Mapping[str, np.ndarray]], Arrays]
+Forward = Callable[[Mapping[str, np.ndarray]], Arrays]
 
 
-def torch_runner(model, device: str = "cpu") -> Runner:
+def torch_runner(model, device: str = "cpu") -> Forward:
     """The PyTorch original as a runner (the reference rung), on `device` ("cuda" on a GPU host)."""
     import torch
 
@@ -56,7 +56,7 @@ def ort_session(path: str | Path, providers: Sequence | None = None, threads: in
     return ort.InferenceSession(str(path), sess_options=options, providers=list(providers or ["CPUExecutionProvider"]))
 
 
-def ort_runner(session) -> Runner:
+def ort_runner(session) -> Forward:
     """An ONNX Runtime session as a runner; an empty past is passed as zero-length tensors."""
     input_names = [i.name for i in session.get_inputs()]
     output_names = [o.name for o in session.get_outputs()]

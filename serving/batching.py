@@ -55,8 +55,7 @@ class Layout:
 
     hidden: np.ndarray  # (B, T_max, d_model)
     mask: np.ndarray  # (B, P_max + T_max)
-    left_pads: list[int]  # P_max - P_r
-    starts: list[int]  # first present position of row r: P_max - P_r
+    starts: list[int]  # row r's left padding P_max - P_r, which is where its present starts
     ends: list[int]  # one past its last: P_max + T_r
     max_past: int
     max_new: int
@@ -68,16 +67,15 @@ def layout(steps: Sequence[Step]) -> Layout:
     d_model = steps[0].hidden.shape[1]
     hidden = np.zeros((len(steps), max_new, d_model), np.float32)  # (B, T_max, d)
     mask = np.zeros((len(steps), max_past + max_new), np.int64)  # (B, P_max + T_max)
-    left_pads, starts, ends = [], [], []
+    starts, ends = [], []
     for r, step in enumerate(steps):
         pad, new = max_past - step.past_length, step.new_length
         hidden[r, :new] = step.hidden
         mask[r, pad:max_past] = step.past_mask
         mask[r, max_past : max_past + new] = step.new_mask
-        left_pads.append(pad)
         starts.append(pad)
         ends.append(max_past + new)
-    return Layout(hidden, mask, left_pads, starts, ends, max_past, max_new)
+    return Layout(hidden, mask, starts, ends, max_past, max_new)
 
 
 def run_steps(runner: Runner, steps: Sequence[Step]) -> list[StepResult]:
@@ -88,7 +86,7 @@ def run_steps(runner: Runner, steps: Sequence[Step]) -> list[StepResult]:
     order = sorted(range(len(steps)), key=lambda r: -steps[r].past_length)
     ordered = [steps[r] for r in order]
     plan = layout(ordered)
-    past = runner.copies.stack([step.past for step in ordered], plan.left_pads)
+    past = runner.copies.stack([step.past for step in ordered], plan.starts)
     output, presents = runner.run(plan.hidden, plan.mask, past)
     per_row = runner.copies.split(presents, plan.starts, plan.ends)
     results: list[StepResult | None] = [None] * len(steps)

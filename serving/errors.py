@@ -1,13 +1,15 @@
-"""What the served models answer when a request cannot be served, as Triton error codes.
+"""What the served models answer when a request cannot be served: a Triton error code and a message
+that starts with the error's kind (contract/errors.py), which the client library reads.
 
-Each error is raised at an edge (input checks, the KV cache store) and turned into one
-`pb_utils.TritonError` for the one request it concerns; the model never raises out of execute().
-Codes as Triton maps them (measured, /tmp/team/TRITON_FACTS.md): INVALID_ARG -> HTTP 400 / gRPC
-INVALID_ARGUMENT, UNAVAILABLE -> 503 / UNAVAILABLE, INTERNAL -> 500 / INTERNAL.
+Each error is raised at an edge (input checks, the KV cache) and turned into one `pb_utils.TritonError`
+for the one request it concerns; the model never raises out of execute(). Codes as Triton maps them
+(measured on 2.51): INVALID_ARG -> HTTP 400 / gRPC INVALID_ARGUMENT, UNAVAILABLE -> 503 / UNAVAILABLE,
+INTERNAL -> 500 / INTERNAL.
 """
 
 from __future__ import annotations
 
+from contract import errors as kinds
 from contract.inputs import InputError
 
 INVALID_ARG = "INVALID_ARG"
@@ -16,19 +18,21 @@ INTERNAL = "INTERNAL"
 
 
 class ServingError(Exception):
-    """Base class: `code` is the name of a `pb_utils.TritonError` code."""
+    """Base class: `code` is the name of a `pb_utils.TritonError` code, `kind` the contract's kind."""
 
     code = INTERNAL
+    kind: str | None = None
 
 
 class InvalidRequest(ServingError):
     """The request itself is wrong (an input's dtype, shape or length, a missing input)."""
 
     code = INVALID_ARG
+    kind = kinds.INVALID_INPUT
 
 
 class SequenceError(InvalidRequest):
-    """A step names a sequence the cache store cannot continue; carries the sequence id."""
+    """A step names a sequence the server cannot continue; carries the sequence id."""
 
     def __init__(self, sequence_id: int | str, message: str) -> None:
         super().__init__(f"sequence {sequence_id!r} {message}")
@@ -36,16 +40,22 @@ class SequenceError(InvalidRequest):
 
 
 class UnknownSequence(SequenceError):
+    kind = kinds.SEQUENCE_UNKNOWN
+
     def __init__(self, sequence_id: int | str) -> None:
         super().__init__(sequence_id, "is unknown: start it with the START flag (sequence_start) first")
 
 
 class SequenceEnded(SequenceError):
+    kind = kinds.SEQUENCE_ENDED
+
     def __init__(self, sequence_id: int | str) -> None:
         super().__init__(sequence_id, "has ended (END flag) and its cache is freed; start a new sequence")
 
 
 class SequenceEvicted(SequenceError):
+    kind = kinds.SEQUENCE_EVICTED
+
     def __init__(self, sequence_id: int | str, idle_seconds: float) -> None:
         super().__init__(
             sequence_id,
@@ -54,6 +64,8 @@ class SequenceEvicted(SequenceError):
 
 
 class SequenceTooLong(SequenceError):
+    kind = kinds.SEQUENCE_TOO_LONG
+
     def __init__(self, sequence_id: int | str, length: int, limit: int) -> None:
         super().__init__(sequence_id, f"would hold {length} positions, more than max_seq_len {limit}")
 
@@ -62,16 +74,25 @@ class CacheFull(ServingError):
     """The KV cache budget cannot take a new sequence now: retry later (UNAVAILABLE)."""
 
     code = UNAVAILABLE
+    kind = kinds.CACHE_FULL
 
     def __init__(self, sequence_id: int | str, message: str) -> None:
         super().__init__(f"sequence {sequence_id!r} cannot start: {message}")
         self.sequence_id = sequence_id
 
 
+def gone_error(gone, sequence_id: int | str) -> SequenceError:
+    """The error for a step of a sequence the server does not hold: why it is gone, from the
+    tombstones (`gone`, holding error makers), else unknown."""
+    make = gone.get(sequence_id)
+    return make() if make is not None else UnknownSequence(sequence_id)
+
+
 def triton_error(error: Exception, pb_utils):
-    """The `pb_utils.TritonError` for `error`: its own code for ours, INTERNAL for anything else."""
+    """The `pb_utils.TritonError` for `error`: its own code and kind for ours, INTERNAL for anything else."""
     if isinstance(error, ServingError):
-        return pb_utils.TritonError(str(error), getattr(pb_utils.TritonError, error.code))
+        message = kinds.tag(error.kind, str(error)) if error.kind else str(error)
+        return pb_utils.TritonError(message, getattr(pb_utils.TritonError, error.code))
     if isinstance(error, InputError):  # names the input, the expected and the actual value
-        return pb_utils.TritonError(str(error), pb_utils.TritonError.INVALID_ARG)
+        return pb_utils.TritonError(kinds.tag(kinds.INVALID_INPUT, str(error)), pb_utils.TritonError.INVALID_ARG)
     return pb_utils.TritonError(f"internal error: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)

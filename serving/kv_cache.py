@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from serving import errors
+from serving.errors import gone_error
 from serving.tombstones import Tombstones
 
 SequenceId = Hashable  # Triton's correlation id: an int, or a str
@@ -99,7 +100,7 @@ class KVCacheStore:
         with self._lock:
             entry = self._live.get(sequence_id)
             if entry is None:
-                raise self._gone.answer(sequence_id, functools.partial(errors.UnknownSequence, sequence_id))
+                raise gone_error(self._gone, sequence_id)
             entry.last_used = self._clock()
             return entry
 

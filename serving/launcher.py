@@ -152,9 +152,6 @@ class TritonServer:
     def is_running(self) -> bool:
         return self.process.poll() is None
 
-    def wait(self) -> int:
-        return self.process.wait()
-
     def log_tail(self, lines: int = 40) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

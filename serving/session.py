@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +59,52 @@ def check_step(cfg: ModelConfig, request: StepRequest) -> int:
     return new
 
 
-class SessionEngine:
+class StepEngine:
+    """What both session engines share: one execute() as rounds (each sequence at most once per
+    round, its steps in order), each request prepared on its own (a bad one gets its error and
+    nothing else changes), the prepared ones run together, and END frees the sequence whatever else
+    happened to its request (Triton has ended it either way)."""
+
+    cfg: ModelConfig
+
+    def execute(self, requests: Sequence[StepRequest]) -> list[Result]:
+        results: list[Result | None] = [None] * len(requests)
+        for indices in rounds(requests):
+            self._round([requests[i] for i in indices], indices, results)
+        return results  # type: ignore[return-value]
+
+    def _round(self, requests: list[StepRequest], indices: list[int], results: list) -> None:
+        prepared: dict[int, Any] = {}
+        for index, request in zip(indices, requests, strict=True):
+            try:
+                item = self._prepare(request)
+            except (errors.ServingError, InputError) as error:
+                results[index] = error
+                continue
+            if item is None:  # nothing to compute (END without tokens, START without tokens)
+                new = 0 if request.hidden is None or request.hidden.ndim != 3 else request.hidden.shape[1]
+                results[index] = np.zeros((1, new, self.cfg.d_model), np.float32)
+            else:
+                prepared[index] = item
+        if prepared:
+            self._run(prepared, results)
+        for request in requests:
+            if request.end:
+                self._end(request.sequence_id)
+
+    def _prepare(self, request: StepRequest) -> Any:
+        """What `_run` needs for this request; None when there is nothing to compute."""
+        raise NotImplementedError
+
+    def _run(self, prepared: dict[int, Any], results: list) -> None:
+        """Run the prepared requests (by their index in execute()) and put each one's result."""
+        raise NotImplementedError
+
+    def _end(self, sequence_id: Hashable) -> None:
+        raise NotImplementedError
+
+
+class SessionEngine(StepEngine):
     """The `concat` engine: each sequence's cache is its own value, batched by padding per execute()."""
 
     def __init__(self, runner: Runner, store: KVCacheStore) -> None:
@@ -75,31 +121,10 @@ class SessionEngine:
     def evict_idle(self) -> list:
         return self.store.evict_idle()
 
-    def execute(self, requests: Sequence[StepRequest]) -> list[Result]:
-        results: list[Result | None] = [None] * len(requests)
-        for indices in rounds(requests):
-            self._round([requests[i] for i in indices], indices, results)
-        return results  # type: ignore[return-value]
+    def _end(self, sequence_id: Hashable) -> None:
+        self.store.end(sequence_id)
 
-    def _round(self, requests: list[StepRequest], indices: list[int], results: list) -> None:
-        runnable: dict[int, tuple[StepRequest, Step]] = {}
-        for index, request in zip(indices, requests, strict=True):
-            try:
-                step = self._prepare(request)
-            except (errors.ServingError, InputError) as error:
-                results[index] = error
-                continue
-            if step is None:  # END with no new tokens: nothing to compute
-                results[index] = np.zeros((1, 0, self.cfg.d_model), np.float32)
-            else:
-                runnable[index] = (request, step)
-        if runnable:
-            self._run(runnable, results)
-        for request in requests:
-            if request.end:
-                self.store.end(request.sequence_id)
-
-    def _prepare(self, request: StepRequest) -> Step | None:
+    def _prepare(self, request: StepRequest) -> tuple[StepRequest, Step] | None:
         """The request's step with its sequence's cache; None when there is nothing to compute."""
         new = check_step(self.cfg, request)
         if new == 0 and not request.start:
@@ -116,7 +141,7 @@ class SessionEngine:
         if new == 0:
             return None
         new_mask = np.ones(new, np.int64) if request.mask is None else request.mask[0].astype(np.int64)
-        return Step(request.hidden[0], new_mask, entry.caches, entry.mask)
+        return request, Step(request.hidden[0], new_mask, entry.caches, entry.mask)
 
     def _run(self, runnable: dict[int, tuple[StepRequest, Step]], results: list) -> None:
         try:

@@ -20,15 +20,15 @@ import functools
 import heapq
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
-from contract.inputs import InputError
 from export.kv_pool import KVPool
 from serving import errors
+from serving.errors import gone_error
 from serving.kv_cache import CacheStats, SequenceId
-from serving.session import Result, StepRequest, check_step, rounds
+from serving.session import StepEngine, StepRequest, check_step
 from serving.tombstones import Tombstones
 
 
@@ -45,7 +45,7 @@ class _Work:
     keep: np.ndarray | None  # (T,) bool: which of the request's tokens are real; None: all of them
 
 
-class StaticSessionEngine:
+class StaticSessionEngine(StepEngine):
     def __init__(
         self,
         pool: KVPool,
@@ -78,36 +78,7 @@ class StaticSessionEngine:
 
     # --- one execute() ------------------------------------------------------------------------------
 
-    def execute(self, requests: Sequence[StepRequest]) -> list[Result]:
-        results: list[Result | None] = [None] * len(requests)
-        for indices in rounds(requests):
-            self._round([requests[i] for i in indices], indices, results)
-        return results  # type: ignore[return-value]
-
-    def _round(self, requests: list[StepRequest], indices: list[int], results: list) -> None:
-        work: dict[int, _Work] = {}
-        for index, request in zip(indices, requests, strict=True):
-            try:
-                prepared = self._prepare(request)
-            except (errors.ServingError, InputError) as error:
-                results[index] = error
-                continue
-            if prepared is None:
-                results[index] = self._zeros(request)
-            else:
-                row, tokens, keep = prepared
-                work[row] = _Work(index, tokens, keep)
-        if work:
-            self._run(work, results)
-        for request in requests:
-            if request.end:
-                self._end(request.sequence_id)
-
-    def _zeros(self, request: StepRequest) -> np.ndarray:
-        new = 0 if request.hidden is None or request.hidden.ndim != 3 else request.hidden.shape[1]
-        return np.zeros((1, new, self.cfg.d_model), np.float32)
-
-    def _prepare(self, request: StepRequest) -> tuple[int, np.ndarray, np.ndarray] | None:
+    def _prepare(self, request: StepRequest) -> tuple[int, np.ndarray, np.ndarray | None] | None:
         """The request's slot and real tokens; None when there is nothing to compute."""
         new = check_step(self.cfg, request)
         if new == 0 and not request.start:
@@ -127,7 +98,8 @@ class StaticSessionEngine:
             return None
         return row, tokens.astype(self.pool.dtype, copy=False), keep
 
-    def _run(self, work: dict[int, _Work], results: list) -> None:
+    def _run(self, prepared: dict[int, tuple[int, np.ndarray, np.ndarray | None]], results: list) -> None:
+        work = {row: _Work(index, tokens, keep) for index, (row, tokens, keep) in prepared.items()}
         outputs = self.pool.run({row: item.tokens for row, item in work.items()})
         decoding = sum(len(item.tokens) == 1 for item in work.values())
         self.largest_batch = max(self.largest_batch, decoding)
@@ -171,7 +143,7 @@ class StaticSessionEngine:
         with self._lock:
             slot = self._slots.get(sequence_id)
             if slot is None:
-                raise self._gone.answer(sequence_id, functools.partial(errors.UnknownSequence, sequence_id))
+                raise gone_error(self._gone, sequence_id)
             slot.last_used = self._clock()
             return slot.row
 

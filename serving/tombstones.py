@@ -1,25 +1,29 @@
-"""Ids that are gone, each with the error that answers a later request for it.
+"""Ids that are gone, each with what to say about it: a sequence that ended or was evicted answers a
+late step precisely ("has ended", "was evicted after 300 s idle") instead of "unknown", and a gateway
+session says why it is gone. One registry for the KV caches (serving/kv_cache.py,
+serving/static_engine.py) and the gateway's sessions (serving/gateway/sessions.py).
 
-A session or sequence that ended, was evicted or was lost answers a late step precisely ("has
-ended", "was evicted after 300 s idle") instead of "unknown". The registry is bounded: past
-`remember` ids the oldest are forgotten and answer as unknown.
+Bounded: past `remember` ids the oldest are forgotten (and answer as unknown).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
 
 
-class Tombstones:
+class Tombstones(Generic[V]):
     def __init__(self, remember: int = 4096) -> None:
         assert remember > 0
         self._remember = remember
-        self._gone: collections.OrderedDict[Hashable, Callable[[], Exception]] = collections.OrderedDict()
+        self._gone: collections.OrderedDict[Hashable, V] = collections.OrderedDict()
 
-    def bury(self, key: Hashable, answer: Callable[[], Exception]) -> None:
-        """`key` is gone; `answer()` makes the error a later request for it gets."""
-        self._gone[key] = answer
+    def bury(self, key: Hashable, what: V) -> None:
+        """`key` is gone; `what` says why (an error to raise, a reason to give)."""
+        self._gone[key] = what
         self._gone.move_to_end(key)
         while len(self._gone) > self._remember:
             self._gone.popitem(last=False)
@@ -28,9 +32,8 @@ class Tombstones:
         """`key` is in use again (a new session or sequence with the same id)."""
         self._gone.pop(key, None)
 
-    def answer(self, key: Hashable, unknown: Callable[[], Exception]) -> Exception:
-        """The error for a request about `key`: why it is gone, else `unknown()`."""
-        return self._gone.get(key, unknown)()
+    def get(self, key: Hashable) -> V | None:
+        return self._gone.get(key)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self._gone

@@ -12,7 +12,7 @@ from serving.gateway.errors import install_handlers
 from serving.gateway.limits import BodyLimitMiddleware
 from serving.gateway.metrics import MetricsMiddleware
 from serving.gateway.settings import Settings
-from serving.gateway.state import Gateway
+from serving.gateway.state import GatewayState
 
 DESCRIPTION = """
 A gateway in front of Triton for the attention model (DESIGN.md 3.4): stateless attention with a
@@ -31,7 +31,7 @@ response's tensors in that form.
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    gateway: Gateway = app.state.gateway
+    gateway: GatewayState = app.state.gateway
     await gateway.start()
     try:
         yield
@@ -48,7 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description=DESCRIPTION,
         lifespan=_lifespan,
     )
-    app.state.gateway = Gateway(settings)
+    app.state.gateway = GatewayState(settings)
     install_handlers(app)
     app.include_router(routes.health)
     app.include_router(routes.v1)

@@ -17,13 +17,13 @@ from serving.gateway import schemas
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
 from serving.gateway.encoding import Encoding, decode, encode
 from serving.gateway.errors import SessionConflict, UpstreamTimeout, UpstreamUnavailable, responses
-from serving.gateway.sessions import Session
-from serving.gateway.state import Gateway as State
+from serving.gateway.sessions import GatewaySession
+from serving.gateway.state import GatewayState
 
 # --- dependencies ---------------------------------------------------------------------------
 
 
-def gateway(request: Request) -> State:
+def gateway_state(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
@@ -33,13 +33,13 @@ def caller(
     api_key: Annotated[str | None, Depends(api_key_scheme)],
 ) -> str:
     """The caller's identity (a fingerprint of its key), or 401."""
-    keys = gateway(request).keys
+    keys = gateway_state(request).keys
     if not keys:
         return ANONYMOUS
     return identify(bearer.credentials if bearer is not None else api_key, keys)
 
 
-Gateway = Annotated[State, Depends(gateway)]
+State = Annotated[GatewayState, Depends(gateway_state)]
 Caller = Annotated[str, Depends(caller)]
 ResponseEncoding = Annotated[
     Encoding, Query(description="`b64`: tensors in the response as base64 tensor objects (see the description)")
@@ -64,7 +64,7 @@ async def healthz() -> dict:
     responses=responses(503),
     summary="Readiness: Triton is ready and both models are loaded",
 )
-async def readyz(gw: Gateway) -> dict:
+async def readyz(gw: State) -> dict:
     settings = gw.settings
     try:
         async with asyncio.timeout(settings.readiness_timeout_s):
@@ -84,7 +84,7 @@ async def readyz(gw: Gateway) -> dict:
     responses={200: {"description": "Prometheus text exposition format"}},
     summary="Prometheus metrics",
 )
-async def metrics(gw: Gateway) -> Response:
+async def metrics(gw: State) -> Response:
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -92,7 +92,7 @@ async def metrics(gw: Gateway) -> Response:
 
 
 @v1.get("/models", response_model=schemas.ModelList, responses=responses(401, 502, 503, 504))
-async def list_models(gw: Gateway) -> dict:
+async def list_models(gw: State) -> dict:
     """The two served models, their readiness and their tensors."""
     client = gw.client
     state = await gw.call(client.health(), "readiness of the models")
@@ -126,7 +126,7 @@ def _describe(info: ModelInfo) -> dict:
     responses=responses(400, 401, 413, 422, 502, 503, 504),
     summary="One stateless forward pass: new tokens plus the past the caller holds",
 )
-async def attend(body: schemas.AttendRequest, gw: Gateway, encoding: ResponseEncoding = "json") -> JSONResponse:
+async def attend(body: schemas.AttendRequest, gw: State, encoding: ResponseEncoding = "json") -> JSONResponse:
     info = await gw.call(gw.client.metadata(), "model metadata")
     dtype = info.float_dtype
     hidden = decode(body.hidden_states, names.HIDDEN_STATES, dtype)
@@ -151,7 +151,7 @@ async def attend(body: schemas.AttendRequest, gw: Gateway, encoding: ResponseEnc
     responses=responses(401, 413, 429),
     summary="Open a session: the server keeps its KV cache between steps",
 )
-async def create_session(gw: Gateway, owner: Caller, response: Response) -> dict:
+async def create_session(gw: State, owner: Caller, response: Response) -> dict:
     session = gw.sessions.create(owner, gw.client.session())
     response.headers["Location"] = f"/v1/sessions/{session.id}"
     return {"id": session.id, "idle_timeout_s": gw.settings.session_idle_s}
@@ -164,7 +164,7 @@ async def create_session(gw: Gateway, owner: Caller, response: Response) -> dict
     summary="Append new tokens to a session and return their output",
 )
 async def step(
-    session_id: str, body: schemas.StepRequest, gw: Gateway, owner: Caller, encoding: ResponseEncoding = "json"
+    session_id: str, body: schemas.StepBody, gw: State, owner: Caller, encoding: ResponseEncoding = "json"
 ) -> JSONResponse:
     async with gw.sessions.using(session_id, owner) as session:
         info = await gw.call(gw.client.metadata(gw.client.session_model), "session model metadata")
@@ -174,7 +174,7 @@ async def step(
         return JSONResponse({"output": encode(output, encoding), "length": session.upstream.length})
 
 
-async def _step(gw: State, session: Session, hidden: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+async def _step(gw: State, session: GatewaySession, hidden: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
     """One upstream step; a session whose server-side state is lost or unknown is marked broken."""
     try:
         return await gw.call(session.upstream.step(hidden, mask), f"step of session '{session.id}'")
@@ -193,7 +193,7 @@ async def _step(gw: State, session: Session, hidden: np.ndarray, mask: np.ndarra
     responses=responses(401, 404, 409),
     summary="Close a session and free its server-side KV cache",
 )
-async def delete_session(session_id: str, gw: Gateway, owner: Caller) -> Response:
+async def delete_session(session_id: str, gw: State, owner: Caller) -> Response:
     session = gw.sessions.remove(session_id, owner, "closed by DELETE")
     await gw.end_upstream(session)
     return Response(status_code=204)

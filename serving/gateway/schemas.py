@@ -42,7 +42,7 @@ class AttendResponse(BaseModel):
     present: list[KeyValue] = Field(description="per layer, the past extended by the new tokens: send it back as past")
 
 
-class StepRequest(Strict):
+class StepBody(Strict):
     hidden_states: States = Field(description="(1, sequence, d_model) float32: the session's new tokens")
     attention_mask: Mask | None = Field(default=None, description="(1, sequence) of 1/0 for the new tokens only")
 
@@ -57,13 +57,13 @@ class SessionCreated(BaseModel):
     idle_timeout_s: float = Field(description="the session is closed after this long without a step")
 
 
-class TensorInfo(BaseModel):
+class TensorDescription(BaseModel):
     name: str
     datatype: str = Field(description="Triton datatype, e.g. FP32, INT64")
     shape: list[int] = Field(description="-1 marks a dynamic axis")
 
 
-class ModelInfo(BaseModel):
+class ModelDescription(BaseModel):
     name: str
     kind: Literal["stateless", "session"]
     ready: bool
@@ -72,12 +72,12 @@ class ModelInfo(BaseModel):
     n_kv_heads: int | None = None
     head_dim: int | None = None
     dtype: str | None = None
-    inputs: list[TensorInfo] = []
-    outputs: list[TensorInfo] = []
+    inputs: list[TensorDescription] = []
+    outputs: list[TensorDescription] = []
 
 
 class ModelList(BaseModel):
-    models: list[ModelInfo]
+    models: list[ModelDescription]
 
 
 class Status(BaseModel):

@@ -16,7 +16,6 @@ a session's `busy` flag (set before them) keeps a second request out.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -26,13 +25,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from serving.gateway.errors import SessionConflict, SessionNotFound, TooManySessions
+from serving.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 TOMBSTONES = 10_000  # how many gone sessions we remember, to say why they are gone
 
 
 @dataclasses.dataclass
-class Session:
+class GatewaySession:
     id: str
     owner: str
     upstream: Any  # client.AsyncSession
@@ -50,26 +50,26 @@ class Gone:
 class SessionStore:
     def __init__(self, per_key: int, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.per_key, self.idle_s, self.clock = per_key, idle_s, clock
-        self._open: dict[str, Session] = {}
-        self._gone: collections.OrderedDict[str, Gone] = collections.OrderedDict()
-        self._unclosed: list[Session] = []  # expired on access, still to be ended upstream
+        self._open: dict[str, GatewaySession] = {}
+        self._gone: Tombstones[Gone] = Tombstones(TOMBSTONES)
+        self._unclosed: list[GatewaySession] = []  # expired on access, still to be ended upstream
 
     def __len__(self) -> int:
         """Open, working sessions (what the active-sessions gauge shows)."""
         return sum(1 for s in self._open.values() if s.broken is None)
 
-    def create(self, owner: str, upstream: Any) -> Session:
+    def create(self, owner: str, upstream: Any) -> GatewaySession:
         held = sum(1 for s in self._open.values() if s.owner == owner and s.broken is None)
         if held >= self.per_key:
             raise TooManySessions(
                 f"this API key holds {held} open sessions, the limit is {self.per_key}; DELETE one or let it "
                 f"expire ({self.idle_s:g} s idle)"
             )
-        session = Session(secrets.token_urlsafe(16), owner, upstream, self.clock())
+        session = GatewaySession(secrets.token_urlsafe(16), owner, upstream, self.clock())
         self._open[session.id] = session
         return session
 
-    def get(self, session_id: str, owner: str) -> Session:
+    def get(self, session_id: str, owner: str) -> GatewaySession:
         session = self._open.get(session_id)
         if session is not None and self._expired(session):  # exact expiry, whenever the sweeper runs
             self._unclosed.append(self._forget(session, self._idle_reason()))
@@ -81,7 +81,7 @@ class SessionStore:
         return session
 
     @contextlib.asynccontextmanager
-    async def using(self, session_id: str, owner: str) -> AsyncIterator[Session]:
+    async def using(self, session_id: str, owner: str) -> AsyncIterator[GatewaySession]:
         """Hold a session for one step: 409 if it is busy or broken."""
         session = self.get(session_id, owner)
         if session.broken is not None:
@@ -95,16 +95,16 @@ class SessionStore:
             session.busy = False
             session.last_used = self.clock()
 
-    def break_(self, session: Session, reason: str) -> None:
+    def break_(self, session: GatewaySession, reason: str) -> None:
         session.broken = reason
 
-    def remove(self, session_id: str, owner: str, reason: str) -> Session:
+    def remove(self, session_id: str, owner: str, reason: str) -> GatewaySession:
         session = self.get(session_id, owner)
         if session.busy:
             raise SessionConflict(f"session '{session_id}' has a step in flight; DELETE it once the step returns")
         return self._forget(session, reason)
 
-    def idle(self) -> list[Session]:
+    def idle(self) -> list[GatewaySession]:
         """Remove and return the sessions idle past `idle_s` (busy ones are not idle), to be ended
         upstream by the caller."""
         expired = [self._forget(s, self._idle_reason()) for s in list(self._open.values()) if self._expired(s)]
@@ -112,22 +112,20 @@ class SessionStore:
         self._unclosed = []
         return expired
 
-    def _expired(self, session: Session) -> bool:
+    def _expired(self, session: GatewaySession) -> bool:
         return not session.busy and session.last_used < self.clock() - self.idle_s
 
     def _idle_reason(self) -> str:
         return f"closed after {self.idle_s:g} s without a step"
 
-    def drain(self) -> list[Session]:
+    def drain(self) -> list[GatewaySession]:
         """Remove and return every session (shutdown)."""
         sessions = [self._forget(s, "the gateway shut down") for s in list(self._open.values())]
         sessions += self._unclosed
         self._unclosed = []
         return sessions
 
-    def _forget(self, session: Session, reason: str) -> Session:
+    def _forget(self, session: GatewaySession, reason: str) -> GatewaySession:
         del self._open[session.id]
-        self._gone[session.id] = Gone(session.owner, reason)
-        while len(self._gone) > TOMBSTONES:
-            self._gone.popitem(last=False)
+        self._gone.bury(session.id, Gone(session.owner, reason))
         return session

@@ -1,4 +1,4 @@
-"""What the routes of one app share: the `Gateway` (settings, accepted keys, the asyncio Triton
+"""What the routes of one app share: the `GatewayState` (settings, accepted keys, the asyncio Triton
 client, the session store, the metrics), kept on `app.state.gateway`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TypeVar
 from client import AsyncClient, ClientError
 from serving.gateway import upstream
 from serving.gateway.metrics import Metrics
-from serving.gateway.sessions import Session, SessionStore
+from serving.gateway.sessions import GatewaySession, SessionStore
 from serving.gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ T = TypeVar("T")
 CLOSE_TIMEOUT_S = 5.0  # ending a session upstream is best effort: Triton's own idle timeout is the backstop
 
 
-class Gateway:
+class GatewayState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.keys = [key.encode() for key in settings.accepted_keys()]
@@ -55,7 +55,7 @@ class Gateway:
         timeout_s = self.settings.request_timeout_s
         return await upstream.call(awaitable, timeout_s=timeout_s, metrics=self.metrics, what=what)
 
-    async def end_upstream(self, session: Session) -> None:
+    async def end_upstream(self, session: GatewaySession) -> None:
         """Send the session's END to Triton; failures are logged, not raised (the caller is done with it)."""
         try:
             async with asyncio.timeout(CLOSE_TIMEOUT_S):

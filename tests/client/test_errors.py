@@ -1,6 +1,6 @@
-"""The error mapping: what tritonclient raises (its own exception type with the status strings
-and messages our Triton 2.51 was measured to send, /tmp/team/TRITON_FACTS.md and serving/errors.py)
-becomes our typed exceptions, with the server's message kept verbatim."""
+"""The error mapping: what tritonclient raises (its own exception type with the status strings and
+messages our Triton 2.51 was measured to send; our models' carry their kind, serving/errors.py)
+becomes our typed exceptions, with the server's message kept (without its kind tag)."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ from client.errors import (
     ServerUnavailableError,
     UnknownSessionError,
 )
+from contract import errors as kinds
 
 START_REQUIRED = (
     "inference request for sequence 1077 to model 'mha_session' must specify the START flag on the first "
     "request of the sequence"
 )
-BUDGET_FULL = (
-    "sequence 77 cannot start: the KV cache budget of 64.0 MiB is full: 4 live sequences reserve 16.0 MiB each "
-    "(max_seq_len 2048 positions); retry later or end a sequence"
+BUDGET_FULL = kinds.tag(
+    kinds.CACHE_FULL,
+    "sequence 77 cannot start: the KV cache budget is full: all 4 slots of 2048 positions (64.0 MiB) hold live "
+    "sequences; retry later or end a sequence",
 )
 REFUSED = (
     "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: "
@@ -40,20 +42,22 @@ CASES = [
      False, InvalidInputError),
     ("400", "INVALID_ARGUMENT", "unexpected shape for input 'hidden_states' for model 'mha'. Expected [-1,-1,256], "
      "got [1,2]. ", False, InvalidInputError),
-    ("400", "INVALID_ARGUMENT", "input 'attention_mask': expected length past + new = 4 + 1 = 5, got 4",
-     False, InvalidInputError),
-    ("400", "INVALID_ARGUMENT", START_REQUIRED, True, UnknownSessionError),
-    ("400", "INVALID_ARGUMENT", "sequence 42 is unknown: start it with the START flag (sequence_start) first",
-     True, UnknownSessionError),
-    ("400", "INVALID_ARGUMENT", "sequence 42 has ended (END flag) and its cache is freed; start a new sequence",
-     True, UnknownSessionError),
-    ("400", "INVALID_ARGUMENT", "sequence 42 was evicted after 2 s idle and its cache is freed; start a new sequence",
-     True, UnknownSessionError),
+    ("400", "INVALID_ARGUMENT", kinds.tag(kinds.INVALID_INPUT, "input 'attention_mask': expected length past + new "
+     "= 4 + 1 = 5, got 4"), False, InvalidInputError),
+    ("400", "INVALID_ARGUMENT", START_REQUIRED, True, UnknownSessionError),  # Triton core's own, untagged
+    ("400", "INVALID_ARGUMENT", kinds.tag(kinds.SEQUENCE_UNKNOWN, "sequence 42 is unknown: start it with the START "
+     "flag (sequence_start) first"), True, UnknownSessionError),
+    ("400", "INVALID_ARGUMENT", kinds.tag(kinds.SEQUENCE_ENDED, "sequence 42 has ended (END flag) and its cache is "
+     "freed; start a new sequence"), True, UnknownSessionError),
+    ("400", "INVALID_ARGUMENT", kinds.tag(kinds.SEQUENCE_EVICTED, "sequence 42 was evicted after 2 s idle and its "
+     "cache is freed; start a new sequence"), True, UnknownSessionError),
     # a step that is too long is the input's fault, not a lost session
-    ("400", "INVALID_ARGUMENT", "sequence 42 would hold 4097 positions, more than max_seq_len 4096",
-     True, InvalidInputError),
-    ("400", "INVALID_ARGUMENT", "input 'hidden_states': a step carries one sequence: expected batch 1, got [2, 1, 8]",
-     True, InvalidInputError),
+    ("400", "INVALID_ARGUMENT", kinds.tag(kinds.SEQUENCE_TOO_LONG, "sequence 42 would hold 4097 positions, more than "
+     "max_seq_len 4096"), True, InvalidInputError),
+    ("400", "INVALID_ARGUMENT", kinds.tag(kinds.INVALID_INPUT, "input 'hidden_states': a step carries one sequence: "
+     "expected batch 1, got [2, 1, 8]"), True, InvalidInputError),
+    # the prose without a kind is not read: an untagged 400 is an input's fault
+    ("400", "INVALID_ARGUMENT", "sequence 42 was evicted after 2 s idle", True, InvalidInputError),
     ("404", "NOT_FOUND", "sequence 42 not found", True, UnknownSessionError),
     ("404", "NOT_FOUND", "Request for unknown model: 'nope' is not found", False, ModelNotFoundError),
     ("404", "NOT_FOUND", "Request for unknown model: 'nope' is not found", True, ModelNotFoundError),
@@ -71,9 +75,11 @@ def test_server_answers_map_to_types_and_keep_the_message(protocol, http_status,
     status = http_status if protocol == "http" else f"StatusCode.{grpc_code}"
     raised = InferenceServerException(msg=message, status=status)
     error = errors.from_exception(raised, session=session)
+    kind, text = kinds.read(message)
     assert type(error) is expected
-    assert error.message == message and str(error) == message
-    assert error.status == status
+    assert error.message == text and str(error) == text and "[" not in text[:1]
+    untagged_gone = kinds.SEQUENCE_UNKNOWN if expected is UnknownSessionError else None  # Triton core's own
+    assert error.status == status and error.kind == (kind or untagged_gone)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from client.errors import (
 )
 from contract import names
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Runner
+from export.runtime import Forward
 from tests.client.conftest import DelayedProxy
 from tests.fixtures.triton import metric
 
@@ -40,7 +40,7 @@ def hidden(served_cfg, batch: int, tokens: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((batch, tokens, served_cfg.d_model)).astype(np.float32)
 
 
-def client_runner(infer) -> Runner:
+def client_runner(infer) -> Forward:
     """`infer(hidden, mask, past)` (our client's, or a sync wrapper of the async one) as a
     parity-ladder runner over named arrays."""
 

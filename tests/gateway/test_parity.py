@@ -9,11 +9,11 @@ import pytest
 from contract import names
 from contract.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Runner
+from export.runtime import Forward
 from tests.gateway.conftest import attend_body, attend_outputs, b64_tensor, from_b64
 
 
-def gateway_runner(api, served_cfg: ModelConfig, binary: bool) -> Runner:
+def gateway_runner(api, served_cfg: ModelConfig, binary: bool) -> Forward:
     """/v1/attend as a parity-ladder runner: named arrays in, named arrays out, through HTTP."""
     path = "/v1/attend?encoding=b64" if binary else "/v1/attend"
 

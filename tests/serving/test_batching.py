@@ -53,7 +53,7 @@ def test_layout_pads_pasts_left_and_new_tokens_right():
     plan = layout(steps)
     assert (plan.max_past, plan.max_new) == (3, 2)
     np.testing.assert_array_equal(plan.mask, [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
-    assert plan.left_pads == [0, 1] and plan.starts == [0, 1] and plan.ends == [4, 5]
+    assert plan.starts == [0, 1] and plan.ends == [4, 5]  # each row's left padding and where its present ends
     np.testing.assert_array_equal(plan.hidden[:, :, 0], [[1, 0], [2, 2]])
 
 

@@ -7,11 +7,11 @@ import pytest
 
 from contract.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Runner
+from export.runtime import Forward
 from tests.serving.helpers import PROTOCOLS, Client
 
 
-def triton_runner(client: Client, model: str = "mha") -> Runner:
+def triton_runner(client: Client, model: str = "mha") -> Forward:
     """The served model as a parity-ladder runner, through tritonclient."""
     return lambda inputs: client.infer(model, dict(inputs))
 

@@ -27,7 +27,7 @@ class TritonPythonModel:
         max_batch = int(self.model.model_config["max_batch_size"])
         self.engine = engines.session_engine(self.model.version, cfg, parameters, max_batch, self.model.name)
         idle = float(parameters[triton_config.P_IDLE_TIMEOUT])
-        self.metrics = Metrics(self.model.name)
+        self.metrics = SessionGauges(self.model.name)
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
         stats = self.engine.stats()
         pb_utils.Logger.log_info(
@@ -78,7 +78,7 @@ def _step_request(request) -> StepRequest:
     )
 
 
-class Metrics:
+class SessionGauges:
     """The cache store and the batching on Triton's metrics endpoint (label model=<name>).
 
     Triton's own nv_inference_exec_count against nv_inference_request_success shows how many
