@@ -22,6 +22,7 @@ from client.errors import (
     ServerBusyError,
     ServerError,
     ServerUnavailableError,
+    SessionLostError,
     UnknownSessionError,
 )
 from client.metadata import ModelInfo
@@ -44,5 +45,6 @@ __all__ = [
     "ServerError",
     "ServerUnavailableError",
     "Session",
+    "SessionLostError",
     "UnknownSessionError",
 ]

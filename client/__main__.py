@@ -38,7 +38,11 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("health", parents=[common], help="print server and model readiness")
+    commands.add_parser(
+        "health",
+        parents=[common],
+        help="server and model readiness, and a one-token request to each model (exit 1 unless both answer)",
+    )
 
     infer = commands.add_parser("infer", parents=[common], help="send one request and summarize the answer")
     infer.add_argument("--hidden", help="hidden states .npy (default: random)")
@@ -62,10 +66,13 @@ def _client(args: argparse.Namespace) -> Client:
 
 
 def health(client: Client) -> int:
-    state = client.health()
+    """Readiness as Triton reports it, then one real token through each model (Triton's flags stay
+    green while a model's process is dead): exit 0 only when both answer (container probes use it)."""
+    state = client.probe()
     print(f"server {state.url}: live={state.live} ready={state.ready}")
     for model, ready in state.models.items():
-        print(f"model {model}: {'ready' if ready else 'NOT READY'}")
+        verdict = f"NOT SERVING: {state.failures[model]}" if model in state.failures else "serving"
+        print(f"model {model}: {verdict if ready else 'NOT READY'}")
     return 0 if state.ok else 1
 
 

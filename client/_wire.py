@@ -45,15 +45,19 @@ class Health:
     live: bool
     ready: bool
     models: dict[str, bool]
+    # a probe's findings: model -> why a real request to it failed (Triton's flags stay green while a
+    # model's process is dead; only an answer shows that it serves). Empty when not probed.
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return self.live and self.ready and all(self.models.values())
+        return self.live and self.ready and all(self.models.values()) and not self.failures
 
     def problems(self) -> str:
         """What is not ready, in words ("" when everything is)."""
         found = [what for what, fine in (("server not live", self.live), ("server not ready", self.ready)) if not fine]
         found += [f"model '{name}' not ready" for name, ready in self.models.items() if not ready]
+        found += [f"model '{name}' does not answer: {why}" for name, why in self.failures.items()]
         return "; ".join(found)
 
 

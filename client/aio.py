@@ -63,6 +63,10 @@ class AsyncClient(ClientCore):
         """True when the server and both models are ready; False also when it cannot be reached."""
         return await self._run(self._ready())
 
+    async def probe(self) -> Health:
+        """`Client.probe` for asyncio."""
+        return await self._run(self._probe())
+
     async def wait_ready(self, timeout: float = 30.0, interval: float = 0.2) -> Health:
         """Poll until the server and both models are ready; ServerUnavailableError after `timeout` s."""
         return await self._run(self._wait_ready(timeout, interval))
@@ -89,6 +93,11 @@ class AsyncSession(SessionCore):
     """`client.Session` for asyncio: `await session.step(...)`, `async with client.session() as s`."""
 
     client: AsyncClient
+
+    async def open(self) -> AsyncSession:
+        """`Session.open` for asyncio: START now, without tokens, so admission fails here."""
+        await self.client._run(self._open())
+        return self
 
     async def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
         """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model)."""

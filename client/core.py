@@ -12,6 +12,7 @@ front: a few lines, where any other split would copy the logic.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import time
 from collections.abc import Sequence
@@ -21,9 +22,17 @@ import numpy as np
 
 from client import _wire
 from client._wire import Health, InferResult
-from client.errors import RequestTimeoutError, ServerUnavailableError, UnknownSessionError
+from client.errors import (
+    ClientError,
+    RequestTimeoutError,
+    ServerBusyError,
+    ServerUnavailableError,
+    SessionLostError,
+    UnknownSessionError,
+)
 from client.metadata import ModelInfo, parse_metadata
 from client.retry import Call, Operation, RetryPolicy, Sleep, retried
+from contract import errors as kinds
 from contract import names
 
 
@@ -71,6 +80,38 @@ class ClientCore:
             check = self._call(f"readiness check of '{name}'", lambda s, name=name: s.is_model_ready(name, **kw))
             models[name] = yield from check
         return Health(self.url, live, ready, models)
+
+    def _probe(self) -> Operation[Health]:
+        """`_health`, then one real token through each model: the stateless one, and a session opened
+        and ended in one request. A model whose process died still reads ready to Triton; this
+        finds it. A full KV-cache budget is an answer (the model serves, just not one more session)."""
+        state = yield from self._health()
+        if not state.ok:
+            return state
+        failures = {}
+        for model, request in ((self.model, self._probe_stateless), (self.session_model, self._probe_session)):
+            try:
+                yield from request()
+            except ServerBusyError:
+                pass
+            except ClientError as error:
+                failures[model] = error.message
+        return dataclasses.replace(state, failures=failures)
+
+    def _probe_stateless(self) -> Operation[Any]:
+        info = yield from self._metadata(self.model)
+        token = np.zeros((1, 1, info.d_model), info.float_dtype)
+        inputs = _wire.make_inputs(self._module, {names.HIDDEN_STATES: token})
+        return (
+            yield from self._call(
+                f"probe of '{self.model}'", lambda s: s.infer(self.model, inputs, **self._timeout_kw), retry=False
+            )
+        )
+
+    def _probe_session(self) -> Operation[Any]:
+        info = yield from self._metadata(self.session_model)
+        token = {names.HIDDEN_STATES: np.zeros((1, 1, info.d_model), info.float_dtype)}
+        return (yield from self._send_step(_wire.new_sequence_id(), token, start=True, end=True))
 
     def _ready(self) -> Operation[bool]:
         try:
@@ -145,12 +186,28 @@ class SessionCore:
         self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
         try:
             output = yield from client._send_step(self.id, tensors, start=not self.started, end=end)
-        except UnknownSessionError:
+        except UnknownSessionError as error:
             self.closed = True  # the server does not know it: there is nothing left to end
+            if self.started and error.kind == kinds.SEQUENCE_UNKNOWN:  # it held it: the process that did is gone
+                raise SessionLostError(
+                    f"session {self.id} is lost: the server held it and has forgotten it; {error.message}",
+                    status=error.status,
+                    kind=kinds.SEQUENCE_LOST,
+                ) from None
             raise
         self.started, self.closed = True, end
         self.length += output.shape[1]
         return output
+
+    def _open(self) -> Operation[None]:
+        """START the session without tokens: the server reserves its KV cache now, so a full budget
+        (ServerBusyError) or a server that is down answers here rather than at the first step."""
+        if self.started or self.closed:
+            raise UnknownSessionError(f"session {self.id} is already {'closed' if self.closed else 'open'}")
+        info = yield from self.client._metadata(self.client.session_model)
+        self._sent = np.zeros((1, 0, info.d_model), info.float_dtype)
+        yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=True, end=False)
+        self.started = True
 
     def _close(self) -> Operation[None]:
         """Mark closed and, once a step went out, END it on the server. A failed first step may have

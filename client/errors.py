@@ -40,6 +40,12 @@ class UnknownSessionError(ClientError):
     process that held it (`.kind` says which)."""
 
 
+class SessionLostError(UnknownSessionError):
+    """The session's KV cache died with the process that held it (a crashed model, a restarted
+    server): open a new session and send its tokens again. The server works again once it has
+    recovered (`Client.wait_ready`)."""
+
+
 class ServerBusyError(ClientError):
     """The server is up but refuses the work for now (its KV-cache budget is full)."""
 
@@ -85,9 +91,12 @@ _BY_KIND: dict[str, type[ClientError]] = {
     kinds.SEQUENCE_TOO_LONG: InvalidInputError,
     kinds.CACHE_FULL: ServerBusyError,
     **dict.fromkeys(kinds.GONE_SEQUENCE, UnknownSessionError),
+    kinds.SEQUENCE_LOST: SessionLostError,
 }
 # Triton core's own answer to a step of a sequence it does not hold (no kind: it is not our model's)
 _TRITON_NO_SEQUENCE = "must specify the START flag"
+# Triton's python backend when a model's process died (until the model is reloaded)
+_DEAD_STUB = re.compile(r"Stub process '[^']*' is not healthy")
 _UNKNOWN_MODEL = re.compile(r"unknown model|has no available versions", re.IGNORECASE)
 # gRPC reports transport failures as UNAVAILABLE too; these words tell them from a busy server.
 _TRANSPORT = re.compile(
@@ -108,14 +117,22 @@ def code_of(status: str | None) -> str | None:
 
 def from_server(message: str, status: str | None, *, session: bool = False) -> ClientError:
     """The typed error for a server's answer; `session` says the request was a session step."""
-    code = code_of(status)
     if status is None:  # raised inside tritonclient before anything was sent
         return ClientError(message)
     kind, message = kinds.read(message)
     if kind is not None:
         return _BY_KIND[kind](message, status=status, kind=kind)
+    return _untagged(message, status, code_of(status), session)
+
+
+def _untagged(message: str, status: str, code: str | None, session: bool) -> ClientError:
+    """An error of Triton's own (no kind): its code and a few of its messages tell what happened."""
     if _UNKNOWN_MODEL.search(message) and code in ("NOT_FOUND", "UNAVAILABLE", "INVALID_ARGUMENT"):
         return ModelNotFoundError(message, status=status)
+    if _DEAD_STUB.search(message):  # a session's cache died with it; a stateless call can be repeated
+        if session:
+            return SessionLostError(message, status=status, kind=kinds.SEQUENCE_LOST)
+        return ServerUnavailableError(message, status=status)
     if session and (code == "NOT_FOUND" or _TRITON_NO_SEQUENCE in message):
         return UnknownSessionError(message, status=status, kind=kinds.SEQUENCE_UNKNOWN)
     if code == "UNAVAILABLE" and _TRANSPORT.search(message):

@@ -14,7 +14,7 @@ from typing import Any
 
 from client.errors import ClientError, InvalidInputError
 from contract import names
-from contract.inputs import InputError, check_inputs
+from contract.inputs import InputError, check_finite, check_inputs
 
 # Triton datatypes of the model's float tensors, as numpy names (what check_inputs compares).
 _FLOAT_DTYPES = {"FP32": "float32", "FP16": "float16", "FP64": "float64"}
@@ -46,10 +46,12 @@ class ModelInfo:
         return names.GraphSizes(self.d_model, self.n_layers, self.n_kv_heads or 0, self.head_dim or 0)
 
     def check(self, tensors: Mapping[str, Any]) -> tuple[int, int, int]:
-        """(batch, past, new) of named inputs, or InvalidInputError naming the input at fault. The
-        server knows its own limits (max_seq_len) and says so."""
+        """(batch, past, new) of named inputs with finite values, or InvalidInputError naming the input
+        at fault. The server knows its own limits (max_seq_len) and says so."""
         try:
-            return check_inputs(self.sizes, tensors, float_dtype=self.float_dtype)
+            sizes = check_inputs(self.sizes, tensors, float_dtype=self.float_dtype)
+            check_finite(tensors)
+            return sizes
         except InputError as error:
             raise InvalidInputError(str(error), input_name=error.input_name) from None
 

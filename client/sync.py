@@ -80,6 +80,11 @@ class Client(ClientCore):
         """True when the server and both models are ready; False also when it cannot be reached."""
         return self._run(self._ready())
 
+    def probe(self) -> Health:
+        """`health()`, then a real one-token request to each model (a model whose process died still
+        reads ready; this finds it): `.ok`, and `.failures` per model."""
+        return self._run(self._probe())
+
     def wait_ready(self, timeout: float = 30.0, interval: float = 0.2) -> Health:
         """Poll until the server and both models are ready; ServerUnavailableError after `timeout` s."""
         return self._run(self._wait_ready(timeout, interval))
@@ -107,6 +112,12 @@ class Session(SessionCore):
     `step(..., end=True)` or `close()` (a zero-token request). Use it as a context manager."""
 
     client: Client
+
+    def open(self) -> Session:
+        """Start the session now, without tokens: the server reserves its KV cache, so a full budget
+        (ServerBusyError) or an unready server fails here instead of at the first step. Optional."""
+        self.client._run(self._open())
+        return self
 
     def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
         """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model)."""

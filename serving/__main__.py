@@ -5,8 +5,11 @@ python -m serving --no-gateway [--model-repository REPO] [--http-port 8000] [--g
 python -m serving repository --artifacts DIR --repository REPO     fill a repository from an artifact
 python -m serving ensure --repository REPO [--preset|--config|--config-json]   build and fill if it lacks the model
 
-The default model is exported first when the repository lacks it. SIGINT or SIGTERM shuts
-everything down gracefully and leaves no process behind.
+The default model is exported first when the repository lacks it. Triton is supervised
+(serving/supervisor.py): a dead server is started again and a model whose process died is reloaded,
+each within seconds; the gateway stays up and its /readyz says "not ready" meanwhile. A port that
+another process holds is refused before anything starts, naming that process. SIGINT or SIGTERM
+shuts everything down gracefully and leaves no process behind.
 """
 
 from __future__ import annotations
@@ -33,7 +36,16 @@ def triton_arguments(parser: argparse.ArgumentParser) -> None:
     triton.add_argument("--http-port", type=int, default=8000)
     triton.add_argument("--grpc-port", type=int, default=8001)
     triton.add_argument("--metrics-port", type=int, default=8002)
+    triton.add_argument(
+        "--triton-address", default="127.0.0.1", help="the address Triton listens on (default: %(default)s)"
+    )
     triton.add_argument("--log", type=Path, help="Triton's log file (default: a temporary file, kept on failure)")
+    triton.add_argument(
+        "--tritonserver", type=Path, help="an installed tritonserver binary (the NGC image's) instead of the wheel's"
+    )
+    triton.add_argument(
+        "--probe-interval", type=float, default=1.0, help="seconds between the supervisor's probes (default: 1)"
+    )
 
 
 def gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,20 +69,27 @@ def parser() -> argparse.ArgumentParser:
 
 def ensure_repository(repository: Path) -> None:
     """Export the default model into `repository` unless it already holds the served models."""
+    from serving.launcher import TritonStartError
     from serving.triton.repository import is_complete
 
     if is_complete(repository):
         return
+    try:
+        from export.build import BuildError
+        from serving.triton.cli import export_default
+    except ImportError as error:  # a serving-only environment (the Triton image) cannot export
+        raise TritonStartError(
+            f"{repository} lacks the models and this environment cannot build them ({error}); "
+            "fill it first with `python -m serving ensure --repository ...` where the export extra is installed"
+        ) from None
     print(f"{repository} lacks the models; exporting the default preset first (about a minute)", flush=True)
-    from export.build import BuildError
-    from serving.triton.cli import export_default
 
     try:
         export_default(repository)
     except BuildError as error:  # a failed variant is left out; serve if the python models got theirs
         print(f"warning: {error}", file=sys.stderr)
         if not is_complete(repository):
-            raise
+            raise TritonStartError(f"the default model could not be built: {error}") from None
 
 
 @contextlib.contextmanager
@@ -93,21 +112,15 @@ def shutdown_signals() -> Iterator[threading.Event]:
 
 def run(args: argparse.Namespace) -> int:
     from serving.gateway.server import GatewayStartError
-    from serving.launcher import TritonStartError, start_triton
+    from serving.launcher import TritonStartError
 
-    ensure_repository(args.model_repository)
-    server = None
+    supervisor = None
     with shutdown_signals() as stop:
         try:
-            server = start_triton(
-                args.model_repository,
-                http_port=args.http_port,
-                grpc_port=args.grpc_port,
-                metrics_port=args.metrics_port,
-                log_path=args.log,
-            )
-            print_urls(server)
-            serve(args, server, stop)
+            ensure_repository(args.model_repository)
+            supervisor = supervise(args)
+            print_urls(supervisor.server)
+            serve(args, supervisor, stop)
         except Shutdown as received:
             print(f"{received}: shutting down", flush=True)
         except (TritonStartError, GatewayStartError) as error:
@@ -116,9 +129,41 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown short
                 signal.signal(sig, signal.SIG_IGN)
-            if server is not None:
-                server.stop()
-    return 0 if server is None or stop.is_set() or server.process.returncode == 0 else 1
+            if supervisor is not None:
+                supervisor.stop()
+    return 0 if supervisor is None or supervisor.failed is None else 1
+
+
+def supervise(args: argparse.Namespace):
+    """Triton started and kept serving (serving/supervisor.py): the same ports and log at every
+    restart, so the gateway and the clients find it again."""
+    from serving.launcher import check_ports_free, free_port, start_triton
+    from serving.supervisor import Supervisor
+
+    ports = {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
+    check_ports_free(args.triton_address, {k: v for k, v in ports.items() if v})
+    if not args.no_gateway and args.gateway_port:
+        check_ports_free(gateway_host(args), {"gateway": args.gateway_port})
+    ports = {k: v or free_port(args.triton_address) for k, v in ports.items()}  # fixed for every restart
+
+    def start():
+        return start_triton(
+            args.model_repository,
+            host=args.triton_address,
+            http_port=ports["http"],
+            grpc_port=ports["grpc"],
+            metrics_port=ports["metrics"],
+            log_path=args.log,
+            tritonserver=args.tritonserver,
+        )
+
+    return Supervisor(start, interval=args.probe_interval)
+
+
+def gateway_host(args: argparse.Namespace) -> str:
+    from serving.gateway import Settings
+
+    return Settings(**({"host": args.host} if args.host is not None else {})).bind_host()
 
 
 def print_urls(server) -> None:
@@ -128,28 +173,28 @@ def print_urls(server) -> None:
     print(f"models          {', '.join(server.models)}", flush=True)
 
 
-def serve(args: argparse.Namespace, server, stop: threading.Event) -> None:
-    """Run until a signal arrives or Triton exits on its own; the gateway (unless --no-gateway)
+def serve(args: argparse.Namespace, supervisor, stop: threading.Event) -> None:
+    """Run until a signal arrives or the supervisor gives up; the gateway (unless --no-gateway)
     talks to this Triton over gRPC, with its other settings from SERVING_* variables."""
     if args.no_gateway:
-        return watch(server, stop)
+        return watch(supervisor, stop)
     from serving.gateway import Settings, banner, run_gateway
 
-    overrides = {"triton_url": server.grpc_url, "port": args.gateway_port}
+    overrides = {"triton_url": supervisor.server.grpc_url, "port": args.gateway_port}
     if args.host is not None:
         overrides["host"] = args.host
     gateway = run_gateway(Settings(**overrides))
     try:
         print(banner(gateway), flush=True)
-        watch(server, stop)
+        watch(supervisor, stop)
     finally:
         gateway.stop()
 
 
-def watch(server, stop: threading.Event) -> None:
+def watch(supervisor, stop: threading.Event) -> None:
     while not stop.wait(0.5):
-        if not server.is_running():
-            print(f"tritonserver exited with {server.process.returncode}; its log: {server.log_path}", file=sys.stderr)
+        if not supervisor.running():
+            print(f"error: {supervisor.failed}; Triton's log: {supervisor.server.log_path}", file=sys.stderr)
             return
 
 

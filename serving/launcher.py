@@ -1,20 +1,29 @@
-"""Start the real Triton Inference Server that ships in the `nvidia-pytriton` wheel, without Docker.
+"""Start a real Triton Inference Server without Docker: the one in the `nvidia-pytriton` wheel (here),
+or an installed one (the NGC image: `tritonserver=` names its binary).
 
 The wheel carries a `tritonserver` binary, the Python backend and one backend stub per Python
-version (DESIGN.md section 4). To run it we lay out a backend directory holding the stub for the
-running interpreter, put this virtual environment first on PATH (the stub runs the first `python3`
-it finds there and takes its packages from that environment; it ignores PYTHONPATH), put the
-wheel's libraries and this interpreter's libpython on LD_LIBRARY_PATH (without the latter the stub
-loads the system libpython against another stdlib), and load the models whose backends exist.
+version (docs/design.md, "Triton without Docker"). To run it we lay out a backend directory holding
+the stub for the running interpreter, put this virtual environment first on PATH (the stub runs the
+first `python3` it finds there and takes its packages from that environment; it ignores PYTHONPATH),
+put the wheel's libraries and this interpreter's libpython on LD_LIBRARY_PATH (without the latter the
+stub loads the system libpython against another stdlib), and load the models whose backends exist.
+
+Every server started here has its administrative APIs (model repository, shared memory, logging,
+trace) restricted, over HTTP and gRPC, to a key made at start and shared with nobody but the
+supervisor (serving/supervisor.py), which reloads a model through them. Ports are checked before the
+start: a port another process holds is named with that process, and never read as if it were ours.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
+import errno
 import importlib.util
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -37,6 +46,44 @@ _PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tenso
 
 class TritonStartError(RuntimeError):
     """Triton did not become ready; the message ends with the tail of its log."""
+
+
+class PortInUseError(TritonStartError):
+    """A port the server needs is held by another process (named in the message)."""
+
+
+# the APIs that change a running server; restricted to the admin key (Triton's --*-restricted-* flags)
+RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "admin-key"
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonInstall:
+    """Where a tritonserver binary and its backends are, and the environment it runs in."""
+
+    binary: Path
+    backends: Path
+    env: dict[str, str]
+    gpu_metrics: bool  # the wheel's build has no GPU metrics
+
+
+def bundled_install(work_dir: Path) -> TritonInstall:
+    """The wheel's tritonserver, its backends completed by this interpreter's stub in `work_dir`."""
+    bundle = bundled_triton()
+    return TritonInstall(
+        bundle / "bin" / "tritonserver", backend_directory(bundle, work_dir), server_environment(bundle), False
+    )
+
+
+def system_install(binary: Path) -> TritonInstall:
+    """An installed tritonserver (the NGC image's /opt/tritonserver/bin/tritonserver) with its own
+    backends beside it and the environment as it is."""
+    binary = Path(binary)
+    if not binary.is_file():
+        raise TritonStartError(f"no tritonserver binary at {binary}")
+    env = dict(os.environ)
+    env.update({key: value for key, value in MALLOC_SETTINGS.items() if key not in env})
+    return TritonInstall(binary, binary.parent.parent / "backends", env, True)
 
 
 def bundled_triton() -> Path:
@@ -131,9 +178,11 @@ class TritonServer:
         log_path: Path,
         work_dir: Path,
         owns_log: bool,
+        admin_key: str,
     ) -> None:
         self.process, self.host, self.ports, self.models = process, host, ports, models
         self.log_path, self._work_dir, self._owns_log = log_path, work_dir, owns_log
+        self.admin_key = admin_key  # the restricted APIs' key: nobody else has it
         self._started_at = time.time()
         atexit.register(self.stop)
 
@@ -219,12 +268,12 @@ def _mapped_shm_files() -> set[str]:
     return names
 
 
-def _command(bundle: Path, backends: Path, repository: Path, models: Sequence[str], host: str, ports: dict) -> list:
+def _command(install: TritonInstall, repository: Path, models: Sequence[str], host: str, ports: dict, key: str) -> list:
     command = [
-        str(bundle / "bin" / "tritonserver"),
+        str(install.binary),
         f"--model-repository={repository}",
-        f"--backend-directory={backends}",
-        "--model-control-mode=explicit",
+        f"--backend-directory={install.backends}",
+        "--model-control-mode=explicit",  # the supervisor reloads a model whose process died
         *(f"--load-model={model}" for model in models),
         f"--http-port={ports['http']}",
         f"--grpc-port={ports['grpc']}",
@@ -232,7 +281,9 @@ def _command(bundle: Path, backends: Path, repository: Path, models: Sequence[st
         f"--http-address={host}",
         f"--grpc-address={host}",
         f"--metrics-address={host}",
-        "--allow-gpu-metrics=false",
+        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+        f"--allow-gpu-metrics={str(install.gpu_metrics).lower()}",
         # on SIGINT Triton waits this long for open client connections (idle keep-alives included)
         "--exit-timeout-secs=5",
         # a decode step's caches are megabytes: start the shared-memory region big enough for them
@@ -240,6 +291,39 @@ def _command(bundle: Path, backends: Path, repository: Path, models: Sequence[st
         "--backend-config=python,shm-growth-byte-size=16777216",
     ]
     return command
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """PortInUseError naming the port and the process that holds it, before anything starts (a
+    server that fails to bind would otherwise look ready through the other server's answers)."""
+    for what, port in ports.items():
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is no conflict
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    raise TritonStartError(f"cannot bind the {what} port {port} on {host}: {error.strerror}") from None
+                raise PortInUseError(
+                    f"{what} port {port} on {host} is already in use ({port_holder(port)}): stop that process or "
+                    f"choose another port (--{what}-port)"
+                ) from None
+
+
+def port_holder(port: int) -> str:
+    """Who listens on `port`: "pid 123: tritonserver --model-repository ...", as far as we may see."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error, OSError):
+        for connection in psutil.net_connections(kind="inet"):
+            if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.laddr.port == port:
+                if connection.pid is None:
+                    return "a process of another user"
+                with contextlib.suppress(psutil.Error):
+                    command = " ".join(psutil.Process(connection.pid).cmdline())
+                    return f"pid {connection.pid}: {command[:160]}"
+                return f"pid {connection.pid}"
+    return "by a process this user cannot see"
 
 
 def _wait_ready(server: TritonServer, models: Sequence[str], timeout: float) -> None:
@@ -275,40 +359,43 @@ def start_triton(
     metrics_port: int = 0,
     log_path: str | Path | None = None,
     ready_timeout: float = 180.0,
+    tritonserver: str | Path | None = None,
 ) -> TritonServer:
     """Start Triton on `repository` and return once it and its models are ready.
 
     `models=None` loads every model whose backend this Triton build has (others are logged and
-    skipped). A port of 0 picks a free one. The log goes to `log_path` (or a temporary file that is
-    kept only if the server fails).
+    skipped). A port of 0 picks a free one; a given port held by another process raises
+    PortInUseError naming it. The log goes to `log_path` (appended; or a temporary file that is kept
+    only if the server fails). `tritonserver` runs an installed server instead of the wheel's.
     """
     repository = Path(repository).resolve()
     if not repository.is_dir():
         raise TritonStartError(f"no model repository at {repository}")
-    bundle = bundled_triton()
+    ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
+    check_ports_free(host, {name: port for name, port in ports.items() if port})
+    ports = {name: port or free_port(host) for name, port in ports.items()}
     work_dir = Path(tempfile.mkdtemp(prefix="triton-"))
-    backends = backend_directory(bundle, work_dir)
+    install = system_install(Path(tritonserver)) if tritonserver else bundled_install(work_dir)
     if models is None:
-        models, skipped = loadable_models(repository, backends)
+        models, skipped = loadable_models(repository, install.backends)
         for model, why in skipped.items():
             log.info("not loading model '%s': %s", model, why)
     if not models:
         raise TritonStartError(f"no loadable model in {repository}")
-    ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
-    ports = {name: port or free_port(host) for name, port in ports.items()}
     owns_log = log_path is None
     log_path = Path(log_path) if log_path else work_dir / "triton.log"
+    key = secrets.token_urlsafe(32)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(
-            _command(bundle, backends, repository, models, host, ports),
+            _command(install, repository, models, host, ports, key),
             stdout=log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_environment(bundle),
+            env=install.env,
             cwd=work_dir,
             start_new_session=True,  # its own process group: stop() reaches the stubs too
         )
-    server = TritonServer(process, host, ports, list(models), log_path, work_dir, owns_log)
+    server = TritonServer(process, host, ports, list(models), log_path, work_dir, owns_log, key)
     try:
         _wait_ready(server, models, ready_timeout)
     except BaseException:

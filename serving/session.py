@@ -18,7 +18,7 @@ import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
-from contract.inputs import InputError, check_inputs
+from contract.inputs import InputError, check_finite, check_inputs
 from serving import errors
 from serving.batching import Step, run_steps
 from serving.kv_cache import KVCacheStore
@@ -32,7 +32,7 @@ class StepRequest:
     sequence_id: Hashable
     start: bool
     end: bool
-    hidden: np.ndarray | None  # (1, T, d_model) float32; T may be 0 only with `end`
+    hidden: np.ndarray | None  # (1, T, d_model) float32; T may be 0 only with `start` or `end`
     mask: np.ndarray | None = None  # (1, T) int64; all ones when left out
 
 
@@ -44,10 +44,11 @@ def check_step(cfg: ModelConfig, request: StepRequest) -> int:
     hidden = request.hidden
     if hidden is None:
         raise InputError(names.HIDDEN_STATES, "missing")
-    if hidden.ndim == 3 and hidden.shape[1] == 0 and request.end:
-        new = 0  # closing a session without computing
+    if hidden.ndim == 3 and hidden.shape[1] == 0 and (request.start or request.end):
+        new = 0  # opening a session (its cache reserved) or closing one, without computing
     else:
         check_inputs(cfg, {names.HIDDEN_STATES: hidden})
+        check_finite({names.HIDDEN_STATES: hidden})  # a NaN in the cache would poison every later step
         new = hidden.shape[1]
     if hidden.shape[0] != 1:
         raise InputError(names.HIDDEN_STATES, f"one sequence per step: expected batch 1, got {list(hidden.shape)}")

@@ -10,6 +10,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 # The web stack pinned as in pyproject.toml's `serving` extra (tests/gateway/test_compose.py checks
 # they agree); that extra also holds the bundled Triton wheel, which a gateway does not need.
 COPY pyproject.toml README.md /tmp/src/
+COPY contract /tmp/src/contract
 COPY export /tmp/src/export
 COPY serving /tmp/src/serving
 COPY client /tmp/src/client
@@ -18,6 +19,7 @@ RUN python -m pip install /tmp/src \
         "uvicorn==0.54.0" \
         "pydantic-settings==2.16.3" \
         "prometheus-client==0.26.0" \
+        "swagger-ui-bundle-v2==5.31.0" \
     && rm -rf /tmp/src
 
 RUN useradd --uid 10001 --no-log-init --create-home --shell /usr/sbin/nologin serving

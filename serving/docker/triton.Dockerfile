@@ -21,14 +21,16 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 # What the Python-backend models import at run time, pinned as in pyproject.toml: ONNX Runtime
 # (GPU build), onnx (the runner's cache-copy kernels), and this package with its own dependencies
-# (numpy < 2, tritonclient for the config schema). No torch: the `export` service builds the models.
+# (numpy < 2, tritonclient for the config schema and the supervisor's probe), psutil for the
+# launcher. No torch: the `export` service builds the models.
 COPY pyproject.toml README.md /tmp/src/
+COPY contract /tmp/src/contract
 COPY export /tmp/src/export
 COPY serving /tmp/src/serving
 COPY client /tmp/src/client
-RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" /tmp/src && rm -rf /tmp/src
+RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" "psutil==7.2.2" /tmp/src && rm -rf /tmp/src
 
-# Not root. The TensorRT engine caches (see export/triton_config.py and serving/triton_models)
+# Not root. The TensorRT engine caches (serving/triton/config.py and serving/runner.py)
 # are created here so that volumes mounted on them start owned by this user.
 RUN useradd --uid 10001 --no-log-init --create-home --shell /usr/sbin/nologin serving \
     && mkdir -p /tmp/triton-trt-cache /tmp/attention-serving-trt \
@@ -37,5 +39,6 @@ USER serving
 WORKDIR /home/serving
 
 EXPOSE 8000 8001 8002
-# docker-compose.yml gives the command (model repository, control mode, restricted APIs)
-CMD ["tritonserver", "--model-repository=/models", "--model-control-mode=none"]
+# Triton under the supervisor (restarts, reloads, restricted admin APIs); docker-compose.yml gives the same
+CMD ["python3", "-m", "serving", "--no-gateway", "--tritonserver=/opt/tritonserver/bin/tritonserver", \
+     "--model-repository=/models", "--triton-address=0.0.0.0", "--log=/dev/stdout"]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import swagger_ui_bundle
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
 
 from serving.gateway import routes
 from serving.gateway.errors import install_handlers
@@ -15,7 +19,7 @@ from serving.gateway.settings import Settings
 from serving.gateway.state import GatewayState
 
 DESCRIPTION = """
-A gateway in front of Triton for the attention model (DESIGN.md 3.4): stateless attention with a
+A gateway in front of Triton for the attention model (docs/design.md): stateless attention with a
 client-side KV cache (`/v1/attend`) and sessions whose KV cache the server keeps (`/v1/sessions`).
 
 **Auth.** Send `Authorization: Bearer <key>` or `X-API-Key: <key>`. `/healthz`, `/readyz` and
@@ -47,7 +51,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="1.0.0",
         description=DESCRIPTION,
         lifespan=_lifespan,
+        docs_url=None,  # FastAPI's page loads Swagger UI from a CDN: blank on an offline host
+        redoc_url=None,
     )
+    _install_docs(app)
     app.state.gateway = GatewayState(settings)
     install_handlers(app)
     app.include_router(routes.health)
@@ -56,3 +63,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=app.state.gateway.metrics)
     return app
+
+
+def _install_docs(app: FastAPI) -> None:
+    """`/docs`: Swagger UI from the files the swagger-ui-bundle package ships, served here."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
+
+
+DOCS_ASSETS = "/docs-assets"

@@ -56,12 +56,25 @@ class SessionConflict(ApiError):
     status, code = 409, "session_conflict"
 
 
+class SessionLost(SessionConflict):
+    """Its KV cache died with the Triton process that held it: open a new session."""
+
+    status, code = 409, "session_lost"
+
+
 class BodyTooLarge(ApiError):
     status, code = 413, "body_too_large"
 
 
 class TooManySessions(ApiError):
     status, code = 429, "too_many_sessions"
+
+
+class Overloaded(ApiError):
+    """As many stateless requests are in flight as the gateway lets through: retry shortly."""
+
+    status, code = 429, "overloaded"
+    headers: ClassVar[dict[str, str] | None] = {"Retry-After": "1"}
 
 
 class UpstreamFailed(ApiError):
@@ -73,6 +86,13 @@ class UpstreamUnavailable(ApiError):
     headers: ClassVar[dict[str, str] | None] = {"Retry-After": "1"}
 
 
+class UpstreamBusy(ApiError):
+    """Triton serves but cannot take this now (its KV-cache budget is full)."""
+
+    status, code = 503, "upstream_busy"
+    headers: ClassVar[dict[str, str] | None] = {"Retry-After": "5"}
+
+
 class UpstreamTimeout(ApiError):
     status, code = 504, "upstream_timeout"
 
@@ -82,12 +102,13 @@ DESCRIPTIONS = {
     400: "invalid input: the message names the input with the expected and actual shape, dtype or value",
     401: "missing or wrong API key (`Authorization: Bearer <key>` or `X-API-Key: <key>`)",
     404: "no such session (or it belongs to another key)",
-    409: "the session was closed or expired, or another step of it is in flight",
+    409: "the session cannot go on: lost with a Triton process (`session_lost`), evicted, or a step in flight",
     413: "request body larger than the configured limit",
     422: "the body does not match the schema",
-    429: "this API key holds as many open sessions as it may",
+    429: "this API key holds as many open sessions as it may, or the gateway is at its stateless concurrency cap "
+    "(see Retry-After)",
     502: "Triton failed on a request it accepted",
-    503: "Triton is unavailable, not ready or busy (see Retry-After)",
+    503: "Triton is unavailable, not ready, or its KV-cache budget is full (see Retry-After)",
     504: "the request took longer than the per-request timeout",
 }
 

@@ -16,7 +16,14 @@ from contract import names
 from serving.gateway import schemas
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
 from serving.gateway.encoding import Encoding, decode, encode
-from serving.gateway.errors import SessionConflict, UpstreamTimeout, UpstreamUnavailable, responses
+from serving.gateway.errors import (
+    ApiError,
+    InvalidInput,
+    SessionConflict,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+    responses,
+)
 from serving.gateway.sessions import GatewaySession
 from serving.gateway.state import GatewayState
 
@@ -62,19 +69,18 @@ async def healthz() -> dict:
     "/readyz",
     response_model=schemas.Status,
     responses=responses(503),
-    summary="Readiness: Triton is ready and both models are loaded",
+    summary="Readiness: Triton is ready and both models answer a one-token request",
 )
 async def readyz(gw: State) -> dict:
     settings = gw.settings
     try:
         async with asyncio.timeout(settings.readiness_timeout_s):
-            state = await gw.client.health()
+            state = await gw.client.probe()
     except (ClientError, TimeoutError) as error:
         message = getattr(error, "message", None) or f"no answer within {settings.readiness_timeout_s:g} s"
         raise UpstreamUnavailable(f"Triton at {settings.triton_url} is not reachable: {message}") from None
     if not state.ok:
-        waiting = [f"model '{name}'" for name, ready in state.models.items() if not ready]
-        raise UpstreamUnavailable(f"Triton at {settings.triton_url} is not ready: {', '.join(waiting) or 'server'}")
+        raise UpstreamUnavailable(f"Triton at {settings.triton_url} is not ready: {state.problems()}")
     return {"status": "ready"}
 
 
@@ -123,13 +129,19 @@ def _describe(info: ModelInfo) -> dict:
 @v1.post(
     "/attend",
     response_model=schemas.AttendResponse,
-    responses=responses(400, 401, 413, 422, 502, 503, 504),
+    responses=responses(400, 401, 413, 422, 429, 502, 503, 504),
     summary="One stateless forward pass: new tokens plus the past the caller holds",
 )
 async def attend(body: schemas.AttendRequest, gw: State, encoding: ResponseEncoding = "json") -> JSONResponse:
+    async with gw.attend_slot():
+        return await _attend(body, gw, encoding)
+
+
+async def _attend(body: schemas.AttendRequest, gw: State, encoding: Encoding) -> JSONResponse:
     info = await gw.call(gw.client.metadata(), "model metadata")
     dtype = info.float_dtype
     hidden = decode(body.hidden_states, names.HIDDEN_STATES, dtype)
+    check_request_tokens(hidden, gw.settings.max_request_tokens)
     mask = None if body.attention_mask is None else decode(body.attention_mask, names.ATTENTION_MASK, "int64")
     past = [
         tuple(decode(getattr(pair, kind), names.past_name(layer, kind), dtype) for kind in names.KV_KINDS)
@@ -141,6 +153,15 @@ async def attend(body: schemas.AttendRequest, gw: State, encoding: ResponseEncod
     return JSONResponse({"output": encode(result.output, encoding), "present": present})
 
 
+def check_request_tokens(hidden: np.ndarray, limit: int) -> None:
+    batch, new = hidden.shape[:2] if hidden.ndim >= 2 else (1, hidden.size)
+    if batch * new > limit:
+        raise InvalidInput(
+            f"input '{names.HIDDEN_STATES}': batch x new = {batch} x {new} = {batch * new} tokens, more than the "
+            f"gateway's {limit} per request (SERVING_MAX_REQUEST_TOKENS)"
+        )
+
+
 # --- sessions -------------------------------------------------------------------------------
 
 
@@ -148,11 +169,17 @@ async def attend(body: schemas.AttendRequest, gw: State, encoding: ResponseEncod
     "/sessions",
     status_code=201,
     response_model=schemas.SessionCreated,
-    responses=responses(401, 413, 429),
+    responses=responses(401, 413, 429, 502, 503, 504),
     summary="Open a session: the server keeps its KV cache between steps",
 )
 async def create_session(gw: State, owner: Caller, response: Response) -> dict:
     session = gw.sessions.create(owner, gw.client.session())
+    try:  # START now: a full KV budget or a Triton that cannot serve answers here, not at the first step
+        await gw.call(session.upstream.open(), "opening a session")
+    except ApiError:
+        gw.sessions.remove(session.id, owner, "refused when opened")
+        await gw.end_upstream(session)  # Triton's batcher may hold the sequence
+        raise
     response.headers["Location"] = f"/v1/sessions/{session.id}"
     return {"id": session.id, "idle_timeout_s": gw.settings.session_idle_s}
 

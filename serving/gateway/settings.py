@@ -35,7 +35,18 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=30.0, gt=0, description="per request, upstream included; past it 504")
     sessions_per_key: int = Field(default=16, ge=1, description="open sessions one API key may hold; past it 429")
     session_idle_s: float = Field(default=300.0, gt=0, description="a session unused this long is closed")
-    readiness_timeout_s: float = Field(default=2.0, gt=0, description="how long /readyz waits for Triton")
+    readiness_timeout_s: float = Field(
+        default=3.0, gt=0, description="how long /readyz waits for Triton's answers to its probe"
+    )
+    attend_concurrency: int = Field(
+        default=8, ge=1, description="/v1/attend requests in flight at once; past it 429 with Retry-After at once"
+    )
+    max_request_tokens: int = Field(
+        default=4096,
+        ge=1,
+        description="/v1/attend: batch x new tokens one request may carry; past it 400 (Triton's own cap, the "
+        "repository's max_request_tokens, may be lower)",
+    )
     log_level: str = Field(default="info")
 
     @field_validator("api_keys", mode="before")

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from client import AsyncClient, ClientError
 from serving.gateway import upstream
+from serving.gateway.errors import Overloaded
 from serving.gateway.metrics import Metrics
 from serving.gateway.sessions import GatewaySession, SessionStore
 from serving.gateway.settings import Settings
@@ -29,6 +30,7 @@ class GatewayState:
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))
         self._client: AsyncClient | None = None
         self._sweeper: asyncio.Task | None = None
+        self._attending = 0  # /v1/attend requests in flight (everything runs on the event loop)
 
     @property
     def client(self) -> AsyncClient:
@@ -50,6 +52,21 @@ class GatewayState:
                 await self._sweeper
         await asyncio.gather(*(self.end_upstream(s) for s in self.sessions.drain()))
         await self.client.close()
+
+    @contextlib.asynccontextmanager
+    async def attend_slot(self) -> AsyncIterator[None]:
+        """One of `attend_concurrency` places for a stateless request, or 429 at once: a queue here
+        would only turn overload into timeouts (a 4,096-token request holds the model for seconds)."""
+        if self._attending >= self.settings.attend_concurrency:
+            raise Overloaded(
+                f"{self._attending} stateless requests are in flight, the most this gateway lets through "
+                f"(SERVING_ATTEND_CONCURRENCY); retry shortly"
+            )
+        self._attending += 1
+        try:
+            yield
+        finally:
+            self._attending -= 1
 
     async def call(self, awaitable: Awaitable[T], what: str) -> T:
         timeout_s = self.settings.request_timeout_s

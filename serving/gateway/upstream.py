@@ -3,6 +3,7 @@
 | client error            | HTTP | why                                                          |
 |-------------------------|------|--------------------------------------------------------------|
 | InvalidInputError       | 400  | the caller's tensors do not fit the model (message names it) |
+| SessionLostError        | 409  | the session's cache died with a Triton process (session_lost)|
 | UnknownSessionError     | 409  | Triton no longer holds the session's state (evicted, expired)|
 | ServerBusyError         | 503  | Triton is up but its KV-cache budget is full: retry later    |
 | ServerUnavailableError  | 503  | Triton cannot be reached or is not ready                     |
@@ -23,6 +24,8 @@ from serving.gateway.errors import (
     ApiError,
     InvalidInput,
     SessionConflict,
+    SessionLost,
+    UpstreamBusy,
     UpstreamFailed,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -34,23 +37,22 @@ T = TypeVar("T")
 
 _BY_TYPE: list[tuple[type[client_errors.ClientError], type[ApiError]]] = [
     (client_errors.InvalidInputError, InvalidInput),
+    (client_errors.SessionLostError, SessionLost),  # before its base class
     (client_errors.UnknownSessionError, SessionConflict),
-    (client_errors.ServerBusyError, UpstreamUnavailable),
+    (client_errors.ServerBusyError, UpstreamBusy),
     (client_errors.ServerUnavailableError, UpstreamUnavailable),
     (client_errors.ModelNotFoundError, UpstreamUnavailable),
     (client_errors.RequestTimeoutError, UpstreamTimeout),
 ]
 
 
-def to_api_error(error: client_errors.ClientError) -> ApiError:
+def to_api_error(error: client_errors.ClientError, what: str) -> ApiError:
+    """The answer for a failed upstream call; the message says which call (`what`) and Triton's
+    words, except for a caller's mistake, whose message names the input already."""
     for client_type, api_type in _BY_TYPE:
         if isinstance(error, client_type):
-            return api_type(f"{_prefix(api_type)}{error.message}")
-    return UpstreamFailed(f"Triton failed on the request: {error.message}")
-
-
-def _prefix(api_type: type[ApiError]) -> str:
-    return "" if api_type is InvalidInput else "Triton: "
+            return api_type(error.message if api_type is InvalidInput else f"{what}: Triton: {error.message}")
+    return UpstreamFailed(f"{what}: Triton failed on the request: {error.message}")
 
 
 async def call(awaitable: Awaitable[T], *, timeout_s: float, metrics: Metrics, what: str) -> T:
@@ -64,4 +66,4 @@ async def call(awaitable: Awaitable[T], *, timeout_s: float, metrics: Metrics, w
     except client_errors.ClientError as error:
         if not isinstance(error, client_errors.InvalidInputError):  # a caller's mistake is no upstream failure
             metrics.upstream_errors.labels(type(error).__name__).inc()
-        raise to_api_error(error) from None
+        raise to_api_error(error, what) from None

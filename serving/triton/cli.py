@@ -69,6 +69,12 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--max-batch-size", type=int, default=defaults.max_batch_size, help="mha_session: sequences per execute()")
     add(
+        "--max-request-tokens",
+        type=int,
+        default=defaults.max_request_tokens,
+        help="mha: batch x new tokens one request may compute (default: the config's max_seq_len)",
+    )
+    add(
         "--engine",
         choices=ENGINES,
         default=defaults.engine,
@@ -91,6 +97,7 @@ def settings_from(args: argparse.Namespace) -> ServingSettings:
         idle_timeout_seconds=args.idle_timeout,
         max_batch_size=args.max_batch_size,
         engine=args.engine,
+        max_request_tokens=args.max_request_tokens,
     )
 
 

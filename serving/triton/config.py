@@ -45,6 +45,7 @@ P_THREADS = "threads"
 P_KV_CACHE_BYTES = "kv_cache_bytes"
 P_IDLE_TIMEOUT = "idle_timeout_seconds"
 P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
+P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
 ENGINE_STATIC, ENGINE_CONCAT = "static", "concat"
 ENGINES = (ENGINE_STATIC, ENGINE_CONCAT)
 
@@ -65,10 +66,18 @@ class ServingSettings:
     trt_cache_dir: str = "/tmp/triton-trt-cache"  # mha_onnx: TensorRT engine cache (must be writable)
     # mha_session: the slot pool over the static-cache graph, or per-sequence caches batched by padding
     engine: str = ENGINE_STATIC
+    # mha: batch x new tokens one request may compute; None = the config's max_seq_len. A request's
+    # attention scores grow with its tokens times its length: 12,000 tokens took a stub to 6.6 GB.
+    max_request_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.kv_cache_bytes <= 0 or self.idle_timeout_seconds <= 0 or self.max_batch_size < 1:
             raise ValueError(f"invalid serving settings: {self}")
+        if self.max_request_tokens is not None and self.max_request_tokens < 1:
+            raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
+
+    def request_tokens(self, cfg: ModelConfig) -> int:
+        return self.max_request_tokens or cfg.max_seq_len
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
 
@@ -116,6 +125,7 @@ def mha_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSe
     config = _python_model(MHA, onnx_files, settings)
     config.max_batch_size = 0  # the batch axis is the graph's own, in dims as -1
     _add_stateless_io(config, cfg, "float32", optional=True)
+    _set_parameters(config, {P_MAX_REQUEST_TOKENS: settings.request_tokens(cfg)})
     return config
 
 

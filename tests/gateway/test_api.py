@@ -308,12 +308,11 @@ def test_triton_down_gives_503_and_liveness_stays(triton):
         assert_error(response, 503, "upstream_unavailable")
         assert response.headers["retry-after"] == "1"
         assert_error(client.get("/v1/models"), 503, "upstream_unavailable")
-        session = client.post("/v1/sessions").json()["id"]  # opening needs no Triton; the first step does
-        assert_error(
-            client.post(f"/v1/sessions/{session}/step", json={"hidden_states": states().tolist()}),
-            503,
-            "upstream_unavailable",
-        )
+        # admission at creation: the session is refused now, not at its first step, and not kept
+        created = client.post("/v1/sessions")
+        assert_error(created, 503, "upstream_unavailable", "opening a session")
+        assert created.headers["retry-after"] == "1"
+        assert re.search(r"^gateway_active_sessions 0.0$", client.get("/metrics").text, flags=re.MULTILINE)
         metrics = client.get("/metrics").text
         assert re.search(r'gateway_upstream_errors_total\{kind="ServerUnavailableError"\} [1-9]', metrics), metrics
         client.close()

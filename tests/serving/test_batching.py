@@ -158,8 +158,16 @@ def test_end_frees_even_a_failing_step_and_zero_tokens_just_end(engine):
     assert isinstance(results[0], InputError)
     assert results[1].shape == (1, 0, cfg.d_model)
     assert engine.store.stats().sequences == 0
-    (no_tokens,) = engine.execute([StepRequest("c", True, False, np.zeros((1, 0, cfg.d_model), np.float32))])
+    # START without tokens opens the sequence (its cache reserved: admission at session creation);
+    # a later step without tokens and without END computes nothing and is refused
+    (opened,) = engine.execute([StepRequest("c", True, False, np.zeros((1, 0, cfg.d_model), np.float32))])
+    assert opened.shape == (1, 0, cfg.d_model) and engine.stats().sequences == 1
+    (no_tokens,) = engine.execute([StepRequest("c", False, False, np.zeros((1, 0, cfg.d_model), np.float32))])
     assert isinstance(no_tokens, InputError) and "at least 1" in str(no_tokens)
+    (first,) = engine.execute([StepRequest("c", False, True, tokens(cfg, 2, 3))])
+    expected = engine.runner.run_arrays({names.HIDDEN_STATES: tokens(cfg, 2, 3)})[names.OUTPUT]
+    np.testing.assert_allclose(first, expected, atol=1e-5, rtol=1e-5)
+    assert engine.stats().sequences == 0
     # closing a sequence the store no longer holds (evicted, refused) succeeds: it is gone either way
     (closed,) = engine.execute([StepRequest("ghost", False, True, np.zeros((1, 0, cfg.d_model), np.float32))])
     assert closed.shape == (1, 0, cfg.d_model)

@@ -1,13 +1,16 @@
 """`mha`: the stateless model. A request carries the hidden states, the mask and the whole past;
-the answer is the output and the presents (DESIGN.md 3.2). Each request is checked on its own and a
-bad one gets its own INVALID_ARG answer naming the input; execute() never raises."""
+the answer is the output and the presents (docs/design.md, "Contracts"). Each request is checked on
+its own (shapes, dtypes, finite values, past + new within max_seq_len, batch x new within the
+repository's `max_request_tokens`) and a bad one gets its own INVALID_ARG answer naming the input;
+execute() never raises."""
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from contract.inputs import check_inputs
+from contract.inputs import check_finite, check_inputs, check_length, check_request_tokens
 from serving import engines
+from serving.triton import config as triton_config
 from serving.triton.models import common
 
 
@@ -17,7 +20,11 @@ class TritonPythonModel:
         self.runner = engines.stateless_runner(
             self.model.version, self.model.cfg, self.model.parameters, self.model.name
         )
-        pb_utils.Logger.log_info(f"{self.model.name}: runner {self.runner.description}")
+        tokens = self.model.parameters.get(triton_config.P_MAX_REQUEST_TOKENS, self.model.cfg.max_seq_len)
+        self.max_request_tokens = int(tokens)
+        pb_utils.Logger.log_info(
+            f"{self.model.name}: runner {self.runner.description}; at most {self.max_request_tokens} tokens a request"
+        )
 
     def execute(self, requests: list) -> list:
         return [self._answer(request) for request in requests]
@@ -25,7 +32,10 @@ class TritonPythonModel:
     def _answer(self, request):
         try:
             arrays = common.request_arrays(request)
-            check_inputs(self.model.cfg, arrays, float_dtype="float32")
+            batch, past, new = check_inputs(self.model.cfg, arrays, float_dtype="float32")
+            check_length(self.model.cfg, past, new)
+            check_request_tokens(batch, new, self.max_request_tokens)
+            check_finite(arrays)
             return common.response(self.runner.run_arrays(arrays))
         except Exception as error:  # answered, never raised: the server keeps serving
             return common.error_response(self.model.name, error)

@@ -1,0 +1,164 @@
+"""The fault suite: `python -m serving` as a user runs it (supervised Triton and the gateway, real
+processes), hit by what takes a serving stack down: kill -9 of each model's process and of
+tritonserver, and the HTTP request whose shape Triton 2.51's front end dies on.
+
+Each fault asserts what the user sees while it lasts (the status codes), that the stack serves again
+within the supervision window (the measured time is printed; docs/reliability.md has the numbers),
+that the same requests give the same outputs before and after, that the command keeps running, and
+(serving_process, on leaving) that no process is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import httpx
+import numpy as np
+import pytest
+
+from serving.triton.config import ServingSettings
+from serving.triton.repository import write_repository
+from tests.fixtures.serving_process import serving_process
+
+RECOVERY_WINDOW_S = 30.0  # the issue's bound; measured recoveries are 2 to 4 s
+
+
+@pytest.fixture(scope="module")
+def stack(artifact_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("faults")
+    repository = write_repository(artifact_dir("tiny"), work / "repository", ServingSettings(threads=1))
+    with (
+        serving_process(repository, work, args=("--probe-interval", "0.5")) as served,
+        httpx.Client(base_url=served.gateway_url, timeout=30) as gateway,
+    ):
+        yield served, gateway
+
+
+def hidden(tokens: int, seed: int, width: int = 32) -> list:
+    return np.random.default_rng(seed).standard_normal((1, tokens, width)).astype(np.float32).tolist()
+
+
+def attend(gateway: httpx.Client) -> np.ndarray:
+    answer = gateway.post("/v1/attend", json={"hidden_states": hidden(5, seed=1)})
+    assert answer.status_code == 200, answer.text
+    return np.array(answer.json()["output"])
+
+
+def new_session(gateway: httpx.Client) -> tuple[str, np.ndarray]:
+    """A session opened and stepped once; its id and that step's output."""
+    created = gateway.post("/v1/sessions")
+    assert created.status_code == 201, created.text
+    session = created.json()["id"]
+    return session, step(gateway, session, seed=2)
+
+
+def step(gateway: httpx.Client, session: str, seed: int) -> np.ndarray:
+    answer = gateway.post(f"/v1/sessions/{session}/step", json={"hidden_states": hidden(3, seed)})
+    assert answer.status_code == 200, answer.text
+    return np.array(answer.json()["output"])
+
+
+def kill(served, fragment: str) -> int:
+    """kill -9 of the one process under `python -m serving` whose command line has `fragment`."""
+    matches = [pid for pid, command in served.descendants().items() if fragment in command]
+    assert len(matches) == 1, (fragment, served.descendants())
+    os.kill(matches[0], signal.SIGKILL)
+    return matches[0]
+
+
+def wait_ready(gateway: httpx.Client, since: float) -> float:
+    """Seconds from `since` until /readyz answers 200 (it probes both models for real)."""
+    while time.monotonic() - since < RECOVERY_WINDOW_S:
+        if gateway.get("/readyz").status_code == 200:
+            return time.monotonic() - since
+        time.sleep(0.1)
+    pytest.fail(f"not ready {RECOVERY_WINDOW_S:g} s after the fault")
+
+
+def assert_code(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code, response.text
+
+
+def test_a_killed_session_model_is_reloaded_and_its_sessions_are_lost(stack):
+    served, gateway = stack
+    before, (session, first) = attend(gateway), new_session(gateway)
+
+    killed_at = time.monotonic()
+    kill(served, "mha_session_0_0")
+    assert gateway.get("/readyz").status_code == 503  # readiness tells the truth at once
+    # the session's KV cache died with the process: a precise 409, never another sequence's data
+    assert_code(gateway.post(f"/v1/sessions/{session}/step", json={"hidden_states": hidden(1, 3)}), 409, "session_lost")
+    recovered = wait_ready(gateway, killed_at)
+    print(f"session model reloaded: serving {recovered:.1f} s after kill -9")
+
+    again, (_, first_again) = attend(gateway), new_session(gateway)
+    np.testing.assert_array_equal(again, before)
+    np.testing.assert_array_equal(first_again, first)
+    assert "reloading mha_session" in served.output() and "serving again" in served.output()
+    assert served.process.poll() is None
+
+
+def test_a_killed_stateless_model_is_reloaded(stack):
+    served, gateway = stack
+    before = attend(gateway)
+    killed_at = time.monotonic()
+    kill(served, "mha_0_0")
+    # a stateless call is safe to repeat: the gateway's retries may reach the reloaded model (a
+    # late, correct answer); otherwise 503 with Retry-After. Never a wrong answer, never a 5xx of ours.
+    during = gateway.post("/v1/attend", json={"hidden_states": hidden(5, seed=1)})
+    if during.status_code == 200:
+        np.testing.assert_array_equal(np.array(during.json()["output"]), before)
+    else:
+        assert_code(during, 503, "upstream_unavailable")
+        assert during.headers["retry-after"] == "1"
+    recovered = wait_ready(gateway, killed_at)
+    print(f"stateless model reloaded: serving {recovered:.1f} s after kill -9")
+    np.testing.assert_array_equal(attend(gateway), before)
+    assert "reloading mha" in served.output()
+
+
+def test_a_killed_tritonserver_is_started_again(stack):
+    served, gateway = stack
+    before, (session, first) = attend(gateway), new_session(gateway)
+    killed_at = time.monotonic()
+    kill(served, "bin/tritonserver")
+    assert gateway.get("/readyz").status_code == 503
+    assert gateway.get("/healthz").status_code == 200  # the gateway itself lives on
+    recovered = wait_ready(gateway, killed_at)
+    print(f"tritonserver restarted: serving {recovered:.1f} s after kill -9")
+    # the restarted server never held the session: lost, said precisely
+    assert_code(gateway.post(f"/v1/sessions/{session}/step", json={"hidden_states": hidden(1, 3)}), 409, "session_lost")
+    np.testing.assert_array_equal(attend(gateway), before)
+    np.testing.assert_array_equal(new_session(gateway)[1], first)
+    assert "tritonserver exited with -9" in served.output()
+
+
+def test_the_shape_that_kills_triton_2_51s_http_front_end_costs_seconds_not_the_stack(stack):
+    """Triton allocates a request's declared shape before reading its data: 10^9 x 32 floats abort
+    it (std::bad_alloc, signal 6) before any model sees the request, so no check of ours can refuse
+    it there. The gateway refuses it (its body holds 1 value); Triton is only on loopback; the
+    supervisor starts it again."""
+    served, gateway = stack
+    before = attend(gateway)
+    body = {"inputs": [{"name": "hidden_states", "shape": [1, 10**9, 32], "datatype": "FP32", "data": [0.1]}]}
+    refused = gateway.post(
+        "/v1/attend", json={"hidden_states": {"dtype": "float32", "shape": [1, 10**9, 32], "b64": ""}}
+    )
+    assert refused.status_code in (400, 422), refused.text  # the gateway never forwards it
+
+    sent_at = time.monotonic()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{served.http_port}/v2/models/mha/infer", data=json.dumps(body).encode()
+    )
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        urllib.request.urlopen(request, timeout=30)
+    recovered = wait_ready(gateway, sent_at)
+    print(f"huge-shape request: serving {recovered:.1f} s after it")
+    np.testing.assert_array_equal(attend(gateway), before)
+    assert served.process.poll() is None
