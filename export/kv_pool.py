@@ -86,7 +86,7 @@ class KVPool:
         self.description = f"{rows} rows of {capacity} positions on {self.device}"
         # a prefill's scores are chunk x length: the CPU arena gives that memory back after it (decode runs
         # need little). The GPU arena is left alone: captured graphs keep using what they were given.
-        self._prefill_options = _run_options(
+        self._prefill_options = run_options(
             {"memory.enable_memory_arena_shrinkage": "cpu:0"} | ({"gpu_graph_id": "-1"} if self.cuda_graphs else {})
         )
 
@@ -207,7 +207,8 @@ class KVPool:
         }
 
 
-def _run_options(entries: dict[str, str]):
+def run_options(entries: dict[str, str]):
+    """ONNX Runtime run options with these config entries."""
     import onnxruntime as ort
 
     options = ort.RunOptions()
@@ -255,7 +256,7 @@ class _DecodeWindow:
         self.binding.bind_ortvalue_input(names.TOTAL_SEQUENCE_LENGTH, self.total)
         self.binding.bind_ortvalue_output(names.OUTPUT, self.output_value)
         pool.bind_caches(self.binding, low, count)
-        self.run_options = _run_options({"gpu_graph_id": str(graph_id)}) if pool.cuda_graphs else None
+        self.run_options = run_options({"gpu_graph_id": str(graph_id)}) if pool.cuda_graphs else None
 
     def run(self, hidden: np.ndarray, seqlens_k: np.ndarray) -> None:
         if self.on_cpu:

@@ -138,6 +138,8 @@ def up_to_date(
     the configs it would write now (nothing to do)."""
     if not is_complete(repository, tuple(m for m in models if m in PYTHON_MODELS)):
         return False
+    if not all((repository / m / TRITON_CONFIG_FILENAME).is_file() for m in models):
+        return False  # a model asked for now that an earlier run left out
     if any(ModelConfig.load(repository / m / "1") != cfg for m in models if (repository / m / "1").is_dir()):
         return False
     graphs = (path.name for model in models for path in (repository / model / "1").glob("model.*.onnx"))

@@ -18,6 +18,7 @@ from client.errors import (
     ServerBusyError,
     ServerError,
     ServerUnavailableError,
+    SessionLostError,
     UnknownSessionError,
 )
 from contract import errors as kinds
@@ -31,6 +32,7 @@ BUDGET_FULL = kinds.tag(
     "sequence 77 cannot start: the KV cache budget is full: all 4 slots of 2048 positions (64.0 MiB) hold live "
     "sequences; retry later or end a sequence",
 )
+DEAD_STUB = "Stub process 'mha_session_0_0' is not healthy."
 REFUSED = (
     "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: "
     "Connection refused"
@@ -66,6 +68,11 @@ CASES = [
      False, ServerError),
     ("501", "UNIMPLEMENTED", "not supported", False, ServerError),
     ("504", "DEADLINE_EXCEEDED", "Deadline Exceeded", False, RequestTimeoutError),
+    # a model's process died (measured: INTERNAL on 2.51): a session's cache died with it; a stateless
+    # call can be repeated once the supervisor has reloaded the model
+    ("500", "INTERNAL", DEAD_STUB, True, SessionLostError),
+    ("500", "INTERNAL", DEAD_STUB, False, ServerUnavailableError),
+    ("400", "INVALID_ARGUMENT", kinds.tag(kinds.SEQUENCE_LOST, "sequence 42 is lost"), True, SessionLostError),
 ]  # fmt: skip
 
 
@@ -78,8 +85,9 @@ def test_server_answers_map_to_types_and_keep_the_message(protocol, http_status,
     kind, text = kinds.read(message)
     assert type(error) is expected
     assert error.message == text and str(error) == text and "[" not in text[:1]
-    untagged_gone = kinds.SEQUENCE_UNKNOWN if expected is UnknownSessionError else None  # Triton core's own
-    assert error.status == status and error.kind == (kind or untagged_gone)
+    # Triton's own untagged answers get the kind they mean: a sequence it does not hold, a dead process's
+    untagged = {UnknownSessionError: kinds.SEQUENCE_UNKNOWN, SessionLostError: kinds.SEQUENCE_LOST}.get(expected)
+    assert error.status == status and error.kind == (kind or untagged)
 
 
 @pytest.mark.parametrize(

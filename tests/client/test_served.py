@@ -213,6 +213,12 @@ def test_bad_inputs_are_refused_before_sending(triton, served_cfg, protocol):
         with pytest.raises(InvalidInputError, match="hidden_states") as caught:
             client.infer(hidden(served_cfg, 1, 2, seed=0).astype(np.float64))
         assert caught.value.status is None
+        poisoned = hidden(served_cfg, 1, 2, seed=0)
+        poisoned[0, 1, 5] = np.nan
+        with pytest.raises(InvalidInputError, match=r"expected finite values, got nan at index \[0, 1, 5\]"):
+            client.infer(poisoned)
+        with pytest.raises(InvalidInputError, match="finite"), client.session() as session:
+            session.step(poisoned)
         assert request_count(triton, "mha") == before  # no round trip
 
 
@@ -228,6 +234,7 @@ def test_server_rejections_are_typed_and_the_server_keeps_serving(triton, served
             "dtype": ((x.astype(np.float64),), ["hidden_states", "FP64"]),  # Triton core's own check
             "width": ((x[..., :128],), ["hidden_states"]),  # Triton core's shape check
             "mask": ((x, np.ones((2, 5), np.int64)), ["attention_mask"]),  # our model's check
+            "inf": ((np.where(x > 2.5, np.inf, x),), ["hidden_states", "finite", "inf"]),  # our model's check
         }
         for args, words in bad.values():
             with pytest.raises(InvalidInputError) as caught:
@@ -268,11 +275,25 @@ def test_a_full_kv_cache_budget_is_server_busy(triton, served_cfg, protocol):
                 fill_budget(client, sessions, token)
             assert caught.value.status in ("503", "StatusCode.UNAVAILABLE")
             assert sessions[0].step(token).shape == (1, 1, served_cfg.d_model)  # the live ones keep working
+            with pytest.raises(ServerBusyError, match="budget"):  # admission: refused when opened, not later
+                client.session().open()
         finally:
             for session in sessions:
                 session.close()
         with client.session() as session:  # the budget came back
             session.step(token)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_session_opened_before_its_first_step_computes_the_same(triton, served_cfg, protocol):
+    steps = [hidden(served_cfg, 1, n, seed=20 + n) for n in (4, 1, 1)]
+    with Client(url(triton, protocol), protocol) as client:
+        with client.session() as lazy:
+            expected = [lazy.step(x) for x in steps]
+        with client.session().open() as opened:
+            assert opened.started and opened.length == 0
+            for x, want in zip(steps, expected, strict=True):
+                np.testing.assert_array_equal(opened.step(x), want)
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -52,3 +52,23 @@ def test_attend_needs_the_key_and_matches_the_independent_implementation(served_
             ours = np.array(served_cache).transpose(0, 2, 1, 3)[real_keys]
             np.testing.assert_allclose(ours, theirs.transpose(0, 2, 1, 3)[real_keys], atol=1e-5, rtol=1e-5)
     assert "gateway auth    enabled (1 key(s))" in served.output()
+
+
+def test_a_second_serving_on_the_same_ports_names_the_holder_and_reads_nothing(served_unseen, tmp_path):
+    """The second command fails before starting anything, naming the port and the process holding it;
+    it never prints the first server's models or a curl line for its width."""
+    import subprocess
+    import sys
+
+    _, served = served_unseen
+    command = [
+        sys.executable, "-m", "serving", "--model-repository", str(served.output_path.parent / "repository"),
+        "--http-port", str(served.http_port), "--grpc-port", str(served.grpc_port),
+        "--metrics-port", str(served.metrics_port), "--gateway-port", str(served.gateway_port),
+    ]  # fmt: skip
+    second = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False)
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert f"http port {served.http_port} on 127.0.0.1 is already in use (pid " in second.stderr
+    assert "tritonserver" in second.stderr and "--http-port" in second.stderr
+    assert "models" not in second.stdout and "curl" not in second.stdout
+    assert httpx.get(f"{served.gateway_url}/readyz", timeout=30).status_code == 200  # the first one is untouched

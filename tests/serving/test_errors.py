@@ -1,4 +1,5 @@
-"""Every error of issue point 3, over HTTP and gRPC: a 4xx-class answer whose message names the
+"""The bad-input matrix of both models over HTTP and gRPC (part of the fault suite, docs/reliability.md):
+a 4xx-class answer whose message names the
 input (or the sequence) and what was expected; then a correct request gets the same output as
 before the error, so the server kept serving and no state changed.
 
@@ -63,7 +64,27 @@ STATELESS_CASES = {
     "cache length": Case(_replace(K0, lambda a, c: a[K0][:, :, :3].copy()), ("past_sequence_length", "4", "3")),
     "half the past": Case(_drop(V0), (V0, "missing", "every past key and value")),
     "no hidden states": Case(_drop(H), (H, "missing")),
+    "batch 0": Case(lambda a, c: {n: v[:0] for n, v in a.items()}, (H, "batch_size must be at least 1, got 0")),
+    "NaN": Case(_replace(H, lambda a, c: _poke(a[H], np.nan)), (H, "finite", "nan at index [0, 1, 2]")),
+    "Inf in the past": Case(_replace(V0, lambda a, c: _poke(a[V0], -np.inf)), (V0, "finite", "-inf at index")),
+    "longer than max_seq_len": Case(
+        lambda a, c: good_inputs(c, past=c.max_seq_len - 2, new=3),
+        (H, "past + new = 2046 + 3 = 2049 positions", "max_seq_len 2048"),
+    ),
+    "more tokens than a request may carry": Case(
+        lambda a, c: _batched(good_inputs(c, past=0, new=1025), 2), (H, "2 x 1025 = 2050 tokens", "2048 per request")
+    ),
 }
+
+
+def _poke(array: np.ndarray, value: float) -> np.ndarray:
+    poked = array.copy()
+    poked[(0,) * (array.ndim - 2) + (1, 2)] = value
+    return poked
+
+
+def _batched(arrays: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+    return {name: np.repeat(array, batch, axis=0) for name, array in arrays.items()}
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -91,6 +112,9 @@ SESSION_CASES = {
     "mask length": (lambda d: np.ones((1, 2, d), np.float32), np.ones((1, 3), np.int64), (M, "[1, 2]", "[1, 3]")),
     "no new tokens": (lambda d: np.ones((1, 0, d), np.float32), None, (H, "sequence_length must be at least 1")),
     "too long": (lambda d: np.ones((1, 2048, d), np.float32), None, ("would hold 2051 positions", "max_seq_len 2048")),
+    # one NaN in a step would sit in the cache and poison every later step of the session
+    "NaN": (lambda d: _poke(np.ones((1, 2, d), np.float32), np.nan), None, (H, "finite", "nan at index [0, 1, 2]")),
+    "Inf": (lambda d: _poke(np.ones((1, 2, d), np.float32), np.inf), None, (H, "finite", "inf at index")),
 }
 
 

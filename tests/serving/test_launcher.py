@@ -91,3 +91,54 @@ def test_a_model_that_fails_to_load_gives_the_log_tail_and_keeps_the_log(tmp_pat
 def test_a_missing_repository_is_a_clear_error(tmp_path):
     with pytest.raises(TritonStartError, match="no model repository at"):
         start_triton(tmp_path / "nowhere")
+
+
+# --- what every server started here closes, and port conflicts ------------------------------------
+
+ADMIN_CALLS = {
+    # (what, call(client) for the HTTP and the gRPC tritonclient alike)
+    "unload a model": lambda client, **kw: client.unload_model("mha_session", **kw),
+    "load a model": lambda client, **kw: client.load_model("mha", **kw),
+    "list the repository": lambda client, **kw: client.get_model_repository_index(**kw),
+    "register shared memory": lambda client, **kw: client.register_system_shared_memory("r", "/r", 64, **kw),
+    "change the log settings": lambda client, **kw: client.update_log_settings({"log_verbose_level": 1}, **kw),
+    "change the trace settings": lambda client, **kw: client.update_trace_settings(settings={"trace_rate": "1"}, **kw),
+}
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("call", ADMIN_CALLS)
+def test_admin_apis_are_refused_without_the_launchers_key(triton, protocol, call):
+    """A local Triton is as closed as the compose one: without the key nothing changes the server
+    (an uploaded model.py would run arbitrary code as the server's user)."""
+    from tritonclient.utils import InferenceServerException
+
+    module = httpclient if protocol == "http" else pytest.importorskip("tritonclient.grpc")
+    client = module.InferenceServerClient(triton.http_url if protocol == "http" else triton.grpc_url)
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            ADMIN_CALLS[call](client, headers={"admin-key": "a guess"})
+        assert "restricted" in refused.value.message().lower() or "admin-key" in refused.value.message(), refused.value
+        assert client.is_model_ready("mha_session")  # nothing was unloaded
+        # the key opens it (gRPC carries it in a prefixed metadata key)
+        header = "admin-key" if protocol == "http" else "triton-grpc-protocol-admin-key"
+        assert client.get_model_repository_index(headers={header: triton.admin_key})
+    finally:
+        client.close()
+
+
+def test_a_port_another_process_holds_is_named_before_anything_starts(tmp_path):
+    import socket
+
+    from serving.launcher import PortInUseError
+
+    add_model(tmp_path, "echo")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(PortInUseError) as raised:
+            start_triton(tmp_path, grpc_port=port)
+    message = str(raised.value)
+    assert f"grpc port {port} on 127.0.0.1 is already in use" in message
+    assert f"pid {os.getpid()}" in message and "--grpc-port" in message  # who holds it: this test

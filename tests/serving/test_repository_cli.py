@@ -22,6 +22,10 @@ def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_pat
     as_json = ["--config-json", '{"d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1, "max_seq_len": 64}']
     assert serving_cli.main([*command[:3], *as_json, "--models", "mha,mha_session"]) == 0  # another model
     assert json.loads((repository / "mha" / "1" / "config.json").read_text())["n_kv_heads"] == 2
+    # max_seq_len below 512 with every model: the TensorRT profile of mha_onnx follows the config
+    assert serving_cli.main([*command[:3], *as_json]) == 0
+    profile = (repository / "mha_onnx" / "config.pbtxt").read_text()
+    assert "hidden_states:8x32x32,attention_mask:8x64,past_key_values.0.key:8x2x32x8" in profile, profile
 
 
 def test_ensure_refuses_a_config_that_is_not_one(tmp_path, capsys):
