@@ -1,7 +1,7 @@
 """The bad-input matrix of both models over HTTP and gRPC (part of the fault suite, docs/reliability.md):
-a 4xx-class answer whose message names the
-input (or the sequence) and what was expected; then a correct request gets the same output as
-before the error, so the server kept serving and no state changed.
+a 4xx-class answer whose message names the input (or the sequence) and what was expected; then a
+correct request gets the same output as before the error, so the server kept serving and no state
+changed.
 
 Triton core answers some of these itself before our model sees the request (wrong dtype, rank or
 fixed size; a step for a sequence it does not know): those checks are part of the served contract
