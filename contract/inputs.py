@@ -36,6 +36,21 @@ def named_inputs(
     return tensors
 
 
+def with_defaults(cfg: names.Sizes, feeds: Mapping[str, Any]) -> dict[str, Any]:
+    """`feeds` completed with what a caller may leave out, as the PyTorch original reads it: an empty
+    past (zero-length caches of the hidden states' dtype) and an all-ones attention mask."""
+    hidden = feeds[names.HIDDEN_STATES]
+    batch, new = hidden.shape[:2]
+    filled = dict(feeds)
+    if names.past_name(0, names.KEY) not in filled:
+        empty = np.zeros((batch, cfg.n_kv_heads, 0, cfg.head_dim), hidden.dtype)
+        filled.update(dict.fromkeys(names.past_names(cfg.n_layers), empty))
+    if names.ATTENTION_MASK not in filled:
+        past = filled[names.past_name(0, names.KEY)].shape[2]
+        filled[names.ATTENTION_MASK] = np.ones((batch, past + new), np.int64)
+    return filled
+
+
 def _dtype_name(array: Any) -> str:
     return str(array.dtype).removeprefix("torch.")
 

@@ -44,50 +44,54 @@ def torch_runner(model, device: str = "cpu") -> Forward:
     return run
 
 
-def ort_session(path: str | Path, providers: Sequence | None = None, threads: int | None = None):
-    """An ONNX Runtime session with full graph optimizations; CPU unless providers say otherwise."""
+def session_options(threads: int = 0, arena: bool = True, spinning: bool = True):
+    """ONNX Runtime session options as every session here wants them: full graph optimizations,
+    errors only in the log. `spinning=False`: idle pool threads sleep (a server whose sessions run
+    one after another must not let one session's spinning pool steal the next one's cores)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = threads
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.enable_cpu_mem_arena = arena
     options.log_severity_level = 3  # errors only: a missing CUDA library is not our user's concern here
+    return options
+
+
+def ort_session(path: str | Path, providers: Sequence | None = None, threads: int | None = None):
+    """An ONNX Runtime session with full graph optimizations; CPU unless providers say otherwise."""
+    import onnxruntime as ort
+
+    options = session_options(threads or 0)
     return ort.InferenceSession(str(path), sess_options=options, providers=list(providers or ["CPUExecutionProvider"]))
 
 
 def ort_runner(session) -> Forward:
-    """An ONNX Runtime session as a runner; an empty past is passed as zero-length tensors."""
+    """An ONNX Runtime session as a runner; a left-out past or mask is filled as the original reads it."""
+    from contract.inputs import with_defaults
+
     input_names = [i.name for i in session.get_inputs()]
     output_names = [o.name for o in session.get_outputs()]
+    sizes = graph_sizes(session)
 
     def run(inputs: Mapping[str, np.ndarray]) -> Arrays:
         feeds = dict(inputs)
-        missing = [name for name in input_names if name not in feeds]
-        if missing:
-            feeds.update(default_inputs(session, feeds, missing))
+        if any(name not in feeds for name in input_names):
+            filled = with_defaults(sizes, feeds)
+            feeds.update({name: filled[name] for name in input_names if name not in feeds})
         return dict(zip(output_names, session.run(output_names, feeds), strict=True))
 
     return run
 
 
-def default_inputs(session, feeds: Mapping[str, np.ndarray], missing: list[str]) -> Arrays:
-    """What a caller may leave out, as the PyTorch original reads it: an empty past (zero-length
-    tensors) and an all-ones attention mask."""
+def graph_sizes(session):
+    """The sizes a stateless graph's inputs are made of, read from the session."""
     from contract import names
 
-    hidden = feeds[names.HIDDEN_STATES]
-    batch, new = hidden.shape[:2]
-    specs = {i.name: i for i in session.get_inputs()}
-    arrays, past = {}, 0
-    for name in missing:
-        if not name.startswith("past_key_values."):
-            continue
-        _, n_kv_heads, _, head_dim = specs[name].shape
-        arrays[name] = np.zeros((batch, n_kv_heads, 0, head_dim), dtype=hidden.dtype)
-    given_past = feeds.get(names.past_name(0, names.KEY))
-    if given_past is not None:
-        past = given_past.shape[2]
-    if names.ATTENTION_MASK in missing:
-        arrays[names.ATTENTION_MASK] = np.ones((batch, past + new), dtype=np.int64)
-    return arrays
+    specs = {i.name: i.shape for i in session.get_inputs()}
+    n_layers = names.layer_count(list(specs))
+    _, n_kv_heads, _, head_dim = specs[names.past_name(0, names.KEY)] if n_layers else (0, 0, 0, 0)
+    return names.GraphSizes(specs[names.HIDDEN_STATES][-1], n_layers, n_kv_heads, head_dim)

@@ -22,7 +22,9 @@ import onnxruntime as ort
 
 from contract import names
 from contract.config import ModelConfig
+from contract.inputs import with_defaults
 from export.kv_pool import run_options, session_device, session_float_dtype
+from export.runtime import session_options
 from serving.triton import tensorrt
 
 log = logging.getLogger(__name__)
@@ -94,24 +96,13 @@ def preload_cuda_libraries() -> None:
 
 
 def open_session(model_path: str | Path, placement: Placement, threads: int = 0) -> ort.InferenceSession:
-    return ort.InferenceSession(str(model_path), sess_options=_session_options(threads), providers=placement.providers)
-
-
-def _session_options(threads: int, arena: bool = True) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        options.intra_op_num_threads = threads
-    # idle pool threads must sleep, not spin: the model and the cache kernels run one after the
-    # other, and a spinning pool of one session steals the cores the next session needs
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    # the arena recycles what a run allocates, the presents a sequence keeps included: fresh pages
-    # fault in on every allocation otherwise (measured: a 4096-position step from 3 to 8-14 ms p50
-    # until the allocator settles). An ended sequence's cache goes back to the arena for the next
-    # ones; the budget bounds what the live caches hold.
-    options.enable_cpu_mem_arena = arena
-    options.log_severity_level = 3  # errors only
-    return options
+    # idle pool threads sleep: the model and the cache kernels run one after the other, and a
+    # spinning pool of one session steals the cores the next session needs. The arena recycles what
+    # a run allocates, the presents a sequence keeps included: fresh pages fault in on every
+    # allocation otherwise (measured: a 4096-position step from 3 to 8-14 ms p50 until the
+    # allocator settles); the budget bounds what the live caches hold.
+    options = session_options(threads, spinning=False)
+    return ort.InferenceSession(str(model_path), sess_options=options, providers=placement.providers)
 
 
 # A run this many tokens long gives the arena's memory back after it: its attention scores grow
@@ -200,17 +191,11 @@ class Runner:
 
     def run_arrays(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Stateless: named host arrays in and out (an omitted mask is all ones, an omitted past empty)."""
-        hidden = feeds[names.HIDDEN_STATES]
-        batch, new = hidden.shape[:2]
-        if self.past_names[0] in feeds:
-            past = [self.to_device(feeds[name]) for name in self.past_names]
-            past_length = feeds[self.past_names[0]].shape[2]
-        else:
-            past, past_length = self.empty_past(batch), 0
-        mask = feeds.get(names.ATTENTION_MASK)
-        if mask is None:
-            mask = np.ones((batch, past_length + new), np.int64)
-        output, presents = self.run(hidden, mask, past, presents_on_host=True)
+        feeds = with_defaults(self.cfg, feeds)
+        past = [self.to_device(feeds[name]) for name in self.past_names]
+        output, presents = self.run(
+            feeds[names.HIDDEN_STATES], feeds[names.ATTENTION_MASK], past, presents_on_host=True
+        )
         arrays = {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
         return {name: array.astype(np.float32, copy=False) for name, array in arrays.items()}  # served IO is fp32
 
@@ -266,7 +251,7 @@ class DeviceCopies:
     def _session(self, model, temporary_outputs: bool) -> ort.InferenceSession:
         # copies are memory-bound: no thread pool to wake. The stacked past lives for one graph run:
         # an arena reuses its memory; split outputs are kept caches and must be freed for real
-        options = _session_options(threads=1, arena=temporary_outputs)
+        options = session_options(threads=1, arena=temporary_outputs, spinning=False)
         return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=self.providers)
 
     def _stack_session(self, batch: int, unpadded: int) -> ort.InferenceSession:
