@@ -1,4 +1,14 @@
-"""Fixtures shared by every test tier: artifact directories built once per test session."""
+"""Fixtures shared by every test tier (artifact directories built once per test session) and the tiers:
+
+- `served`: talks to a real Triton (the shared `triton` fixture, or servers the module starts itself);
+- `slow`: takes tens of seconds on its own (the README run, benchmarks, the fault suite, anything
+  that builds a whole artifact);
+- `gpu`: needs a CUDA GPU (skipped here with the reason);
+- `unit`: everything else: no server, `pytest -m unit` in about a minute.
+
+A module that starts its own servers says so with `pytestmark = pytest.mark.served`; tests that use
+the `triton` or `artifact_dir` fixture are marked here; `unit` is what is left.
+"""
 
 from __future__ import annotations
 
@@ -35,3 +45,16 @@ def artifact_dir(tmp_path_factory):
         return built[name]
 
     return get
+
+
+TIERS = ("served", "slow", "gpu")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if "triton" in item.fixturenames:
+            item.add_marker(pytest.mark.served)
+        if "artifact_dir" in item.fixturenames:  # a full build with its parity ladder: 10 to 30 s a config
+            item.add_marker(pytest.mark.slow)
+        if not any(item.get_closest_marker(tier) for tier in TIERS):
+            item.add_marker(pytest.mark.unit)

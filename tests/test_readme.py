@@ -22,6 +22,8 @@ from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.serving_process import serving_process
 
+pytestmark = [pytest.mark.served, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BLOCK = re.compile(r"<!-- readme-test -->\n```(\w+)\n(.*?)```\n(?:<!-- output -->\n```text\n(.*?)```)?", re.DOTALL)

@@ -1,4 +1,4 @@
-"""The FastAPI gateway in front of Triton (DESIGN.md 2, issue 5): auth, limits, metrics, OpenAPI.
+"""The FastAPI gateway in front of Triton (docs/design.md): auth, limits, metrics, OpenAPI.
 
     from serving.gateway import Settings, create_app, run_gateway, serve
 

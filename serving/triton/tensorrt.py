@@ -229,7 +229,7 @@ def check_engine(
     """Build the engine for `model_path` and compare it with ONNX Runtime CPU at every profile point.
 
     Raises TensorRTUnavailable (with the reason) where no GPU or TensorRT exists. The check passes
-    when every point is within `max_rel` of the output's scale (the fp16 bound of issue 3).
+    when every point is within `max_rel` of the output's scale (the fp16 bound of export/parity.py).
     """
     from export.runtime import ort_runner, ort_session
 

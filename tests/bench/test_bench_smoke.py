@@ -4,9 +4,13 @@ results. Timings are not asserted (this is a smoke test, not a benchmark)."""
 import json
 import shutil
 
+import pytest
+
 from bench import model
 from bench.__main__ import COMMANDS, DEFAULT_COMMANDS, main
 from contract import files
+
+pytestmark = pytest.mark.slow
 
 
 def test_quick_model_benchmark_writes_json_png_and_a_table(artifact_dir, tmp_path, capsys):

@@ -15,6 +15,8 @@ from bench.timing import Budget
 from contract import names
 from export.progress import Progress
 
+pytestmark = pytest.mark.slow
+
 PLAN = gpu.Plan(
     grid=gpu.Grid(pasts=(8, 16), batches=(1, 2)),
     budget=Budget(0.005, min_runs=2),

@@ -47,6 +47,7 @@ def cli_build(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.slow  # a whole build
 def test_build_writes_the_artifact_and_prints_a_table(cli_build):
     proc, out = cli_build
     assert proc.returncode == 0, proc.stderr
@@ -56,6 +57,7 @@ def test_build_writes_the_artifact_and_prints_a_table(cli_build):
     assert "fp32: export ... done" in proc.stderr and "fp32: parity ... done" in proc.stderr  # progress
 
 
+@pytest.mark.slow  # a whole build
 def test_report_gives_every_outputs_error_and_where_it_is(cli_build):
     _, out = cli_build
     report = json.loads((out / "report.json").read_text())
@@ -71,6 +73,7 @@ def test_report_gives_every_outputs_error_and_where_it_is(cli_build):
     assert len(steps) == build.SCENARIOS["empty_past"].steps + 1
 
 
+@pytest.mark.slow  # a whole build
 def test_the_exported_graph_matches_an_independent_implementation(cli_build):
     """Left-padded prefill then 16 decode steps, each fed the presents ONNX Runtime returned."""
     _, out = cli_build
@@ -114,6 +117,7 @@ def test_the_exported_graph_matches_an_independent_implementation(cli_build):
     print(f"unseen config, fp32 ONNX vs the independent implementation over 17 steps: max abs error {worst:.2e}")
 
 
+@pytest.mark.slow  # a whole build
 def test_preset_build_in_process(tmp_path, capsys):
     assert cli.main(["build", "--preset", "tiny", "--out", str(tmp_path), "--variants", "fp32"]) == 0
     assert "pass" in capsys.readouterr().out
@@ -128,6 +132,7 @@ def test_an_invalid_config_exits_2_naming_the_field(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a whole build
 def test_a_variant_that_fails_parity_fails_the_command_and_is_not_kept(tmp_path, capsys, monkeypatch):
     def export_with_a_wrong_weight(model, path):
         broken = copy.deepcopy(model)

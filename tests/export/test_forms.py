@@ -113,6 +113,7 @@ def test_onnx_runtimes_kernel_matching_rule():
     assert not targets.has_kernel([], 1)
 
 
+@pytest.mark.slow  # a whole build
 def test_a_build_refuses_a_graph_that_does_not_fit_its_target(monkeypatch, tmp_path):
     fused_as_trt = build.Variant("fp32-trt", build.make_fp32_fused, build.TOLERANCES["fp32-trt"], fused=True)
     fused_as_trt = build.dataclasses.replace(fused_as_trt, target=targets.TENSORRT)
@@ -122,6 +123,7 @@ def test_a_build_refuses_a_graph_that_does_not_fit_its_target(monkeypatch, tmp_p
     assert not (tmp_path / files.model_filename("fp32-trt")).exists()
 
 
+@pytest.mark.slow  # a whole build
 def test_a_config_the_static_form_cannot_take_is_reported_and_refused_when_asked(tmp_path):
     odd = ModelConfig(d_model=96, n_heads=8, n_kv_heads=4, n_layers=1, max_seq_len=64)  # head_dim 12
     assert "head_dim 12" in forms.static_problem(odd) and "multiple of 8" in forms.static_problem(odd)

@@ -124,6 +124,7 @@ def test_unseen_config_matches_the_independent_implementation(artifact_dir, vari
     assert (worst_abs if variant == "fp32-fused" else worst_rel) <= bound
 
 
+@pytest.mark.slow  # a whole build
 def test_a_graph_without_the_pattern_is_left_alone_and_the_build_fails(tmp_path, capsys, monkeypatch):
     """A 'fused' variant with nothing fused fails the command and is not kept (DESIGN 3.3)."""
     monkeypatch.setattr(fusion.ATTENTION_RULES, "apply_to_model", lambda model: 0)  # a graph it does not know

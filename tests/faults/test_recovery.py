@@ -25,6 +25,8 @@ from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.serving_process import serving_process
 
+pytestmark = [pytest.mark.served, pytest.mark.slow]
+
 RECOVERY_WINDOW_S = 30.0  # the bound; measured recoveries are 2 to 4 s
 
 

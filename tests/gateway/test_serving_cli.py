@@ -1,4 +1,4 @@
-"""Issue 5's done-when through the command a user runs: with SERVING_API_KEYS=k,
+"""`python -m serving` as a user runs it: with SERVING_API_KEYS=k,
 `python -m serving --model-repository REPO --gateway-port P ...` on a repository built from a config
 no preset uses answers /v1/attend with 401 without the key and, with it, outputs equal to the
 independent implementation (tests/reference.py); Ctrl-C stops Triton and the gateway cleanly."""
@@ -16,6 +16,8 @@ from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests import reference
 from tests.fixtures.serving_process import serving_process
+
+pytestmark = pytest.mark.served
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,8 @@ from tests import reference
 from tests.fixtures.triton import metric, wait_for_metric
 from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
 
+pytestmark = pytest.mark.served
+
 IDLE_SECONDS = 2.0  # our cache evicts after this; Triton forgets the sequence after twice this
 CAPACITY = 4  # 3 MiB of budget, 0.75 MiB per sequence (max_seq_len 1024 x 768 bytes a position)
 
@@ -139,7 +141,7 @@ def session_body(sequence_id: int, hidden: np.ndarray, start=False, end=False, m
     return {"parameters": parameters, "inputs": inputs}
 
 
-# --- done-when: plain JSON, an unseen config, an independent implementation --------------------------
+# --- plain JSON, an unseen config, an independent implementation --------------------------
 
 
 def test_stateless_json_matches_the_independent_implementation(served):

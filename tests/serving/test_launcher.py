@@ -11,6 +11,8 @@ import tritonclient.http as httpclient
 
 from serving.launcher import SHM_PREFIX, TritonStartError, start_triton
 
+pytestmark = pytest.mark.served
+
 ECHO_CONFIG = """
 name: "{name}"
 backend: "{backend}"

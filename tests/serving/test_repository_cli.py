@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from serving import __main__ as serving_cli
+
+pytestmark = pytest.mark.slow  # each test builds artifacts
 
 
 def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_path, capsys):

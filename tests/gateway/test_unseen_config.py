@@ -1,7 +1,7 @@
-"""Issue 5's done-when, in process: with SERVING_API_KEYS=k and a repository built from a config
-no other test uses (TEST_CONFIGS["unseen"]), the gateway answers /v1/attend with 401 without the
-key and, with it, outputs equal to the independent implementation (tests/reference.py). Then that
-Triton is stopped and /readyz follows it down while /healthz stays up."""
+"""The gateway in process over a config no preset uses (TEST_CONFIGS["unseen"]): with
+SERVING_API_KEYS=k it answers /v1/attend with 401 without the key and, with it, outputs equal to the
+independent implementation (tests/reference.py). Then that Triton is stopped and /readyz follows it
+down while /healthz stays up."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from serving.gateway import Settings, run_gateway
 from serving.triton.config import ServingSettings
 from tests import reference
 from tests.gateway.conftest import b64_tensor, from_b64
+
+pytestmark = pytest.mark.served
 
 
 @pytest.fixture(scope="module")
