@@ -1,4 +1,4 @@
-"""Client library for the served attention model (DESIGN.md 3.4): numpy and tritonclient only.
+"""Client library for the served attention model (docs/design.md): numpy and tritonclient only.
 
     from client import Client
 

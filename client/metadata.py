@@ -2,7 +2,7 @@
 
 The stateless model's inputs say everything the client needs: `hidden_states` gives d_model and
 the float dtype, the `past_key_values.{i}.*` names give n_layers, and a past tensor's fixed axes
-give n_kv_heads and head_dim (DESIGN.md 3.2). The session model has only hidden_states and the
+give n_kv_heads and head_dim (docs/design.md, "Tensor names"). The session model has only hidden_states and the
 mask, so for it n_layers is 0.
 """
 

@@ -1,4 +1,4 @@
-"""Checking a set of named input tensors against the graph contract (DESIGN.md 3.2).
+"""Checking a set of named input tensors against the graph contract (docs/design.md, "Tensor names").
 
 Used at every edge that takes tensors from a user: the PyTorch original's eager entry, the
 ONNX Runtime runner behind Triton, the client before it sends. `check_inputs` works on anything with

@@ -1,4 +1,4 @@
-"""The one naming table: graph tensor names and axis names (DESIGN.md 3.2).
+"""The one naming table: graph tensor names and axis names (docs/design.md, "Tensor names").
 
 Export, Triton config generation, the runner, the client and the tests all import these; nobody
 spells a tensor name by hand. Pure Python, no third-party dependencies.

@@ -1,7 +1,7 @@
 """`build`: an artifact directory with every variant that passed the parity ladder, and its report.
 
 A variant is written under a temporary name, checked against the PyTorch original over the
-ladder's scenarios, and moved into place only when it passes (DESIGN.md 3.3).
+ladder's scenarios, and moved into place only when it passes (docs/design.md, "Artifacts and variants").
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The `fp32-fused` variant: each layer's attention, with its KV cache, as ONE ONNX `Attention` op.
 
-How it is made: the plain graph of the PyTorch original (`export_onnx`, every op decomposed) is
-raised to opset 23 by onnxscript's version converter, and an onnxscript rewrite rule replaces, per
-layer, the split-heads Reshape/Transpose, the cache Concat, the GQA repeat_interleave, the scaled
-scores, the masked_fill, the Softmax, the weighted sum and the combine-heads Transpose/Reshape with
+The plain graph of the PyTorch original (`export_onnx`, every op decomposed) is raised to opset 23
+by onnxscript's version converter, and an onnxscript rewrite rule replaces, per layer, the split-heads
+Reshape/Transpose, the cache Concat, the GQA repeat_interleave, the scaled scores, the masked_fill,
+the Softmax, the weighted sum and the combine-heads Transpose/Reshape with
 
     Attention(q, k, v, allowed, past_key, past_value) -> (context, present_key, present_value)
 
@@ -12,37 +12,8 @@ mask the model already computes). The rule checks every assumption it makes (cac
 repeat_interleave rather than tile, 1/sqrt(head_dim) scaling, a fill value that zeroes a weight)
 and leaves the graph alone when one fails; the build then refuses the variant for having fewer
 fused ops than layers. `export/model.py` stays the math; no second copy of attention exists.
-
-Why this op and this route (ONNX Runtime 1.31 CPU, 2 threads; `python -m bench model` measures it):
-
-* ONNX `Attention` (opset 23) is the one candidate that expresses the contract exactly: GQA heads,
-  past/present inside the op, and an arbitrary boolean mask (left padding with batch > 1, several
-  new tokens and a non-empty past). It runs in fp32 and fp16 and was the fastest CPU decode step
-  (seed preset, B=1, past 4096: PyTorch eager 2.29 ms, decomposed `fp32` 1.30 ms, `Attention`
-  1.17 ms; 1.5x the memory-bandwidth floor) and prefill (B=4, T=512: 111.6 / 57.3 / 42.4 ms).
-* `com.microsoft.MultiHeadAttention` has no GQA (n_kv_heads must equal n_heads).
-* `com.microsoft.GroupQueryAttention` takes padding only as per-row lengths (`seqlens_k`), so it
-  cannot express left padding when B > 1, T > 1 and P > 0 (a prefill onto a cache).
-* `is_causal=1` is not used: its alignment differs with and without past inputs and across
-  execution providers; the explicit mask means the same everywhere.
-* Stock fusers find nothing to fuse here: ONNX Runtime's graph optimizer (any level) and its
-  transformers optimizer (`optimize_model`, model_type "bert") make 0 attention fusions on this
-  graph; onnxscript's `ort_fusions` need an additive mask (ours is `Where`) and target the contrib
-  ops above; `onnx_fusions` only folds a cache into an `Attention` that already exists.
-* `torch.onnx.export(dynamo=True, opset_version=23)` emits `Attention` for
-  `F.scaled_dot_product_attention`, but with the cache Concat and the GQA repeat left outside the
-  op (a fold like this one is needed anyway), and it would need a second, SDPA-shaped copy of the
-  model's attention swapped in at export time. Rewriting the plain graph fuses exactly the graph
-  the `fp32` rung already proves, and export/model.py stays the only statement of the math.
-* TensorRT's ONNX parser takes `Attention` only with a single output, so under the TensorRT
-  execution provider this node runs on the CUDA provider and the rest of the graph in TensorRT
-  (ONNX Runtime partitions the graph); see `export/tensorrt.py`.
-
-Q/K/V projections: `fuse_qkv=True` merges the three projections into one MatMul + Split (the
-weights concatenated by constant folding). It is off in the shipped variants: interleaved A/B runs
-on ONNX Runtime CPU found no gain beyond noise (seed and large presets, prefill and decode: within
-+-5% either way, e.g. large decode B=1 past 4096 30.0 vs 28.8 ms, large prefill B=1 T=512 217.9 vs
-230.6 ms); `python -m bench model` keeps measuring it as the candidate `fp32-fused+qkv`.
+Why this op and this route, with the measurements: docs/design.md, "Choices and their evidence".
+`fuse_qkv=True` merges the Q/K/V projections (off in the shipped variants; measured there too).
 """
 
 from __future__ import annotations

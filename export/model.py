@@ -1,6 +1,6 @@
 """The PyTorch original: pre-norm multi-head attention layers with an explicit KV cache.
 
-Everything the product serves is judged against this file (DESIGN.md 3.1). It reads like the math:
+Everything the product serves is judged against this file (docs/design.md, "Model math"). It reads like the math:
 project to queries, keys and values; split heads; append the new keys and values to the cache;
 scaled dot products; causal and padding masks; softmax; weighted sum of values; combine heads;
 output projection; residual. No export, device or serving code lives here.

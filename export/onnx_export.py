@@ -1,4 +1,6 @@
-"""Export the PyTorch original to ONNX: the `fp32` variant, every op decomposed (DESIGN.md 3.3).
+"""Export the PyTorch original to ONNX: the `fp32` variant, every op decomposed.
+
+See docs/design.md, "Artifacts and variants".
 
 Names and dynamic axes come from the naming table; the config rides along in `metadata_props`.
 """

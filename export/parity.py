@@ -175,7 +175,7 @@ def compare_rung(
         expected = reference({**inputs, **ref_past})
         cand_inputs = {**inputs, names.HIDDEN_STATES: cast(inputs[names.HIDDEN_STATES])}
         actual = candidate({**cand_inputs, **cand_past})
-        # a padded query's output is unspecified (DESIGN.md 3.1), and so is what the layers after
+        # a padded query's output is unspecified (docs/design.md, "Model math"), and so is what the layers after
         # the first cache at its position: only real queries and real key positions are compared
         real_keys = inputs[names.ATTENTION_MASK].astype(bool)[:, None, :, None]  # (B, 1, P+T, 1)
         for name, error in tensors.items():

@@ -13,19 +13,15 @@ a START that does not fit gets `CacheFull` (UNAVAILABLE). Idle sequences are evi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from serving import errors
-from serving.errors import gone_error
-from serving.tombstones import Tombstones
-
-SequenceId = Hashable  # Triton's correlation id: an int, or a str
+from serving.sequences import LiveSequences, SequenceId
 
 
 @dataclasses.dataclass
@@ -65,9 +61,8 @@ class KVCacheStore:
         self.budget = budget_bytes
         self.idle_timeout = idle_timeout
         self._clock = clock
-        self._live: dict[SequenceId, SequenceCache] = {}
-        self._gone = Tombstones(remember)
-        self._evictions = 0
+        # dropping an entry drops the last reference to its caches: the memory is the next sequences'
+        self._live: LiveSequences[SequenceCache] = LiveSequences(idle_timeout, clock, remember)
         self._lock = threading.Lock()  # execute() and the idle sweeper both use the store
 
     @property
@@ -78,14 +73,10 @@ class KVCacheStore:
     def start(self, sequence_id: SequenceId, empty_caches: list[Any]) -> SequenceCache:
         """A new, empty sequence; a repeated START restarts the sequence (as Triton does)."""
         with self._lock:
-            self._live.pop(sequence_id, None)
-            self._gone.revive(sequence_id)
-            self._evict_idle_locked()
+            self._live.restart(sequence_id)
             if len(self._live) >= self.capacity:
                 raise errors.CacheFull(sequence_id, self._full_message())
-            entry = SequenceCache(empty_caches, np.zeros(0, np.int64), 0, self._clock())
-            self._live[sequence_id] = entry
-            return entry
+            return self._live.add(sequence_id, SequenceCache(empty_caches, np.zeros(0, np.int64), 0, self._clock()))
 
     def _full_message(self) -> str:
         mib = 1 << 20
@@ -98,11 +89,7 @@ class KVCacheStore:
     def get(self, sequence_id: SequenceId) -> SequenceCache:
         """A live sequence's cache, marked used now; raises the precise error for any other id."""
         with self._lock:
-            entry = self._live.get(sequence_id)
-            if entry is None:
-                raise gone_error(self._gone, sequence_id)
-            entry.last_used = self._clock()
-            return entry
+            return self._live.touch(sequence_id)
 
     def check_length(self, sequence_id: SequenceId, entry: SequenceCache, new: int) -> None:
         if entry.length + new > self.max_positions:
@@ -111,36 +98,25 @@ class KVCacheStore:
     def update(self, sequence_id: SequenceId, caches: list[Any], mask: np.ndarray, nbytes: int) -> None:
         """Replace a live sequence's cache with the step's presents (a no-op if it is gone meanwhile)."""
         with self._lock:
-            entry = self._live.get(sequence_id)
+            entry = self._live.entries.get(sequence_id)
             if entry is not None:
                 entry.caches, entry.mask, entry.nbytes, entry.last_used = caches, mask, nbytes, self._clock()
 
     def end(self, sequence_id: SequenceId) -> bool:
         """Free a sequence's cache; False if it held none."""
         with self._lock:
-            freed = self._live.pop(sequence_id, None) is not None
-            self._gone.bury(sequence_id, functools.partial(errors.SequenceEnded, sequence_id))
-            return freed
+            return self._live.end(sequence_id)
 
     def evict_idle(self) -> list[SequenceId]:
         with self._lock:
-            return self._evict_idle_locked()
-
-    def _evict_idle_locked(self) -> list[SequenceId]:
-        deadline = self._clock() - self.idle_timeout
-        idle = [sid for sid, entry in self._live.items() if entry.last_used <= deadline]
-        for sid in idle:
-            del self._live[sid]  # dropping the last reference gives the memory back for the next sequences
-            self._gone.bury(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))
-        self._evictions += len(idle)
-        return idle
+            return self._live.evict_idle()
 
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(
                 sequences=len(self._live),
-                held_bytes=sum(entry.nbytes for entry in self._live.values()),
+                held_bytes=sum(entry.nbytes for entry in self._live.entries.values()),
                 reserved_bytes=len(self._live) * self.reservation,
                 budget_bytes=self.budget,
-                evictions=self._evictions,
+                evictions=self._live.evictions,
             )

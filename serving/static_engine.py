@@ -16,7 +16,6 @@ dropping a masked key does not alter. `length` counts cached (real) tokens only.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import heapq
 import threading
 import time
@@ -26,10 +25,9 @@ import numpy as np
 
 from export.kv_pool import KVPool
 from serving import errors
-from serving.errors import gone_error
-from serving.kv_cache import CacheStats, SequenceId
+from serving.kv_cache import CacheStats
+from serving.sequences import LiveSequences, SequenceId
 from serving.session import StepEngine, StepRequest, check_step
-from serving.tombstones import Tombstones
 
 
 @dataclasses.dataclass
@@ -59,10 +57,8 @@ class StaticSessionEngine(StepEngine):
         self.max_positions = pool.capacity
         self.idle_timeout = idle_timeout
         self._clock = clock
-        self._slots: dict[SequenceId, Slot] = {}
         self._free = list(range(pool.rows))  # a heap: the lowest free row first
-        self._gone = Tombstones(remember)
-        self._evictions = 0
+        self._slots: LiveSequences[Slot] = LiveSequences(idle_timeout, clock, remember, self._give_back)
         self._lock = threading.Lock()  # execute() and the idle sweeper both change the slots
         self.largest_batch = 0  # most decode steps one graph run has taken
 
@@ -73,7 +69,7 @@ class StaticSessionEngine(StepEngine):
 
     def length(self, sequence_id: SequenceId) -> int:
         with self._lock:
-            slot = self._slots.get(sequence_id)
+            slot = self._slots.entries.get(sequence_id)
             return -1 if slot is None else int(self.pool.lengths[slot.row])
 
     # --- one execute() ------------------------------------------------------------------------------
@@ -120,17 +116,15 @@ class StaticSessionEngine(StepEngine):
     def _start(self, sequence_id: SequenceId) -> int:
         """A fresh slot for the sequence; a repeated START restarts it (as Triton does)."""
         with self._lock:
-            previous = self._slots.pop(sequence_id, None)
-            if previous is not None:
-                heapq.heappush(self._free, previous.row)
-            self._gone.revive(sequence_id)
-            self._evict_idle_locked()
+            self._slots.restart(sequence_id)
             if not self._free:
                 raise errors.CacheFull(sequence_id, self._full_message())
             row = heapq.heappop(self._free)
             self.pool.reset(row)
-            self._slots[sequence_id] = Slot(row, self._clock())
-            return row
+            return self._slots.add(sequence_id, Slot(row, self._clock())).row
+
+    def _give_back(self, slot: Slot) -> None:
+        heapq.heappush(self._free, slot.row)
 
     def _full_message(self) -> str:
         mib = self.pool.nbytes / (1 << 20)
@@ -141,40 +135,24 @@ class StaticSessionEngine(StepEngine):
 
     def _row(self, sequence_id: SequenceId) -> int:
         with self._lock:
-            slot = self._slots.get(sequence_id)
-            if slot is None:
-                raise gone_error(self._gone, sequence_id)
-            slot.last_used = self._clock()
-            return slot.row
+            return self._slots.touch(sequence_id).row
 
     def _end(self, sequence_id: SequenceId) -> None:
         with self._lock:
-            slot = self._slots.pop(sequence_id, None)
-            if slot is not None:
-                heapq.heappush(self._free, slot.row)
-            self._gone.bury(sequence_id, functools.partial(errors.SequenceEnded, sequence_id))
+            self._slots.end(sequence_id)
 
     def evict_idle(self) -> list[SequenceId]:
         with self._lock:
-            return self._evict_idle_locked()
-
-    def _evict_idle_locked(self) -> list[SequenceId]:
-        deadline = self._clock() - self.idle_timeout
-        idle = [sid for sid, slot in self._slots.items() if slot.last_used <= deadline]
-        for sid in idle:
-            heapq.heappush(self._free, self._slots.pop(sid).row)
-            self._gone.bury(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))
-        self._evictions += len(idle)
-        return idle
+            return self._slots.evict_idle()
 
     def stats(self) -> CacheStats:
         with self._lock:
-            rows = [slot.row for slot in self._slots.values()]
+            rows = [slot.row for slot in self._slots.entries.values()]
             per_position = self.pool.row_bytes * len(self.pool.buffers) // self.pool.row_shape[1]
             return CacheStats(
                 sequences=len(rows),
                 held_bytes=int(self.pool.lengths[rows].sum()) * per_position,
                 reserved_bytes=len(rows) * self.pool.row_bytes * len(self.pool.buffers),
                 budget_bytes=self.pool.nbytes,
-                evictions=self._evictions,
+                evictions=self._slots.evictions,
             )

@@ -1,4 +1,4 @@
-"""An independent implementation of DESIGN.md 3.1, written from the math with loops over batch
+"""An independent implementation of docs/design.md, "Model math", written from the math with loops over batch
 rows, heads and queries, in float64 numpy. It shares no code with `export.model`: tests at every
 layer (ONNX, Triton, gateway) compare against it."""
 

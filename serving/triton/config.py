@@ -1,4 +1,4 @@
-"""Triton `config.pbtxt` for every model of DESIGN.md 3.4, generated, never hand-written.
+"""Triton `config.pbtxt` for every model of docs/design.md, "Triton models", generated, never hand-written.
 
 Each config is a `model_config_pb2.ModelConfig` built from a `ModelConfig` and the naming table
 (`contract.names`), written with `text_format`; a test parses each one back and checks it against

@@ -1,4 +1,4 @@
-"""`write_repository`: a Triton model repository from an artifact directory (DESIGN.md 3.4).
+"""`write_repository`: a Triton model repository from an artifact directory (docs/design.md, "Triton models").
 
     REPO/<model>/config.pbtxt          generated (serving/triton/config.py)
     REPO/<model>/1/model.py            python models: the shim that imports `serving` (copied verbatim)

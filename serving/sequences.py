@@ -1,0 +1,82 @@
+"""The live sequences of a session engine's store, for both engines (serving/kv_cache.py,
+serving/static_engine.py): id -> entry (anything with a `last_used` time), the tombstones of the
+ids that are gone (to answer a late step precisely), idle eviction, and the count of evictions.
+
+Not locked: the store that owns it holds its own lock around every call (execute() and the idle
+sweeper both use it). `release(entry)` gives an entry's memory back (the static engine's row).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable
+from typing import Generic, Protocol, TypeVar
+
+from serving import errors
+from serving.errors import gone_error
+from serving.tombstones import Tombstones
+
+SequenceId = Hashable  # Triton's correlation id: an int, or a str
+
+
+class Entry(Protocol):
+    last_used: float
+
+
+E = TypeVar("E", bound=Entry)
+
+
+class LiveSequences(Generic[E]):
+    def __init__(
+        self,
+        idle_timeout: float,
+        clock: Callable[[], float],
+        remember: int = 4096,
+        release: Callable[[E], None] = lambda entry: None,
+    ) -> None:
+        assert idle_timeout > 0
+        self.idle_timeout, self._clock, self._release = idle_timeout, clock, release
+        self.entries: dict[SequenceId, E] = {}
+        self._gone: Tombstones[Callable[[], errors.SequenceError]] = Tombstones(remember)
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def restart(self, sequence_id: SequenceId) -> None:
+        """Make room for a START: a repeated START restarts the sequence (as Triton does), and the
+        idle ones are evicted first so that they do not count against the budget."""
+        previous = self.entries.pop(sequence_id, None)
+        if previous is not None:
+            self._release(previous)
+        self._gone.revive(sequence_id)
+        self.evict_idle()
+
+    def add(self, sequence_id: SequenceId, entry: E) -> E:
+        self.entries[sequence_id] = entry
+        return entry
+
+    def touch(self, sequence_id: SequenceId) -> E:
+        """A live sequence's entry, marked used now; raises the precise error for any other id."""
+        entry = self.entries.get(sequence_id)
+        if entry is None:
+            raise gone_error(self._gone, sequence_id)
+        entry.last_used = self._clock()
+        return entry
+
+    def end(self, sequence_id: SequenceId) -> bool:
+        """Free a sequence (END); False if it held nothing."""
+        entry = self.entries.pop(sequence_id, None)
+        if entry is not None:
+            self._release(entry)
+        self._gone.bury(sequence_id, functools.partial(errors.SequenceEnded, sequence_id))
+        return entry is not None
+
+    def evict_idle(self) -> list[SequenceId]:
+        deadline = self._clock() - self.idle_timeout
+        idle = [sid for sid, entry in self.entries.items() if entry.last_used <= deadline]
+        for sid in idle:
+            self._release(self.entries.pop(sid))  # the last reference: the memory is the next sequences'
+            self._gone.bury(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))
+        self.evictions += len(idle)
+        return idle
