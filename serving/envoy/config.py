@@ -208,13 +208,12 @@ def _listener(protocol: str, settings: ProxySettings) -> dict[str, Any]:
         route_config=_routes(protocol, settings),
         http_filters=[_stateful_session_filter(), _router_filter()],
     )
-    return {
-        "name": f"triton_{protocol}",
-        "address": _address(settings.listen_address, port),
-        "filter_chains": [
-            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
-        ],
-    }
+    return _http_listener(f"triton_{protocol}", _address(settings.listen_address, port), manager)
+
+
+def _http_listener(name: str, address: dict[str, Any], manager: dict[str, Any]) -> dict[str, Any]:
+    chain = {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
+    return {"name": name, "address": address, "filter_chains": [chain]}
 
 
 def _access_log(path: str) -> dict[str, Any]:
@@ -347,13 +346,7 @@ def _health_listener(settings: ProxySettings) -> dict[str, Any]:
         },
         http_filters=[{"name": "envoy.filters.http.health_check", "typed_config": health_check}, _router_filter()],
     )
-    return {
-        "name": "health",
-        "address": _address(settings.listen_address, settings.health_port),
-        "filter_chains": [
-            {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}]}
-        ],
-    }
+    return _http_listener("health", _address(settings.listen_address, settings.health_port), manager)
 
 
 # --- the clusters ----------------------------------------------------------------------------------
@@ -379,11 +372,15 @@ def _cluster(protocol: str, sessions: bool, upstreams: Upstreams, settings: Prox
         # a replica removed from the list leaves now, healthy or not: removal ends its sessions
         "ignore_health_on_host_removal": True,
         "health_checks": [_health_check(settings)],
+        # a replica whose model stub died answers every request INTERNAL while Triton's readiness
+        # stays 200 (measured on 2.51): five in a row eject it, and a passing health check must not
+        # bring it back (Envoy's default does)
         "outlier_detection": {
             "consecutive_5xx": 5,
             "interval": "5s",
             "base_ejection_time": "15s",
             "max_ejection_percent": 50,
+            "successful_active_health_check_uneject_host": False,
         },
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": _protocol(protocol)

@@ -99,12 +99,13 @@ def address(pin: str) -> str:
     return base64.b64decode(pin).decode()
 
 
-def served(envoy, session_ids, count: int, timeout: float = 5.0) -> dict[int, list[str]]:
-    """{session id: [upstream host of each of its requests]} once `count` of them are logged."""
+def served(envoy, session_ids, count: int, route: str | None = None, timeout: float = 5.0) -> dict[int, list[str]]:
+    """{session id: [upstream host of each of its requests]} once `count` of them are logged (those
+    of one route of the config if given: "pinned_step", "session_start")."""
     wanted = {str(i) for i in session_ids}
     deadline = time.monotonic() + timeout
     while True:
-        entries = [e for e in envoy.access_log() if e["session_id"] in wanted]
+        entries = [e for e in envoy.access_log() if e["session_id"] in wanted and route in (None, e["route"])]
         if len(entries) >= count or time.monotonic() > deadline:
             break
         time.sleep(0.05)

@@ -5,6 +5,8 @@ by the real Envoy (`envoy --mode validate`); the process wrapper's start, coexis
 from __future__ import annotations
 
 import socket
+import urllib.error
+import urllib.request
 
 import pytest
 import yaml
@@ -25,6 +27,7 @@ from serving.envoy import (
     write_endpoints,
 )
 from serving.envoy.config import HEALTH_PATH, OVERRIDE_HOST_STATUSES, endpoints, endpoints_path
+from serving.launcher import free_port
 
 REPLICAS = [Replica("10.0.0.5"), Replica("10.0.0.6", 9000, 9001, draining=True)]
 
@@ -176,3 +179,18 @@ def test_the_cli_writes_the_replica_files_it_names(capsys, tmp_path):
     assert endpoints_path(tmp_path / "eds", "grpc").is_file()
     assert serving_cli.main(["envoy-config", "--replica", "127.0.0.1:8000:8001"]) == 2
     assert "--replica needs --endpoints" in capsys.readouterr().err
+
+
+def test_the_health_listener_answers_ready_until_envoy_is_told_to_fail():
+    port = free_port()
+    envoy = start_envoy([], ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_port=port))
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as answer:
+            assert answer.status == 200
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5)
+        envoy.admin("/healthcheck/fail", method="POST")
+        with pytest.raises(urllib.error.HTTPError, match="503"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5)
+    finally:
+        envoy.stop()

@@ -6,8 +6,11 @@ Envoy's access log."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,17 +89,27 @@ def test_stateless_calls_go_to_every_replica_and_name_none(proxy, replicas, prot
 
 
 def test_no_pinned_session_moves_when_a_replica_joins(replicas):
+    """The hash alone moves some sessions to the newcomer, which never held them (Triton answers
+    that the sequence was not started there); sent back, the pin keeps every one in place."""
     first_two = [replica_of(server) for server in replicas[:2]]
     envoy = start_envoy(first_two)
     stub = client(envoy.grpc_url, "grpc")
     try:
-        pins = {session: start(stub, session) for session in [new_session_id() for _ in range(20)]}
+        pins = {session: start(stub, session) for session in [new_session_id() for _ in range(30)]}
         envoy.update([replica_of(server) for server in replicas])
         envoy.wait_for_hosts({replica_of(server): "healthy" for server in replicas})
+        moved = {}
+        for session in pins:
+            try:
+                step(stub, session, None)
+            except InferenceServerException as error:
+                moved[session] = _lost(error)
+        assert moved, "no session hashed to the new replica: the pin was not put to the test"
+        assert all(isinstance(error, errors.UnknownSessionError) for error in moved.values()), moved
         for session, pin in pins.items():
             step(stub, session, pin, end=True)
-        hosts = served(envoy, pins, count=2 * len(pins))
-        assert all(len(set(h)) == 1 for h in hosts.values()), hosts
+        pinned = served(envoy, pins, count=len(pins), route="pinned_step")
+        assert pinned == {session: [address(pin)] for session, pin in pins.items()}
         assert replicas[2].grpc_url in new_sessions_go_to(stub, 30), "the new replica takes new sessions"
     finally:
         stub.close()
@@ -198,3 +211,37 @@ def test_a_signalled_replica_drains_its_grpc_sessions(replicas, start_replica):
         stub.close()
         envoy.stop()
         leaving.stop()
+
+
+def _stub_of(server, model: str) -> int:
+    """The pid of `model`'s Python-backend stub under `server`."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            parent = int((cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            text = cmdline.read_bytes()
+            if parent == server.process.pid and b"triton_python_backend_stub" in text and f"{model}_0".encode() in text:
+                return int(cmdline.parent.name)
+    raise AssertionError(f"no stub of {model} under {server.grpc_url}")
+
+
+def test_a_replica_whose_model_died_is_ejected_for_new_sessions(replicas, start_replica):
+    """Triton's readiness stays 200 when a stub dies; its answers (INTERNAL) eject it."""
+    broken = start_replica()
+    envoy = start_envoy([*(replica_of(server) for server in replicas[:2]), replica_of(broken)])
+    stub = client(envoy.grpc_url, "grpc")
+    try:
+        os.kill(_stub_of(broken, "mha_session"), signal.SIGKILL)
+        failures = []
+        for _ in range(45):  # a third of them hash to it: 5 or more with near certainty
+            try:
+                start(stub, new_session_id(), end=True)
+            except InferenceServerException as error:
+                failures.append(error.message())
+        assert len(failures) == 5, "the fifth failure in a row ejects it"
+        assert all("is not healthy" in message for message in failures), failures
+        assert envoy.hosts("triton_grpc_sessions")[broken.grpc_url] == "failed_outlier_check"
+        assert broken.grpc_url not in new_sessions_go_to(stub, 20)
+    finally:
+        stub.close()
+        envoy.stop()
+        broken.stop()
