@@ -109,7 +109,7 @@ def test_triton_gets_a_gpu_probes_that_run_the_models_and_time_to_drain(objects)
     pod = _pod(objects, "StatefulSet", "triton")
     (triton,) = pod["containers"]
     assert triton["resources"]["limits"]["nvidia.com/gpu"] == triton["resources"]["requests"]["nvidia.com/gpu"] == "1"
-    probe = ["python3", "-m", "serving", "probe", "--url", "127.0.0.1:8001", "--timeout", "3"]
+    probe = ["python3", "-m", "client", "health", "--url", "127.0.0.1:8001", "--timeout", "3"]  # as compose
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert triton[kind]["exec"]["command"] == probe
         assert triton[kind]["timeoutSeconds"] > 3
