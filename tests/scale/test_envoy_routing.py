@@ -1,0 +1,247 @@
+"""Real Envoy in front of real Triton replicas (the tiny model) on loopback: a session's steps all
+reach one replica, sessions and stateless calls spread, a replica that joins moves no session, a
+draining one keeps its sessions and takes no new ones, and a replica that leaves or dies fails its
+sessions with `[sequence_lost]` in one request, never by moving them. Who served what comes from
+Envoy's access log."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from client import errors
+from contract import errors as kinds
+from serving.envoy import ProxySettings, start_envoy
+from tests.scale.conftest import replica_of
+from tests.scale.helpers import (
+    address,
+    client,
+    end_all,
+    new_session_id,
+    new_sessions_go_to,
+    served,
+    sessions_on,
+    start,
+    step,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _lost(error: InferenceServerException) -> errors.ClientError:
+    return errors.from_exception(error, session=True)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_each_session_stays_on_one_replica_and_sessions_use_several(proxy, replicas, protocol):
+    """Outputs equal a twin session's run directly on one replica: through Envoy, each step reaches
+    the cache it extends."""
+    url = proxy.grpc_url if protocol == "grpc" else proxy.http_url
+    direct_url = replicas[0].grpc_url if protocol == "grpc" else replicas[0].http_url
+    stub, direct = client(url, protocol), client(direct_url, protocol)
+    sessions = [new_session_id() for _ in range(8)]
+    pins = {}
+    try:
+        for session in sessions:
+            twin = new_session_id()
+            for k in range(4):
+                first, last = k == 0, k == 3
+                tokens, seed = (3, session) if first else (1, session + k)
+                output, named = step(stub, session, pins.get(session), start=first, end=last, tokens=tokens, seed=seed)
+                expected, _ = step(direct, twin, None, start=first, end=last, tokens=tokens, seed=seed)
+                np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-6)
+                if first:
+                    pins[session] = named
+                else:
+                    assert named is None, "only the first answer names the replica"
+    finally:
+        stub.close()
+        direct.close()
+    hosts = served(proxy, sessions, count=4 * len(sessions))
+    assert all(len(set(h)) == 1 for h in hosts.values()), hosts
+    assert {session: address(pin) for session, pin in pins.items()} == {s: h[0] for s, h in hosts.items()}
+    assert len({h[0] for h in hosts.values()}) >= 2, "every session hashed to one replica"
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_stateless_calls_go_to_every_replica_and_name_none(proxy, replicas, protocol):
+    from client import affinity
+    from tests.scale.helpers import hidden
+
+    stub = client(proxy.grpc_url if protocol == "grpc" else proxy.http_url, protocol)
+    try:
+        for seed in range(30):
+            _, answer = affinity.infer(stub, "mha", hidden(protocol, 2, seed), headers={})
+            assert affinity.replica_from(answer) is None
+    finally:
+        stub.close()
+    time.sleep(0.5)  # the access log's flush interval is 0.2 s
+    entries = [e for e in proxy.access_log() if e["route"] == "stateless" and e["path"].lower().endswith("infer")]
+    ports = {server.ports[protocol] for server in replicas}
+    assert {int(e["upstream_host"].rsplit(":", 1)[1]) for e in entries} == ports
+
+
+def test_no_pinned_session_moves_when_a_replica_joins(replicas):
+    """The hash alone moves some sessions to the newcomer, which never held them (Triton answers
+    that the sequence was not started there); sent back, the pin keeps every one in place."""
+    first_two = [replica_of(server) for server in replicas[:2]]
+    envoy = start_envoy(first_two)
+    stub = client(envoy.grpc_url, "grpc")
+    try:
+        pins = {session: start(stub, session) for session in [new_session_id() for _ in range(30)]}
+        envoy.update([replica_of(server) for server in replicas])
+        envoy.wait_for_hosts({replica_of(server): "healthy" for server in replicas})
+        moved = {}
+        for session in pins:
+            try:
+                step(stub, session, None)
+            except InferenceServerException as error:
+                moved[session] = _lost(error)
+        assert moved, "no session hashed to the new replica: the pin was not put to the test"
+        assert all(isinstance(error, errors.UnknownSessionError) for error in moved.values()), moved
+        for session, pin in pins.items():
+            step(stub, session, pin, end=True)
+        pinned = served(envoy, pins, count=len(pins), route="pinned_step")
+        assert pinned == {session: [address(pin)] for session, pin in pins.items()}
+        assert replicas[2].grpc_url in new_sessions_go_to(stub, 30), "the new replica takes new sessions"
+    finally:
+        stub.close()
+        envoy.stop()
+
+
+def test_a_draining_replica_keeps_its_sessions_then_its_removal_loses_them(replicas):
+    leaving = replicas[2]
+    staying = [replica_of(server) for server in replicas[:2]]
+    envoy = start_envoy([*staying, replica_of(leaving)])
+    grpc, http = client(envoy.grpc_url, "grpc"), client(envoy.http_url, "http")
+    try:
+        pinned = {"grpc": sessions_on(grpc, leaving), "http": sessions_on(http, leaving)}
+        envoy.update([*staying, replica_of(leaving, draining=True)])
+        envoy.wait_for_hosts({**dict.fromkeys(staying, "healthy"), replica_of(leaving, draining=True): "draining"})
+        for stub, protocol in ((grpc, "grpc"), (http, "http")):
+            for session, pin in pinned[protocol].items():
+                step(stub, session, pin)
+        hosts = served(envoy, [*pinned["grpc"], *pinned["http"]], count=8)
+        assert {h for host_list in hosts.values() for h in host_list} == {leaving.grpc_url, leaving.http_url}
+        newcomers = new_sessions_go_to(grpc, 30)
+        assert leaving.grpc_url not in newcomers and len(newcomers) == 2
+
+        envoy.update(staying)
+        envoy.wait_for_hosts(dict.fromkeys(staying, "healthy"))
+        for stub, protocol, status in ((grpc, "grpc", "StatusCode.UNKNOWN"), (http, "http", "410")):
+            session, pin = next(iter(pinned[protocol].items()))
+            with pytest.raises(InferenceServerException) as raised:
+                step(stub, session, pin)
+            assert raised.value.status() == status
+            lost = _lost(raised.value)
+            assert isinstance(lost, errors.UnknownSessionError) and lost.kind == kinds.SEQUENCE_LOST, lost
+            assert f"session {session} was lost" in lost.message
+        for protocol, server_url in (("grpc", leaving.grpc_url), ("http", leaving.http_url)):
+            with client(server_url, protocol) as direct:  # it still holds them: end them there
+                end_all(direct, dict.fromkeys(pinned[protocol]))
+    finally:
+        grpc.close()
+        http.close()
+        envoy.stop()
+
+
+def test_a_dead_replica_fails_its_sessions_precisely_and_its_return_takes_new_ones(replicas, start_replica):
+    doomed = start_replica()
+    ports = dict(doomed.ports)
+    others = [replica_of(server) for server in replicas[:2]]
+    envoy = start_envoy([*others, replica_of(doomed)])
+    stub = client(envoy.grpc_url, "grpc")
+    try:
+        on_doomed = sessions_on(stub, doomed, at_least=1)
+        elsewhere = {s: start(stub, s) for s in [new_session_id() for _ in range(6)]}
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.stop()  # reaps it and its stubs
+        session, pin = next(iter(on_doomed.items()))
+        began = time.monotonic()
+        with pytest.raises(InferenceServerException) as raised:
+            step(stub, session, pin)
+        assert time.monotonic() - began < 1.0
+        assert _lost(raised.value).kind == kinds.SEQUENCE_LOST
+        for other, other_pin in elsewhere.items():
+            if address(other_pin) != doomed.grpc_url:
+                step(stub, other, other_pin, end=True)
+        assert doomed.grpc_url not in new_sessions_go_to(stub, 20)
+
+        returned = start_replica(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
+        envoy.wait_for_hosts({**dict.fromkeys(others, "healthy"), replica_of(returned): "healthy"})
+        with pytest.raises(InferenceServerException) as raised:  # a new process: it never held the session
+            step(stub, session, pin)
+        assert isinstance(_lost(raised.value), errors.UnknownSessionError)
+        assert returned.grpc_url in new_sessions_go_to(stub, 30)
+    finally:
+        stub.close()
+        envoy.stop()
+
+
+def test_a_signalled_replica_drains_its_grpc_sessions(replicas, start_replica):
+    """Kubernetes' way: SIGTERM. Triton closes its HTTP port (Envoy's health check fails, no new
+    sessions) and serves its open sequences over gRPC until they end (or its exit timeout, 5 s in
+    tests), then exits."""
+    leaving = start_replica()
+    staying = [replica_of(server) for server in replicas[:2]]
+    fast_checks = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
+    envoy = start_envoy([*staying, replica_of(leaving)], fast_checks)
+    stub = client(envoy.grpc_url, "grpc")
+    try:
+        pinned = sessions_on(stub, leaving)
+        leaving.process.send_signal(signal.SIGTERM)
+        envoy.wait_for_hosts(
+            {**dict.fromkeys(staying, "healthy"), replica_of(leaving): "failed_active_health_check"}, timeout=4
+        )
+        assert leaving.grpc_url not in new_sessions_go_to(stub, 20)
+        for session, pin in pinned.items():
+            step(stub, session, pin)
+            step(stub, session, pin, end=True)
+        assert leaving.process.wait(5) == 0, "Triton exits cleanly once its sessions ended"
+        hosts = served(envoy, pinned, count=3 * len(pinned))
+        assert {h for host_list in hosts.values() for h in host_list} == {leaving.grpc_url}
+    finally:
+        stub.close()
+        envoy.stop()
+        leaving.stop()
+
+
+def _stub_of(server, model: str) -> int:
+    """The pid of `model`'s Python-backend stub under `server`."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            parent = int((cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            text = cmdline.read_bytes()
+            if parent == server.process.pid and b"triton_python_backend_stub" in text and f"{model}_0".encode() in text:
+                return int(cmdline.parent.name)
+    raise AssertionError(f"no stub of {model} under {server.grpc_url}")
+
+
+def test_a_replica_whose_model_died_is_ejected_for_new_sessions(replicas, start_replica):
+    """Triton's readiness stays 200 when a stub dies; its answers (INTERNAL) eject it."""
+    broken = start_replica()
+    envoy = start_envoy([*(replica_of(server) for server in replicas[:2]), replica_of(broken)])
+    stub = client(envoy.grpc_url, "grpc")
+    try:
+        os.kill(_stub_of(broken, "mha_session"), signal.SIGKILL)
+        failures = []
+        for _ in range(45):  # a third of them hash to it: 5 or more with near certainty
+            try:
+                start(stub, new_session_id(), end=True)
+            except InferenceServerException as error:
+                failures.append(error.message())
+        assert len(failures) == 5, "the fifth failure in a row ejects it"
+        assert all("is not healthy" in message for message in failures), failures
+        assert envoy.hosts("triton_grpc_sessions")[broken.grpc_url] == "failed_outlier_check"
+        assert broken.grpc_url not in new_sessions_go_to(stub, 20)
+    finally:
+        stub.close()
+        envoy.stop()
+        broken.stop()
