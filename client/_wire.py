@@ -179,6 +179,13 @@ def read_step(result) -> np.ndarray:
     return _output(result, names.OUTPUT)
 
 
+def read_held_length(result) -> int | None:
+    """Positions the server holds for the session after the step; None from a server that does not
+    say (a repository written before it did)."""
+    held = result.as_numpy(names.HELD_LENGTH)
+    return None if held is None else int(held.reshape(-1)[0])
+
+
 def _output(result, name: str) -> np.ndarray:
     array = result.as_numpy(name)
     if array is None:

@@ -84,9 +84,10 @@ class AsyncClient(ClientCore):
         """One stateless call: the output and the presents (feed them back as `past` to decode)."""
         return await self._run(self._infer(hidden_states, attention_mask, past))
 
-    def session(self, sequence_id: int | None = None) -> AsyncSession:
-        """A new server-side session (nothing is sent until its first step)."""
-        return AsyncSession(self, sequence_id)
+    def session(self, sequence_id: int | None = None, replica: str | None = None) -> AsyncSession:
+        """A new server-side session (nothing is sent until its first step); with `replica`, one
+        opened elsewhere, resumed (client/core.py's SessionCore)."""
+        return AsyncSession(self, sequence_id, replica)
 
 
 class AsyncSession(SessionCore):

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from client import _wire
+from client import _wire, affinity
 from client._wire import Health, InferResult
 from client.errors import (
     ClientError,
@@ -34,6 +34,13 @@ from client.metadata import ModelInfo, parse_metadata
 from client.retry import Call, Operation, RetryPolicy, Sleep, retried
 from contract import errors as kinds
 from contract import names
+
+
+@dataclasses.dataclass(frozen=True)
+class StepAnswer:
+    output: np.ndarray
+    replica: str | None  # the replica holding the session, as the proxy named it (None: no proxy)
+    held_length: int | None  # positions the server holds after the step (None: it does not say)
 
 
 class ClientCore:
@@ -111,7 +118,8 @@ class ClientCore:
     def _probe_session(self) -> Operation[Any]:
         info = yield from self._metadata(self.session_model)
         token = {names.HIDDEN_STATES: np.zeros((1, 1, info.d_model), info.float_dtype)}
-        return (yield from self._send_step(_wire.new_sequence_id(), token, start=True, end=True))
+        answer = yield from self._send_step(_wire.new_sequence_id(), token, start=True, end=True)
+        return answer.output
 
     def _ready(self) -> Operation[bool]:
         try:
@@ -152,28 +160,40 @@ class ClientCore:
         )
         return _wire.read_stateless(result)
 
-    def _send_step(self, sequence_id: int, tensors: dict, start: bool, end: bool) -> Operation[np.ndarray]:
+    def _send_step(
+        self, sequence_id: int, tensors: dict, start: bool, end: bool, replica: str | None = None
+    ) -> Operation[StepAnswer]:
+        """The step carries the session's routing headers (contract/routing.py), and `replica` (from
+        an earlier answer) pins it there when a proxy stands in front of several Triton replicas; a
+        direct Triton ignores both."""
         # never retried: the server may have appended to the session's cache before the failure
         inputs = _wire.make_inputs(self._module, tensors)
         kw = {**_wire.sequence_kwargs(sequence_id, start, end), **self._timeout_kw}
-        result = yield from self._call(
+        headers = affinity.step_headers(sequence_id, replica)
+        result, headers = yield from self._call(
             f"step of session {sequence_id}",
-            lambda s: s.infer(self.session_model, inputs, **kw),
+            lambda s: affinity.infer(s, self.session_model, inputs, headers=headers, **kw),
             retry=False,
             session=True,
         )
-        return _wire.read_step(result)
+        return StepAnswer(
+            _wire.read_step(result), affinity.replica_from(headers) or replica, _wire.read_held_length(result)
+        )
 
 
 class SessionCore:
     """A session's bookkeeping and operations, shared by the blocking and the asyncio session."""
 
-    def __init__(self, client: ClientCore, sequence_id: int | None = None) -> None:
+    def __init__(self, client: ClientCore, sequence_id: int | None = None, replica: str | None = None) -> None:
+        """`replica` resumes a session opened elsewhere (another process, another gateway replica):
+        `sequence_id` is then the server's, already started, and `replica` the pin its answers named
+        ("" when they named none)."""
         self.client = client  # the Client or AsyncClient that runs this session's steps
         self.id = _wire.check_sequence_id(sequence_id)
-        self.started = False  # the server has answered a step (START went through)
+        self.started = replica is not None  # the server has answered a step (START went through)
         self.closed = False
         self.length = 0  # tokens the server holds for this session
+        self.replica = replica or None  # the replica holding it, as the proxy named it (None: no proxy)
         # the last step sent: once one went out, the server may hold the sequence even if it failed
         self._sent: np.ndarray | None = None
 
@@ -185,7 +205,9 @@ class SessionCore:
         tensors = _wire.step_tensors(info, hidden_states, attention_mask)
         self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
         try:
-            output = yield from client._send_step(self.id, tensors, start=not self.started, end=end)
+            answer = yield from client._send_step(
+                self.id, tensors, start=not self.started, end=end, replica=self.replica
+            )
         except UnknownSessionError as error:
             self.closed = True  # the server does not know it: there is nothing left to end
             if self.started and error.kind == kinds.SEQUENCE_UNKNOWN:  # it held it: the process that did is gone
@@ -195,9 +217,10 @@ class SessionCore:
                     kind=kinds.SEQUENCE_LOST,
                 ) from None
             raise
-        self.started, self.closed = True, end
-        self.length += output.shape[1]
-        return output
+        self.started, self.closed, self.replica = True, end, answer.replica
+        held = answer.held_length
+        self.length = held if held is not None and held >= 0 else self.length + answer.output.shape[1]
+        return answer.output
 
     def _open(self) -> Operation[None]:
         """START the session without tokens: the server reserves its KV cache now, so a full budget
@@ -206,19 +229,23 @@ class SessionCore:
             raise UnknownSessionError(f"session {self.id} is already {'closed' if self.closed else 'open'}")
         info = yield from self.client._metadata(self.client.session_model)
         self._sent = np.zeros((1, 0, info.d_model), info.float_dtype)
-        yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=True, end=False)
+        answer = yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=True, end=False)
+        self.replica = answer.replica
         self.started = True
 
     def _close(self) -> Operation[None]:
         """Mark closed and, once a step went out, END it on the server. A failed first step may have
         opened the sequence in Triton's batcher, so it is ended too; one the server already forgot
         is fine."""
-        needs_end = self._sent is not None and not self.closed
+        needs_end = (self._sent is not None or self.started) and not self.closed
         self.closed = True
         if needs_end:
+            if self._sent is None:  # resumed: the model says the width
+                info = yield from self.client._metadata(self.client.session_model)
+                self._sent = np.zeros((1, 0, info.d_model), info.float_dtype)
             end = {names.HIDDEN_STATES: np.zeros((1, 0, self._sent.shape[-1]), dtype=self._sent.dtype)}
             with contextlib.suppress(UnknownSessionError):
-                yield from self.client._send_step(self.id, end, start=False, end=True)
+                yield from self.client._send_step(self.id, end, start=False, end=True, replica=self.replica)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open" if self.started else "new"

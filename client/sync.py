@@ -102,9 +102,10 @@ class Client(ClientCore):
         """One stateless call: the output and the presents (feed them back as `past` to decode)."""
         return self._run(self._infer(hidden_states, attention_mask, past))
 
-    def session(self, sequence_id: int | None = None) -> Session:
-        """A new server-side session (nothing is sent until its first step)."""
-        return Session(self, sequence_id)
+    def session(self, sequence_id: int | None = None, replica: str | None = None) -> Session:
+        """A new server-side session (nothing is sent until its first step); with `replica`, one
+        opened elsewhere, resumed (client/core.py's SessionCore)."""
+        return Session(self, sequence_id, replica)
 
 
 class Session(SessionCore):

@@ -13,6 +13,9 @@ from contract.config import ModelConfig
 HIDDEN_STATES = "hidden_states"
 ATTENTION_MASK = "attention_mask"
 OUTPUT = "output"
+# the session model's second output: positions the sequence holds after the step (-1 once it ended),
+# so that whoever steps a session learns its length from the server, not from its own count
+HELD_LENGTH = "held_length"
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"

@@ -91,6 +91,12 @@ class KVCacheStore:
         with self._lock:
             return self._live.touch(sequence_id)
 
+    def length(self, sequence_id: SequenceId) -> int:
+        """Positions the sequence holds; -1 when it is not live."""
+        with self._lock:
+            entry = self._live.entries.get(sequence_id)
+            return -1 if entry is None else entry.length
+
     def check_length(self, sequence_id: SequenceId, entry: SequenceCache, new: int) -> None:
         if entry.length + new > self.max_positions:
             raise errors.SequenceTooLong(sequence_id, entry.length + new, self.max_positions)

@@ -93,6 +93,10 @@ class StepEngine:
             if request.end:
                 self._end(request.sequence_id)
 
+    def length(self, sequence_id: Hashable) -> int:
+        """Positions the sequence holds now; -1 when it is not live (never started, ended, evicted)."""
+        raise NotImplementedError
+
     def _prepare(self, request: StepRequest) -> Any:
         """What `_run` needs for this request; None when there is nothing to compute."""
         raise NotImplementedError
@@ -124,6 +128,9 @@ class SessionEngine(StepEngine):
 
     def _end(self, sequence_id: Hashable) -> None:
         self.store.end(sequence_id)
+
+    def length(self, sequence_id: Hashable) -> int:
+        return self.store.length(sequence_id)
 
     def _prepare(self, request: StepRequest) -> tuple[StepRequest, Step] | None:
         """The request's step with its sequence's cache; None when there is nothing to compute."""

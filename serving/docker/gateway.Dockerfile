@@ -20,6 +20,7 @@ RUN python -m pip install /tmp/src \
         "pydantic-settings==2.16.3" \
         "prometheus-client==0.26.0" \
         "swagger-ui-bundle-v2==5.31.0" \
+        "itsdangerous==2.2.0" \
     && rm -rf /tmp/src
 
 RUN useradd --uid 10001 --no-log-init --create-home --shell /usr/sbin/nologin serving

@@ -173,13 +173,14 @@ def check_request_tokens(hidden: np.ndarray, limit: int) -> None:
     summary="Open a session: the server keeps its KV cache between steps",
 )
 async def create_session(gw: State, owner: Caller, response: Response) -> dict:
-    session = gw.sessions.create(owner, gw.client.session())
+    session = gw.sessions.reserve(owner, gw.client.session())
     try:  # START now: a full KV budget or a Triton that cannot serve answers here, not at the first step
         await gw.call(session.upstream.open(), "opening a session")
     except ApiError:
         gw.sessions.remove(session.id, owner, "refused when opened")
         await gw.end_upstream(session)  # Triton's batcher may hold the sequence
         raise
+    gw.sessions.name(session)
     response.headers["Location"] = f"/v1/sessions/{session.id}"
     return {"id": session.id, "idle_timeout_s": gw.settings.session_idle_s}
 

@@ -12,6 +12,15 @@ Statuses, so a caller can tell what happened:
   Such a broken session no longer counts against the key's limit; DELETE forgets it.
 Everything runs on the event loop, so plain dicts suffice; the only awaits are upstream calls, and
 a session's `busy` flag (set before them) keeps a second request out.
+
+Any gateway replica serves any session (docs/scale-out.md, "Gateways"): a session's id is a claim
+signed with the gateway's secret (itsdangerous) naming the Triton sequence, the owner's key
+fingerprint and the Triton replica holding it, so a gateway that has not seen the session resumes it
+from its id alone; nothing is shared between gateways. With a secret shared by several gateways
+(`shared`), what this table holds is only this process's view, so it never ends a session upstream on
+its own: an idle one is forgotten here and the model's own idle timeout frees its cache, and a
+shutdown leaves every session to the others. The per-key limit and the busy rule hold per gateway
+process.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from itsdangerous import BadSignature, URLSafeSerializer
 
 from serving.gateway.errors import SessionConflict, SessionNotFound, TooManySessions
 from serving.tombstones import Tombstones
@@ -47,9 +58,49 @@ class Gone:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a session id says, signed: the Triton sequence, who owns it, the replica holding it."""
+
+    sequence_id: int
+    owner: str
+    replica: str  # "" when no proxy named one (a single Triton)
+
+
+class SessionIds:
+    """Session ids as signed claims. Not encrypted: a caller may read its own session's sequence id
+    and replica name, neither of which lets it reach Triton (only the gateway and Envoy do)."""
+
+    def __init__(self, secret: str) -> None:
+        self._serializer = URLSafeSerializer(secret, salt="attention-serving/session")
+
+    def issue(self, claim: Claim) -> str:
+        return self._serializer.dumps([claim.sequence_id, claim.owner, claim.replica])
+
+    def read(self, session_id: str) -> Claim | None:
+        """The claim of an id this gateway's secret signed; None for any other string."""
+        try:
+            sequence_id, owner, replica = self._serializer.loads(session_id)
+        except (BadSignature, ValueError, TypeError):
+            return None
+        return Claim(int(sequence_id), str(owner), str(replica))
+
+
 class SessionStore:
-    def __init__(self, per_key: int, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        per_key: int,
+        idle_s: float,
+        ids: SessionIds,
+        resume: Callable[[Claim], Any],
+        *,
+        shared: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`resume(claim)` makes the upstream session (client.AsyncSession) of a session opened by
+        another gateway process; `shared`: other gateways serve these sessions too."""
         self.per_key, self.idle_s, self.clock = per_key, idle_s, clock
+        self.ids, self._resume, self.shared = ids, resume, shared
         self._open: dict[str, GatewaySession] = {}
         self._gone: Tombstones[Gone] = Tombstones(TOMBSTONES)
         self._unclosed: list[GatewaySession] = []  # expired on access, still to be ended upstream
@@ -58,7 +109,9 @@ class SessionStore:
         """Open, working sessions (what the active-sessions gauge shows)."""
         return sum(1 for s in self._open.values() if s.broken is None)
 
-    def create(self, owner: str, upstream: Any) -> GatewaySession:
+    def reserve(self, owner: str, upstream: Any) -> GatewaySession:
+        """A place for a new session, counted against the key's limit; its id is provisional until
+        `name` (the replica that holds it is known once it is opened)."""
         held = sum(1 for s in self._open.values() if s.owner == owner and s.broken is None)
         if held >= self.per_key:
             raise TooManySessions(
@@ -69,15 +122,34 @@ class SessionStore:
         self._open[session.id] = session
         return session
 
+    def name(self, session: GatewaySession) -> str:
+        """Give an opened session its signed id."""
+        upstream = session.upstream
+        del self._open[session.id]
+        session.id = self.ids.issue(Claim(upstream.id, session.owner, upstream.replica or ""))
+        self._open[session.id] = session
+        return session.id
+
     def get(self, session_id: str, owner: str) -> GatewaySession:
         session = self._open.get(session_id)
         if session is not None and self._expired(session):  # exact expiry, whenever the sweeper runs
-            self._unclosed.append(self._forget(session, self._idle_reason()))
+            self._unclosed += self._expire([session])
             session = None
+        if session is None and session_id not in self._gone:
+            session = self._resumed(session_id, owner)
         if session is None or session.owner != owner:
             gone = self._gone.get(session_id)
             why = f": {gone.reason}" if gone is not None and gone.owner == owner else ""
             raise SessionNotFound(f"no session '{session_id}'{why}")
+        return session
+
+    def _resumed(self, session_id: str, owner: str) -> GatewaySession | None:
+        """A session another gateway process opened (or this one, before it forgot it)."""
+        claim = self.ids.read(session_id)
+        if claim is None or claim.owner != owner:
+            return None
+        session = GatewaySession(session_id, owner, self._resume(claim), self.clock())
+        self._open[session_id] = session
         return session
 
     @contextlib.asynccontextmanager
@@ -107,7 +179,7 @@ class SessionStore:
     def idle(self) -> list[GatewaySession]:
         """Remove and return the sessions idle past `idle_s` (busy ones are not idle), to be ended
         upstream by the caller."""
-        expired = [self._forget(s, self._idle_reason()) for s in list(self._open.values()) if self._expired(s)]
+        expired = self._expire([s for s in self._open.values() if self._expired(s)])
         expired += self._unclosed
         self._unclosed = []
         return expired
@@ -115,11 +187,20 @@ class SessionStore:
     def _expired(self, session: GatewaySession) -> bool:
         return not session.busy and session.last_used < self.clock() - self.idle_s
 
-    def _idle_reason(self) -> str:
-        return f"closed after {self.idle_s:g} s without a step"
+    def _expire(self, sessions: list[GatewaySession]) -> list[GatewaySession]:
+        """Idle sessions out of the table; those to be ended upstream (none when `shared`: another
+        gateway may be stepping them, and the model's idle timeout frees their caches)."""
+        if self.shared:
+            for session in sessions:
+                del self._open[session.id]
+            return []
+        return [self._forget(s, f"closed after {self.idle_s:g} s without a step") for s in sessions]
 
     def drain(self) -> list[GatewaySession]:
         """Remove and return every session (shutdown)."""
+        if self.shared:  # the other gateways go on serving them
+            self._open.clear()
+            return self._unclosed
         sessions = [self._forget(s, "the gateway shut down") for s in list(self._open.values())]
         sessions += self._unclosed
         self._unclosed = []

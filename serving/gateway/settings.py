@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 LOOPBACK = "127.0.0.1"
@@ -35,6 +35,11 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=30.0, gt=0, description="per request, upstream included; past it 504")
     sessions_per_key: int = Field(default=16, ge=1, description="open sessions one API key may hold; past it 429")
     session_idle_s: float = Field(default=300.0, gt=0, description="a session unused this long is closed")
+    session_secret: SecretStr | None = Field(
+        default=None,
+        description="signs session ids; give every gateway replica the same one and any of them serves any "
+        "session (unset: a random secret, sessions belong to this process)",
+    )
     readiness_timeout_s: float = Field(
         default=3.0, gt=0, description="how long /readyz waits for Triton's answers to its probe"
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -13,7 +14,7 @@ from client import AsyncClient, ClientError
 from serving.gateway import upstream
 from serving.gateway.errors import Overloaded
 from serving.gateway.metrics import Metrics
-from serving.gateway.sessions import GatewaySession, SessionStore
+from serving.gateway.sessions import GatewaySession, SessionIds, SessionStore
 from serving.gateway.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,14 @@ class GatewayState:
         self.settings = settings
         self.keys = [key.encode() for key in settings.accepted_keys()]
         self.metrics = Metrics()
-        self.sessions = SessionStore(settings.sessions_per_key, settings.session_idle_s)
+        secret = settings.session_secret.get_secret_value() if settings.session_secret else None
+        self.sessions = SessionStore(
+            settings.sessions_per_key,
+            settings.session_idle_s,
+            SessionIds(secret or secrets.token_urlsafe(32)),
+            lambda claim: self.client.session(claim.sequence_id, claim.replica),
+            shared=secret is not None,
+        )
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))
         self._client: AsyncClient | None = None
         self._sweeper: asyncio.Task | None = None

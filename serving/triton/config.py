@@ -140,6 +140,7 @@ def mha_session_config(
     config.input.add(name=names.HIDDEN_STATES, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model], **ragged)
     config.input.add(name=names.ATTENTION_MASK, data_type=pb.TYPE_INT64, dims=[-1], optional=True, **ragged)
     config.output.add(name=names.OUTPUT, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model])
+    config.output.add(name=names.HELD_LENGTH, data_type=pb.TYPE_INT64, dims=[1])
     batching = config.sequence_batching
     batching.max_sequence_idle_microseconds = settings.triton_idle_microseconds
     # A candidate slot is held from START to END or Triton's idle timeout, also by a sequence our cache

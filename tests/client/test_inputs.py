@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from client import _wire
-from client.core import SessionCore
+from client.core import SessionCore, StepAnswer
 from client.errors import ClientError, InvalidInputError
 from client.metadata import parse_metadata
 from client.retry import run_blocking
@@ -141,9 +141,9 @@ class Recorder:
     def __init__(self) -> None:
         self.sent = []
 
-    def _send_step(self, sequence_id, tensors, start, end):
+    def _send_step(self, sequence_id, tensors, start, end, replica=None):
         self.sent.append((sequence_id, tensors, start, end))
-        return np.zeros((1, 0, 48), np.float16)
+        return StepAnswer(np.zeros((1, 0, 48), np.float16), replica, None)
         yield  # an operation: a generator that performs nothing here
 
 

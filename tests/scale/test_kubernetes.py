@@ -139,10 +139,13 @@ def test_only_envoy_reaches_triton_and_only_the_gateway_reaches_envoy(objects):
         assert sorted(p["port"] for p in rule["ports"]) == [8000, 8001]
 
 
-def test_the_gateway_talks_grpc_to_envoy(objects):
+def test_the_gateway_talks_grpc_to_envoy_and_its_replicas_share_the_session_secret(objects):
     (gateway,) = _pod(objects, "Deployment", "gateway")["containers"]
-    env = {item["name"]: item["value"] for item in gateway["env"]}
+    env = {item["name"]: item.get("value", item.get("valueFrom")) for item in gateway["env"]}
     assert env["SERVING_TRITON_URL"] == "envoy:8001"
+    assert env["SERVING_SESSION_SECRET"] == {
+        "secretKeyRef": {"name": "gateway-session-secret", "key": "session_secret"}
+    }
     assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import ClassVar
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract import names
@@ -42,9 +43,12 @@ class TritonPythonModel:
         return [
             common.error_response(self.model.name, result)
             if isinstance(result, Exception)
-            else common.response({names.OUTPUT: result})
-            for result in results
+            else common.response({names.OUTPUT: result, names.HELD_LENGTH: self._held(step)})
+            for step, result in zip(steps, results, strict=True)
         ]
+
+    def _held(self, step: StepRequest) -> np.ndarray:
+        return np.array([[self.engine.length(step.sequence_id)]], np.int64)
 
     def _publish(self, every_value: bool = True) -> None:
         """Gauges to Triton. After a request only what START and END change (each update is a round
