@@ -2,6 +2,7 @@
 
 python -m serving [--model-repository REPO] [--gateway-port 8080] [--host 127.0.0.1]
 python -m serving --no-gateway [--model-repository REPO] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+python -m serving --replicas 3     three Triton replicas behind Envoy (on the HTTP and gRPC ports), the gateway on Envoy
 python -m serving repository --artifacts DIR --repository REPO     fill a repository from an artifact
 python -m serving ensure --repository REPO [--preset|--config|--config-json]   build and fill if it lacks the model
 python -m serving envoy-config --dns NAME | --replica IP:HTTP:GRPC ...     the Envoy config in front of N replicas
@@ -47,6 +48,20 @@ def triton_arguments(parser: argparse.ArgumentParser) -> None:
     triton.add_argument(
         "--probe-interval", type=float, default=1.0, help="seconds between the supervisor's probes (default: 1)"
     )
+    triton.add_argument(
+        "--replicas",
+        type=positive_int,
+        default=1,
+        help="Triton processes; more than 1 puts Envoy on the HTTP and gRPC ports in front of them, each on "
+        "free ports of its own, and routes each session to the replica holding it (default: 1, no Envoy)",
+    )
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,40 +130,62 @@ def shutdown_signals() -> Iterator[threading.Event]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from serving.envoy import EnvoyError
     from serving.gateway.server import GatewayStartError
     from serving.launcher import TritonStartError
 
-    supervisor = None
+    front = None
     with shutdown_signals() as stop:
         try:
             ensure_repository(args.model_repository)
-            supervisor = supervise(args)
-            print_urls(supervisor.server)
-            serve(args, supervisor, stop)
+            front = start_front(args)
+            for line in front.layout():
+                print(line, flush=True)
+            serve(args, front, stop)
         except Shutdown as received:
             print(f"{received}: shutting down", flush=True)
-        except (TritonStartError, GatewayStartError) as error:
+        except (TritonStartError, GatewayStartError, EnvoyError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the shutdown short
                 signal.signal(sig, signal.SIG_IGN)
-            if supervisor is not None:
-                supervisor.stop()
-    return 0 if supervisor is None or supervisor.failed is None else 1
+            if front is not None:
+                front.stop()
+    return 0 if front is None or front.failed is None else 1
 
 
-def supervise(args: argparse.Namespace):
-    """Triton started and kept serving (serving/supervisor.py): the same ports and log at every
-    restart, so the gateway and the clients find it again."""
-    from serving.launcher import check_ports_free, free_port, start_triton
-    from serving.supervisor import Supervisor
+def start_front(args: argparse.Namespace):
+    """What the gateway and the clients talk to: one supervised Triton, or Envoy in front of
+    `--replicas` of them (serving/fleet.py)."""
+    from serving.envoy import ProxySettings
+    from serving.fleet import start_fleet
+    from serving.launcher import check_ports_free
 
-    ports = {"http": args.http_port, "grpc": args.grpc_port, "metrics": args.metrics_port}
-    check_ports_free(args.triton_address, {k: v for k, v in ports.items() if v})
+    front_ports = {"http": args.http_port, "grpc": args.grpc_port}
+    if args.replicas == 1:
+        front_ports["metrics"] = args.metrics_port
+    check_ports_free(args.triton_address, {k: v for k, v in front_ports.items() if v})
     if not args.no_gateway and args.gateway_port:
         check_ports_free(gateway_host(args), {"gateway": args.gateway_port})
-    ports = {k: v or free_port(args.triton_address) for k, v in ports.items()}  # fixed for every restart
+    if args.replicas == 1:
+        return OneTriton(supervise(args, front_ports, args.log))
+    proxy = ProxySettings(http_port=args.http_port, grpc_port=args.grpc_port, listen_address=args.triton_address)
+    print(f"starting {args.replicas} Triton replicas and Envoy in front of them", flush=True)
+    return start_fleet(args.replicas, lambda index: supervise(args, {}, replica_log(args.log, index)), proxy)
+
+
+def replica_log(log: Path | None, index: int) -> Path | None:
+    return None if log is None or str(log) == "/dev/stdout" else log.with_name(f"{log.stem}-{index}{log.suffix}")
+
+
+def supervise(args: argparse.Namespace, ports: dict[str, int], log: Path | None):
+    """Triton started and kept serving (serving/supervisor.py): the same ports and log at every
+    restart, so the gateway and the clients find it again. A port not given is picked now, once."""
+    from serving.launcher import free_port, start_triton
+    from serving.supervisor import Supervisor
+
+    ports = {name: ports.get(name) or free_port(args.triton_address) for name in ("http", "grpc", "metrics")}
 
     def start():
         return start_triton(
@@ -157,11 +194,44 @@ def supervise(args: argparse.Namespace):
             http_port=ports["http"],
             grpc_port=ports["grpc"],
             metrics_port=ports["metrics"],
-            log_path=args.log,
+            log_path=log,
             tritonserver=args.tritonserver,
         )
 
     return Supervisor(start, interval=args.probe_interval)
+
+
+class OneTriton:
+    """One supervised Triton, with the face of a Fleet (serving/fleet.py) for `run`."""
+
+    def __init__(self, supervisor) -> None:
+        self.supervisor = supervisor
+
+    @property
+    def grpc_url(self) -> str:
+        return self.supervisor.server.grpc_url
+
+    @property
+    def failed(self) -> str | None:
+        return self.supervisor.failed
+
+    def check(self, say=print) -> bool:
+        if self.supervisor.running():
+            return True
+        say(f"error: {self.supervisor.failed}; Triton's log: {self.supervisor.server.log_path}")
+        return False
+
+    def layout(self) -> list[str]:
+        server = self.supervisor.server
+        return [
+            f"Triton HTTP     http://{server.http_url}",
+            f"Triton gRPC     {server.grpc_url}",
+            f"Triton metrics  {server.metrics_url}",
+            f"models          {', '.join(server.models)}",
+        ]
+
+    def stop(self) -> None:
+        self.supervisor.stop()
 
 
 def gateway_host(args: argparse.Namespace) -> str:
@@ -170,35 +240,27 @@ def gateway_host(args: argparse.Namespace) -> str:
     return Settings(**({"host": args.host} if args.host is not None else {})).bind_host()
 
 
-def print_urls(server) -> None:
-    print(f"Triton HTTP     http://{server.http_url}", flush=True)
-    print(f"Triton gRPC     {server.grpc_url}", flush=True)
-    print(f"Triton metrics  {server.metrics_url}", flush=True)
-    print(f"models          {', '.join(server.models)}", flush=True)
-
-
-def serve(args: argparse.Namespace, supervisor, stop: threading.Event) -> None:
-    """Run until a signal arrives or the supervisor gives up; the gateway (unless --no-gateway)
-    talks to this Triton over gRPC, with its other settings from SERVING_* variables."""
+def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
+    """Run until a signal arrives or nothing is left to serve; the gateway (unless --no-gateway)
+    talks gRPC to the front (Triton, or Envoy), with its other settings from SERVING_* variables."""
     if args.no_gateway:
-        return watch(supervisor, stop)
+        return watch(front, stop)
     from serving.gateway import Settings, banner, run_gateway
 
-    overrides = {"triton_url": supervisor.server.grpc_url, "port": args.gateway_port}
+    overrides = {"triton_url": front.grpc_url, "port": args.gateway_port}
     if args.host is not None:
         overrides["host"] = args.host
     gateway = run_gateway(Settings(**overrides))
     try:
         print(banner(gateway), flush=True)
-        watch(supervisor, stop)
+        watch(front, stop)
     finally:
         gateway.stop()
 
 
-def watch(supervisor, stop: threading.Event) -> None:
+def watch(front, stop: threading.Event) -> None:
     while not stop.wait(0.5):
-        if not supervisor.running():
-            print(f"error: {supervisor.failed}; Triton's log: {supervisor.server.log_path}", file=sys.stderr)
+        if not front.check(lambda line: print(line, file=sys.stderr, flush=True)):
             return
 
 

@@ -1,0 +1,246 @@
+"""`python -m serving --replicas 3` as a user runs it: three supervised Triton replicas (the tiny
+model), Envoy in front on the HTTP and gRPC ports, the gateway on Envoy. Sessions through the client
+library over both protocols each stay on one replica and equal the PyTorch original; two gateway
+processes serve one session; a replica killed mid-run loses exactly its sessions, in one request,
+while the others go on, and takes new sessions once its supervisor has brought it back. Ctrl-C
+leaves no process behind (tests/fixtures/serving_process.py)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from client import Client, SessionLostError
+from contract import errors as kinds
+from contract import names
+from serving.launcher import free_port
+from tests.fixtures.serving_process import serving_process
+
+pytestmark = [pytest.mark.served, pytest.mark.timeout(300)]
+SECRET = "fleet-test-secret-" + "x" * 16
+PREFILL, DECODES = 5, 4
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_repository, tmp_path_factory):
+    work = tmp_path_factory.mktemp("fleet")
+    args = ("--replicas", "3", "--probe-interval", "0.5")
+    with serving_process(tiny_repository, work, env={"SERVING_SESSION_SECRET": SECRET}, args=args) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def original(artifact_dir):
+    from export.artifacts import load_model
+    from export.runtime import torch_runner
+
+    return torch_runner(load_model(artifact_dir("tiny")))
+
+
+def layout(fleet) -> tuple[dict[int, int], Path]:
+    """({replica's gRPC port: its index}, Envoy's work directory) from what the command printed."""
+    output = fleet.output()
+    replicas = {int(port): int(i) for i, port in re.findall(r"replica (\d+) .*gRPC [\d.]+:(\d+)", output)}
+    envoy_dir = Path(re.search(r"Envoy's log\s+(\S+)", output).group(1))
+    return replicas, envoy_dir
+
+
+def replica_index(fleet, pin: str) -> int:
+    """The replica a pin names (Envoy's pin is the base64 of host:port; a gRPC step names the gRPC port,
+    an HTTP one the HTTP port)."""
+    port = int(base64.b64decode(pin).decode().rsplit(":", 1)[1])
+    grpc_ports, _ = layout(fleet)
+    http_ports = {int(p): int(i) for i, p in re.findall(r"replica (\d+) +HTTP [\d.]+:(\d+)", fleet.output())}
+    return {**grpc_ports, **http_ports}[port]
+
+
+def upstream_hosts(fleet, session_ids: set[int], wait_for: int) -> dict[int, set[str]]:
+    """{session: the upstream hosts Envoy's access log shows for its requests}."""
+    _, envoy_dir = layout(fleet)
+    deadline = time.monotonic() + 10
+    while True:
+        lines = (envoy_dir / "access.log").read_text().splitlines()
+        entries = [json.loads(line) for line in lines if line.startswith("{")]
+        entries = [e for e in entries if e.get("session_id") and int(e["session_id"]) in session_ids]
+        if len(entries) >= wait_for or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    hosts: dict[int, set[str]] = {}
+    for entry in entries:
+        hosts.setdefault(int(entry["session_id"]), set()).add(entry["upstream_host"])
+    return hosts
+
+
+def chunks(seed: int, d_model: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    sizes = [PREFILL] + [1] * DECODES
+    return [rng.standard_normal((1, size, d_model)).astype(np.float32) for size in sizes]
+
+
+def expected(original, parts: list[np.ndarray]) -> np.ndarray:
+    """The PyTorch original over the whole sequence at once (causal): what the steps must return."""
+    return original({names.HIDDEN_STATES: np.concatenate(parts, axis=1)})[names.OUTPUT]
+
+
+def test_24_sessions_over_both_protocols_each_stay_on_one_replica_and_equal_the_original(fleet, original):
+    clients = [Client(f"127.0.0.1:{fleet.grpc_port}", "grpc"), Client(f"127.0.0.1:{fleet.http_port}", "http")]
+    d_model = clients[0].metadata("mha_session").d_model
+    sessions = [clients[i % 2].session() for i in range(24)]
+    inputs = [chunks(i, d_model) for i in range(24)]
+    outputs: list[list[np.ndarray]] = [[] for _ in sessions]
+    try:
+        for k in range(1 + DECODES):  # every session live at once, their steps interleaved
+            for session, parts, out in zip(sessions, inputs, outputs, strict=True):
+                out.append(session.step(parts[k]))
+        for session, parts, out in zip(sessions, inputs, outputs, strict=True):
+            np.testing.assert_allclose(np.concatenate(out, axis=1), expected(original, parts), rtol=1e-5, atol=1e-5)
+            assert session.length == PREFILL + DECODES  # as the server counts it
+    finally:
+        for session in sessions:
+            session.close()
+    hosts = upstream_hosts(fleet, {s.id for s in sessions}, wait_for=24 * (2 + DECODES))
+    assert set(hosts) == {s.id for s in sessions}
+    assert all(len(h) == 1 for h in hosts.values()), {s: h for s, h in hosts.items() if len(h) > 1}
+    used = {replica_index(fleet, s.replica) for s in sessions}
+    assert len(used) >= 2, f"all 24 sessions on replica {used}"
+    for client in clients:
+        client.close()
+
+
+@contextlib.contextmanager
+def second_gateway(fleet):
+    """`python -m serving.gateway` on Envoy, with the first gateway's session secret."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "SERVING_TRITON_URL": f"127.0.0.1:{fleet.grpc_port}",
+        "SERVING_PORT": str(port),
+        "SERVING_SESSION_SECRET": SECRET,
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "serving.gateway"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                    break
+            assert process.poll() is None and time.monotonic() < deadline, "the second gateway did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(30)
+
+
+def step_on(url: str, session_id: str, hidden: np.ndarray) -> httpx.Response:
+    return httpx.post(f"{url}/v1/sessions/{session_id}/step", json={"hidden_states": hidden.tolist()}, timeout=60)
+
+
+def test_a_session_opened_on_one_gateway_is_stepped_on_another(fleet, original):
+    d_model = Client(f"127.0.0.1:{fleet.grpc_port}", "grpc").metadata("mha_session").d_model
+    parts = chunks(100, d_model)
+    with second_gateway(fleet) as other:
+        created = httpx.post(f"{fleet.gateway_url}/v1/sessions", timeout=60)
+        assert created.status_code == 201, created.text
+        session_id = created.json()["id"]
+        gateways = [fleet.gateway_url, other] * 3
+        out = []
+        for k, part in enumerate(parts):
+            answer = step_on(gateways[k], session_id, part)
+            assert answer.status_code == 200, (gateways[k], answer.text)
+            out.append(np.asarray(answer.json()["output"], np.float32))
+            assert answer.json()["length"] == sum(p.shape[1] for p in parts[: k + 1])  # the server's count
+        np.testing.assert_allclose(np.concatenate(out, axis=1), expected(original, parts), rtol=1e-5, atol=1e-5)
+        assert httpx.delete(f"{other}/v1/sessions/{session_id}", timeout=30).status_code == 204
+        gone = step_on(fleet.gateway_url, session_id, parts[0][:, :1])  # ended upstream by the other gateway
+        assert gone.status_code in (404, 409), gone.text
+        forged = session_id[:-3] + ("AAA" if not session_id.endswith("AAA") else "BBB")
+        assert step_on(other, forged, parts[0]).status_code == 404
+
+
+def gateway_sessions(fleet, hidden: np.ndarray, victim: int) -> dict[str, int]:
+    """Sessions opened and stepped through the gateway until 2 are on `victim` and 6 in all:
+    {session id: the replica holding it} (the id is a claim signed with the secret this test gave
+    the gateway)."""
+    from serving.gateway.sessions import SessionIds
+
+    held: dict[str, int] = {}
+    while list(held.values()).count(victim) < 2 or len(held) < 6:
+        assert len(held) < 40, f"40 gateway sessions and fewer than 2 on replica {victim}: {held}"
+        session_id = httpx.post(f"{fleet.gateway_url}/v1/sessions", timeout=60).json()["id"]
+        assert step_on(fleet.gateway_url, session_id, hidden).status_code == 200
+        held[session_id] = replica_index(fleet, SessionIds(SECRET).read(session_id).replica)
+    return held
+
+
+def replica_pid(grpc_port: int) -> int:
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if cmdline and cmdline[0].endswith("tritonserver") and f"--grpc-port={grpc_port}" in cmdline:
+            return process.pid
+    raise AssertionError(f"no tritonserver on gRPC port {grpc_port}")
+
+
+def test_a_killed_replica_loses_only_its_sessions_and_serves_again_once_restarted(fleet, original):
+    client = Client(f"127.0.0.1:{fleet.grpc_port}", "grpc")
+    d_model = client.metadata("mha_session").d_model
+    sessions = [client.session() for _ in range(9)]
+    inputs = [chunks(200 + i, d_model) for i in range(9)]
+    for session, parts in zip(sessions, inputs, strict=True):
+        session.step(parts[0])
+    on = {s.id: replica_index(fleet, s.replica) for s in sessions}
+    victim = max(set(on.values()), key=list(on.values()).count)
+    victim_port = next(port for port, index in layout(fleet)[0].items() if index == victim)
+    through_gateway = gateway_sessions(fleet, inputs[0][0], victim)
+    os.kill(replica_pid(victim_port), signal.SIGKILL)
+
+    for session_id, replica in through_gateway.items():  # the gateway's answers: 409 session_lost, or served
+        answer = step_on(fleet.gateway_url, session_id, inputs[0][1])
+        if replica == victim:
+            assert answer.status_code == 409 and answer.json()["error"]["code"] == "session_lost", answer.text
+        else:
+            assert answer.status_code == 200, answer.text
+            httpx.delete(f"{fleet.gateway_url}/v1/sessions/{session_id}", timeout=30)
+
+    for session, parts in zip(sessions, inputs, strict=True):
+        if on[session.id] == victim:
+            began = time.monotonic()
+            with pytest.raises(SessionLostError) as lost:
+                session.step(parts[1])
+            assert lost.value.kind == kinds.SEQUENCE_LOST and time.monotonic() - began < 5
+            assert session.closed
+        else:  # untouched: the rest of its sequence still equals the original
+            out = [session.step(part) for part in parts[1:]]
+            reference = expected(original, parts)[:, PREFILL:]
+            np.testing.assert_allclose(np.concatenate(out, axis=1), reference, rtol=1e-5, atol=1e-5)
+            session.close()
+    fresh = client.session()  # a new session starts on a survivor, or on the victim once it is back
+    fresh.step(inputs[0][0])
+    fresh.close()
+
+    deadline = time.monotonic() + 60  # the supervisor restarts it on the same ports; then it takes sessions
+    while True:
+        session = client.session()
+        session.step(inputs[0][0])
+        session.close()
+        if replica_index(fleet, session.replica) == victim:
+            break
+        assert time.monotonic() < deadline, f"no new session reached replica {victim} within 60 s"
+        time.sleep(0.2)
+    client.close()
