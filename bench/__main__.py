@@ -3,6 +3,7 @@
 python -m bench model            # PyTorch eager vs each ONNX variant on ONNX Runtime CPU
 python -m bench model --quick    # a few small shapes, short budgets
 python -m bench serving          # in-process vs Triton stateless vs stateful, gRPC and HTTP
+python -m bench scale            # Envoy in front of 3 Triton replicas vs straight to one; 64 sessions' spread
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -12,12 +13,12 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import gpu, model, serving
+from bench import gpu, model, scale, serving
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
-COMMANDS: dict[str, ModuleType] = {"model": model, "serving": serving, "gpu": gpu}
-DEFAULT_COMMANDS = ("model", "serving")
+COMMANDS: dict[str, ModuleType] = {"model": model, "serving": serving, "scale": scale, "gpu": gpu}
+DEFAULT_COMMANDS = ("model", "serving", "scale")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -377,7 +377,8 @@ def write_noop_model(repository: Path) -> None:
     (repository / NOOP / "1" / "model.py").write_text(_NOOP_SOURCE)
 
 
-_NOOP_SOURCE = """import triton_python_backend_utils as pb_utils
+_NOOP_SOURCE = """import numpy as np
+import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
@@ -385,7 +386,9 @@ class TritonPythonModel:
         answers = []
         for request in requests:
             hidden = pb_utils.get_input_tensor_by_name(request, "hidden_states").as_numpy()
-            answers.append(pb_utils.InferenceResponse([pb_utils.Tensor("output", hidden)]))
+            held = np.array([[hidden.shape[1]]], np.int64)  # as mha_session answers both outputs
+            outputs = [pb_utils.Tensor("output", hidden), pb_utils.Tensor("held_length", held)]
+            answers.append(pb_utils.InferenceResponse(outputs))
         return answers
 """
 

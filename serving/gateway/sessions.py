@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import secrets
 import time
@@ -72,7 +73,8 @@ class SessionIds:
     and replica name, neither of which lets it reach Triton (only the gateway and Envoy do)."""
 
     def __init__(self, secret: str) -> None:
-        self._serializer = URLSafeSerializer(secret, salt="attention-serving/session")
+        signer = {"digest_method": hashlib.sha256}
+        self._serializer = URLSafeSerializer(secret, salt="attention-serving/session", signer_kwargs=signer)
 
     def issue(self, claim: Claim) -> str:
         return self._serializer.dumps([claim.sequence_id, claim.owner, claim.replica])

@@ -1,0 +1,24 @@
+"""`python -m bench scale` end to end on the tiny model, bounded: three real replicas, real Envoy,
+a few steps per mode; it writes its JSON, its plot and its table, and what it measured is coherent."""
+
+import json
+
+import pytest
+
+from bench.__main__ import main
+
+pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_the_scale_benchmark_measures_both_paths_and_the_spread(tmp_path, capsys):
+    out = tmp_path / "results"
+    args = ["scale", "--preset", "tiny", "--past", "8", "--rounds", "2", "--steps", "3", "--sessions", "9"]
+    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "scale.json").read_text())
+    assert (out / "scale.png").stat().st_size > 0
+    for mode, row in results["latency"].items():
+        assert row["runs"] == 2 * 3 and 0 < row["p50_ms"] <= row["p99_ms"], mode
+    assert results["latency"]["envoy/noop"]["p50_ratio_to_direct"] > 0
+    spread = results["spread"]
+    assert sum(spread["per_replica"]) == 9 and len(spread["per_replica"]) == 3
+    assert "spread of 9 sessions over 3 replicas" in capsys.readouterr().out
