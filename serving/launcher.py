@@ -337,13 +337,14 @@ def _wait_ready(server: TritonServer, models: Sequence[str], timeout: float) -> 
             raise TritonStartError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
         if time.monotonic() > deadline:
             raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s ({pending[0]}):\n{server.log_tail()}")
-        if _is_ok(pending[0]):
+        if answers_200(pending[0]):
             pending.pop(0)
         else:
             time.sleep(0.2)
 
 
-def _is_ok(url: str) -> bool:
+def answers_200(url: str) -> bool:
+    """Whether a GET of `url` answers 200 within 2 s (a health endpoint: anything else is not ready)."""
     with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=2) as response:
         return response.status == 200
     return False

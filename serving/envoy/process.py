@@ -37,6 +37,7 @@ from serving.envoy.config import (
     render,
     write_endpoints,
 )
+from serving.launcher import answers_200
 
 log = logging.getLogger(__name__)
 
@@ -307,15 +308,9 @@ def _wait_ready(envoy: Envoy, admin_path: Path, timeout: float) -> None:
             raise EnvoyStartError(f"envoy not ready after {timeout:g} s:\n{envoy.log_tail()}")
         if not envoy.admin_url and admin_path.is_file() and (address := admin_path.read_text().strip()):
             envoy.admin_url = f"http://{address}"
-        if envoy.admin_url and _is_ready(envoy.admin_url + "/ready"):
+        if envoy.admin_url and answers_200(envoy.admin_url + "/ready"):
             return
         time.sleep(0.05)
-
-
-def _is_ready(url: str) -> bool:
-    with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=2) as response:
-        return response.status == 200
-    return False
 
 
 def _listener_ports(envoy: Envoy, settings: ProxySettings) -> tuple[int, int]:

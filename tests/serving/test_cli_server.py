@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from contract import names
 from contract.config import ModelConfig
-from serving.launcher import free_port
+from serving.launcher import answers_200, free_port
 from tests import reference
 from tests.fixtures.triton import metric, wait_for_metric
 from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
@@ -63,15 +63,9 @@ def _wait_ready(served: Served, timeout: float = 180.0) -> None:
         while True:
             assert served.process.poll() is None, served.output_path.read_text()
             assert time.monotonic() < deadline, f"not ready: {path}\n{served.output_path.read_text()}"
-            if _is_ok(f"http://{served.http_url}{path}"):
+            if answers_200(f"http://{served.http_url}{path}"):
                 break
             time.sleep(0.2)
-
-
-def _is_ok(url: str) -> bool:
-    with contextlib.suppress(urllib.error.URLError, OSError), urllib.request.urlopen(url, timeout=2) as response:
-        return response.status == 200
-    return False
 
 
 def stop(served: Served) -> int:
