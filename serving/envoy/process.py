@@ -41,7 +41,7 @@ from serving.launcher import answers_200
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILENAME = "envoy.yaml"
+ENVOY_CONFIG_FILENAME = "envoy.yaml"
 
 
 class EnvoyError(RuntimeError):
@@ -71,7 +71,7 @@ def validate(config: dict[str, Any] | str | Path) -> None:
     """`envoy --mode validate` on a config (a dict, YAML text, or a file); EnvoyConfigError if Envoy
     rejects it or names a deprecated field in it (those are removed in later releases)."""
     with tempfile.TemporaryDirectory(prefix="envoy-validate-") as scratch:
-        path = Path(config) if isinstance(config, Path) else Path(scratch) / CONFIG_FILENAME
+        path = Path(config) if isinstance(config, Path) else Path(scratch) / ENVOY_CONFIG_FILENAME
         if not isinstance(config, Path):
             path.write_text(config if isinstance(config, str) else render(config))
         run = subprocess.run(
@@ -119,7 +119,7 @@ class Envoy:
 
     @property
     def config_path(self) -> Path:
-        return self.work_dir / CONFIG_FILENAME
+        return self.work_dir / ENVOY_CONFIG_FILENAME
 
     @property
     def log_path(self) -> Path:
@@ -247,7 +247,7 @@ def start_envoy(
     settings = settings or ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1")
     settings = dataclasses.replace(settings, admin_port=0, access_log=str(work_dir / "access.log"))
     write_endpoints(work_dir / "endpoints", replicas)
-    (work_dir / CONFIG_FILENAME).write_text(render(bootstrap(EndpointFiles(work_dir / "endpoints"), settings)))
+    (work_dir / ENVOY_CONFIG_FILENAME).write_text(render(bootstrap(EndpointFiles(work_dir / "endpoints"), settings)))
     admin_path = work_dir / "admin-address"
     with contextlib.suppress(FileNotFoundError):
         admin_path.unlink()
@@ -268,7 +268,7 @@ def _launch(work_dir: Path, admin_path: Path, concurrency: int) -> subprocess.Po
     command = [
         str(envoy_binary()),
         "-c",
-        str(work_dir / CONFIG_FILENAME),
+        str(work_dir / ENVOY_CONFIG_FILENAME),
         "--disable-hot-restart",
         "--admin-address-path",
         str(admin_path),
