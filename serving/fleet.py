@@ -6,6 +6,8 @@ Each replica is a tritonserver on ports of its own, kept serving by its supervis
 steps to the replica holding it (docs/scale-out.md). `check()`, called by the caller's loop, keeps the
 whole standing: a replica whose supervisor gave up leaves Envoy's list (its sessions get
 `[sequence_lost]`, new ones go to the others), and an Envoy that died is started again on its ports.
+`retire(index, deadline_s)` takes a replica out gracefully: no new sessions, its open ones served
+until they end or the deadline passes, then it leaves the list and stops.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from serving.envoy import Envoy, ProxySettings, Replica, start_envoy
 from serving.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+SEQUENCES_METRIC = "attention_kv_cache_sequences"  # mha_session's gauge (serving/triton/models/mha_session.py)
 
 
 @dataclasses.dataclass
@@ -29,6 +34,7 @@ class Fleet:
     proxy: ProxySettings
     failed: str | None = None  # why the fleet cannot serve at all (every replica gave up)
     _left: set[int] = dataclasses.field(default_factory=set)  # replicas taken out of Envoy's list
+    _draining: set[int] = dataclasses.field(default_factory=set)  # replicas that take no new session
 
     @property
     def grpc_url(self) -> str:
@@ -36,7 +42,25 @@ class Fleet:
 
     def replicas(self) -> list[Replica]:
         """The replicas Envoy routes to (those whose supervisor has not given up)."""
-        return [replica_of(s) for i, s in enumerate(self.supervisors) if i not in self._left]
+        return [
+            replica_of(s, draining=i in self._draining) for i, s in enumerate(self.supervisors) if i not in self._left
+        ]
+
+    def retire(self, index: int, deadline_s: float, poll_s: float = 0.5) -> int:
+        """Drain replica `index`, then stop it: marked draining in Envoy's list (new sessions go to
+        the others, its own are still served) until it holds no sequence or `deadline_s` has passed;
+        then out of the list and stopped. Returns how many sequences it still held (lost)."""
+        if index in self._left or len(self._left) + 1 >= len(self.supervisors):
+            raise ValueError(f"replica {index} cannot be retired: it is gone or the last one serving")
+        self._draining.add(index)
+        self.envoy.update(self.replicas())
+        server, deadline = self.supervisors[index].server, time.monotonic() + deadline_s
+        while (held := open_sequences(server.metrics_url)) != 0 and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        self._left.add(index)
+        self.envoy.update(self.replicas())
+        self.supervisors[index].stop()
+        return max(held, 0)
 
     def check(self, say: Callable[[str], None] = print) -> bool:
         """One look at every process; False once no replica is left to serve."""
@@ -72,9 +96,22 @@ class Fleet:
             list(pool.map(Supervisor.stop, self.supervisors))
 
 
-def replica_of(supervisor: Supervisor) -> Replica:
+def replica_of(supervisor: Supervisor, draining: bool = False) -> Replica:
     server = supervisor.server
-    return Replica(server.host, server.ports["http"], server.ports["grpc"])
+    return Replica(server.host, server.ports["http"], server.ports["grpc"], draining=draining)
+
+
+def open_sequences(metrics_url: str) -> int:
+    """Sequences a replica's session model holds, from its metrics endpoint; -1 when unreadable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except OSError:
+        return -1
+    families = text_string_to_metric_families(text)
+    return int(sum(sample.value for family in families if family.name == SEQUENCES_METRIC for sample in family.samples))
 
 
 def start_fleet(

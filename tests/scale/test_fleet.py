@@ -244,3 +244,64 @@ def test_a_killed_replica_loses_only_its_sessions_and_serves_again_once_restarte
         assert time.monotonic() < deadline, f"no new session reached replica {victim} within 60 s"
         time.sleep(0.2)
     client.close()
+
+
+def test_a_retired_replica_serves_its_sessions_until_they_end_and_takes_no_new_ones(tiny_repository, original):
+    """`Fleet.retire`: the drain mode. One session held on the leaving replica keeps stepping (and
+    equals the original) while new sessions go elsewhere; once it ends the replica stops at once,
+    long before the deadline. A second retirement with a session still open ends at its deadline
+    and the session is then lost."""
+    import threading
+
+    from serving.envoy import ProxySettings
+    from serving.fleet import start_fleet
+    from serving.launcher import start_triton
+    from serving.supervisor import Supervisor
+
+    proxy = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
+    fleet = start_fleet(3, lambda _: Supervisor(lambda: start_triton(tiny_repository), interval=0.5), proxy)
+    client = Client(fleet.envoy.grpc_url, "grpc")
+    try:
+        d_model = client.metadata("mha_session").d_model
+        ports = {s.server.grpc_url: i for i, s in enumerate(fleet.supervisors)}
+
+        def held_on(index: int, seed: int):
+            for _ in range(60):
+                session = client.session()
+                parts = chunks(seed, d_model)
+                session.step(parts[0])
+                if ports[base64.b64decode(session.replica).decode()] == index:
+                    return session, parts
+                session.close()
+            raise AssertionError(f"60 sessions and none on replica {index}")
+
+        session, parts = held_on(2, seed=300)
+        retiring = {}
+        thread = threading.Thread(target=lambda: retiring.setdefault("lost", fleet.retire(2, deadline_s=60)))
+        began = time.monotonic()
+        thread.start()
+        time.sleep(1.0)  # Envoy has read the draining mark
+        for _ in range(10):
+            fresh = client.session()
+            fresh.open()
+            assert ports[base64.b64decode(fresh.replica).decode()] != 2, "a new session reached the draining replica"
+            fresh.close()
+        out = [session.step(part) for part in parts[1:]]
+        np.testing.assert_allclose(
+            np.concatenate(out, axis=1), expected(original, parts)[:, PREFILL:], rtol=1e-5, atol=1e-5
+        )
+        assert thread.is_alive()  # still draining: its session is open
+        session.close()
+        thread.join(30)
+        assert retiring == {"lost": 0} and time.monotonic() - began < 30
+        assert not fleet.supervisors[2].server.is_running()
+
+        kept, parts = held_on(1, seed=301)
+        assert fleet.retire(1, deadline_s=1.0) == 1  # the deadline passed with one sequence held
+        with pytest.raises(SessionLostError):
+            kept.step(parts[1])
+        with pytest.raises(ValueError, match="last one serving"):
+            fleet.retire(0, deadline_s=1.0)
+    finally:
+        client.close()
+        fleet.stop()
