@@ -34,7 +34,7 @@ from export.parity import (
     pool_schedule,
 )
 from export.progress import Progress
-from export.runtime import ort_runner, ort_session, torch_runner
+from export.runtime import ort_runner, ort_session, rounded_runner, torch_runner
 
 
 class BuildError(RuntimeError):
@@ -107,6 +107,7 @@ POOL_SCENARIO = "pool"
 
 def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict[str, RungResult]:
     reference = torch_runner(model)
+    floor = rounded_runner(model, variant.float_dtype) if variant.tolerance.floor else None
     if variant.ladder == POOL:
         schedule = pool_schedule(model.cfg.max_seq_len)
         pool = KVPool(ort_session(path), model.cfg, rows=POOL_ROWS, capacity=model.cfg.max_seq_len)
@@ -119,6 +120,7 @@ def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progre
                 schedule,
                 variant.tolerance,
                 on_step=lambda step: progress.update(f"parity {POOL_SCENARIO} step {step + 1}/{total}"),
+                floor=floor,
             )
         }
     candidate = ort_runner(ort_session(path))
@@ -133,6 +135,7 @@ def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progre
             variant.tolerance,
             cast=variant.cast,
             on_step=lambda step, name=name, total=total: progress.update(f"parity {name} step {step + 1}/{total}"),
+            floor=floor,
         )
     return results
 
