@@ -40,17 +40,17 @@ class Tolerance:
 # a logit error on as a relative error of the weights. Our init gives logits of magnitude ~1 (largest
 # ~10) and errors of ~7e-4 of the output's scale; trained weights are larger: projections 4x our init
 # give logits 16x (largest ~170-260) and errors that grow with them. That much is no fault of the graph:
-# the PyTorch original itself, computed in fp32 on what an fp16 graph must hold in fp16 (its weights,
+# the PyTorch original itself, computed in fp64 on what an fp16 graph must hold in fp16 (its weights,
 # inputs, caches and outputs), is off by the same order. That is the precision floor
 # (`runtime.rounded_runner`), driven beside the graph. The graph rounds at more places (normalized
 # states, q, k and v, context, projections; its scores are fp32, export/fp16.py) and was measured at
-# 1.0-1.2x the floor's output error on the ladder over norm x residual x projections scaled 1-4x, and
-# up to 2.5x for hidden states of magnitude 10-100 (the fp16 grid in tests/export/test_fp16.py prints
+# 1.0-1.2x the floor's output error on the ladder over norm x residual x projections scaled 1-4x
+# (seed 0), and up to 2.5x for hidden states of magnitude 10-100 (tests/export/test_fp16.py prints
 # them); 8x leaves over 3x that room. A conversion fault (scores or a LayerNorm statistic in fp16: an
-# overflow, a clipped constant) costs far more than 8 roundings, or is not finite at all. Beyond that, where q and k are so large that rounding
-# flips which key a query attends (two bare attention layers stacked at 4x: logits in the thousands),
-# an fp16 graph is tens of percent off its fp32 original and fails, which is right: such a model is not
-# one to serve in fp16 (docs/importing.md).
+# overflow, a clipped constant) costs far more than 8 roundings, or is not finite at all. Where q and
+# k are so large that rounding k (the fp16 cache) flips which key a query attends, the floor itself is
+# tens of percent off the fp32 original: the build then notes under its table that such a model is
+# not one to serve in fp16 (export/report.py, docs/importing.md).
 FP16_FLOOR_FACTOR = 8.0
 
 
