@@ -46,7 +46,7 @@ class StaticCacheDecoder:
             context = F.scaled_dot_product_attention(
                 q, keys[:, :, :filled], values[:, :, :filled], scale=1 / math.sqrt(attn.head_dim), enable_gqa=True
             )  # (B, nh, 1, hs): one query sees every filled position
-            x = x + attn.W_o(attn.combine_heads(context))
+            x = layer.add_residual(x, attn.W_o(attn.combine_heads(context)))
         self.length += 1
         return x
 

@@ -13,6 +13,9 @@ from typing import Any
 
 from contract.files import MODEL_CONFIG_FILENAME
 
+LAYERNORM, NO_NORM = "layernorm", "none"
+NORMS = (LAYERNORM, NO_NORM)  # what a block applies to its input before attention
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -23,6 +26,10 @@ class ModelConfig:
     max_seq_len: int = 4096  # longest past + new tokens a deployment is sized for
     bias: bool = True
     norm_eps: float = 1e-5
+    # The block around attention: today's pre-norm residual block by default; `norm: none` and
+    # `residual: false` give a bare attention module (torch.nn.MultiheadAttention, the teaching texts')
+    norm: str = LAYERNORM
+    residual: bool = True
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "max_seq_len"):
@@ -31,8 +38,11 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        if not isinstance(self.bias, bool):
-            raise ValueError(f"bias must be true or false, got {self.bias!r}")
+        for name in ("bias", "residual"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {list(NORMS)}, got {self.norm!r}")
         if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
         if self.d_model % self.n_heads:
@@ -55,7 +65,7 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     def n_params(self) -> int:
-        per_layer = 2 * self.d_model  # LayerNorm weight and bias
+        per_layer = 2 * self.d_model if self.norm == LAYERNORM else 0  # LayerNorm weight and bias
         per_layer += 2 * self.d_model * self.d_model + 2 * self.kv_dim * self.d_model  # W_q, W_o, W_k, W_v
         if self.bias:
             per_layer += 2 * self.d_model + 2 * self.kv_dim

@@ -34,7 +34,7 @@ from export.parity import (
     pool_schedule,
 )
 from export.progress import Progress
-from export.runtime import ort_runner, ort_session, torch_runner
+from export.runtime import ort_runner, ort_session, rounded_runner, torch_runner
 
 
 class BuildError(RuntimeError):
@@ -107,6 +107,7 @@ POOL_SCENARIO = "pool"
 
 def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict[str, RungResult]:
     reference = torch_runner(model)
+    floor = rounded_runner(model, variant.float_dtype) if variant.tolerance.floor else None
     if variant.ladder == POOL:
         schedule = pool_schedule(model.cfg.max_seq_len)
         pool = KVPool(ort_session(path), model.cfg, rows=POOL_ROWS, capacity=model.cfg.max_seq_len)
@@ -119,6 +120,7 @@ def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progre
                 schedule,
                 variant.tolerance,
                 on_step=lambda step: progress.update(f"parity {POOL_SCENARIO} step {step + 1}/{total}"),
+                floor=floor,
             )
         }
     candidate = ort_runner(ort_session(path))
@@ -133,6 +135,7 @@ def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progre
             variant.tolerance,
             cast=variant.cast,
             on_step=lambda step, name=name, total=total: progress.update(f"parity {name} step {step + 1}/{total}"),
+            floor=floor,
         )
     return results
 
@@ -181,12 +184,25 @@ def build(
     seed: int = 0,
     progress: Progress | None = None,
 ) -> dict:
+    """`build_model` for the weights `seed` initializes."""
+    return build_model(AttentionModel(cfg, seed=seed).eval(), out, variants, progress, origin={"seed": seed})
+
+
+def build_model(
+    model: AttentionModel,
+    out: str | Path,
+    variants: tuple[str, ...] | None = None,
+    progress: Progress | None = None,
+    origin: dict | None = None,
+) -> dict:
     """Write config, weights, every passing variant and `report.json` to `out`; return the report.
 
-    `variants=None` builds every variant the config can have (the others are reported as skipped,
-    with the reason); a variant asked for by name that the config cannot have fails the build.
-    Raises BuildError (after writing the report) when any variant fails.
+    `origin` says where the weights came from (a seed, or an imported file and its check against the
+    module it came from) and goes into the report. `variants=None` builds every variant the config can
+    have (the others are reported as skipped, with the reason); a variant asked for by name that the
+    config cannot have fails the build. Raises BuildError (after writing the report) when any variant fails.
     """
+    cfg = model.cfg
     asked = variants is not None
     variants = DEFAULT_VARIANTS if variants is None else variants
     unknown = [v for v in variants if v not in VARIANTS]
@@ -194,10 +210,9 @@ def build(
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     progress = progress or Progress()
     out = Path(out)
-    model = AttentionModel(cfg, seed=seed).eval()
     with progress.stage(f"config and weights -> {out}"):
         artifacts.save_artifact(model, out)
-    report = {"config": cfg.to_dict(), "seed": seed, "variants": {}}
+    report = {"config": cfg.to_dict(), **(origin or {}), "variants": {}}
     for name in variants:
         variant = VARIANTS[name]
         reason = variant.unsupported(cfg)

@@ -6,14 +6,24 @@ FP16 IO halves the cache a decode step reads and returns. ONNX Runtime's float16
 * LayerNorm statistics: the exporter writes `LayerNormalization` with `stash_type=1`, so the
   mean and variance are computed in fp32 even for fp16 inputs (ONNX Runtime honours it); a hidden
   state of magnitude 1e3 would otherwise overflow its square (1e6 > 65504).
-* Softmax: the fused `Attention` op gets `softmax_precision=FLOAT`, asking every execution
-  provider to accumulate the softmax in fp32 (ONNX Runtime CPU already does).
+* Attention itself runs in fp32 (`_attention_in_fp32`): each `Attention` node's q, k, v and past
+  are cast up and its context and presents cast back, so the graph's edges and caches stay fp16
+  while the scores q.k/sqrt(head_dim), the softmax and its weighted sum are fp32. In fp16 the scores
+  overflow: a trained model's logits grow with the square of its q and k projections, and without a
+  norm (torch.nn.MultiheadAttention, the teaching texts' module) with the square of the hidden
+  states too. Measured (64 wide, head_dim 16, bare attention): projections 4x our init on hidden
+  states of magnitude 100, or 1x on magnitude 1e3, gave inf/NaN outputs with fp16 scores (scaling q
+  by 1/sqrt(head_dim) before the matmul would gain only 4x of the 1e3x needed); with fp32 scores the
+  error is the precision floor's (export/parity.py) in every case. The `softmax_precision=FLOAT`
+  attribute stays for providers that take an fp16 node (fp16-static's GroupQueryAttention, whose
+  CPU kernel accumulates in fp32: finite in the same cases).
 * Mask: the fused graph masks with a boolean input of the op; no fill value such as
   finfo(float32).min is left to become -inf in fp16. The converter clips any other constant to
   the fp16 range; `to_fp16` checks that every float constant is finite.
 
 Measured error (see TOLERANCES["fp16-fused"]): about 7e-4 of the output's largest magnitude, for
-hidden states of magnitude 1 and 1e3 alike.
+hidden states of magnitude 1 and 1e3 alike, at our init; trained weights' larger q and k make the
+rounding of k (the fp16 cache) cost more, which export/parity.py bounds by the precision floor.
 """
 
 from __future__ import annotations
@@ -41,8 +51,42 @@ def to_fp16(model_proto: onnx.ModelProto) -> onnx.ModelProto:
     for node in converted.graph.node:
         if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
             _set_attribute(node, "softmax_precision", onnx.TensorProto.FLOAT)
+    _attention_in_fp32(converted.graph)
     check_fp16(converted)
     return converted
+
+
+ATTENTION_FLOAT_INPUTS = (0, 1, 2, 4, 5)  # q, k, v, past_key, past_value (3: the boolean mask)
+
+
+def _attention_in_fp32(graph: onnx.GraphProto) -> None:
+    """Each Attention node computes in fp32 between Casts: its fp16 inputs widened, its outputs (context,
+    present key and value) rounded back, so the graph's edges and caches stay fp16."""
+    nodes = []
+    for node in graph.node:
+        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx"):
+            nodes.append(node)
+            continue
+        for i in ATTENTION_FLOAT_INPUTS:
+            if i < len(node.input) and node.input[i]:
+                wide = f"{node.name}_in{i}_fp32"
+                nodes.append(
+                    onnx.helper.make_node("Cast", [node.input[i]], [wide], name=wide, to=onnx.TensorProto.FLOAT)
+                )
+                node.input[i] = wide
+        nodes.append(node)
+        for i, name in enumerate(node.output):
+            if name:
+                wide = f"{node.name}_out{i}_fp32"
+                node.output[i] = wide
+                nodes.append(
+                    onnx.helper.make_node("Cast", [wide], [name], name=f"{wide}_to_fp16", to=onnx.TensorProto.FLOAT16)
+                )
+    del graph.node[:]
+    graph.node.extend(nodes)
+    kept = [v for v in graph.value_info if not any(v.name in n.output for n in nodes if n.op_type == "Attention")]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
 
 
 def _set_attribute(node: onnx.NodeProto, name: str, value: int) -> None:
@@ -52,7 +96,7 @@ def _set_attribute(node: onnx.NodeProto, name: str, value: int) -> None:
 
 
 def check_fp16(model_proto: onnx.ModelProto) -> None:
-    """No fp32 left at the graph's edges, every float constant finite, LayerNorm stats in fp32."""
+    """No fp32 left at the graph's edges, every float constant finite, LayerNorm stats and attention in fp32."""
     edges = [*model_proto.graph.input, *model_proto.graph.output]
     fp32 = [v.name for v in edges if v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT]
     if fp32:
@@ -60,11 +104,22 @@ def check_fp16(model_proto: onnx.ModelProto) -> None:
     for tensor in _float_constants(model_proto):
         if not np.isfinite(numpy_helper.to_array(tensor)).all():
             raise FP16Error(f"constant '{tensor.name}' is not finite in fp16")
+    widened = {
+        n.output[0] for n in model_proto.graph.node if n.op_type == "Cast" and _cast_to(n) == onnx.TensorProto.FLOAT
+    }
     for node in model_proto.graph.node:
+        if node.op_type == "Attention" and node.domain in ("", "ai.onnx"):
+            narrow = [node.input[i] for i in ATTENTION_FLOAT_INPUTS if i < len(node.input) and node.input[i]]
+            if any(name not in widened for name in narrow):
+                raise FP16Error(f"{node.name}: attention scores would be computed in fp16 (inputs {narrow})")
         if node.op_type == "LayerNormalization":
             stash = next((a.i for a in node.attribute if a.name == "stash_type"), 1)  # 1 is the default
             if stash != onnx.TensorProto.FLOAT:
                 raise FP16Error(f"{node.name}: LayerNorm statistics would be computed in fp16")
+
+
+def _cast_to(node: onnx.NodeProto) -> int:
+    return next((a.i for a in node.attribute if a.name == "to"), 0)
 
 
 def _float_constants(model_proto: onnx.ModelProto):

@@ -1,4 +1,5 @@
-"""The PyTorch original: pre-norm multi-head attention layers with an explicit KV cache.
+"""The PyTorch original: multi-head attention layers with an explicit KV cache, each in a pre-norm
+residual block unless its config drops the norm or the residual.
 
 Everything the product serves is judged against this file (docs/design.md, "Model math"). It reads like the math:
 project to queries, keys and values; split heads; append the new keys and values to the cache;
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from contract.config import ModelConfig
+from contract.config import LAYERNORM, ModelConfig
 from contract.inputs import check_inputs, named_inputs
 
 
@@ -102,16 +103,21 @@ class MultiHeadAttention(nn.Module):
 
 
 class Layer(nn.Module):
-    """Pre-norm residual block: x + Attention(LayerNorm(x))."""
+    """One block: x + Attention(LayerNorm(x)) by default (pre-norm, residual); `norm: none` drops the
+    LayerNorm and `residual: false` the skip connection, down to bare Attention(x)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == LAYERNORM else nn.Identity()
         self.attn = MultiHeadAttention(cfg)
+        self.residual = cfg.residual
 
     def forward(self, x: Tensor, allowed: Tensor, past: KVCache) -> tuple[Tensor, KVCache, Tensor]:
         attended, present, weights = self.attn(self.norm(x), allowed, past)
-        return x + attended, present, weights  # (B, T, d_model)
+        return self.add_residual(x, attended), present, weights
+
+    def add_residual(self, x: Tensor, attended: Tensor) -> Tensor:
+        return x + attended if self.residual else attended  # (B, T, d_model)
 
 
 class AttentionModel(nn.Module):

@@ -1,8 +1,13 @@
-"""Reading a build report: the short table the CLI prints."""
+"""Reading a build report: the short table the CLI prints, and where the weights came from."""
 
 from __future__ import annotations
 
 from contract import names
+
+# When rounding to fp16 alone moves a model's output by more than this share of its scale (5x the
+# 2e-3 our init's weights stay within), its attention is too sharp for fp16 to be accurate, whatever
+# the graph: the table says so under the variant.
+SHARP_FOR_FP16 = 1e-2
 
 
 def summary_table(report: dict) -> str:
@@ -21,8 +26,32 @@ def summary_table(report: dict) -> str:
             f"{name:<12} {entry['file_bytes'] / 1e6:>8.2f} {entry['fused_attention_ops']:>5}  "
             f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}  {present_abs:>11.2e}  {result}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _precision_notes(report))
+
+
+def _precision_notes(report: dict) -> list[str]:
+    notes = []
+    for name, entry in report["variants"].items():
+        floor = entry.get("worst", {}).get(names.OUTPUT, {}).get("floor_rel")
+        if floor is not None and floor > SHARP_FOR_FP16:
+            notes.append(
+                f"note: {name}: rounding to fp16 alone moves this model's output by {floor:.2e} of its scale "
+                "(its attention logits are large); where that matters, serve an fp32 variant"
+            )
+    return notes
 
 
 def _skipped(entry: dict) -> str:
     return ("FAIL: " if not entry["passed"] else "not built: ") + entry["skipped"]
+
+
+def origin_summary(report: dict) -> str:
+    """Where an imported model's weights came from and how it compared with the module they came from."""
+    weights, check = report["weights"], report["source_check"]
+    lines = [f"weights: {weights['file']} (layout {weights['layout']}, sha256 {weights['sha256'][:12]}...)"]
+    if check["checked"]:
+        result = "pass" if check["passed"] else "FAIL"
+        lines.append(f"checked against {check['module']}: max abs error {check['max_abs']:.2e} ({result})")
+    else:
+        lines.append(f"not checked against its source module: {check['reason']}")
+    return "\n".join(lines)

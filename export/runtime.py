@@ -44,6 +44,32 @@ def torch_runner(model, device: str = "cpu") -> Forward:
     return run
 
 
+def rounded_runner(model, dtype: type = np.float16) -> Forward:
+    """The precision floor of a `dtype` graph of `model`: the PyTorch original computed in fp64 on what
+    such a graph holds in `dtype` (its weights, inputs and caches), its outputs rounded to `dtype`. Its
+    difference from the fp32 original is what rounding to `dtype` (for fp32: fp32 arithmetic itself)
+    costs this model, before any graph rounds anything more; driven beside a graph, its own rounded
+    presents fed back, it sets the scale of that graph's tolerance (export/parity.py)."""
+    import copy
+
+    import torch
+
+    rounded, stored = copy.deepcopy(model), torch.from_numpy(np.empty(0, dtype)).dtype
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            parameter.copy_(parameter.to(stored).float())
+    run = torch_runner(rounded.double())
+
+    def forward(inputs: Mapping[str, np.ndarray]) -> Arrays:
+        widened = {
+            name: array.astype(dtype).astype(np.float64) if array.dtype.kind == "f" else array
+            for name, array in inputs.items()
+        }
+        return {name: array.astype(dtype) for name, array in run(widened).items()}
+
+    return forward
+
+
 def session_options(threads: int = 0, arena: bool = True, spinning: bool = True):
     """ONNX Runtime session options as every session here wants them: full graph optimizations,
     errors only in the log. `spinning=False`: idle pool threads sleep (a server whose sessions run

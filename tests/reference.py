@@ -46,7 +46,9 @@ def forward(cfg, weights, hidden, mask=None, past=None):
     x, presents = hidden.copy(), []
     for i in range(cfg.n_layers):
         prefix = f"layers.{i}"
-        h = layer_norm(x, weights[f"{prefix}.norm.weight"], weights[f"{prefix}.norm.bias"], cfg.norm_eps)
+        h = x
+        if cfg.norm == "layernorm":
+            h = layer_norm(x, weights[f"{prefix}.norm.weight"], weights[f"{prefix}.norm.bias"], cfg.norm_eps)
         q = linear(h, weights, f"{prefix}.attn.W_q").reshape(B, T, cfg.n_heads, hd)
         k = linear(h, weights, f"{prefix}.attn.W_k").reshape(B, T, cfg.n_kv_heads, hd).transpose(0, 2, 1, 3)
         v = linear(h, weights, f"{prefix}.attn.W_v").reshape(B, T, cfg.n_kv_heads, hd).transpose(0, 2, 1, 3)
@@ -61,7 +63,8 @@ def forward(cfg, weights, hidden, mask=None, past=None):
                 for t in range(T):
                     allowed = [j <= P + t and mask[b, j] == 1 for j in range(P + T)]
                     context[b, t, head] = attend_one_query(q[b, t, head], k[b, kv_head], v[b, kv_head], allowed)
-        x = x + linear(context.reshape(B, T, cfg.d_model), weights, f"{prefix}.attn.W_o")
+        attended = linear(context.reshape(B, T, cfg.d_model), weights, f"{prefix}.attn.W_o")
+        x = x + attended if cfg.residual else attended
     return x, presents
 
 

@@ -3,8 +3,9 @@
 named by the config parameter `implementation`.
 
 Triton's stub runs the first `python3` on PATH but ignores PYTHONPATH for sys.path (measured), so
-`serving` is found, in order: in that interpreter's site-packages (`pip install -e .`), in the
-PYTHONPATH entries the launcher sets, or in a checkout holding this repository.
+`serving` is found, in order: in the PYTHONPATH entries the launcher sets (the checkout that started
+Triton, which may not be the one installed: a second work tree of the project), in that interpreter's
+site-packages (`pip install -e .`), or in a checkout holding this repository.
 """
 
 import importlib
@@ -15,12 +16,13 @@ from pathlib import Path
 
 
 def _find_serving():
+    launcher = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    sys.path[:0] = [entry for entry in launcher if entry not in sys.path]
     try:
         import serving
     except ImportError:
-        candidates = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        candidates += [str(p) for p in Path(__file__).resolve().parents if (p / "serving" / "__init__.py").is_file()]
-        sys.path[:0] = [c for c in candidates if c not in sys.path]
+        checkouts = [str(p) for p in Path(__file__).resolve().parents if (p / "serving" / "__init__.py").is_file()]
+        sys.path[:0] = [c for c in checkouts if c not in sys.path]
         import serving
     return serving
 

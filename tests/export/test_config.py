@@ -34,6 +34,18 @@ def test_derived_sizes():
     assert cfg.kv_cache_bytes(batch=2, length=10) == 2 * 3 * 2 * 2 * 10 * 16 * 4
 
 
+def test_the_block_defaults_to_pre_norm_residual_and_ships_with_the_config(tmp_path):
+    assert all((cfg.norm, cfg.residual) == ("layernorm", True) for cfg in PRESETS.values())
+    bare = ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3, norm="none", residual=False)
+    assert bare.n_params() == ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3).n_params() - 3 * 2 * 96
+    bare.save(tmp_path)
+    assert ModelConfig.load(tmp_path) == bare
+    assert json.loads((tmp_path / "config.json").read_text())["norm"] == "none"
+    # a config written before these fields existed still reads, as the block it described
+    old = {k: v for k, v in bare.to_dict().items() if k not in ("norm", "residual")}
+    assert (ModelConfig.from_dict(old).norm, ModelConfig.from_dict(old).residual) == ("layernorm", True)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
@@ -47,6 +59,9 @@ def test_derived_sizes():
         ({"d_model": 512.0}, "d_model must be an integer"),
         ({"n_layers": True}, "n_layers must be an integer"),
         ({"bias": "yes"}, "bias must be true or false"),
+        ({"residual": 1}, "residual must be true or false, got 1"),
+        ({"norm": "rmsnorm"}, r"norm must be one of \['layernorm', 'none'\], got 'rmsnorm'"),
+        ({"norm": None}, r"norm must be one of \['layernorm', 'none'\], got None"),
         ({"norm_eps": 0}, "norm_eps must be a positive number"),
     ],
 )

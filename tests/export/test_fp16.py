@@ -1,16 +1,22 @@
 """The fp16-fused variant: fp16 at the edges and in the cache, the sensitive parts kept safe, no
-overflow at activations of magnitude 1e3, half the bytes."""
+overflow at activations of magnitude 1e3, half the bytes; within its tolerance for weights of a
+trained model's scale (up to 4x our init), where the precision floor sets the bound."""
 
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import numpy_helper
 
 from contract import files, names
+from contract.config import ModelConfig
 from export import artifacts
+from export.build import VARIANTS, check_variant
 from export.fp16 import FP16Error, check_fp16
+from export.model import AttentionModel
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import ort_runner, ort_session, torch_runner
+from export.progress import Progress
+from export.runtime import ort_runner, ort_session, rounded_runner, torch_runner
 from tests.conftest import TEST_CONFIGS
 
 
@@ -40,6 +46,8 @@ def test_the_sensitive_parts_stay_safe(built):
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Attention":
             assert attributes["softmax_precision"] == onnx.TensorProto.FLOAT
+            widened = [n for n in proto.graph.node if n.op_type == "Cast" and n.output[0] == node.input[0]]
+            assert widened and widened[0].attribute[0].i == onnx.TensorProto.FLOAT  # q, and so the scores, fp32
         if node.op_type == "LayerNormalization":
             assert attributes.get("stash_type", 1) == onnx.TensorProto.FLOAT
     weights = [t for t in proto.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]
@@ -90,3 +98,87 @@ def test_unsafe_graphs_are_refused(artifact_dir):
     bias.CopyFrom(numpy_helper.from_array(np.full(numpy_helper.to_array(bias).shape, np.inf, np.float16), bias.name))
     with pytest.raises(FP16Error, match="is not finite in fp16"):
         check_fp16(proto)
+
+
+def test_attention_fed_fp16_is_refused(artifact_dir):
+    """The converter alone leaves Attention in fp16, where a trained model's scores overflow."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    converted = convert_float_to_float16(load(artifact_dir("gqa"), "fp32-fused"), keep_io_types=False)
+    with pytest.raises(FP16Error, match="attention scores would be computed in fp16"):
+        check_fp16(converted)
+
+
+# --- weights of a trained model's scale ---------------------------------------------------------------
+
+# A pre-norm residual stack, and bare attention as the importers bring it (torch.nn.MultiheadAttention)
+SCALED_BLOCKS = {
+    "pre-norm-residual": ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64),
+    "bare": ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=1, max_seq_len=64, norm="none", residual=False),
+}
+
+
+def scaled(cfg: ModelConfig, factor: float) -> AttentionModel:
+    """Our init with the projections (weights and biases) `factor` times larger: their outputs no longer
+    unit-variance, as training leaves them; LayerNorm gains stay near 1."""
+    model = AttentionModel(cfg, seed=0).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".attn." in name:
+                parameter.mul_(factor)
+    return model
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5, 2.0, 4.0])
+@pytest.mark.parametrize("block", list(SCALED_BLOCKS))
+def test_fp16_passes_with_weights_up_to_4x_our_init(tmp_path, block, factor):
+    model = scaled(SCALED_BLOCKS[block], factor)
+    variants = ["fp16-fused", "fp16-static"] if factor == 4.0 else ["fp16-fused"]
+    for name in variants:
+        path = VARIANTS[name].make(model, tmp_path / f"{name}.onnx")
+        entry = check_variant(model, path, VARIANTS[name], Progress(enabled=False))
+        output = entry["worst"][names.OUTPUT]
+        print(f"{block} x{factor} {name}: output {output['max_rel']:.2e} of its scale, floor {output['floor_abs']:.2e}")
+        assert entry["passed"], entry["problems"]
+
+
+def test_the_floor_is_what_fp16_costs_the_original_itself():
+    """Rounding only the weights, inputs, caches and outputs: less error than the graph, more than none,
+    and it grows with the weights' scale (the softmax amplifies the rounding of q and k)."""
+    errors = []
+    for factor in (1.0, 4.0):
+        cfg, model = SCALED_BLOCKS["pre-norm-residual"], scaled(SCALED_BLOCKS["pre-norm-residual"], factor)
+        scenario = Scenario(steps=4)
+        result = compare_rung(
+            cfg, torch_runner(model), rounded_runner(model), scenario, TOLERANCES["fp16-fused"], cast=np.float16
+        )
+        errors.append(result.tensors[names.OUTPUT].max_rel)
+    assert 1e-4 < errors[0] < 2e-3 < errors[1], errors
+
+
+def test_a_wrong_weight_in_an_fp16_graph_still_fails(tmp_path):
+    """The floor widens the bound only as far as rounding reaches: a slip in the graph shows through."""
+    model = scaled(SCALED_BLOCKS["pre-norm-residual"], 1.0)
+    broken = scaled(SCALED_BLOCKS["pre-norm-residual"], 1.0)
+    with torch.no_grad():
+        broken.layers[0].attn.W_v.weight[0] *= 1.05
+    path = VARIANTS["fp16-fused"].make(broken, tmp_path / "broken.onnx")
+    entry = check_variant(model, path, VARIANTS["fp16-fused"], Progress(enabled=False))
+    assert not entry["passed"] and "parity failed" in entry["problems"][0]
+
+
+def test_no_overflow_in_the_scores_of_a_bare_module_with_trained_weights(tmp_path):
+    """Bare attention (no norm) with projections 4x our init on hidden states of magnitude 100: scores
+    beyond fp16's 65504. Computed in fp16 they were inf and the output NaN; in fp32 the output is as
+    close as the precision floor allows."""
+    cfg, model = SCALED_BLOCKS["bare"], scaled(SCALED_BLOCKS["bare"], 4.0)
+    path = VARIANTS["fp16-fused"].make(model, tmp_path / "fp16-fused.onnx")
+    scenario = Scenario(steps=8, scale=100.0, seed=4)
+    result = compare_rung(
+        cfg, torch_runner(model), ort_runner(ort_session(path)), scenario, TOLERANCES["fp16-fused"],
+        cast=np.float16, floor=rounded_runner(model),
+    )  # fmt: skip
+    output = result.tensors[names.OUTPUT]
+    print(f"bare x4 at |x| ~ 100: output {output.max_rel:.2e} of its scale, floor {output.floor_rel:.2e}")
+    assert all(error.finite for error in result.tensors.values())
+    assert result.passed, result.to_dict()["tensors"]

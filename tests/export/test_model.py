@@ -14,6 +14,10 @@ from tests import reference
 MHA = ModelConfig(d_model=48, n_heads=4, n_kv_heads=4, n_layers=2, max_seq_len=256)
 GQA = ModelConfig(d_model=48, n_heads=6, n_kv_heads=2, n_layers=2, max_seq_len=256)
 MQA_NO_BIAS = ModelConfig(d_model=32, n_heads=4, n_kv_heads=1, n_layers=1, bias=False)
+# the block's parts: bare attention (torch.nn.MultiheadAttention, the teaching texts'), and each part alone
+BARE = ModelConfig(d_model=48, n_heads=6, n_kv_heads=2, n_layers=2, norm="none", residual=False)
+NORM_ONLY = ModelConfig(d_model=48, n_heads=4, n_kv_heads=4, n_layers=2, residual=False)
+RESIDUAL_ONLY = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, norm="none")
 
 
 def weights_of(model: AttentionModel) -> dict[str, np.ndarray]:
@@ -33,7 +37,11 @@ def random_past(cfg: ModelConfig, batch: int, length: int, seed: int = 1) -> lis
     return [KVCache(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(cfg.n_layers)]
 
 
-@pytest.mark.parametrize("cfg", [MHA, GQA, MQA_NO_BIAS], ids=["mha", "gqa", "mqa-no-bias"])
+@pytest.mark.parametrize(
+    "cfg",
+    [MHA, GQA, MQA_NO_BIAS, BARE, NORM_ONLY, RESIDUAL_ONLY],
+    ids=["mha", "gqa", "mqa-no-bias", "bare", "norm-only", "residual-only"],
+)
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 @pytest.mark.parametrize("past_length", [0, 5])
 def test_model_matches_the_naive_loop(cfg, padded, past_length):
@@ -134,6 +142,13 @@ def test_weights_round_trip_through_safetensors_with_the_design_keys(tmp_path):
     assert loaded.cfg == GQA
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, loaded.state_dict()[name])
+
+
+def test_a_block_without_a_norm_has_no_norm_weights(tmp_path):
+    keys = set(AttentionModel(BARE).state_dict())
+    assert keys == {f"layers.{i}.attn.W_{p}.{kind}" for i in range(2) for p in "qkvo" for kind in ("weight", "bias")}
+    artifacts.save_artifact(AttentionModel(BARE, seed=2), tmp_path)
+    assert artifacts.load_model(tmp_path).cfg == BARE
 
 
 def test_weights_that_do_not_fit_the_config_are_refused(tmp_path):

@@ -1,0 +1,537 @@
+"""Bring your own model: a trained attention model's state dict, in the layout it was saved in, mapped
+onto this product's weights (docs/design.md, "Model math") with the config its weights determine.
+
+- `seeds`: `W_q`, `W_k`, `W_v`, `W_o` Linear modules (the teaching texts' MultiHeadAttention, MHA or
+  GQA), a bias on all four or on none. Bare attention: `norm: none`, no residual.
+- `torch-mha`: `torch.nn.MultiheadAttention`: `in_proj_weight` (or `q_proj_weight`, `k_proj_weight`,
+  `v_proj_weight`), `in_proj_bias`, `out_proj.weight`, `out_proj.bias`. Bare attention, n_kv_heads =
+  n_heads.
+- `hf`: `model.layers.{i}.self_attn.{q,k,v,o}_proj.{weight,bias}` and an optional pre-norm
+  `model.layers.{i}.input_layernorm.{weight,bias}`; each projection's bias optional (the same ones in
+  every layer); no rotary embeddings. With the norm a pre-norm residual block, without it bare attention.
+- `native`: this product's `weights.safetensors`, with the `config.json` beside it.
+
+A layer's keys may sit under a prefix (`attn.W_q.weight`), a list of layers under a numbered one
+(`blocks.0.attn.W_q.weight`, `blocks.1.attn.W_q.weight`). A file is safetensors (`.safetensors`) or a
+`torch.save`d state dict read with `torch.load(weights_only=True)`: tensors only, no arbitrary object
+is ever unpickled. The weights determine d_model, n_layers, bias and norm, and n_kv_heads once n_heads
+is known; n_heads comes from what the caller gives (n_heads, or n_kv_heads) or from a Hugging Face
+`config.json` beside the weights; anything else (max_seq_len, norm_eps, residual) from the caller's
+partial config. Projection biases the file lacks where others have one (`hf`: Qwen2-style q/k/v biases
+without an o bias) are imported as zeros: adding zero is exact in fp32 and fp16, and the config keeps
+its one `bias` field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from contract.config import LAYERNORM, NO_NORM, ModelConfig
+from contract.files import MODEL_CONFIG_FILENAME
+from export.model import AttentionModel
+
+PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
+NORM_KINDS = ("weight", "bias")
+# The user's module against ours: a causal prefill, then decode steps (`check_against_source`)
+SOURCE_BATCH, SOURCE_PREFILL, SOURCE_STEPS = 2, 7, 32
+# Both sides are the same fp32 math summed in another order (measured below 1e-6 at our init's scale)
+SOURCE_TOLERANCE = 1e-5
+# A Hugging Face config.json: the fields that mean rotary position embeddings, and the ones we read
+ROTARY_FIELDS = ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "partial_rotary_factor", "rotary_emb_base")
+ROTARY_REASON = (
+    "the checkpoint uses rotary position embeddings, which rotate q and k by position; this model does not, "
+    "and its outputs would differ from the checkpoint's"
+)
+HF_CONFIG_FIELDS = {
+    "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads",
+    "layer_norm_eps": "norm_eps",
+    "max_position_embeddings": "max_seq_len",
+}
+
+
+class WeightsError(ValueError):
+    """Weights that cannot be imported: every problem names the key or field, what was expected and what
+    was found. Raised before anything is written."""
+
+    def __init__(self, source: str | Path, problems: list[str]) -> None:
+        self.problems = problems
+        listed = problems[0] if len(problems) == 1 else "\n  " + "\n  ".join(problems)
+        super().__init__(f"{source}: {listed}")
+
+
+class SourceMismatchError(RuntimeError):
+    """The imported model does not compute what the module it came from computes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceLayer:
+    """Where one layer's keys sit: its attention module's prefix, and its block's (where a norm sits)."""
+
+    attention: str
+    block: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Imported:
+    model: AttentionModel  # in eval mode
+    weights: dict  # where the weights came from: file, layout, sha256 (report.json)
+    source_check: dict  # the imported model against the module it came from (report.json)
+
+
+# --- reading a file --------------------------------------------------------------------------------
+
+
+def read_state_dict(path: Path) -> dict[str, Tensor]:
+    """Tensors by key, floating point ones as fp32."""
+    if not path.is_file():
+        raise WeightsError(path, ["no such file"])
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            loaded = load_file(str(path))
+        else:
+            loaded = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as error:  # any reader's failure means the same to the user: not a file of weights
+        raise WeightsError(
+            path, [f"neither safetensors nor a state dict torch.load(weights_only=True) reads ({error})"]
+        ) from error
+    if not isinstance(loaded, dict):
+        raise WeightsError(path, [f"holds a {type(loaded).__name__}, not a state dict: save module.state_dict()"])
+    problems = [
+        f"{key}: a {type(value).__name__}, not a tensor: save module.state_dict() itself"
+        for key, value in loaded.items()
+        if not isinstance(value, Tensor)
+    ]
+    problems += [
+        f"{key}: dtype {value.dtype}, not floating point"
+        for key, value in loaded.items()
+        if isinstance(value, Tensor) and not value.is_floating_point()
+    ]
+    if problems:
+        raise WeightsError(path, problems)
+    return {str(key): value.detach().to(torch.float32).contiguous() for key, value in loaded.items()}
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class LayoutProblems(Exception):
+    """Internal: what is wrong with a file's keys; import_weights raises it as a WeightsError naming the file."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(problems)
+        self.problems = problems
+
+
+def find_prefixes(keys: list[str], anchor: str) -> list[str]:
+    """The prefixes of the keys ending in `anchor`, one per layer, in layer order: one layer under any
+    prefix, or several whose prefixes differ in one numbered component (`blocks.0.`, `blocks.1.`)."""
+    prefixes = [key[: -len(anchor)] for key in keys if key == anchor or key.endswith("." + anchor)]
+    if len(prefixes) <= 1:
+        return prefixes
+    parts = [prefix.split(".") for prefix in prefixes]
+    varying = [i for i in range(len(parts[0])) if len({p[i] if i < len(p) else None for p in parts}) > 1]
+    if len({len(p) for p in parts}) > 1 or len(varying) != 1 or not all(p[varying[0]].isdigit() for p in parts):
+        raise LayoutProblems([f"'{anchor}' sits under prefixes that are not one numbered list: {sorted(prefixes)}"])
+    ordered = sorted(prefixes, key=lambda prefix: int(prefix.split(".")[varying[0]]))
+    numbers = [int(prefix.split(".")[varying[0]]) for prefix in ordered]
+    if numbers != list(range(len(numbers))):
+        raise LayoutProblems([f"the layers under '{anchor}' are numbered {numbers}, not 0 to {len(numbers) - 1}"])
+    return ordered
+
+
+# --- layouts ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A layout whose projections are Linear modules (`.weight`, maybe `.bias`) named one per ours."""
+
+    name: str
+    what: str  # for messages: what the layout's keys look like
+    projections: dict[str, str]  # ours (W_q, ...) -> the module under a layer's attention prefix
+    norm: str | None = None  # the pre-norm module under a layer's block prefix (None: the layout has none)
+    block_suffix: str = ""  # what a layer's attention prefix adds to its block's
+    independent_biases: bool = False  # each projection may have a bias or not (the same ones in every layer)
+    bare: bool = False  # the module is bare attention (no residual) whatever the weights say
+
+    def layers(self, tensors: dict[str, Tensor]) -> list[SourceLayer]:
+        anchor = f"{self.projections['W_q']}.weight"
+        prefixes = find_prefixes(list(tensors), anchor)
+        if not prefixes:
+            raise LayoutProblems([f"no '{anchor}' key: not the `{self.name}` layout ({self.what})"])
+        return [SourceLayer(prefix, prefix.removesuffix(self.block_suffix)) for prefix in prefixes]
+
+    def biased(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> tuple[str, ...]:
+        """Our projections with a bias in the file: the ones found if independent, else all four or none."""
+        found = tuple(p for p in PROJECTIONS if any(f"{self.module(layer, p)}.bias" in tensors for layer in layers))
+        return found if self.independent_biases or not found else PROJECTIONS
+
+    def has_norm(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> bool:
+        return self.norm is not None and any(f"{layer.block}{self.norm}.weight" in tensors for layer in layers)
+
+    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer) -> tuple[int, int]:
+        """(d_model, the key projection's width) as the first layer's weights give them."""
+        w_q, w_k = (tensors.get(f"{self.module(layer, p)}.weight") for p in ("W_q", "W_k"))
+        if w_q is None or w_k is None or w_q.dim() != 2 or w_k.dim() != 2:
+            shapes = [None if w is None else list(w.shape) for w in (w_q, w_k)]
+            raise LayoutProblems([f"the first layer's W_q and W_k are {shapes}, not two matrices"])
+        return int(w_q.shape[1]), int(w_k.shape[0])
+
+    def expected(
+        self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer, biased: tuple[str, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        """Every key of one layer of `cfg` in this layout, with its shape."""
+        shapes = our_shapes(cfg)
+        keys = {f"{self.module(layer, p)}.weight": shapes[f"attn.{p}.weight"] for p in PROJECTIONS}
+        keys |= {f"{self.module(layer, p)}.bias": shapes[f"attn.{p}.bias"] for p in biased}
+        if cfg.norm == LAYERNORM and self.norm is not None:
+            keys |= {f"{layer.block}{self.norm}.{kind}": (cfg.d_model,) for kind in NORM_KINDS}
+        return keys
+
+    def convert(self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer) -> dict[str, Tensor]:
+        """One layer's tensors under our names (`attn.W_q.weight`, ...); a bias the file lacks is zeros."""
+        shapes = our_shapes(cfg)
+        ours = {f"attn.{p}.weight": tensors[f"{self.module(layer, p)}.weight"] for p in PROJECTIONS}
+        for p in PROJECTIONS if cfg.bias else ():
+            ours[f"attn.{p}.bias"] = tensors.get(f"{self.module(layer, p)}.bias", torch.zeros(shapes[f"attn.{p}.bias"]))
+        if cfg.norm == LAYERNORM:
+            ours |= {f"norm.{kind}": tensors[f"{layer.block}{self.norm}.{kind}"] for kind in NORM_KINDS}
+        return ours
+
+    def refusals(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> list[str]:
+        """What the file holds that this model cannot express (each with the reason)."""
+        return []
+
+    def module(self, layer: SourceLayer, projection: str) -> str:
+        return layer.attention + self.projections[projection]
+
+
+class HuggingFaceLayout(Layout):
+    def refusals(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> list[str]:
+        found = [f"{key}: {ROTARY_REASON}" for key in tensors if "rotary_emb" in key]
+        found += [
+            f"{layer.block}{self.norm}: a weight without a bias is an RMSNorm (Llama, Mistral, Qwen2), which this "
+            f"model does not express (norm: {LAYERNORM} or {NO_NORM})"
+            for layer in layers
+            if f"{layer.block}{self.norm}.weight" in tensors and f"{layer.block}{self.norm}.bias" not in tensors
+        ]
+        return found
+
+
+class TorchMHALayout(Layout):
+    """`torch.nn.MultiheadAttention`: q, k and v packed in `in_proj_weight`, or one by one
+    (`q_proj_weight`, ...), and one `in_proj_bias`; `out_proj` is a Linear."""
+
+    def layers(self, tensors: dict[str, Tensor]) -> list[SourceLayer]:
+        prefixes = find_prefixes(list(tensors), "out_proj.weight")
+        if not prefixes:
+            raise LayoutProblems([f"no 'out_proj.weight' key: not the `{self.name}` layout ({self.what})"])
+        return [SourceLayer(prefix, prefix) for prefix in prefixes]
+
+    def biased(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> tuple[str, ...]:
+        names = ("in_proj_bias", "out_proj.bias")
+        return PROJECTIONS if any(layer.attention + name in tensors for layer in layers for name in names) else ()
+
+    def has_norm(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> bool:
+        return False
+
+    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer) -> tuple[int, int]:
+        out = tensors[f"{layer.attention}out_proj.weight"]
+        if out.dim() != 2:
+            raise LayoutProblems([f"{layer.attention}out_proj.weight is {list(out.shape)}, not a matrix"])
+        return int(out.shape[0]), int(out.shape[0])
+
+    def expected(
+        self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer, biased: tuple[str, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        d, prefix = cfg.d_model, layer.attention
+        if packed(tensors, layer):
+            keys = {f"{prefix}in_proj_weight": (3 * d, d)}
+        else:  # kdim, vdim != embed_dim would be cross-attention: self-attention needs (d, d)
+            keys = {f"{prefix}{x}_proj_weight": (d, d) for x in "qkv"}
+        keys[f"{prefix}out_proj.weight"] = (d, d)
+        if biased:
+            keys |= {f"{prefix}in_proj_bias": (3 * d,), f"{prefix}out_proj.bias": (d,)}
+        return keys
+
+    def convert(self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer) -> dict[str, Tensor]:
+        prefix = layer.attention
+        if packed(tensors, layer):
+            w_q, w_k, w_v = tensors[f"{prefix}in_proj_weight"].chunk(3)  # (3E, E) -> 3 x (E, E), q k v
+        else:
+            w_q, w_k, w_v = (tensors[f"{prefix}{x}_proj_weight"] for x in "qkv")
+        ours = {"attn.W_q.weight": w_q, "attn.W_k.weight": w_k, "attn.W_v.weight": w_v}
+        ours["attn.W_o.weight"] = tensors[f"{prefix}out_proj.weight"]
+        if cfg.bias:
+            b_q, b_k, b_v = tensors[f"{prefix}in_proj_bias"].chunk(3)  # (3E,) -> 3 x (E,)
+            ours |= {"attn.W_q.bias": b_q, "attn.W_k.bias": b_k, "attn.W_v.bias": b_v}
+            ours["attn.W_o.bias"] = tensors[f"{prefix}out_proj.bias"]
+        return ours
+
+    def refusals(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> list[str]:
+        return [
+            f"{key}: add_bias_kv appends a learned key and value to every sequence, which this model's "
+            "KV cache has no place for"
+            for key in tensors
+            if key.endswith(("bias_k", "bias_v"))
+        ]
+
+
+def packed(tensors: dict[str, Tensor], layer: SourceLayer) -> bool:
+    """Whether a torch-mha layer keeps q, k and v in one `in_proj_weight`."""
+    return f"{layer.attention}q_proj_weight" not in tensors
+
+
+LAYOUTS: dict[str, Layout] = {
+    "seeds": Layout("seeds", "W_q, W_k, W_v, W_o Linear modules", projections={p: p for p in PROJECTIONS}, bare=True),
+    "torch-mha": TorchMHALayout(
+        "torch-mha",
+        "torch.nn.MultiheadAttention: in_proj_weight, in_proj_bias, out_proj",
+        projections={},
+        bare=True,
+    ),
+    "hf": HuggingFaceLayout(
+        "hf",
+        "q_proj, k_proj, v_proj, o_proj under model.layers.{i}.self_attn.",
+        projections={"W_q": "q_proj", "W_k": "k_proj", "W_v": "v_proj", "W_o": "o_proj"},
+        norm="input_layernorm",
+        block_suffix="self_attn.",
+        independent_biases=True,
+    ),
+    "native": Layout(
+        "native",
+        "this product's weights.safetensors: layers.{i}.attn.W_q.weight, ...",
+        projections={p: f"attn.{p}" for p in PROJECTIONS},
+        norm="norm",
+        block_suffix="",
+    ),
+}
+
+
+def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our keys under `layers.{i}.` -> shape (docs/design.md, "Model math")."""
+    d, kv = cfg.d_model, cfg.kv_dim
+    rows = {"W_q": d, "W_k": kv, "W_v": kv, "W_o": d}
+    return {f"attn.{p}.weight": (rows[p], d) for p in PROJECTIONS} | {f"attn.{p}.bias": (rows[p],) for p in PROJECTIONS}
+
+
+# --- the config the weights determine --------------------------------------------------------------
+
+
+def beside(path: Path, layout: Layout) -> dict:
+    """Config fields from a `config.json` beside the weights: ours (`native`) or a Hugging Face one
+    (`hf`); refuses a Hugging Face config with rotary embeddings."""
+    sidecar = path.parent / MODEL_CONFIG_FILENAME
+    if layout.name not in ("native", "hf") or not sidecar.is_file():
+        return {}
+    data = json.loads(sidecar.read_text())
+    if not isinstance(data, dict):
+        return {}
+    if layout.name == "native":
+        return ModelConfig.load(sidecar).to_dict() if "d_model" in data else {}
+    rotary = [field for field in ROTARY_FIELDS if data.get(field) is not None]
+    if rotary or data.get("position_embedding_type") == "rotary":
+        raise LayoutProblems([f"{sidecar}: {rotary or 'position_embedding_type'}: {ROTARY_REASON}"])
+    return {ours: data[theirs] for theirs, ours in HF_CONFIG_FIELDS.items() if data.get(theirs) is not None}
+
+
+def heads(d_model: int, kv_width: int, given: dict) -> tuple[int, int]:
+    """(n_heads, n_kv_heads): from n_heads given, else from n_kv_heads given (head_dim = kv_width / n_kv)."""
+    n_heads, n_kv_heads = given.get("n_heads"), given.get("n_kv_heads")
+    if n_kv_heads is not None and (not isinstance(n_kv_heads, int) or n_kv_heads <= 0):
+        raise LayoutProblems([f"n_kv_heads must be a positive integer, got {n_kv_heads!r}"])
+    if n_heads is None and n_kv_heads:
+        head_dim = kv_width // n_kv_heads if kv_width % n_kv_heads == 0 else 0
+        n_heads = d_model // head_dim if head_dim and d_model % head_dim == 0 else None
+        if n_heads is None:
+            raise LayoutProblems(
+                [f"n_kv_heads {n_kv_heads} does not divide the key width {kv_width} into heads of d_model {d_model}"]
+            )
+    if n_heads is None:
+        divisors = [h for h in range(1, d_model + 1) if d_model % h == 0 and kv_width % (d_model // h) == 0]
+        raise LayoutProblems(
+            [f"the weights do not tell the number of heads: give n_heads (d_model {d_model}: one of {divisors})"]
+        )
+    if not isinstance(n_heads, int) or n_heads <= 0 or d_model % n_heads:
+        raise LayoutProblems([f"n_heads {n_heads!r} does not divide d_model {d_model}"])
+    head_dim = d_model // n_heads
+    if kv_width % head_dim:
+        raise LayoutProblems(
+            [f"the key width {kv_width} is not a whole number of heads of {head_dim} ({d_model} / {n_heads} heads)"]
+        )
+    return n_heads, kv_width // head_dim
+
+
+def import_config(
+    path: Path, layout: Layout, tensors: dict[str, Tensor], layers: list[SourceLayer], given: dict
+) -> ModelConfig:
+    """The config: what the weights determine, then what is given, then defaults; a given field that
+    contradicts the weights is refused."""
+    given = {**beside(path, layout), **given}
+    d_model, kv_width = layout.widths(tensors, layers[0])
+    n_heads, n_kv_heads = heads(d_model, kv_width, given)
+    has_norm = layout.has_norm(tensors, layers)
+    determined = {
+        "d_model": d_model,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv_heads,
+        "n_layers": len(layers),
+        "bias": bool(layout.biased(tensors, layers)),
+        "norm": LAYERNORM if has_norm else NO_NORM,
+    }
+    conflicts = [
+        f"{field}: the config gives {given[field]!r}, the weights {value!r}"
+        for field, value in determined.items()
+        if field in given and given[field] != value
+    ]
+    if conflicts:
+        raise LayoutProblems(conflicts)
+    defaults = {"residual": has_norm and not layout.bare}
+    try:
+        return ModelConfig.from_dict({**defaults, **given, **determined})
+    except ValueError as error:
+        raise LayoutProblems([str(error)]) from error
+
+
+# --- the import -------------------------------------------------------------------------------------
+
+
+def key_problems(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
+    """Each key missing, of the wrong shape, or unexpected, with the expected and the actual shape."""
+    problems = [
+        f"missing: {key} (expected shape {list(shape)})" for key, shape in expected.items() if key not in tensors
+    ]
+    problems += [
+        f"wrong shape: {key} is {list(tensors[key].shape)}, expected {list(shape)}"
+        for key, shape in expected.items()
+        if key in tensors and tuple(tensors[key].shape) != shape
+    ]
+    unexpected = [key for key in tensors if key not in expected]
+    problems += [f"unexpected: {key} (shape {list(tensors[key].shape)})" for key in unexpected]
+    if unexpected:
+        problems.append("this product serves attention layers only: an MLP, embeddings or a head cannot be served")
+    return problems
+
+
+def import_weights(path: str | Path, layout_name: str, given: dict | None = None) -> Imported:
+    """Read `path` in layout `layout_name`, check every key, build the model and prove it against the
+    module the weights came from where that can be rebuilt; raises WeightsError (bad input) or
+    SourceMismatchError (the proof failed). `given`: config fields the weights do not determine."""
+    path = Path(path)
+    if layout_name not in LAYOUTS:
+        raise WeightsError(path, [f"unknown layout {layout_name!r}; choose one of {sorted(LAYOUTS)}"])
+    layout, tensors = LAYOUTS[layout_name], read_state_dict(path)
+    try:
+        layers = layout.layers(tensors)
+        refused = layout.refusals(tensors, layers)
+        if refused:
+            raise LayoutProblems(refused)
+        cfg = import_config(path, layout, tensors, layers, given or {})
+        biased = layout.biased(tensors, layers)
+        expected = {k: v for layer in layers for k, v in layout.expected(tensors, cfg, layer, biased).items()}
+        problems = key_problems(tensors, expected)
+        if problems:
+            raise LayoutProblems(problems)
+    except LayoutProblems as error:
+        raise WeightsError(path, error.problems) from None
+    model = AttentionModel(cfg)
+    state = {
+        f"layers.{i}.{key}": tensor
+        for i, layer in enumerate(layers)
+        for key, tensor in layout.convert(tensors, cfg, layer).items()
+    }
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    weights = {"file": str(path), "layout": layout.name, "sha256": sha256(path)}
+    if cfg.bias and len(biased) < len(PROJECTIONS):
+        weights["zero_biases"] = [p for p in PROJECTIONS if p not in biased]
+    return Imported(model, weights, check_against_source(layout, tensors, layers, model))
+
+
+# --- the proof against the user's own module ------------------------------------------------------
+
+NOT_REBUILT = {
+    "seeds": "the teaching texts' MultiHeadAttention is teaching code, not a library class to rebuild here; "
+    "its W_q, W_k, W_v, W_o Linear modules are this model's one to one",
+    "hf": "a Hugging Face attention class needs the transformers library, which this product does not depend on",
+    "native": "the weights are this product's own: they load unchanged",
+}
+
+
+def check_against_source(
+    layout: Layout, tensors: dict[str, Tensor], layers: list[SourceLayer], model: AttentionModel
+) -> dict:
+    """Where the user's module can be rebuilt (torch.nn.MultiheadAttention), both over a causal prefill
+    and decode steps; raises SourceMismatchError when they differ."""
+    if layout.name != "torch-mha":
+        return {"checked": False, "reason": NOT_REBUILT[layout.name]}
+    cfg = model.cfg
+    modules = [rebuild_torch_mha(tensors, layer, cfg) for layer in layers]
+    prefill = min(SOURCE_PREFILL, cfg.max_seq_len)
+    total = min(prefill + SOURCE_STEPS, cfg.max_seq_len)
+    x = torch.randn(SOURCE_BATCH, total, cfg.d_model, generator=torch.Generator().manual_seed(0))  # (B, T, d)
+    with torch.no_grad():
+        expected = torch_mha_forward(modules, x, cfg.residual)
+        actual = prefill_and_decode(model, x, prefill)
+    error = (actual - expected).abs()
+    passed = bool((error <= SOURCE_TOLERANCE + SOURCE_TOLERANCE * expected.abs()).all())
+    result = {
+        "checked": True,
+        "module": f"torch.nn.MultiheadAttention(embed_dim={cfg.d_model}, num_heads={cfg.n_heads}, bias={cfg.bias}, "
+        f"batch_first=True) x {len(modules)}" + (", each with a residual" if cfg.residual else ""),
+        "scenario": f"batch {SOURCE_BATCH}: a causal prefill of {prefill} tokens then {total - prefill} decode steps, "
+        f"against the module over all {total} tokens with a causal attn_mask",
+        "max_abs": float(error.max()),
+        "tolerance": f"{SOURCE_TOLERANCE} absolute + {SOURCE_TOLERANCE} relative",
+        "passed": passed,
+    }
+    if not passed:
+        raise SourceMismatchError(f"the imported model differs from {result['module']}: {result}")
+    return result
+
+
+def rebuild_torch_mha(tensors: dict[str, Tensor], layer: SourceLayer, cfg: ModelConfig) -> nn.MultiheadAttention:
+    """The user's module from the user's keys (batch_first only changes the input layout, not the weights)."""
+    module = nn.MultiheadAttention(cfg.d_model, cfg.n_heads, bias=cfg.bias, batch_first=True)
+    state = {
+        key.removeprefix(layer.attention): tensor for key, tensor in tensors.items() if key.startswith(layer.attention)
+    }
+    if not packed(tensors, layer):  # how the module itself packs separate q, k, v weights of one width
+        state["in_proj_weight"] = torch.cat([state.pop(f"{x}_proj_weight") for x in "qkv"])
+    module.load_state_dict(state, strict=True)
+    return module.eval()
+
+
+def torch_mha_forward(modules: list[nn.MultiheadAttention], x: Tensor, residual: bool) -> Tensor:
+    """The modules in sequence over the whole of `x` at once, each query seeing itself and the past."""
+    T = x.shape[1]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)  # (T, T): True = may not attend (torch's convention)
+    for module in modules:
+        attended = module(x, x, x, attn_mask=future, need_weights=False)[0]  # (B, T, d)
+        x = x + attended if residual else attended
+    return x
+
+
+def prefill_and_decode(model: AttentionModel, x: Tensor, prefill: int) -> Tensor:
+    """Our model over `x`: one prefill of `prefill` tokens, then one token per step with the KV cache."""
+    step = model(x[:, :prefill])
+    outputs, past = [step.output], step.present
+    for t in range(prefill, x.shape[1]):
+        step = model(x[:, t : t + 1], past=past)
+        outputs.append(step.output)
+        past = step.present
+    return torch.cat(outputs, dim=1)  # (B, T, d)

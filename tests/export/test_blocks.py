@@ -1,0 +1,50 @@
+"""The block's parts (norm x residual): every variant builds, fuses and passes the parity ladder for each,
+and the Triton repository filled from it fits its graphs."""
+
+import pytest
+
+from contract import files
+from contract.config import ModelConfig
+from export.build import DEFAULT_VARIANTS, build
+from export.progress import Progress
+from serving.triton import repository
+from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION
+from tests.serving.test_triton_config import assert_fits, graph_io, loaded_onnx, read_config
+
+# the default block (pre-norm residual) is built by every other test (tests/conftest.py TEST_CONFIGS)
+BLOCKS = {
+    "norm-only": {"norm": "layernorm", "residual": False},
+    "residual-only": {"norm": "none", "residual": True},
+    "bare": {"norm": "none", "residual": False, "bias": False},
+}
+
+
+@pytest.fixture(scope="module", params=list(BLOCKS))
+def built(request, tmp_path_factory):
+    cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64, **BLOCKS[request.param])
+    out = tmp_path_factory.mktemp(f"block-{request.param}")
+    report = build(cfg, out, progress=Progress(enabled=False))
+    return cfg, out, report
+
+
+def test_every_variant_builds_fuses_and_passes(built):
+    cfg, _, report = built
+    assert report["passed"] and report["config"] == cfg.to_dict()
+    for name in DEFAULT_VARIANTS:
+        entry = report["variants"][name]
+        assert entry["passed"] and entry["file"] == files.model_filename(name), (name, entry["problems"])
+        assert entry["fused_attention_ops"] == (0 if name == "fp32" else cfg.n_layers), name
+        has_norm = "LayerNormalization" in entry["op_histogram"]
+        assert has_norm == (cfg.norm == "layernorm"), (name, entry["op_histogram"])
+
+
+def test_the_repository_fits_every_block(built, tmp_path):
+    _, out, _ = built
+    repo = repository.write_repository(out, tmp_path / "repo")
+    assert repository.is_complete(repo)
+    for model in (MHA, MHA_ONNX):
+        config = read_config(repo, model)
+        assert_fits([*config.input, *config.output], graph_io(loaded_onnx(repo, config)), batch_axis_added=False)
+    session = read_config(repo, MHA_SESSION)  # the static engine: new tokens in, lengths instead of the mask
+    graph = graph_io(loaded_onnx(repo, session))
+    assert_fits([session.input[0], *session.output], graph, batch_axis_added=True)
