@@ -49,7 +49,8 @@ def results(after_runs_mib: tuple[int, ...], static_16: float = 1800.0) -> dict:
     for r in latency:
         r["modes"]["stateful/grpc/concat"] = {"p50_ms": 5.0, "p99_ms": 5.0, "runs": 3}
     throughput = [rate("static", 1, 500.0), rate("static", 16, static_16), rate("concat", 1, 450.0)]
-    throughput += [rate("concat", 16, 700.0), rate("static", 16, 1750.0, run=2)]
+    throughput += [rate("concat", 16, 700.0), rate("static", 16, 1750.0, run=2), rate("static", 1, 350.0, run=2)]
+    throughput += [rate("noop", 1, 1000.0), rate("noop", 16, 2500.0)]
     stubs = {
         "static": {"engine": "static", "before": memory(120)[0], "after": memory(*after_runs_mib)},
         "concat": {"engine": "concat", "before": memory(110)[0], "after": memory(300, 600)},
@@ -62,7 +63,9 @@ def test_the_targets_measure_what_they_say():
     measured = serving.targets(results((150, 155)))
     served = measured["served_static_step"]
     assert served["past"] == 4096 and abs(served["budget_ms"] - (2.5 + 0.6 + 0.3)) < 1e-9 and served["met"]
-    assert measured["throughput_16_sessions"]["ratio"] == 3.6 and measured["throughput_16_sessions"]["met"]
+    scaling = measured["throughput_16_sessions"]
+    assert scaling["ratio"] == 3.6 and scaling["met"]  # the first run's
+    assert scaling["ratio_each_run"] == [3.6, 5.0] and scaling["noop_ratio_each_run"] == [2.5]
     assert measured["static_stub_memory_bounded"]["met"]  # peak 200 MiB <= 100 + 1 + 300
     assert measured["static_stub_shared_memory"]["peak_bytes"] == 400 * MIB  # reported, not bounded
     no_growth = measured["static_stub_memory_no_growth"]
@@ -81,7 +84,9 @@ def test_table_and_targets_text():
     data = results((150, 155))
     data["targets"] = serving.targets(data)
     text = serving.table(data) + "\n" + serving.targets_text(data["targets"])
-    assert "4096" in text and "static  past 1024  1: 500, 16: 1800 [1750]" in text
+    assert "4096" in text and "static  past 1024  1: 500 [350], 16: 1800 [1750]" in text
+    assert "noop    past 1024  1: 1000, 16: 2500" in text
+    assert "(each run: 3.6x, 5.0x; the no-op model, Triton's ceiling here: 2.5x)" in text
     assert "static stub own MiB: before 120, peak 200, after each run 150, 155" in text
     assert "static stub Triton shared memory MiB: before 300, peak 400, after each run 300, 300" in text
     assert "MISSED (loses: in-process/static at past 4096)" in text
