@@ -37,11 +37,17 @@ def triton_arguments(parser: argparse.ArgumentParser) -> None:
     triton.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY, help="default: %(default)s")
     triton.add_argument("--http-port", type=int, default=8000)
     triton.add_argument("--grpc-port", type=int, default=8001)
-    triton.add_argument("--metrics-port", type=int, default=8002)
+    triton.add_argument(
+        "--metrics-port", type=int, default=8002, help="with --replicas, each replica takes a free port (printed)"
+    )
     triton.add_argument(
         "--triton-address", default="127.0.0.1", help="the address Triton listens on (default: %(default)s)"
     )
-    triton.add_argument("--log", type=Path, help="Triton's log file (default: a temporary file, kept on failure)")
+    triton.add_argument(
+        "--log",
+        type=Path,
+        help="Triton's log file (default: a temporary file, kept on failure); with --replicas, NAME-<i>.EXT each",
+    )
     triton.add_argument(
         "--tritonserver", type=Path, help="an installed tritonserver binary (the NGC image's) instead of the wheel's"
     )
