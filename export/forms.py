@@ -204,7 +204,7 @@ def make_fp32_static(model: AttentionModel, path) -> object:
 def make_fp16_static(model: AttentionModel, path) -> object:
     from export.fp16 import to_fp16
 
-    return save_onnx(to_fp16(static_proto(model)), path)
+    return save_onnx(to_fp16(static_proto(model), model.cfg), path)
 
 
 def make_fp32_trt(model: AttentionModel, path) -> object:
@@ -214,4 +214,4 @@ def make_fp32_trt(model: AttentionModel, path) -> object:
 def make_fp16_trt(model: AttentionModel, path) -> object:
     from export.fp16 import to_fp16
 
-    return save_onnx(to_fp16(tensorrt_proto(model)), path)
+    return save_onnx(to_fp16(tensorrt_proto(model), model.cfg), path)

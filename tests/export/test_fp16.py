@@ -12,7 +12,7 @@ from contract import files, names
 from contract.config import ModelConfig
 from export import artifacts
 from export.build import VARIANTS, check_variant
-from export.fp16 import FP16Error, check_fp16
+from export.fp16 import FP16Error, attention_needs_fp32, check_fp16
 from export.model import AttentionModel
 from export.parity import TOLERANCES, Scenario, compare_rung
 from export.progress import Progress
@@ -39,15 +39,14 @@ def test_inputs_outputs_and_cache_are_fp16_the_mask_int64(built):
 
 
 def test_the_sensitive_parts_stay_safe(built):
-    _, directory = built
+    cfg, directory = built
     proto = load(directory, "fp16-fused")
     check_fp16(proto)  # LayerNorm statistics in fp32, finite constants, no fp32 at the edges
+    assert not attention_needs_fp32(cfg)  # a norm before attention: the scores stay in fp16's range
     for node in proto.graph.node:
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if node.op_type == "Attention":
             assert attributes["softmax_precision"] == onnx.TensorProto.FLOAT
-            widened = [n for n in proto.graph.node if n.op_type == "Cast" and n.output[0] == node.input[0]]
-            assert widened and widened[0].attribute[0].i == onnx.TensorProto.FLOAT  # q, and so the scores, fp32
         if node.op_type == "LayerNormalization":
             assert attributes.get("stash_type", 1) == onnx.TensorProto.FLOAT
     weights = [t for t in proto.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]
@@ -100,13 +99,29 @@ def test_unsafe_graphs_are_refused(artifact_dir):
         check_fp16(proto)
 
 
-def test_attention_fed_fp16_is_refused(artifact_dir):
-    """The converter alone leaves Attention in fp16, where a trained model's scores overflow."""
+def test_bare_attention_fed_fp16_is_refused_and_the_normed_one_keeps_its_fp16_cache(artifact_dir, tmp_path):
+    """The converter alone leaves Attention in fp16: refused where no norm bounds its scores. With
+    LayerNorm before it, the node reads the fp16 cache as it is (casting it would convert the whole
+    cache every step)."""
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    converted = convert_float_to_float16(load(artifact_dir("gqa"), "fp32-fused"), keep_io_types=False)
+    from export.fusion import fused_proto
+    from export.onnx_export import plain_graph
+
+    bare, _ = fused_proto(plain_graph(AttentionModel(SCALED_BLOCKS["bare"], seed=0).eval()))
     with pytest.raises(FP16Error, match="attention scores would be computed in fp16"):
-        check_fp16(converted)
+        check_fp16(convert_float_to_float16(bare, keep_io_types=False))
+    normed = load(artifact_dir("gqa"), "fp16-fused")
+    check_fp16(normed)
+    assert past_inputs_of_attention(normed) == {n.name for n in normed.graph.input if n.name.startswith("past")}
+    path = VARIANTS["fp16-fused"].make(AttentionModel(SCALED_BLOCKS["bare"], seed=0).eval(), tmp_path / "bare.onnx")
+    fp16_bare = onnx.load(str(path))
+    check_fp16(fp16_bare)
+    assert not past_inputs_of_attention(fp16_bare) & {n.name for n in fp16_bare.graph.input}  # widened first
+
+
+def past_inputs_of_attention(proto: onnx.ModelProto) -> set[str]:
+    return {name for node in proto.graph.node if node.op_type == "Attention" for name in node.input[4:6]}
 
 
 # --- weights of a trained model's scale ---------------------------------------------------------------
