@@ -4,7 +4,7 @@ Each config is a `model_config_pb2.ModelConfig` built from a `ModelConfig` and t
 (`contract.names`), written with `text_format`; a test parses each one back and checks it against
 the ONNX graph its model loads.
 
-- `mha` (python backend): stateless, the graph's inputs and outputs exactly (DESIGN 3.2) with the
+- `mha` (python backend): stateless, the graph's inputs and outputs exactly (docs/design.md, "Tensor names") with the
   batch axis in `dims` (`max_batch_size: 0`: Triton must not add a batch axis of its own, the
   graph already has one). The mask and the past are optional: a first call leaves the past out.
 - `mha_session` (python backend): Triton sequence batching. A step sends the new tokens only,

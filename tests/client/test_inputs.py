@@ -16,7 +16,7 @@ from tests.conftest import TEST_CONFIGS
 
 
 def metadata(cfg: ModelConfig, as_grpc_json: bool = False, model: str = "mha") -> dict:
-    """Triton's metadata for a stateless model of `cfg` (DESIGN 3.2): dynamic axes are -1, and
+    """Triton's metadata for a stateless model of `cfg` (docs/design.md, "Tensor names"): dynamic axes are -1, and
     gRPC's JSON renders int64 dims as strings."""
 
     def entry(spec):

@@ -11,6 +11,8 @@ from serving.triton import repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION
 from tests.serving.test_triton_config import assert_fits, graph_io, loaded_onnx, read_config
 
+pytestmark = pytest.mark.slow  # a whole build with its parity ladder per block
+
 # the default block (pre-norm residual) is built by every other test (tests/conftest.py TEST_CONFIGS)
 BLOCKS = {
     "norm-only": {"norm": "layernorm", "residual": False},

@@ -77,7 +77,7 @@ def test_no_overflow_with_activations_of_magnitude_1e3(built):
 
 @pytest.mark.parametrize("variant", ["fp32-fused", "fp16-fused"])
 def test_a_row_of_padding_only_gives_finite_numbers(artifact_dir, variant):
-    """Every query of row 0 is padding: nothing to attend (DESIGN 3.1: unspecified but finite)."""
+    """Every query of row 0 is padding: nothing to attend (docs/design.md, "Model math": unspecified but finite)."""
     cfg, directory = TEST_CONFIGS["unseen"], artifact_dir("unseen")
     run = ort_runner(ort_session(directory / files.model_filename(variant)))
     dtype = np.float16 if variant == "fp16-fused" else np.float32
@@ -144,6 +144,7 @@ def scaled(cfg: ModelConfig, factor: float) -> AttentionModel:
     return model
 
 
+@pytest.mark.slow  # builds and checks variants of its own: seconds each
 @pytest.mark.parametrize("factor", [1.0, 1.5, 2.0, 4.0])
 @pytest.mark.parametrize("block", list(SCALED_BLOCKS))
 def test_fp16_passes_with_weights_up_to_4x_our_init(tmp_path, block, factor):
@@ -157,6 +158,7 @@ def test_fp16_passes_with_weights_up_to_4x_our_init(tmp_path, block, factor):
         assert entry["passed"], entry["problems"]
 
 
+@pytest.mark.slow  # builds and checks variants of its own: seconds each
 def test_the_floor_is_what_fp16_costs_the_original_itself():
     """Rounding only the weights, inputs, caches and outputs: less error than the graph, more than none,
     and it grows with the weights' scale (the softmax amplifies the rounding of q and k)."""
@@ -171,6 +173,7 @@ def test_the_floor_is_what_fp16_costs_the_original_itself():
     assert 1e-4 < errors[0] < 2e-3 < errors[1], errors
 
 
+@pytest.mark.slow  # builds and checks variants of its own: seconds each
 def test_a_wrong_weight_in_an_fp16_graph_still_fails(tmp_path):
     """The floor widens the bound only as far as rounding reaches: a slip in the graph shows through."""
     model = scaled(SCALED_BLOCKS["pre-norm-residual"], 1.0)
@@ -182,6 +185,7 @@ def test_a_wrong_weight_in_an_fp16_graph_still_fails(tmp_path):
     assert not entry["passed"] and "parity failed" in entry["problems"][0]
 
 
+@pytest.mark.slow  # builds and checks variants of its own: seconds each
 def test_no_overflow_in_the_scores_of_a_bare_module_with_trained_weights(tmp_path):
     """Bare attention (no norm) with projections 4x our init on hidden states of magnitude 100: scores
     beyond fp16's 65504. Computed in fp16 they were inf and the output NaN; in fp32 the output is as
