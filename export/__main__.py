@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from contract.arguments import comma_list
 from contract.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
 from contract.files import REPORT_FILENAME
 from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build, build_model
@@ -52,14 +53,6 @@ def config_arguments(parser: argparse.ArgumentParser, json_text: bool = False) -
     source.add_argument("--preset", choices=sorted(PRESETS), help=f"a named config (default: {DEFAULT_PRESET})")
 
 
-def _variants(text: str) -> tuple[str, ...]:
-    chosen = tuple(v.strip() for v in text.split(",") if v.strip())
-    unknown = [v for v in chosen if v not in VARIANTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-    return chosen
-
-
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
     commands = root.add_subparsers(dest="command")
@@ -68,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, required=True, help="the artifact directory to write")
     b.add_argument(
         "--variants",
-        type=_variants,
+        type=comma_list(VARIANTS, "variant"),
         help=f"comma-separated (default: every variant the config can have, of {','.join(DEFAULT_VARIANTS)})",
     )
     b.add_argument("--seed", type=int, help="weight initialization seed for random weights (default 0)")

@@ -182,7 +182,10 @@ def start_front(args: argparse.Namespace):
 
 
 def replica_log(log: Path | None, index: int) -> Path | None:
-    return None if log is None or str(log) == "/dev/stdout" else log.with_name(f"{log.stem}-{index}{log.suffix}")
+    """A file of its own per replica (NAME-<i>.EXT); a stream such as /dev/stdout is shared."""
+    if log is None or log.parts[:2] == ("/", "dev") or (log.exists() and not log.is_file()):
+        return log
+    return log.with_name(f"{log.stem}-{index}{log.suffix}")
 
 
 def supervise(args: argparse.Namespace, ports: dict[str, int], log: Path | None):

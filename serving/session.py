@@ -9,6 +9,7 @@ sequence whatever else happens to it (Triton has ended the sequence either way).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -60,7 +61,7 @@ def check_step(cfg: ModelConfig, request: StepRequest) -> int:
     return new
 
 
-class StepEngine:
+class StepEngine(abc.ABC):
     """What both session engines share: one execute() as rounds (each sequence at most once per
     round, its steps in order), each request prepared on its own (a bad one gets its error and
     nothing else changes), the prepared ones run together, and END frees the sequence whatever else
@@ -93,20 +94,21 @@ class StepEngine:
             if request.end:
                 self._end(request.sequence_id)
 
+    @abc.abstractmethod
     def length(self, sequence_id: Hashable) -> int:
         """Positions the sequence holds now; -1 when it is not live (never started, ended, evicted)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _prepare(self, request: StepRequest) -> Any:
         """What `_run` needs for this request; None when there is nothing to compute."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _run(self, prepared: dict[int, Any], results: list) -> None:
         """Run the prepared requests (by their index in execute()) and put each one's result."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _end(self, sequence_id: Hashable) -> None:
-        raise NotImplementedError
+        """Free the sequence (its END arrived, whatever happened to the rest of its request)."""
 
 
 class SessionEngine(StepEngine):

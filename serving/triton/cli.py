@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from contract.arguments import comma_list
 from contract.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
 from serving.triton.config import (
     ENGINES,
@@ -53,7 +54,12 @@ def add_commands(commands) -> None:
 def _settings_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServingSettings()
     add = parser.add_argument
-    add("--models", type=_models, default=MODELS, help=f"comma-separated, default {','.join(MODELS)}")
+    add(
+        "--models",
+        type=comma_list(MODELS, "model"),
+        default=MODELS,
+        help=f"comma-separated, default {','.join(MODELS)}",
+    )
     add("--threads", type=int, default=defaults.threads, help="ONNX Runtime threads (0 = its default)")
     add(
         "--kv-cache-mib",
@@ -80,14 +86,6 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.engine,
         help="mha_session: the slot pool over the static cache (default) or per-sequence caches batched by padding",
     )
-
-
-def _models(text: str) -> tuple[str, ...]:
-    chosen = tuple(m.strip() for m in text.split(",") if m.strip())
-    unknown = [m for m in chosen if m not in MODELS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown model(s) {unknown}; choose from {list(MODELS)}")
-    return chosen
 
 
 def settings_from(args: argparse.Namespace) -> ServingSettings:

@@ -1,0 +1,21 @@
+"""`python -m serving`'s arguments for several replicas, without starting anything."""
+
+from pathlib import Path
+
+import pytest
+
+from serving.__main__ import parser, replica_log
+
+
+def test_each_replica_logs_to_a_file_of_its_own_and_a_stream_is_shared():
+    assert replica_log(Path("/var/log/triton.log"), 2) == Path("/var/log/triton-2.log")
+    assert replica_log(Path("/dev/stdout"), 1) == Path("/dev/stdout")  # compose's --log=/dev/stdout
+    assert replica_log(None, 0) is None  # a temporary file each, kept on failure
+
+
+def test_replicas_must_be_at_least_one(capsys):
+    assert parser().parse_args(["--replicas", "3"]).replicas == 3
+    assert parser().parse_args([]).replicas == 1  # the default: one Triton, no Envoy
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--replicas", "0"])
+    assert "must be at least 1, got 0" in capsys.readouterr().err
