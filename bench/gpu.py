@@ -218,9 +218,10 @@ def cpu_compute_nodes(path: Path, placement: dict) -> list[str]:
 
 def parity(directory: Path, device: Device, progress: Progress, decode_steps: int = 128) -> dict:
     from export.build import POOL, VARIANTS
-    from export.kv_pool import KVPool
     from export.parity import POOL_ROWS, Scenario, compare_pool_rung, compare_rung, pool_schedule
-    from export.runtime import ort_runner, torch_runner
+    from export.runners import torch_runner
+    from serving.engine.kv_pool import KVPool
+    from serving.engine.ort import ort_runner
 
     model = artifacts.load_model(directory)
     cfg = model.cfg
@@ -294,7 +295,7 @@ def stateless_step(session, device: Device, cfg: ModelConfig, batch: int, past: 
     there, as a server keeping caches on the device would run it."""
     import torch
 
-    from export.kv_pool import session_float_dtype
+    from serving.engine.ort import session_float_dtype
 
     dtype = session_float_dtype(session)
     shape = (batch, cfg.n_kv_heads, past, cfg.head_dim)
@@ -411,7 +412,7 @@ def _session_maker(
 ) -> Callable[[Shape], Step]:
     if "-static" not in name:
         return lambda s: stateless_step(session, device, cfg, s.batch, s.past)
-    from export.kv_pool import KVPool
+    from serving.engine.kv_pool import KVPool
 
     pools: dict[int, KVPool] = {}  # one pool per batch, on a session of its own when graphs are on
 
@@ -440,8 +441,8 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
     """The seed model served by the bundled Triton on the GPU: stateful step over gRPC vs the same
     engine in-process, at several pasts, and a no-op Python model's round trip."""
     from bench.serving import NOOP, in_process, session_engine, stateful, write_noop_model
-    from serving import engines
-    from serving.launcher import start_triton
+    from serving.engine import factory
+    from serving.host.launcher import start_triton
     from serving.triton.config import ServingSettings
     from serving.triton.repository import write_repository
 
@@ -460,7 +461,7 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
             with progress.stage(f"served stateful step at past {past}"):
                 row = {"past": past, "stateful_grpc": stateful(server, "grpc", cfg, past, runs, (1 << 40) + k)}
                 engine = session_engine(repository, "mha_session", cfg)
-                row["in_process"] = in_process(engine, cfg, past, runs) | {"engine": engines.describe(engine)}
+                row["in_process"] = in_process(engine, cfg, past, runs) | {"engine": factory.describe(engine)}
                 del engine
                 rows.append(row)
     finally:

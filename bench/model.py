@@ -6,7 +6,7 @@ and `model_decode.png` (decode latency against past length) and prints a table o
 Candidates: the PyTorch original (concat cache), the PyTorch static-cache peer (gpt-fast's
 `index_copy_` into a preallocated buffer, SDPA; `bench/peers.py`), the stateless ONNX variants
 (the past in, a new present out: the cache is read and written again every step), `fp32-static`
-(a KV pool, export/kv_pool.py: the cache read once and the new token written in place) and the
+(a KV pool, serving/engine/kv_pool.py: the cache read once and the new token written in place) and the
 Q/K/V-merged candidate. Conditions: each candidate uses `--threads` threads (PyTorch's intra-op
 pool, ONNX Runtime's intra-op pool) and runs alone; ONNX Runtime is driven through IOBinding (inputs
 bound in place, outputs left in ONNX Runtime's memory), as PyTorch returns its tensors without a
@@ -36,7 +36,7 @@ from contract import files, names
 from contract.config import ModelConfig, preset
 from export import artifacts
 from export.progress import Progress
-from serving.triton.tensorrt import axis_sizes, random_inputs
+from serving.engine.tensorrt import axis_sizes, random_inputs
 
 RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-static")
@@ -147,7 +147,7 @@ def torch_static_candidate(directory: Path, threads: int) -> Prepare:
 
 
 def ort_candidate(path: Path, threads: int, dtype: type) -> Prepare:
-    from export.runtime import ort_session
+    from serving.engine.ort import ort_session
 
     session = ort_session(path, threads=threads)
     outputs = [o.name for o in session.get_outputs()]
@@ -167,8 +167,8 @@ def ort_candidate(path: Path, threads: int, dtype: type) -> Prepare:
 def static_candidate(path: Path, threads: int) -> Prepare:
     """A KV pool of `batch` rows: decode appends one token per row at `past` (rewound every call),
     prefill puts `new` tokens into each empty row (one graph run per row, as the engine runs it)."""
-    from export.kv_pool import KVPool
-    from export.runtime import ort_session
+    from serving.engine.kv_pool import KVPool
+    from serving.engine.ort import ort_session
 
     session = ort_session(path, threads=threads)
     cfg = ModelConfig.load(path.parent)
@@ -234,7 +234,7 @@ def _make_qkv(directory: Path, paths: dict[str, Path]) -> None:
     from export.fusion import fused_proto
     from export.onnx_export import save_onnx
     from export.parity import TOLERANCES, Scenario, compare_rung
-    from export.runtime import ort_runner, ort_session
+    from serving.engine.ort import ort_runner, ort_session
 
     proto, counts = fused_proto(onnx.load(str(paths[PLAIN])), fuse_qkv=True)
     save_onnx(proto, paths[QKV])

@@ -110,8 +110,8 @@ def spread(envoy_url: str, replicas: dict[str, int], count: int) -> dict:
 
 def benchmark(root: Path, preset_name: str, past: int, rounds: int, steps: int, sessions: int) -> dict:
     from client import Client
-    from serving.envoy import Replica, start_envoy
-    from serving.launcher import start_triton
+    from serving.host.envoy import Replica, start_envoy
+    from serving.host.launcher import start_triton
 
     repository = prepare(root, preset_name)
     servers = [start_triton(repository) for _ in range(3)]

@@ -186,7 +186,7 @@ def wire_bytes(cfg: ModelConfig, past: int) -> dict:
 
 def session_engine(repository: Path, model: str, cfg: ModelConfig):
     """The session engine of `model` in the repository, built as the model builds it (no Triton)."""
-    from serving import engines
+    from serving.triton import engines
     from serving.triton.config import parse
 
     config = parse((repository / model / "config.pbtxt").read_text())
@@ -196,7 +196,7 @@ def session_engine(repository: Path, model: str, cfg: ModelConfig):
 
 def in_process(engine, cfg: ModelConfig, past: int, runs: int) -> dict:
     """A session of `engine` prefilled to `past`, then `runs` timed one-token steps (then ended)."""
-    from serving.session import StepRequest
+    from serving.engine.steps import StepRequest
 
     rng = np.random.default_rng(1)
     prompt = rng.standard_normal((1, past, cfg.d_model)).astype(np.float32)
@@ -348,7 +348,8 @@ def prepare(root: Path, progress: Progress) -> Path:
     """An artifact of the bench config (reused when it is already there) and a repository with mha,
     mha_session on each engine (the concat one as `mha_session_concat`) and the no-op model."""
     from export.build import build
-    from serving.triton.config import ENGINE_CONCAT, P_ENGINE, parse, to_text
+    from serving.engine.settings import ENGINE_CONCAT
+    from serving.triton.config import P_ENGINE, parse, to_text
     from serving.triton.repository import write_repository
 
     cfg, directory = bench_config(), root / "artifact"
@@ -398,7 +399,7 @@ class TritonPythonModel:
 
 
 def benchmark(root: Path, plan: Plan, threads: int, deadline: Deadline, progress: Progress) -> dict:
-    from serving.launcher import start_triton
+    from serving.host.launcher import start_triton
 
     cfg = bench_config()
     repository = prepare(root, progress)

@@ -1,4 +1,4 @@
-"""Session affinity through the proxy in front of several Triton replicas (serving/envoy, and
+"""Session affinity through the proxy in front of several Triton replicas (serving/host/envoy, and
 docs/scale-out.md): what a session step sends, and a step that returns the answer's headers too.
 
 Every step of a session sends SESSION_HEADER (its sequence id); once an answer has named the replica

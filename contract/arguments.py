@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Collection
+from pathlib import Path
+
+from contract.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
 
 
 def comma_list(choices: Collection[str], what: str) -> Callable[[str], tuple[str, ...]]:
@@ -17,3 +20,25 @@ def comma_list(choices: Collection[str], what: str) -> Callable[[str], tuple[str
         return chosen
 
     return parse
+
+
+def config_arguments(parser: argparse.ArgumentParser, json_text: bool = False) -> None:
+    """--config FILE | --preset NAME (| --config-json TEXT): which model config a command builds."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--config",
+        type=Path,
+        help="a config.json (fields: contract/config.py); with --weights, the fields the weights do not determine",
+    )
+    if json_text:
+        source.add_argument("--config-json", help="the config as JSON text (compose: an environment variable)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help=f"a named config (default: {DEFAULT_PRESET})")
+
+
+def config_from(args: argparse.Namespace) -> ModelConfig:
+    """The config `--config-json`, `--config` or `--preset` names (the default preset without any)."""
+    if getattr(args, "config_json", None):
+        return ModelConfig.from_json(args.config_json)
+    if getattr(args, "config", None):
+        return ModelConfig.load(args.config)
+    return preset(getattr(args, "preset", None) or DEFAULT_PRESET)

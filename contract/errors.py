@@ -2,7 +2,7 @@
 (`[sequence_ended] sequence 7 has ended ...`) so that a client reads the kind, not the prose.
 
 Triton passes a Python model's error to the caller as a status code and a message, nothing else;
-the tag is the one structured field that survives both protocols. serving/errors.py writes it,
+the tag is the one structured field that survives both protocols. serving/engine/errors.py writes it,
 client/errors.py reads it.
 """
 

@@ -1,6 +1,9 @@
-"""The file names of an artifact directory and of a Triton model's version folder."""
+"""The file names of an artifact directory and of a Triton model's version folder, and the checkout's
+default places for them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 MODEL_CONFIG_FILENAME = "config.json"  # the ModelConfig an artifact was built from (contract/config.py)
 WEIGHTS_FILENAME = "weights.safetensors"
@@ -10,3 +13,8 @@ REPORT_FILENAME = "report.json"  # per variant: parity, fused ops, target fit (e
 def model_filename(variant: str) -> str:
     """`model.<variant>.onnx`: one file per variant (fp32, fp32-fused, fp16-static, ...)."""
     return f"model.{variant}.onnx"
+
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent  # the checkout (or the installed tree)
+DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"  # what `python -m serving` serves by default
+DEFAULT_ARTIFACTS = PROJECT_ROOT / "build" / "artifacts"  # git-ignored; one folder per preset

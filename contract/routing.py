@@ -1,5 +1,5 @@
 """The two headers that route a session's steps through the proxy in front of the Triton replicas
-(serving/envoy): the client library and the gateway send them, the proxy's config reads them.
+(serving/host/envoy): the client library and the gateway send them, the proxy's config reads them.
 
 A step of a session carries SESSION_HEADER (its sequence id, decimal): the proxy hashes it to choose
 a replica for the session's first step. The answer to that step carries REPLICA_HEADER (an opaque

@@ -18,39 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from contract.arguments import comma_list
-from contract.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
-from contract.files import REPORT_FILENAME
-from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build, build_model
+from contract import files
+from contract.arguments import comma_list, config_arguments, config_from
+from contract.config import DEFAULT_PRESET
+from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build_model
 from export.importers import LAYOUTS, SourceMismatchError, import_weights
-from export.report import origin_summary, summary_table
+from export.report import build_and_report, origin_summary, printing
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_ARTIFACTS = PROJECT_ROOT / "build" / "artifacts" / DEFAULT_PRESET  # git-ignored
-
-
-def config_from(args: argparse.Namespace) -> ModelConfig:
-    """The config `--config-json`, `--config` or `--preset` names (the default preset without any)."""
-    if getattr(args, "config_json", None):
-        return ModelConfig.from_json(args.config_json)
-    if getattr(args, "config", None):
-        return ModelConfig.load(args.config)
-    return preset(getattr(args, "preset", None) or DEFAULT_PRESET)
-
-
-def config_arguments(parser: argparse.ArgumentParser, json_text: bool = False) -> None:
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument(
-        "--config",
-        type=Path,
-        help="a config.json (fields: contract/config.py); with --weights, the fields the weights do not determine",
-    )
-    if json_text:
-        source.add_argument("--config-json", help="the config as JSON text (compose: an environment variable)")
-    source.add_argument("--preset", choices=sorted(PRESETS), help=f"a named config (default: {DEFAULT_PRESET})")
+DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,22 +48,6 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--n-heads", type=int, help="attention heads (the weights cannot tell)")
     own.add_argument("--n-kv-heads", type=int, help="key/value heads, instead of --n-heads (GQA)")
     return root
-
-
-def build_and_report(cfg: ModelConfig, out: Path, variants: tuple[str, ...] | None = None, seed: int = 0) -> dict:
-    """Build `cfg` into `out` and print the variants' table; raises BuildError (after printing the
-    table) when a variant failed."""
-    return _printing(lambda: build(cfg, out, variants, seed=seed), out)
-
-
-def _printing(run: Callable[[], dict], out: Path) -> dict:
-    try:
-        report = run()
-    except BuildError:
-        print(summary_table(json.loads((out / REPORT_FILENAME).read_text())))
-        raise
-    print(summary_table(report))
-    return report
 
 
 def _misuse(args: argparse.Namespace) -> str | None:
@@ -128,7 +89,7 @@ def import_and_report(args: argparse.Namespace) -> int:
         return 1
     origin = {"weights": imported.weights, "source_check": imported.source_check}
     try:
-        report = _printing(lambda: build_model(imported.model, args.out, args.variants, origin=origin), args.out)
+        report = printing(lambda: build_model(imported.model, args.out, args.variants, origin=origin), args.out)
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

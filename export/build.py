@@ -20,7 +20,6 @@ from contract.config import ModelConfig
 from export import artifacts, forms, graph_stats, targets
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
-from export.kv_pool import KVPool
 from export.model import AttentionModel
 from export.onnx_export import export_onnx
 from export.parity import (
@@ -34,7 +33,9 @@ from export.parity import (
     pool_schedule,
 )
 from export.progress import Progress
-from export.runtime import ort_runner, ort_session, rounded_runner, torch_runner
+from export.runners import rounded_runner, torch_runner
+from serving.engine.kv_pool import KVPool
+from serving.engine.ort import ort_runner, ort_session
 
 
 class BuildError(RuntimeError):

@@ -14,14 +14,14 @@ import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
-from export.runtime import Arrays, Forward
+from serving.engine.ort import Arrays, Forward
 
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
     """An element passes when |actual - expected| <= atol + rtol * |expected| + scale * max|expected|,
     or, for a reduced-precision rung, when it is within `floor` times the largest error the rung's
-    precision floor (`runtime.rounded_runner`) makes on that tensor over the whole rung."""
+    precision floor (`runners.rounded_runner`) makes on that tensor over the whole rung."""
 
     atol: float
     rtol: float
@@ -42,7 +42,7 @@ class Tolerance:
 # give logits 16x (largest ~170-260) and errors that grow with them. That much is no fault of the graph:
 # the PyTorch original itself, computed in fp64 on what an fp16 graph must hold in fp16 (its weights,
 # inputs, caches and outputs), is off by the same order. That is the precision floor
-# (`runtime.rounded_runner`), driven beside the graph. The graph rounds at more places (normalized
+# (`runners.rounded_runner`), driven beside the graph. The graph rounds at more places (normalized
 # states, q, k and v, context, projections; its scores are fp32, export/fp16.py) and was measured at
 # 1.0-1.2x the floor's output error on the ladder over norm x residual x projections scaled 1-4x
 # (seed 0), and up to 2.5x for hidden states of magnitude 10-100 (tests/export/test_fp16.py prints
@@ -217,7 +217,7 @@ def compare_rung(
     """Drive both runners through the scenario and compare every output at every step.
 
     `cast` converts float inputs to the candidate's dtype (identity for fp32 rungs); `floor`, for a
-    reduced-precision candidate, is its precision floor (`runtime.rounded_runner`), driven like it.
+    reduced-precision candidate, is its precision floor (`runners.rounded_runner`), driven like it.
     """
     tensors = {name: TensorError(name) for name in names.output_names(cfg.n_layers)}
     step_errors = []

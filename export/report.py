@@ -1,8 +1,15 @@
-"""Reading a build report: the short table the CLI prints, and where the weights came from."""
+"""Reading a build report: the short table the CLI prints, and where the weights came from; a build
+that prints its table (`build_and_report`, what the export and serving commands run)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 from contract import names
+from contract.config import ModelConfig
+from contract.files import REPORT_FILENAME
 
 # When rounding to fp16 alone moves a model's output by more than this share of its scale (5x the
 # 2e-3 our init's weights stay within), its attention is too sharp for fp16 to be accurate, whatever
@@ -55,3 +62,24 @@ def origin_summary(report: dict) -> str:
     else:
         lines.append(f"not checked against its source module: {check['reason']}")
     return "\n".join(lines)
+
+
+def build_and_report(cfg: ModelConfig, out: Path, variants: tuple[str, ...] | None = None, seed: int = 0) -> dict:
+    """Build `cfg` into `out` and print the variants' table; raises BuildError (after printing the
+    table) when a variant failed."""
+    from export.build import build
+
+    return printing(lambda: build(cfg, out, variants, seed=seed), out)
+
+
+def printing(run: Callable[[], dict], out: Path) -> dict:
+    """Run a build and print its table, also when it fails (from the report it left)."""
+    from export.build import BuildError
+
+    try:
+        report = run()
+    except BuildError:
+        print(summary_table(json.loads((out / REPORT_FILENAME).read_text())))
+        raise
+    print(summary_table(report))
+    return report

@@ -8,7 +8,7 @@ python -m serving ensure --repository REPO [--preset|--config|--config-json]   b
 python -m serving envoy-config --dns NAME | --replica IP:HTTP:GRPC ...     the Envoy config in front of N replicas
 
 The default model is exported first when the repository lacks it. Triton is supervised
-(serving/supervisor.py): a dead server is started again and a model whose process died is reloaded,
+(serving/host/supervisor.py): a dead server is started again and a model whose process died is reloaded,
 each within seconds; the gateway stays up and its /readyz says "not ready" meanwhile. A port that
 another process holds is refused before anything starts, naming that process. SIGINT or SIGTERM
 shuts everything down gracefully and leaves no process behind.
@@ -24,8 +24,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
+from contract import files
 
 
 class Shutdown(Exception):
@@ -34,7 +33,7 @@ class Shutdown(Exception):
 
 def triton_arguments(parser: argparse.ArgumentParser) -> None:
     triton = parser.add_argument_group("Triton")
-    triton.add_argument("--model-repository", type=Path, default=DEFAULT_REPOSITORY, help="default: %(default)s")
+    triton.add_argument("--model-repository", type=Path, default=files.DEFAULT_REPOSITORY, help="default: %(default)s")
     triton.add_argument("--http-port", type=int, default=8000)
     triton.add_argument("--grpc-port", type=int, default=8001)
     triton.add_argument(
@@ -80,7 +79,7 @@ def gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from serving.envoy import cli as envoy_cli
+    from serving.host.envoy import cli as envoy_cli
     from serving.triton import cli
 
     root = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
@@ -94,7 +93,7 @@ def parser() -> argparse.ArgumentParser:
 
 def ensure_repository(repository: Path) -> None:
     """Export the default model into `repository` unless it already holds the served models."""
-    from serving.launcher import TritonStartError
+    from serving.host.launcher import TritonStartError
     from serving.triton.repository import is_complete
 
     if is_complete(repository):
@@ -136,9 +135,9 @@ def shutdown_signals() -> Iterator[threading.Event]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.envoy import EnvoyError
     from serving.gateway.server import GatewayStartError
-    from serving.launcher import TritonStartError
+    from serving.host.envoy import EnvoyError
+    from serving.host.launcher import TritonStartError
 
     front = None
     with shutdown_signals() as stop:
@@ -163,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
 
 def start_front(args: argparse.Namespace):
     """What the gateway and the clients talk to: one supervised Triton, or Envoy in front of
-    `--replicas` of them (serving/fleet.py)."""
-    from serving.envoy import ProxySettings
-    from serving.fleet import start_fleet
-    from serving.launcher import check_ports_free
+    `--replicas` of them (serving/host/fleet.py)."""
+    from serving.host.envoy import ProxySettings
+    from serving.host.fleet import start_fleet
+    from serving.host.launcher import check_ports_free
 
     front_ports = {"http": args.http_port, "grpc": args.grpc_port}
     if args.replicas == 1:
@@ -189,10 +188,10 @@ def replica_log(log: Path | None, index: int) -> Path | None:
 
 
 def supervise(args: argparse.Namespace, ports: dict[str, int], log: Path | None):
-    """Triton started and kept serving (serving/supervisor.py): the same ports and log at every
+    """Triton started and kept serving (serving/host/supervisor.py): the same ports and log at every
     restart, so the gateway and the clients find it again. A port not given is picked now, once."""
-    from serving.launcher import free_port, start_triton
-    from serving.supervisor import Supervisor
+    from serving.host.launcher import free_port, start_triton
+    from serving.host.supervisor import Supervisor
 
     ports = {name: ports.get(name) or free_port(args.triton_address) for name in ("http", "grpc", "metrics")}
 
@@ -211,7 +210,7 @@ def supervise(args: argparse.Namespace, ports: dict[str, int], log: Path | None)
 
 
 class OneTriton:
-    """One supervised Triton, with the face of a Fleet (serving/fleet.py) for `run`."""
+    """One supervised Triton, with the face of a Fleet (serving/host/fleet.py) for `run`."""
 
     def __init__(self, supervisor) -> None:
         self.supervisor = supervisor
@@ -274,7 +273,7 @@ def watch(front, stop: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.envoy import cli as envoy_cli
+    from serving.host.envoy import cli as envoy_cli
     from serving.triton import cli
 
     args = parser().parse_args(argv)

@@ -30,7 +30,7 @@ COPY serving /tmp/src/serving
 COPY client /tmp/src/client
 RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" "psutil==7.2.2" /tmp/src && rm -rf /tmp/src
 
-# Not root. The TensorRT engine caches (serving/triton/config.py and serving/runner.py)
+# Not root. The TensorRT engine caches (serving/triton/config.py and serving/engine/runner.py)
 # are created here so that volumes mounted on them start owned by this user.
 RUN useradd --uid 10001 --no-log-init --create-home --shell /usr/sbin/nologin serving \
     && mkdir -p /tmp/triton-trt-cache /tmp/attention-serving-trt \

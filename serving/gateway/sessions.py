@@ -36,8 +36,8 @@ from typing import Any
 
 from itsdangerous import BadSignature, URLSafeSerializer
 
+from contract.tombstones import Tombstones
 from serving.gateway.errors import SessionConflict, SessionNotFound, TooManySessions
-from serving.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 TOMBSTONES = 10_000  # how many gone sessions we remember, to say why they are gone

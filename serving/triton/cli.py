@@ -12,17 +12,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from contract.arguments import comma_list
-from contract.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
-from serving.triton.config import (
-    ENGINES,
-    MHA_ONNX,
-    MODELS,
-    PYTHON_MODELS,
-    TRITON_CONFIG_FILENAME,
-    ServingSettings,
-    to_text,
-)
+from contract import files
+from contract.arguments import comma_list, config_arguments, config_from
+from contract.config import DEFAULT_PRESET, ModelConfig, preset
+from serving.engine.settings import ENGINES
+from serving.triton.config import MHA_ONNX, MODELS, PYTHON_MODELS, TRITON_CONFIG_FILENAME, ServingSettings, to_text
 from serving.triton.repository import (
     ONNX_BACKEND_VARIANT,
     RepositoryError,
@@ -31,9 +25,7 @@ from serving.triton.repository import (
     write_repository,
 )
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"
-DEFAULT_ARTIFACTS = PROJECT_ROOT / "build" / "artifacts" / DEFAULT_PRESET  # git-ignored
+DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
 
 
 def add_commands(commands) -> None:
@@ -42,11 +34,8 @@ def add_commands(commands) -> None:
     r.add_argument("--repository", type=Path, required=True, help="the model repository to (over)write")
     _settings_arguments(r)
     e = commands.add_parser("ensure", help="build and fill a repository unless it already holds this model")
-    source = e.add_mutually_exclusive_group()
-    source.add_argument("--config", type=Path, help="a config.json (see contract/config.py for the fields)")
-    source.add_argument("--config-json", help="the config as JSON text (compose: an environment variable)")
-    source.add_argument("--preset", choices=sorted(PRESETS), help=f"a named config (default: {DEFAULT_PRESET})")
-    e.add_argument("--repository", type=Path, default=DEFAULT_REPOSITORY, help="default: %(default)s")
+    config_arguments(e, json_text=True)
+    e.add_argument("--repository", type=Path, default=files.DEFAULT_REPOSITORY, help="default: %(default)s")
     e.add_argument("--artifacts", type=Path, help="where to build and keep the artifacts (default: a temporary dir)")
     _settings_arguments(e)
 
@@ -111,8 +100,8 @@ def export_to(
     A failing variant still fails (BuildError), but the repository is filled from the variants that
     passed: a failed fp16 graph must not keep `python -m serving` from starting on the CPU.
     """
-    from export.__main__ import build_and_report
     from export.build import BuildError
+    from export.report import build_and_report
 
     try:
         build_and_report(cfg, artifacts)
@@ -124,7 +113,7 @@ def export_to(
     return repository
 
 
-def export_default(repository: Path = DEFAULT_REPOSITORY, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
+def export_default(repository: Path = files.DEFAULT_REPOSITORY, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
     """The default preset into `repository` (what `python -m serving` does when the repository lacks it)."""
     return export_to(preset(DEFAULT_PRESET), repository, artifacts)
 
@@ -160,7 +149,6 @@ def run_repository(args: argparse.Namespace) -> int:
 
 def run_ensure(args: argparse.Namespace) -> int:
     """The one-shot export of a deployment (compose's `export` service)."""
-    from export.__main__ import config_from
     from export.build import BuildError
 
     try:

@@ -12,12 +12,13 @@ the ONNX graph its model loads.
   each sequence's cache. Strategy `oldest` (`direct` fills empty batch slots with null requests
   that need answers too); `allow_ragged_batch` lets steps with different T share one execute().
 - `mha_onnx` (onnxruntime backend, GPU hosts): stateless like `mha`, with the TensorRT
-  accelerator in FP16 from `serving.triton.tensorrt`.
+  accelerator in FP16 with the TensorRT options of `serving.engine.tensorrt`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
@@ -25,6 +26,8 @@ from tritonclient.grpc import model_config_pb2 as pb
 from contract import names
 from contract.config import ModelConfig
 from contract.names import TensorSpec
+from serving.engine import tensorrt
+from serving.engine.settings import ENGINES, SessionSettings
 
 MHA, MHA_SESSION, MHA_ONNX = "mha", "mha_session", "mha_onnx"
 MODELS = (MHA, MHA_SESSION, MHA_ONNX)
@@ -36,7 +39,7 @@ ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_
 _MODELS_PACKAGE = __name__.rpartition(".")[0] + ".models"  # serving.triton.models, beside this module
 IMPLEMENTATIONS = {MHA: f"{_MODELS_PACKAGE}.mha", MHA_SESSION: f"{_MODELS_PACKAGE}.mha_session"}
 
-# Parameter keys the python models read (serving/triton/models/*.py, serving/engines.py).
+# Parameter keys the python models read (serving/triton/models/*.py, serving/triton/engines.py).
 P_IMPLEMENTATION = "implementation"
 P_ONNX_FILE = "onnx_file"  # the graph for the CPU
 P_ONNX_FILE_CUDA = "onnx_file_cuda"  # the graph for ONNX Runtime's CUDA provider
@@ -46,8 +49,6 @@ P_KV_CACHE_BYTES = "kv_cache_bytes"
 P_IDLE_TIMEOUT = "idle_timeout_seconds"
 P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
 P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
-ENGINE_STATIC, ENGINE_CONCAT = "static", "concat"
-ENGINES = (ENGINE_STATIC, ENGINE_CONCAT)
 
 _FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
 
@@ -56,16 +57,17 @@ _FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
 class ServingSettings:
     """What a deployment tunes; everything else in the configs follows from the ModelConfig."""
 
-    threads: int = 0  # ONNX Runtime intra-op threads per model; 0 = its default (one per physical core)
-    kv_cache_bytes: int = 2 << 30  # mha_session: all sequences' caches together
-    # mha_session: a sequence idle this long loses its cache. Triton forgets the sequence after twice
-    # this, so a late step first meets our precise "evicted" error rather than Triton's generic one.
-    idle_timeout_seconds: float = 300.0
-    max_batch_size: int = 32  # mha_session: most sequences stepped in one execute()
+    # the engine's defaults (serving/engine/settings.py): threads (0 = ONNX Runtime's default), the KV
+    # budget of all sequences together, the idle timeout after which a sequence loses its cache (Triton
+    # forgets the sequence after twice this, so a late step first meets our precise "evicted" error
+    # rather than Triton's generic one), the most sequences stepped in one execute()
+    threads: int = SessionSettings.threads
+    kv_cache_bytes: int = SessionSettings.kv_cache_bytes
+    idle_timeout_seconds: float = SessionSettings.idle_timeout_seconds
+    max_batch_size: int = SessionSettings.max_batch
     max_queue_delay_microseconds: int = 0  # batch what queued while the model was busy; never wait
     trt_cache_dir: str = "/tmp/triton-trt-cache"  # mha_onnx: TensorRT engine cache (must be writable)
-    # mha_session: the slot pool over the static-cache graph, or per-sequence caches batched by padding
-    engine: str = ENGINE_STATIC
+    engine: str = SessionSettings.engine  # mha_session: the static slot pool, or per-sequence caches
     # mha: batch x new tokens one request may compute; None = the config's max_seq_len. A request's
     # attention scores grow with its tokens times its length: 12,000 tokens took a stub to 6.6 GB.
     max_request_tokens: int | None = None
@@ -75,11 +77,11 @@ class ServingSettings:
             raise ValueError(f"invalid serving settings: {self}")
         if self.max_request_tokens is not None and self.max_request_tokens < 1:
             raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
 
     def request_tokens(self, cfg: ModelConfig) -> int:
         return self.max_request_tokens or cfg.max_seq_len
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
 
     @property
     def triton_idle_microseconds(self) -> int:
@@ -166,16 +168,34 @@ def mha_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConf
     required: the backend feeds the graph only what a request carries, so a first call sends a
     zero-length past and the full mask.
     """
-    from serving.triton import tensorrt
-
     config = pb.ModelConfig(name=MHA_ONNX, backend="onnxruntime", max_batch_size=0)
     config.default_model_filename = ONNX_BACKEND_FILENAME
     _add_stateless_io(config, cfg, "float32", optional=False)
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
     cache = f"{settings.trt_cache_dir.rstrip('/')}/{MHA_ONNX}"
     options = tensorrt.provider_options(cfg, tensorrt.Limits(), cache_path=cache, fp16=True)
-    config.optimization.CopyFrom(tensorrt.triton_optimization(options))
+    config.optimization.CopyFrom(triton_optimization(options))
     return config
+
+
+# ORT option -> Triton onnxruntime-backend parameter, where Triton names it differently.
+_TRITON_KEYS = {"trt_max_workspace_size": "max_workspace_size_bytes"}
+
+
+def triton_optimization(options: dict[str, Any]) -> pb.ModelOptimizationPolicy:
+    """ONNX Runtime's TensorRT options as a Triton `ModelOptimizationPolicy` (onnxruntime backend)."""
+    policy = pb.ModelOptimizationPolicy()
+    accelerator = policy.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
+    for key, value in options.items():
+        if key == "trt_fp16_enable":
+            accelerator.parameters["precision_mode"] = "FP16" if value else "FP32"
+        else:
+            accelerator.parameters[_TRITON_KEYS.get(key, key)] = _triton_value(value)
+    return policy
+
+
+def _triton_value(value: Any) -> str:
+    return ("1" if value else "0") if isinstance(value, bool) else str(value)
 
 
 def model_configs(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from contract.config import ModelConfig
 from contract.files import MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
+from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC
 from serving.triton import config as triton_config
 from serving.triton.config import ServingSettings
 
@@ -35,8 +36,8 @@ PYTHON_FILES: dict[str, dict[str, tuple[str, ...]]] = {
         P_CUDA: ("fp16-fused", "fp32-fused", "fp32"),
         P_TRT: ("fp16-trt", "fp32-trt"),
     },
-    triton_config.ENGINE_STATIC: {P_CPU: ("fp32-static",), P_CUDA: ("fp16-static",)},
-    triton_config.ENGINE_CONCAT: {P_CPU: ("fp32-fused", "fp32"), P_CUDA: ("fp32-fused", "fp32")},
+    ENGINE_STATIC: {P_CPU: ("fp32-static",), P_CUDA: ("fp16-static",)},
+    ENGINE_CONCAT: {P_CPU: ("fp32-fused", "fp32"), P_CUDA: ("fp32-fused", "fp32")},
 }
 
 # mha_onnx loads the plain fp32 graph: (1) every op of it has a CUDA kernel in the ONNX Runtime of
@@ -76,10 +77,8 @@ def python_files(choices: dict[str, tuple[str, ...]], passing: set[str]) -> dict
 def session_engine(settings: ServingSettings, passing: set[str]) -> str:
     """The engine mha_session runs: the one asked for, or `concat` where the static graph is missing
     (a config GroupQueryAttention cannot take)."""
-    if settings.engine == triton_config.ENGINE_STATIC and P_CPU not in python_files(
-        PYTHON_FILES[settings.engine], passing
-    ):
-        return triton_config.ENGINE_CONCAT
+    if settings.engine == ENGINE_STATIC and P_CPU not in python_files(PYTHON_FILES[settings.engine], passing):
+        return ENGINE_CONCAT
     return settings.engine
 
 

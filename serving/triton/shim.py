@@ -15,16 +15,15 @@ import sys
 from pathlib import Path
 
 
-def _find_serving():
+def _find_serving() -> None:
     launcher = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[:0] = [entry for entry in launcher if entry not in sys.path]
     try:
-        import serving
+        import serving.triton
     except ImportError:
         checkouts = [str(p) for p in Path(__file__).resolve().parents if (p / "serving" / "__init__.py").is_file()]
         sys.path[:0] = [c for c in checkouts if c not in sys.path]
-        import serving
-    return serving
+        import serving.triton  # noqa: F401  (found now, or the load fails here with the reason)
 
 
 class TritonPythonModel:

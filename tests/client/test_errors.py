@@ -1,5 +1,5 @@
 """The error mapping: what tritonclient raises (its own exception type with the status strings and
-messages our Triton 2.51 was measured to send; our models' carry their kind, serving/errors.py)
+messages our Triton 2.51 was measured to send; our models' carry their kind, serving/engine/errors.py)
 becomes our typed exceptions, with the server's message kept (without its kind tag)."""
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from client.errors import (
 )
 from contract import names
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Forward
+from serving.engine.ort import Forward
 from tests.client.conftest import DelayedProxy
 from tests.fixtures.triton import metric
 

@@ -13,7 +13,7 @@ from contract.config import ModelConfig
 from export import __main__ as cli
 from export import build
 from export.onnx_export import export_onnx
-from export.runtime import ort_runner, ort_session
+from serving.engine.ort import ort_runner, ort_session
 from tests import reference
 from tests.conftest import TEST_CONFIGS
 

@@ -16,7 +16,8 @@ from export.fp16 import FP16Error, attention_needs_fp32, check_fp16
 from export.model import AttentionModel
 from export.parity import TOLERANCES, Scenario, compare_rung
 from export.progress import Progress
-from export.runtime import ort_runner, ort_session, rounded_runner, torch_runner
+from export.runners import rounded_runner, torch_runner
+from serving.engine.ort import ort_runner, ort_session
 from tests.conftest import TEST_CONFIGS
 
 

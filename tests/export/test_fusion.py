@@ -14,7 +14,7 @@ from export.__main__ import main as export_main
 from export.graph_stats import fused_attention_count, op_histogram, opset_of
 from export.onnx_export import config_from_onnx
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import ort_runner, ort_session
+from serving.engine.ort import ort_runner, ort_session
 from tests import reference
 from tests.conftest import TEST_CONFIGS
 

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 
 from contract.files import model_filename
-from export import kv_pool
 from export.artifacts import load_model
-from export.kv_pool import KVPool
 from export.parity import POOL_ROWS, TOLERANCES, compare_pool_rung, pool_schedule
-from export.runtime import ort_session, torch_runner
+from export.runners import torch_runner
+from serving.engine import kv_pool
+from serving.engine.kv_pool import KVPool
+from serving.engine.ort import ort_session
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from export import artifacts
 from export.graph_stats import fused_attention_count, op_histogram
 from export.onnx_export import IR_VERSION, PLAIN_OPSET, config_from_onnx
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import ort_runner, ort_session, torch_runner
+from export.runners import torch_runner
+from serving.engine.ort import ort_runner, ort_session
 
 GRID = [(past, new) for past in (0, 1, 17, 300) for new in (1, 7)]
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from contract import names
-from export.runtime import Arrays
+from serving.engine.ort import Arrays
 from serving.gateway import RunningGateway, Settings, run_gateway
 
 KEYS = ("key-one", "key-two")

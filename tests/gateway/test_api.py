@@ -298,7 +298,7 @@ def test_a_hung_triton_gives_504_and_409_and_readyz_follows_it(hung):
 
 
 def test_triton_down_gives_503_and_liveness_stays(triton):
-    from serving.launcher import free_port
+    from serving.host.launcher import free_port
 
     with running(api_keys=KEYS, triton_url=f"127.0.0.1:{free_port()}", readiness_timeout_s=2.0) as orphan:
         client = httpx.Client(base_url=orphan.url, headers={"X-API-Key": KEYS[0]})

@@ -9,7 +9,7 @@ import pytest
 from contract import names
 from contract.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Forward
+from serving.engine.ort import Forward
 from tests.gateway.conftest import attend_body, attend_outputs, b64_tensor, from_b64
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.served
 @pytest.fixture(scope="module")
 def unseen(artifact_dir, tmp_path_factory):
     """(artifact directory, a Triton serving a repository built from it); that Triton is this module's own."""
-    from serving.launcher import start_triton
+    from serving.host.launcher import start_triton
     from serving.triton.repository import write_repository
 
     artifact = artifact_dir("unseen")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from serving.envoy import Replica, start_envoy
+from serving.host.envoy import Replica, start_envoy
 from tests.fixtures.triton import TEST_SETTINGS
 
 
@@ -27,7 +27,7 @@ def tiny_repository(artifact_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="package")
 def start_replica(tiny_repository, tmp_path_factory):
     """`start_replica(**ports)` -> a started Triton on the tiny repository, stopped at the end."""
-    from serving.launcher import start_triton
+    from serving.host.launcher import start_triton
 
     started = []
 

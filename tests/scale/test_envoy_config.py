@@ -13,7 +13,7 @@ import yaml
 
 from contract.routing import REPLICA_HEADER, SESSION_HEADER
 from serving import __main__ as serving_cli
-from serving.envoy import (
+from serving.host.envoy import (
     DnsName,
     EndpointFiles,
     EnvoyConfigError,
@@ -26,8 +26,8 @@ from serving.envoy import (
     validate,
     write_endpoints,
 )
-from serving.envoy.config import HEALTH_PATH, OVERRIDE_HOST_STATUSES, endpoints, endpoints_path
-from serving.launcher import free_port
+from serving.host.envoy.config import HEALTH_PATH, OVERRIDE_HOST_STATUSES, endpoints, endpoints_path
+from serving.host.launcher import free_port
 
 REPLICAS = [Replica("10.0.0.5"), Replica("10.0.0.6", 9000, 9001, draining=True)]
 

@@ -18,7 +18,7 @@ from tritonclient.utils import InferenceServerException
 
 from client import errors
 from contract import errors as kinds
-from serving.envoy import ProxySettings, start_envoy
+from serving.host.envoy import ProxySettings, start_envoy
 from tests.scale.conftest import replica_of
 from tests.scale.helpers import (
     address,

@@ -26,7 +26,7 @@ import pytest
 from client import Client, SessionLostError
 from contract import errors as kinds
 from contract import names
-from serving.launcher import free_port
+from serving.host.launcher import free_port
 from tests.fixtures.serving_process import serving_process
 
 pytestmark = [pytest.mark.served, pytest.mark.timeout(300)]
@@ -45,7 +45,7 @@ def fleet(tiny_repository, tmp_path_factory):
 @pytest.fixture(scope="module")
 def original(artifact_dir):
     from export.artifacts import load_model
-    from export.runtime import torch_runner
+    from export.runners import torch_runner
 
     return torch_runner(load_model(artifact_dir("tiny")))
 
@@ -253,10 +253,10 @@ def test_a_retired_replica_serves_its_sessions_until_they_end_and_takes_no_new_o
     and the session is then lost."""
     import threading
 
-    from serving.envoy import ProxySettings
-    from serving.fleet import start_fleet
-    from serving.launcher import start_triton
-    from serving.supervisor import Supervisor
+    from serving.host.envoy import ProxySettings
+    from serving.host.fleet import start_fleet
+    from serving.host.launcher import start_triton
+    from serving.host.supervisor import Supervisor
 
     proxy = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
     fleet = start_fleet(3, lambda _: Supervisor(lambda: start_triton(tiny_repository), interval=0.5), proxy)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.envoy import validate
-from serving.envoy.config import HEALTH_PATH, READY_PATH
+from serving.host.envoy import validate
+from serving.host.envoy.config import HEALTH_PATH, READY_PATH
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"

@@ -15,12 +15,14 @@ from contract import names
 from contract.config import ModelConfig
 from contract.files import model_filename
 from contract.inputs import InputError
-from serving import errors
-from serving.batching import Step, layout, run_steps
-from serving.kv_cache import KVCacheStore
-from serving.runner import CPU, Runner, choose_placement
-from serving.session import SessionEngine, StepRequest, Sweeper
-from serving.triton import tensorrt
+from serving.engine import errors, tensorrt
+from serving.engine.batching import Step, layout, run_steps
+from serving.engine.concat_engine import ConcatSessionEngine
+from serving.engine.kv_cache import KVCacheStore
+from serving.engine.ort import CPU
+from serving.engine.placement import choose_placement
+from serving.engine.runner import Runner
+from serving.engine.steps import StepRequest, Sweeper
 
 
 @pytest.fixture(
@@ -107,9 +109,9 @@ def test_the_stateless_path_fills_an_empty_past_and_an_all_ones_mask(runner):
 
 
 @pytest.fixture
-def engine(runner) -> SessionEngine:
+def engine(runner) -> ConcatSessionEngine:
     store = KVCacheStore(runner.cfg.kv_cache_bytes(1, 1), runner.cfg.max_seq_len, 1 << 30, idle_timeout=60)
-    return SessionEngine(runner, store)
+    return ConcatSessionEngine(runner, store)
 
 
 def tokens(cfg: ModelConfig, n: int, seed: int) -> np.ndarray:
@@ -143,7 +145,7 @@ def test_steps_equal_the_same_steps_alone(engine, runner):
     engine.execute([StepRequest(k, True, False, tokens(cfg, 1 + k, 10 + k)) for k in range(3)])
     together = engine.execute([StepRequest(k, False, False, tokens(cfg, 1, 20 + k)) for k in range(3)])
     for k in range(3):
-        solo = SessionEngine(runner, KVCacheStore(cfg.kv_cache_bytes(1, 1), cfg.max_seq_len, 1 << 30, 60))
+        solo = ConcatSessionEngine(runner, KVCacheStore(cfg.kv_cache_bytes(1, 1), cfg.max_seq_len, 1 << 30, 60))
         solo.execute([StepRequest("x", True, False, tokens(cfg, 1 + k, 10 + k))])
         (alone,) = solo.execute([StepRequest("x", False, False, tokens(cfg, 1, 20 + k))])
         np.testing.assert_allclose(together[k], alone, atol=1e-5, rtol=1e-5)
@@ -184,7 +186,7 @@ def test_two_steps_of_one_sequence_in_one_execute_run_in_order(engine, runner):
 
 def test_the_sweeper_evicts_idle_sequences_in_the_background(runner):
     store = KVCacheStore(runner.cfg.kv_cache_bytes(1, 1), runner.cfg.max_seq_len, 1 << 30, idle_timeout=0.2)
-    engine = SessionEngine(runner, store)
+    engine = ConcatSessionEngine(runner, store)
     engine.execute([StepRequest("idle", True, False, tokens(runner.cfg, 2, 0))])
     ticks = []
     sweeper = Sweeper(store, lambda: ticks.append(store.stats()), interval=0.05)

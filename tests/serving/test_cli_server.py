@@ -29,7 +29,7 @@ from tritonclient.utils import InferenceServerException
 
 from contract import names
 from contract.config import ModelConfig
-from serving.launcher import answers_200, free_port
+from serving.host.launcher import answers_200, free_port
 from tests import reference
 from tests.fixtures.triton import metric, wait_for_metric
 from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id

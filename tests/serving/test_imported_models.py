@@ -18,7 +18,7 @@ import torch
 from contract import names
 from contract.config import ModelConfig
 from export.__main__ import main as export_main
-from serving.launcher import start_triton
+from serving.host.launcher import start_triton
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests import user_modules

@@ -8,8 +8,8 @@ import weakref
 import numpy as np
 import pytest
 
-from serving import errors
-from serving.kv_cache import KVCacheStore
+from serving.engine import errors
+from serving.engine.kv_cache import KVCacheStore
 
 
 class Clock:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from serving.launcher import SHM_PREFIX, TritonStartError, start_triton
+from serving.host.launcher import SHM_PREFIX, TritonStartError, start_triton
 
 pytestmark = pytest.mark.served
 
@@ -65,7 +65,7 @@ def test_serves_python_models_skips_missing_backends_and_leaves_nothing_behind(t
     add_model(tmp_path, "echo")
     add_model(tmp_path, "gpu_only", backend="onnxruntime")
     shm_before = set(os.listdir("/dev/shm"))
-    with caplog.at_level(logging.INFO, logger="serving.launcher"), start_triton(tmp_path) as server:
+    with caplog.at_level(logging.INFO, logger="serving.host.launcher"), start_triton(tmp_path) as server:
         assert server.models == ["echo"]
         pid, stubs = server.process.pid, descendants(server.process.pid)
         assert stubs, "the Python backend stub should run as Triton's child"
@@ -132,7 +132,7 @@ def test_admin_apis_are_refused_without_the_launchers_key(triton, protocol, call
 def test_a_port_another_process_holds_is_named_before_anything_starts(tmp_path):
     import socket
 
-    from serving.launcher import PortInUseError
+    from serving.host.launcher import PortInUseError
 
     add_model(tmp_path, "echo")
     with socket.socket() as holder:

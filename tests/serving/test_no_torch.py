@@ -26,10 +26,10 @@ SCRIPT = textwrap.dedent(
     sys.meta_path.insert(0, Blocker())
 
     from serving import __main__ as serving_cli
-    import serving.engines, serving.launcher, serving.supervisor, serving.runner, serving.session
-    import serving.static_engine
+    import serving.engine.factory, serving.engine.concat_engine, serving.engine.static_engine
+    import serving.host.launcher, serving.host.supervisor, serving.host.fleet
     from serving.gateway import create_app, Settings
-    from serving.triton import config, repository, tensorrt
+    from serving.triton import config, engines, repository
     for argv in ([], ["--no-gateway"], ["repository", "--artifacts", "a", "--repository", "r"],
                  ["ensure", "--repository", "r", "--preset", "tiny"]):
         serving_cli.parser().parse_args(argv)

@@ -7,7 +7,7 @@ import pytest
 
 from contract.config import ModelConfig
 from export.parity import TOLERANCES, Scenario, compare_rung
-from export.runtime import Forward
+from serving.engine.ort import Forward
 from tests.serving.helpers import PROTOCOLS, Client
 
 

@@ -10,11 +10,12 @@ from contract import names
 from contract.files import model_filename
 from contract.inputs import InputError
 from export.artifacts import load_model
-from export.kv_pool import KVPool
-from export.runtime import ort_session, torch_runner
-from serving import errors
-from serving.session import StepRequest
-from serving.static_engine import StaticSessionEngine
+from export.runners import torch_runner
+from serving.engine import errors
+from serving.engine.kv_pool import KVPool
+from serving.engine.ort import ort_session
+from serving.engine.static_engine import StaticSessionEngine
+from serving.engine.steps import StepRequest
 
 
 class Clock:
@@ -165,7 +166,7 @@ def test_a_restart_empties_the_sequence(engine, original):
 def _cuda_missing() -> str | None:
     import onnxruntime as ort
 
-    from serving.runner import cuda_usable
+    from serving.engine.placement import cuda_usable
 
     if cuda_usable():
         return None
@@ -176,15 +177,9 @@ def _cuda_missing() -> str | None:
 @pytest.mark.skipif(_cuda_missing() is not None, reason=_cuda_missing() or "")
 def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(artifact_dir, original, tmp_path):
     """The engine as mha_session builds it on a CUDA host (docs/gpu.md has the proof's numbers)."""
-    from serving import engines
-    from serving.triton.config import (
-        ENGINE_STATIC,
-        P_ENGINE,
-        P_IDLE_TIMEOUT,
-        P_KV_CACHE_BYTES,
-        P_ONNX_FILE,
-        P_ONNX_FILE_CUDA,
-    )
+    from serving.engine.settings import ENGINE_STATIC
+    from serving.triton import engines
+    from serving.triton.config import P_ENGINE, P_IDLE_TIMEOUT, P_KV_CACHE_BYTES, P_ONNX_FILE, P_ONNX_FILE_CUDA
 
     parameters = {
         P_ENGINE: ENGINE_STATIC,

@@ -6,8 +6,9 @@ from tritonclient.grpc import model_config_pb2
 
 from contract import files, names
 from contract.config import ModelConfig, preset
-from serving.triton import tensorrt
-from serving.triton.tensorrt import Limits, LimitsError
+from serving.engine import placement, tensorrt
+from serving.engine.tensorrt import Limits, LimitsError
+from serving.triton.config import triton_optimization
 from tests.conftest import TEST_CONFIGS
 
 SEED = preset("seed")  # 512 wide, 8 heads of 64, 1 layer, max_seq_len 4096
@@ -96,7 +97,7 @@ def test_provider_options_in_onnx_runtime_format(tmp_path):
 
 def test_triton_accelerator_matches_the_provider_options(tmp_path):
     options = tensorrt.provider_options(SEED, Limits(), "/engines", workspace_bytes=1 << 31)
-    policy = tensorrt.triton_optimization(options)
+    policy = triton_optimization(options)
     assert isinstance(policy, model_config_pb2.ModelOptimizationPolicy)
     (accelerator,) = policy.execution_accelerators.gpu_execution_accelerator
     parameters = dict(accelerator.parameters)
@@ -116,12 +117,12 @@ def test_triton_accelerator_matches_the_provider_options(tmp_path):
 
 
 def test_fp32_precision_mode_when_fp16_is_off():
-    policy = tensorrt.triton_optimization(tensorrt.provider_options(SEED, Limits(), "/e", fp16=False))
+    policy = triton_optimization(tensorrt.provider_options(SEED, Limits(), "/e", fp16=False))
     assert policy.execution_accelerators.gpu_execution_accelerator[0].parameters["precision_mode"] == "FP32"
 
 
 def test_without_a_gpu_the_engine_check_raises_with_the_reason(monkeypatch, tmp_path):
-    monkeypatch.setattr(tensorrt, "unavailable_reason", lambda: "no CUDA GPU")
+    monkeypatch.setattr(placement, "tensorrt_unavailable_reason", lambda: "no CUDA GPU")
     with pytest.raises(tensorrt.TensorRTUnavailable, match="no CUDA GPU"):
         tensorrt.check_engine(tmp_path / "model.onnx", GQA, Limits(), tmp_path / "engines")
 
@@ -130,16 +131,19 @@ def test_unavailable_reasons_say_what_is_missing(monkeypatch):
     import onnxruntime
 
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
-    assert tensorrt.unavailable_reason() == (
+    assert placement.tensorrt_unavailable_reason() == (
         f"onnxruntime {onnxruntime.__version__} has no TensorrtExecutionProvider (it offers CPUExecutionProvider)"
     )
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["TensorrtExecutionProvider"])
-    monkeypatch.setattr(tensorrt, "cuda_device_count", lambda: 0)
-    assert "no CUDA GPU" in tensorrt.unavailable_reason()
+    monkeypatch.setattr(placement, "cuda_device_count", lambda: 0)
+    assert "no CUDA GPU" in placement.tensorrt_unavailable_reason()
+
+
+TENSORRT_MISSING = placement.tensorrt_unavailable_reason()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(tensorrt.unavailable_reason() is not None, reason=f"{tensorrt.unavailable_reason()}")
+@pytest.mark.skipif(TENSORRT_MISSING is not None, reason=str(TENSORRT_MISSING))
 def test_engine_builds_and_matches_cpu(artifact_dir, tmp_path):
     directory = artifact_dir("unseen")
     limits = Limits(max_batch=2, max_sequence=32, max_past=64)

@@ -16,6 +16,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from export import build
+from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, ENGINES
 from serving.triton import config as triton_config
 from serving.triton import repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
@@ -89,7 +90,7 @@ def test_mha_leaves_mask_and_past_optional_mha_onnx_requires_them(built):
     assert not any(t.optional for t in read_config(built, MHA_ONNX).input)
 
 
-@pytest.mark.parametrize("engine", triton_config.ENGINES)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_session_config_takes_new_tokens_only_and_fits_the_graph(artifact_dir, tmp_path, engine):
     settings = ServingSettings(engine=engine)
     repo = repository.write_repository(artifact_dir("gqa"), tmp_path, settings, models=(MHA_SESSION,))
@@ -102,7 +103,7 @@ def test_session_config_takes_new_tokens_only_and_fits_the_graph(artifact_dir, t
     assert all(t.allow_ragged_batch for t in config.input)
     assert [t.optional for t in config.input] == [False, True]
     assert config.max_batch_size > 0
-    if engine == triton_config.ENGINE_STATIC:
+    if engine == ENGINE_STATIC:
         # the step's mask is the engine's (padded tokens never enter the cache); the graph takes lengths
         assert names.ATTENTION_MASK not in graph and names.SEQLENS_K in graph
         assert_fits([config.input[0], config.output[0]], graph, batch_axis_added=True)
@@ -117,7 +118,7 @@ def test_each_python_model_gets_a_graph_per_placement(built):
         triton_config.P_ONNX_FILE_CUDA: "model.fp16-fused.onnx",  # the fastest stateless form on CUDA (docs/gpu.md)
         triton_config.P_ONNX_FILE_TENSORRT: "model.fp16-trt.onnx",
     }
-    assert triton_config.parameter(session, triton_config.P_ENGINE) == triton_config.ENGINE_STATIC
+    assert triton_config.parameter(session, triton_config.P_ENGINE) == ENGINE_STATIC
     assert triton_config.parameter(session, triton_config.P_ONNX_FILE) == "model.fp32-static.onnx"
     assert triton_config.parameter(session, triton_config.P_ONNX_FILE_CUDA) == "model.fp16-static.onnx"
     for model, config in ((MHA, mha), (MHA_SESSION, session)):
@@ -132,7 +133,7 @@ def test_a_config_the_static_form_cannot_take_gets_the_concat_engine(artifact_di
         (source / files.model_filename(variant)).unlink()
     repo = repository.write_repository(source, tmp_path / "repo", models=(MHA_SESSION,))
     config = read_config(repo, MHA_SESSION)
-    assert triton_config.parameter(config, triton_config.P_ENGINE) == triton_config.ENGINE_CONCAT
+    assert triton_config.parameter(config, triton_config.P_ENGINE) == ENGINE_CONCAT
     assert triton_config.parameter(config, triton_config.P_ONNX_FILE) == "model.fp32-fused.onnx"
 
 

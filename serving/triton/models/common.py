@@ -1,4 +1,4 @@
-"""What both Python-backend models share: their config, their runner, their error answers."""
+"""What both Python-backend models share: their config, their parameters, their error answers."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from contract import errors as kinds
 from contract.config import ModelConfig
-from serving import errors
+from contract.inputs import InputError
+from serving.engine.errors import ServingError
 
 
 class Loaded:
@@ -38,10 +40,20 @@ def request_arrays(request) -> dict[str, np.ndarray]:
 
 def error_response(model_name: str, error: Exception):
     """One request's error answer; an unexpected error is logged with its traceback too."""
-    if not isinstance(error, errors.ServingError | errors.InputError):
+    if not isinstance(error, ServingError | InputError):
         trace = "".join(traceback.format_exception(error))
         pb_utils.Logger.log_error(f"{model_name}: unexpected error: {trace}")
-    return pb_utils.InferenceResponse(error=errors.triton_error(error, pb_utils))
+    return pb_utils.InferenceResponse(error=triton_error(error))
+
+
+def triton_error(error: Exception):
+    """The `pb_utils.TritonError` for `error`: its own code and kind for ours, INTERNAL for anything else."""
+    if isinstance(error, ServingError):
+        message = kinds.tag(error.kind, str(error)) if error.kind else str(error)
+        return pb_utils.TritonError(message, getattr(pb_utils.TritonError, error.code))
+    if isinstance(error, InputError):  # names the input, the expected and the actual value
+        return pb_utils.TritonError(kinds.tag(kinds.INVALID_INPUT, str(error)), pb_utils.TritonError.INVALID_ARG)
+    return pb_utils.TritonError(f"internal error: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)
 
 
 def response(outputs: dict[str, np.ndarray]):

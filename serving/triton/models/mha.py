@@ -9,8 +9,8 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from contract.inputs import check_finite, check_inputs, check_length, check_request_tokens
-from serving import engines
 from serving.triton import config as triton_config
+from serving.triton import engines
 from serving.triton.models import common
 
 

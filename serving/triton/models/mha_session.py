@@ -1,7 +1,10 @@
 """`mha_session`: the stateful model under Triton's sequence batcher. A step carries the new tokens
 of one sequence (`hidden_states` [1, T, d_model], optional `attention_mask` [1, T]); the server keeps
-each sequence's KV cache (serving/kv_cache.py) from START to END or eviction. All steps of one
-execute() run as one batch (serving/batching.py); errors are answered per request."""
+each sequence's KV cache from START to END or eviction, in the engine the `engine` parameter names:
+by default the static one (serving/engine/static_engine.py: one row of a KV pool per sequence, the
+decode steps of one execute() in one graph run, new keys written in place), or `concat`
+(serving/engine/concat_engine.py). Errors are answered per request; the answer carries `held_length`,
+the positions the sequence holds after the step."""
 
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract import names
-from serving import engines
-from serving.session import StepRequest, Sweeper
+from serving.engine import factory
+from serving.engine.steps import StepRequest, Sweeper
 from serving.triton import config as triton_config
+from serving.triton import engines
 from serving.triton.models import common
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -32,7 +36,7 @@ class TritonPythonModel:
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
         stats = self.engine.stats()
         pb_utils.Logger.log_info(
-            f"{self.model.name}: runner {engines.describe(self.engine)}; KV cache budget {stats.budget_bytes} bytes = "
+            f"{self.model.name}: runner {factory.describe(self.engine)}; KV cache budget {stats.budget_bytes} bytes = "
             f"{self.engine.capacity} sequences of up to {cfg.max_seq_len} positions; idle timeout {idle:g} s"
         )
 

@@ -16,10 +16,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from serving.envoy.config import DnsName, EndpointFiles, ProxySettings, Replica, bootstrap, render, write_endpoints
+from serving.host.envoy.config import DnsName, EndpointFiles, ProxySettings, Replica, bootstrap, render, write_endpoints
 
 COMMAND = "envoy-config"
-DO_NOT_EDIT = "Do not edit: change the command or serving/envoy/config.py, then run it."
+DO_NOT_EDIT = "Do not edit: change the command or serving/host/envoy/config.py, then run it."
 
 
 def add_commands(commands) -> None:

@@ -1,8 +1,8 @@
 """N supervised Triton replicas on one host with Envoy in front (`python -m serving --replicas N`).
 
 Each replica is a tritonserver on ports of its own, kept serving by its supervisor
-(serving/supervisor.py: a dead stub reloaded, a dead server restarted on the same ports). Envoy
-(serving/envoy) listens where one Triton would (the HTTP and gRPC ports given) and routes a session's
+(serving/host/supervisor.py: a dead stub reloaded, a dead server restarted on the same ports). Envoy
+(serving/host/envoy) listens where one Triton would (the HTTP and gRPC ports given) and routes a session's
 steps to the replica holding it (docs/scale-out.md). `check()`, called by the caller's loop, keeps the
 whole standing: a replica whose supervisor gave up leaves Envoy's list (its sessions get
 `[sequence_lost]`, new ones go to the others), and an Envoy that died is started again on its ports.
@@ -20,8 +20,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from serving.envoy import Envoy, ProxySettings, Replica, start_envoy
-from serving.supervisor import Supervisor
+from serving.host.envoy import Envoy, ProxySettings, Replica, start_envoy
+from serving.host.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 SEQUENCES_METRIC = "attention_kv_cache_sequences"  # mha_session's gauge (serving/triton/models/mha_session.py)

@@ -10,7 +10,7 @@ stub loads the system libpython against another stdlib), and load the models who
 
 Every server started here has its administrative APIs (model repository, shared memory, logging,
 trace) restricted, over HTTP and gRPC, to a key made at start and shared with nobody but the
-supervisor (serving/supervisor.py), which reloads a model through them. Ports are checked before the
+supervisor (serving/host/supervisor.py), which reloads a model through them. Ports are checked before the
 start: a port another process holds is named with that process, and never read as if it were ours.
 """
 
@@ -36,6 +36,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from contract import files
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +122,7 @@ def server_environment(bundle: Path) -> dict[str, str]:
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in [*libraries, env.get("LD_LIBRARY_PATH", "")] if p)
     # the stub runs the first python3 on PATH (and needs bash): this environment's first
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin", "/bin"])
-    project_root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [project_root, env.get("PYTHONPATH", "")] if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(files.PROJECT_ROOT), env.get("PYTHONPATH", "")] if p)
     env.update({key: value for key, value in MALLOC_SETTINGS.items() if key not in env})
     return env
 
@@ -135,13 +136,12 @@ MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_":
 
 def model_backend(model_dir: Path) -> str | None:
     """The backend a model's config.pbtxt names (or implies through its platform)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    from serving.triton.config import TRITON_CONFIG_FILENAME, parse
 
-    config_path = model_dir / "config.pbtxt"
+    config_path = model_dir / TRITON_CONFIG_FILENAME
     if not config_path.is_file():
         return None
-    config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+    config = parse(config_path.read_text())
     return config.backend or _PLATFORM_BACKENDS.get(config.platform, config.platform) or None
 
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
+from serving.engine.ort import CPU, CUDA, run_options, session_device, session_float_dtype, uses_cuda_graphs
 
-CPU, CUDA = "cpu", "cuda"
 # Prefill chunk: a longer prompt runs as several runs of this many tokens (the op's subsequent-prompt
 # mode), which bounds a run's attention scores (chunk x length per head) and so the memory it takes.
 PREFILL_CHUNK = 512
@@ -34,22 +34,6 @@ PREFILL_CHUNK = 512
 # (measured on our 2-core CPUs, 7 of 16 rows at past 1024 stepping: runs split at any idle row took
 # 1.65 ms a step, merged over gaps of one 4 MB row 1.91 ms, one window over all 2.27 ms).
 MERGE_BYTES = 1 << 20
-
-
-def session_device(session) -> str:
-    """Where a session keeps its tensors: CUDA when its first provider is a GPU one."""
-    return CUDA if session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider") else CPU
-
-
-def uses_cuda_graphs(session) -> bool:
-    """Whether the session was made with ONNX Runtime's CUDA graphs on (CUDA provider option)."""
-    options = session.get_provider_options().get("CUDAExecutionProvider", {})
-    return options.get("enable_cuda_graph") == "1"
-
-
-def session_float_dtype(session) -> type:
-    hidden = next(i for i in session.get_inputs() if i.name == names.HIDDEN_STATES)
-    return np.float16 if hidden.type == "tensor(float16)" else np.float32
 
 
 class KVPool:
@@ -205,16 +189,6 @@ class KVPool:
             name: np.array(array[row : row + 1, :, :length])
             for name, array in zip(self.past_names, arrays, strict=True)
         }
-
-
-def run_options(entries: dict[str, str]):
-    """ONNX Runtime run options with these config entries."""
-    import onnxruntime as ort
-
-    options = ort.RunOptions()
-    for key, value in entries.items():
-        options.add_run_config_entry(key, value)
-    return options
 
 
 class _DecodeWindow:

@@ -11,7 +11,6 @@ host memory already, and a graph run per copy costs more than the copy). Tests r
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -23,86 +22,22 @@ import onnxruntime as ort
 from contract import names
 from contract.config import ModelConfig
 from contract.inputs import with_defaults
-from export.kv_pool import run_options, session_device, session_float_dtype
-from export.runtime import session_options
-from serving.triton import tensorrt
+from serving.engine import tensorrt
+from serving.engine.ort import (
+    CPU,
+    CPU_PROVIDER,
+    CUDA,
+    CUDA_PROVIDER,
+    run_options,
+    session_device,
+    session_float_dtype,
+    session_options,
+)
+from serving.engine.placement import Placement, choose_placement, open_session
 
 log = logging.getLogger(__name__)
 
-CPU_PROVIDER = "CPUExecutionProvider"
-CPU, CUDA = "cpu", "cuda"  # where tensors live (ONNX Runtime's device names)
-TENSORRT = "tensorrt"  # a placement kind: TensorRT engines, CUDA for what they leave out
 KERNEL_OPSET = 18
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """The providers a session asks for, best first, and why the better ones were left out.
-    `kind` (TENSORRT, CUDA or CPU) says which of a model's ONNX files it runs."""
-
-    kind: str
-    providers: list
-    notes: list[str]
-
-
-def cuda_usable() -> bool:
-    return tensorrt.CUDA_PROVIDER in ort.get_available_providers() and tensorrt.cuda_device_count() > 0
-
-
-def choose_placement(
-    cfg: ModelConfig,
-    limits: tensorrt.Limits,
-    trt_cache: Path,
-    device_id: int = 0,
-    allow_tensorrt: bool = True,
-    cuda_graphs: bool = False,
-) -> Placement:
-    """TensorRT, else CUDA, else the CPU, whichever is usable here; `allow_tensorrt=False` for graphs
-    TensorRT cannot take whole (the static cache's GroupQueryAttention); `cuda_graphs` turns on ONNX
-    Runtime's CUDA graphs (for fixed-address decode steps, export/kv_pool.py)."""
-    available = ort.get_available_providers()
-    notes = []
-    trt_missing = tensorrt.unavailable_reason() if allow_tensorrt else "not for this graph"
-    if trt_missing is None:
-        options = tensorrt.provider_options(cfg, limits, trt_cache)
-        notes.append(f"TensorRT options {options}")
-        providers = [(tensorrt.TRT_PROVIDER, {"device_id": device_id, **options}), _cuda(device_id), CPU_PROVIDER]
-        return Placement(TENSORRT, providers, notes)
-    notes.append(f"no TensorRT: {trt_missing}")
-    if cuda_usable():
-        preload_cuda_libraries()
-        provider = _cuda(device_id, enable_cuda_graph="1") if cuda_graphs else _cuda(device_id)
-        return Placement(CUDA, [provider, CPU_PROVIDER], notes + (["CUDA graphs on"] if cuda_graphs else []))
-    if tensorrt.CUDA_PROVIDER in available:
-        notes.append("no CUDA: the CUDA provider is installed but no CUDA device answers")
-    else:
-        notes.append(f"no CUDA: onnxruntime {ort.__version__} offers {', '.join(available)}")
-    return Placement(CPU, [CPU_PROVIDER], notes)
-
-
-def _cuda(device_id: int, **options: str) -> tuple[str, dict]:
-    return (tensorrt.CUDA_PROVIDER, {"device_id": device_id, **options})
-
-
-def preload_cuda_libraries() -> None:
-    """CUDA and cuDNN from the nvidia-* pip packages, where the CUDA provider finds them (a Triton stub
-    has not imported torch, which would have loaded them)."""
-    preload = getattr(ort, "preload_dlls", None)
-    if preload is not None:
-        try:
-            preload()
-        except Exception as error:  # the session still tries the system's libraries
-            log.warning("onnxruntime.preload_dlls failed: %s", error)
-
-
-def open_session(model_path: str | Path, placement: Placement, threads: int = 0) -> ort.InferenceSession:
-    # idle pool threads sleep: the model and the cache kernels run one after the other, and a
-    # spinning pool of one session steals the cores the next session needs. The arena recycles what
-    # a run allocates, the presents a sequence keeps included: fresh pages fault in on every
-    # allocation otherwise (measured: a 4096-position step from 3 to 8-14 ms p50 until the
-    # allocator settles); the budget bounds what the live caches hold.
-    options = session_options(threads, spinning=False)
-    return ort.InferenceSession(str(model_path), sess_options=options, providers=placement.providers)
 
 
 # A run this many tokens long gives the arena's memory back after it: its attention scores grow
@@ -142,7 +77,7 @@ class Runner:
         self.dtype = session_float_dtype(self.session)
         if self.device == CUDA or copies == "device":
             # the copies run where the caches are; TensorRT would only build engines for them
-            on_device = [(tensorrt.CUDA_PROVIDER, {"device_id": device_id})] if self.device == CUDA else []
+            on_device = [(CUDA_PROVIDER, {"device_id": device_id})] if self.device == CUDA else []
             self.copies: HostCopies | DeviceCopies = DeviceCopies(
                 cfg, [*on_device, CPU_PROVIDER], self.device, device_id
             )

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from serving import errors
-from serving.sequences import LiveSequences, SequenceId
+from serving.engine import errors
+from serving.engine.sequences import LiveSequences, SequenceId
 
 
 @dataclasses.dataclass

@@ -1,10 +1,11 @@
-"""The stateful model's logic without Triton: one execute() worth of sequence steps in, one
-output or one error per step out.
+"""What both session engines share (the static one, static_engine.py, and the concat one,
+concat_engine.py): a step request, its check, one execute() worth of steps in and one output or
+one error per step out, and the idle sweeper.
 
 Each request is checked and matched with its sequence's cache on its own, so one bad request gets
-its own error and nothing else changes; the good ones then run as one batch (serving/batching.py),
-and only after the batch succeeded do their caches advance. A request with the END flag frees its
-sequence whatever else happens to it (Triton has ended the sequence either way).
+its own error and nothing else changes; the good ones then run together, and only after their run
+succeeded do their caches advance. A request with the END flag frees its sequence whatever else
+happens to it (Triton has ended the sequence either way).
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ import numpy as np
 from contract import names
 from contract.config import ModelConfig
 from contract.inputs import InputError, check_finite, check_inputs
-from serving import errors
-from serving.batching import Step, run_steps
-from serving.kv_cache import KVCacheStore
-from serving.runner import Runner
+from serving.engine import errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,61 +107,6 @@ class StepEngine(abc.ABC):
     @abc.abstractmethod
     def _end(self, sequence_id: Hashable) -> None:
         """Free the sequence (its END arrived, whatever happened to the rest of its request)."""
-
-
-class SessionEngine(StepEngine):
-    """The `concat` engine: each sequence's cache is its own value, batched by padding per execute()."""
-
-    def __init__(self, runner: Runner, store: KVCacheStore) -> None:
-        self.runner, self.store, self.cfg = runner, store, runner.cfg
-        self.largest_batch = 0  # most steps one graph run has taken (proof that batching happens)
-
-    @property
-    def capacity(self) -> int:
-        return self.store.capacity
-
-    def stats(self):
-        return self.store.stats()
-
-    def evict_idle(self) -> list:
-        return self.store.evict_idle()
-
-    def _end(self, sequence_id: Hashable) -> None:
-        self.store.end(sequence_id)
-
-    def length(self, sequence_id: Hashable) -> int:
-        return self.store.length(sequence_id)
-
-    def _prepare(self, request: StepRequest) -> tuple[StepRequest, Step] | None:
-        """The request's step with its sequence's cache; None when there is nothing to compute."""
-        new = check_step(self.cfg, request)
-        if new == 0 and not request.start:
-            # closing: whatever the store knows, the sequence is gone afterwards (Triton ends it too),
-            # so a client's close() succeeds also after an eviction or a refused START
-            return None
-        if request.start:
-            if new > self.store.max_positions:
-                raise errors.SequenceTooLong(request.sequence_id, new, self.store.max_positions)
-            entry = self.store.start(request.sequence_id, self.runner.empty_past())
-        else:
-            entry = self.store.get(request.sequence_id)
-            self.store.check_length(request.sequence_id, entry, new)
-        if new == 0:
-            return None
-        new_mask = np.ones(new, np.int64) if request.mask is None else request.mask[0].astype(np.int64)
-        return request, Step(request.hidden[0], new_mask, entry.caches, entry.mask)
-
-    def _run(self, runnable: dict[int, tuple[StepRequest, Step]], results: list) -> None:
-        try:
-            outcomes = run_steps(self.runner, [step for _, step in runnable.values()])
-        except Exception as error:  # not the requests' fault; their caches stay as they were
-            for index in runnable:
-                results[index] = error
-            return
-        self.largest_batch = max(self.largest_batch, len(runnable))
-        for (index, (request, _)), outcome in zip(runnable.items(), outcomes, strict=True):
-            self.store.update(request.sequence_id, outcome.present, outcome.mask, outcome.nbytes)
-            results[index] = outcome.output[None]  # (1, T, d_model)
 
 
 def rounds(requests: Sequence[StepRequest]) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """`mha_session`'s static engine: every live sequence owns one row (a slot) of a KV pool allocated
-once at model load, and a step appends its tokens in place (export/kv_pool.py).
+once at model load, and a step appends its tokens in place (serving/engine/kv_pool.py).
 
 START takes the lowest free slot (so live sequences cluster in the first rows and a decode window
 spans few idle ones), END and idle eviction give it back. The steps of one execute() run as few graph
@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from export.kv_pool import KVPool
-from serving import errors
-from serving.kv_cache import CacheStats
-from serving.sequences import LiveSequences, SequenceId
-from serving.session import StepEngine, StepRequest, check_step
+from serving.engine import errors
+from serving.engine.kv_cache import CacheStats
+from serving.engine.kv_pool import KVPool
+from serving.engine.sequences import LiveSequences, SequenceId
+from serving.engine.steps import StepEngine, StepRequest, check_step
 
 
 @dataclasses.dataclass

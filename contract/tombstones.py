@@ -1,6 +1,6 @@
 """Ids that are gone, each with what to say about it: a sequence that ended or was evicted answers a
 late step precisely ("has ended", "was evicted after 300 s idle") instead of "unknown", and a gateway
-session says why it is gone. One registry for the session engines' live sequences (serving/sequences.py)
+session says why it is gone. One registry for the session engines' live sequences (serving/engine/sequences.py)
 and the gateway's sessions (serving/gateway/sessions.py).
 
 Bounded: past `remember` ids the oldest are forgotten (and answer as unknown).

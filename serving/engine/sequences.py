@@ -1,5 +1,5 @@
-"""The live sequences of a session engine's store, for both engines (serving/kv_cache.py,
-serving/static_engine.py): id -> entry (anything with a `last_used` time), the tombstones of the
+"""The live sequences of a session engine's store, for both engines (serving/engine/kv_cache.py,
+serving/engine/static_engine.py): id -> entry (anything with a `last_used` time), the tombstones of the
 ids that are gone (to answer a late step precisely), idle eviction, and the count of evictions.
 
 Not locked: the store that owns it holds its own lock around every call (execute() and the idle
@@ -12,9 +12,9 @@ import functools
 from collections.abc import Callable, Hashable
 from typing import Generic, Protocol, TypeVar
 
-from serving import errors
-from serving.errors import gone_error
-from serving.tombstones import Tombstones
+from contract.tombstones import Tombstones
+from serving.engine import errors
+from serving.engine.errors import gone_error
 
 SequenceId = Hashable  # Triton's correlation id: an int, or a str
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from client import Client, ClientError
-from serving.launcher import ADMIN_HEADER, TritonServer, TritonStartError
+from serving.host.launcher import ADMIN_HEADER, TritonServer, TritonStartError
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from serving.envoy.config import (
+from serving.host.envoy.config import (
     PROTOCOLS,
     EndpointFiles,
     ProxySettings,
@@ -37,7 +37,7 @@ from serving.envoy.config import (
     render,
     write_endpoints,
 )
-from serving.launcher import answers_200
+from serving.host.launcher import answers_200
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from serving.runner import Runner, nbytes
+from serving.engine.runner import Runner, nbytes
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
-"""TensorRT for the fused graphs: optimization profiles, ONNX Runtime TensorRT EP options, and
-Triton's matching `optimization { execution_accelerators { gpu_execution_accelerator ... } }`.
+"""TensorRT for the fused graphs: optimization profiles and ONNX Runtime TensorRT EP options (Triton's
+matching `optimization` block is made from the same options, serving/triton/config.py).
 
 A TensorRT engine is built for shape ranges (profiles): min, opt (where kernels are tuned) and max
 for every dynamic input. The points come from a `ModelConfig` and `Limits` and are shared by all
@@ -15,7 +15,6 @@ Only `check_engine` needs a GPU; everything else is plain data and is unit-teste
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,8 @@ import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
+from serving.engine.ort import CPU_PROVIDER, CUDA_PROVIDER, TRT_PROVIDER, ort_runner, ort_session, session_float_dtype
 
-TRT_PROVIDER = "TensorrtExecutionProvider"
-CUDA_PROVIDER = "CUDAExecutionProvider"
 DEFAULT_WORKSPACE_BYTES = 1 << 30  # Triton's default; TensorRT may use less
 POINTS = ("min", "opt", "max")
 
@@ -145,66 +143,11 @@ def ort_providers(options: dict[str, Any], device_id: int = 0) -> list:
     return [
         (TRT_PROVIDER, {"device_id": device_id, **options}),
         (CUDA_PROVIDER, {"device_id": device_id}),
-        "CPUExecutionProvider",
+        CPU_PROVIDER,
     ]
 
 
-# ORT option -> Triton onnxruntime-backend parameter, where Triton names it differently.
-_TRITON_KEYS = {"trt_max_workspace_size": "max_workspace_size_bytes"}
-
-
-def triton_optimization(options: dict[str, Any]):
-    """The same settings as a Triton `ModelOptimizationPolicy` (onnxruntime backend, "tensorrt")."""
-    from tritonclient.grpc import model_config_pb2
-
-    policy = model_config_pb2.ModelOptimizationPolicy()
-    accelerator = policy.execution_accelerators.gpu_execution_accelerator.add(name="tensorrt")
-    for key, value in options.items():
-        if key == "trt_fp16_enable":
-            accelerator.parameters["precision_mode"] = "FP16" if value else "FP32"
-        else:
-            accelerator.parameters[_TRITON_KEYS.get(key, key)] = _triton_value(value)
-    return policy
-
-
-def _triton_value(value: Any) -> str:
-    return ("1" if value else "0") if isinstance(value, bool) else str(value)
-
-
 # --- building and checking an engine (GPU hosts only) -------------------------------------------
-
-
-def unavailable_reason() -> str | None:
-    """Why an engine cannot be built here, or None when it can."""
-    import onnxruntime as ort
-
-    available = ort.get_available_providers()
-    if TRT_PROVIDER not in available:
-        return f"onnxruntime {ort.__version__} has no {TRT_PROVIDER} (it offers {', '.join(available)})"
-    if cuda_device_count() < 1:
-        return "no CUDA GPU: the CUDA driver (libcuda.so.1) is missing or reports no device"
-    if not _loadable("libnvinfer.so.10"):
-        return "TensorRT 10 (libnvinfer.so.10) is not installed"
-    return None
-
-
-def _loadable(library: str) -> bool:
-    try:
-        ctypes.CDLL(library)
-    except OSError:
-        return False
-    return True
-
-
-def cuda_device_count() -> int:
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return 0
-    count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return 0
-    return count.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,9 +174,9 @@ def check_engine(
     Raises TensorRTUnavailable (with the reason) where no GPU or TensorRT exists. The check passes
     when every point is within `max_rel` of the output's scale (the fp16 bound of export/parity.py).
     """
-    from export.runtime import ort_runner, ort_session
+    from serving.engine.placement import tensorrt_unavailable_reason
 
-    reason = unavailable_reason()
+    reason = tensorrt_unavailable_reason()
     if reason:
         raise TensorRTUnavailable(reason)
     Path(cache_path).mkdir(parents=True, exist_ok=True)
@@ -244,17 +187,12 @@ def check_engine(
     gpu, cpu = ort_runner(session), ort_runner(ort_session(model_path))
     errors = {}
     for point, sizes in limits.points(cfg).items():
-        inputs = random_inputs(cfg, sizes, _float_dtype(session))
+        inputs = random_inputs(cfg, sizes, session_float_dtype(session))
         expected, actual = cpu(inputs), gpu(inputs)
         scale = float(np.abs(expected[names.OUTPUT].astype(np.float64)).max())
         errors[point] = float(np.abs(actual[names.OUTPUT] - expected[names.OUTPUT].astype(np.float64)).max()) / scale
     files = sorted(p.name for p in Path(cache_path).iterdir())
     return EngineCheck(session.get_providers(), errors, max_rel, files)
-
-
-def _float_dtype(session) -> type:
-    hidden = next(i for i in session.get_inputs() if i.name == names.HIDDEN_STATES)
-    return np.float16 if hidden.type == "tensor(float16)" else np.float32
 
 
 def random_inputs(cfg: ModelConfig, sizes: dict[str, int], dtype: type = np.float32, seed: int = 0) -> dict:

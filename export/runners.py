@@ -1,0 +1,69 @@
+"""The PyTorch original as runners: callables that map named input arrays to named output arrays.
+
+The parity ladder drives every rung (PyTorch, each ONNX variant on ONNX Runtime through
+`serving.engine.ort.ort_runner`, the served model over HTTP and gRPC) through this one shape of
+callable (`serving.engine.ort.Forward`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from serving.engine.ort import Arrays, Forward
+
+
+def torch_runner(model, device: str = "cpu") -> Forward:
+    """The PyTorch original as a runner (the reference rung), on `device` ("cuda" on a GPU host)."""
+    import torch
+
+    from contract import names
+    from export.model import KVCache
+
+    n_layers = model.cfg.n_layers
+    model = model.to(device)
+
+    @torch.no_grad()
+    def run(inputs: Mapping[str, np.ndarray]) -> Arrays:
+        tensor = {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in inputs.items()}
+        past = None
+        if names.past_name(0, names.KEY) in tensor:
+            past = [
+                KVCache(tensor[names.past_name(i, names.KEY)], tensor[names.past_name(i, names.VALUE)])
+                for i in range(n_layers)
+            ]
+        result = model(tensor[names.HIDDEN_STATES], tensor.get(names.ATTENTION_MASK), past)
+        arrays = {names.OUTPUT: result.output.cpu().numpy()}
+        for i, cache in enumerate(result.present):
+            arrays[names.present_name(i, names.KEY)] = cache.key.cpu().numpy()
+            arrays[names.present_name(i, names.VALUE)] = cache.value.cpu().numpy()
+        return arrays
+
+    return run
+
+
+def rounded_runner(model, dtype: type = np.float16) -> Forward:
+    """The precision floor of a `dtype` graph of `model`: the PyTorch original computed in fp64 on what
+    such a graph holds in `dtype` (its weights, inputs and caches), its outputs rounded to `dtype`. Its
+    difference from the fp32 original is what rounding to `dtype` (for fp32: fp32 arithmetic itself)
+    costs this model, before any graph rounds anything more; driven beside a graph, its own rounded
+    presents fed back, it sets the scale of that graph's tolerance (export/parity.py)."""
+    import copy
+
+    import torch
+
+    rounded, stored = copy.deepcopy(model), torch.from_numpy(np.empty(0, dtype)).dtype
+    with torch.no_grad():
+        for parameter in rounded.parameters():
+            parameter.copy_(parameter.to(stored).float())
+    run = torch_runner(rounded.double())
+
+    def forward(inputs: Mapping[str, np.ndarray]) -> Arrays:
+        widened = {
+            name: array.astype(dtype).astype(np.float64) if array.dtype.kind == "f" else array
+            for name, array in inputs.items()
+        }
+        return {name: array.astype(dtype) for name, array in run(widened).items()}
+
+    return forward

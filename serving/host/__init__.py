@@ -1,0 +1,4 @@
+"""The host: the processes `python -m serving` runs and keeps running on a machine. Triton without
+Docker (`launcher`), its supervisor (`supervisor`), N replicas behind Envoy (`fleet`, `envoy`). It
+talks to Triton through the client library and reads Triton's configs through serving/triton; it
+never imports the engine, which runs inside Triton."""

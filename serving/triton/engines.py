@@ -1,0 +1,65 @@
+"""The engines of the Python-backend models from what Triton gives them: the model's version folder
+and its config parameters (serving/triton/config.py writes them), read into the engine's typed
+settings (serving/engine/factory.py). A parameter that is missing or wrong is an EngineError naming
+it, at load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from contract.config import ModelConfig
+from serving.engine import factory
+from serving.engine.errors import EngineError
+from serving.engine.ort import CPU, CUDA
+from serving.engine.placement import TENSORRT
+from serving.engine.runner import Runner
+from serving.engine.settings import ENGINE_STATIC, SessionSettings
+from serving.triton import config as triton_config
+
+# file parameter -> the placement that runs it
+FILE_PLACEMENTS = {
+    triton_config.P_ONNX_FILE: CPU,
+    triton_config.P_ONNX_FILE_CUDA: CUDA,
+    triton_config.P_ONNX_FILE_TENSORRT: TENSORRT,
+}
+
+
+def onnx_files(version: Path, parameters: dict[str, str]) -> dict[str, Path]:
+    """Placement kind -> the ONNX file its parameter names in the version folder."""
+    return {kind: version / parameters[key] for key, kind in FILE_PLACEMENTS.items() if parameters.get(key)}
+
+
+def threads(parameters: dict[str, str]) -> int:
+    return _number(parameters, triton_config.P_THREADS, int, "0")
+
+
+def session_settings(parameters: dict[str, str], max_batch: int) -> SessionSettings:
+    return SessionSettings(
+        engine=parameters.get(triton_config.P_ENGINE, ENGINE_STATIC),
+        kv_cache_bytes=_number(parameters, triton_config.P_KV_CACHE_BYTES, int),
+        idle_timeout_seconds=_number(parameters, triton_config.P_IDLE_TIMEOUT, float),
+        threads=threads(parameters),
+        max_batch=max_batch,
+    )
+
+
+def _number(parameters: dict[str, str], key: str, kind: type, default: str | None = None) -> int | float:
+    text = parameters.get(key, default)
+    if text is None:
+        raise EngineError(f"the model's config has no parameter '{key}'")
+    try:
+        return kind(text)
+    except ValueError:
+        raise EngineError(f"parameter '{key}' must be {kind.__name__}, got {text!r}") from None
+
+
+def stateless_runner(version: Path, cfg: ModelConfig, parameters: dict[str, str], model_name: str) -> Runner:
+    return factory.stateless_runner(onnx_files(version, parameters), cfg, threads(parameters), model_name)
+
+
+def session_engine(
+    version: Path, cfg: ModelConfig, parameters: dict[str, str], max_batch: int, model_name: str
+) -> factory.SessionEngines:
+    settings = session_settings(parameters, max_batch)
+    return factory.session_engine(onnx_files(version, parameters), cfg, settings, model_name)

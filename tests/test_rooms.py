@@ -1,0 +1,111 @@
+"""The rooms of the tree and what each may import (docs/design.md, "Rooms"), read from the source:
+every import, also those inside functions, so a lazy import cannot hide a loop between rooms."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_PARTY = {"contract", "export", "serving", "client", "bench", "tests"}
+
+# room -> the first-party rooms its modules may import (a room may always import itself)
+ALLOWED = {
+    "contract": set(),
+    "client": {"contract"},
+    "serving.engine": {"contract"},
+    "serving.triton": {"contract", "serving.engine"},
+    "serving.host": {"contract", "client", "serving.triton"},
+    "serving.gateway": {"contract", "client"},
+    "export": {"contract", "serving.engine"},
+}
+# what runs inside Triton's Python backend never needs the export's or the gateway's packages
+FORBIDDEN_THIRD_PARTY = {
+    "serving.engine": {"torch", "onnxscript", "onnx_ir", "safetensors", "triton_python_backend_utils", "tritonclient"},
+    "serving.gateway": {"torch", "onnxruntime", "onnx", "triton_python_backend_utils"},
+    "serving.host": {"torch", "onnxruntime", "triton_python_backend_utils"},
+    "client": {"torch", "onnxruntime", "onnx", "fastapi"},
+}
+# The one module that may build with the export: `python -m serving ensure` (the library, never its CLI).
+EXCEPTIONS = {"serving/triton/cli.py": {"export"}}
+
+
+def room_of(module: str) -> str | None:
+    """The room a dotted module name lies in (the longest room name that prefixes it)."""
+    rooms = [room for room in ALLOWED if module == room or module.startswith(room + ".")]
+    return max(rooms, key=len) if rooms else None
+
+
+def imports(relative: str, source: str) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in a file, wherever it stands."""
+    package = ".".join(Path(relative).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(ast.parse(source, relative)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}".rstrip(".")
+            # `from serving.engine import ort` names a module: count it as the deeper name
+            found += [(node.lineno, f"{base}.{alias.name}" if base in ALLOWED else base) for alias in node.names]
+    return found
+
+
+def room_files() -> list[tuple[str, Path]]:
+    files = []
+    for room in ALLOWED:
+        folder = ROOT / room.replace(".", "/")
+        files += [(room, path) for path in sorted(folder.rglob("*.py"))]
+    return files
+
+
+def violations(room: str, relative: str, source: str) -> list[str]:
+    allowed = ALLOWED[room] | {room} | EXCEPTIONS.get(relative, set())
+    found = []
+    for line, module in imports(relative, source):
+        top = module.split(".")[0]
+        if top in FIRST_PARTY:
+            target = room_of(module) or ("serving" if top == "serving" else top)
+            if target not in allowed:
+                found.append(f"{relative}:{line} imports {module} (room {target})")
+        elif top in FORBIDDEN_THIRD_PARTY.get(room, ()):
+            found.append(f"{relative}:{line} imports {module}")
+    return found
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_each_room_imports_only_what_its_rules_allow(room):
+    found = [
+        v
+        for r, path in room_files()
+        if r == room
+        for v in violations(r, path.relative_to(ROOT).as_posix(), path.read_text())
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_rules_see_forbidden_imports():
+    """The checker itself: lazy imports of the gateway and of torch inside the engine, and a relative
+    import out of the gateway into the host, are caught."""
+    lazy = "def f():\n    from serving.gateway import app\n    import torch\n"
+    found = violations("serving.engine", "serving/engine/probe.py", lazy)
+    assert any("serving.gateway.app" in v for v in found) and any("imports torch" in v for v in found), found
+    found = violations("serving.gateway", "serving/gateway/probe.py", "from ..host import launcher\n")
+    assert found == ["serving/gateway/probe.py:1 imports serving.host.launcher (room serving.host)"]
+
+
+def test_export_holds_no_module_the_server_imports():
+    """Nothing under serving/ (the engine, Triton's models, the host, the gateway) imports export/,
+    except the `ensure` command that builds a model."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted((ROOT / "serving").rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() not in EXCEPTIONS and path.name != "__main__.py"
+        for line, module in imports(path.relative_to(ROOT).as_posix(), path.read_text())
+        if module.split(".")[0] == "export"
+    ]
+    assert not found, "\n".join(found)
