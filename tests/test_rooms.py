@@ -109,3 +109,70 @@ def test_export_holds_no_module_the_server_imports():
         if module.split(".")[0] == "export"
     ]
     assert not found, "\n".join(found)
+
+
+def product_modules() -> list[Path]:
+    return [
+        path for room in ("contract", "client", "serving", "export") for path in sorted((ROOT / room).rglob("*.py"))
+    ]
+
+
+def top_level_names(path: Path) -> set[str]:
+    """Names a module defines at its top level (assignments, functions, classes)."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                elements = target.elts if isinstance(target, ast.Tuple) else [target]
+                names |= {t.id for t in elements if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+# Facts that must have one definition: a second copy drifts (the house review found each written 2-4 times).
+DEFINED_ONCE = (
+    "PROJECT_ROOT",
+    "DEFAULT_REPOSITORY",
+    "CPU",
+    "CUDA",
+    "CPU_PROVIDER",
+    "CUDA_PROVIDER",
+    "TRT_PROVIDER",
+    "session_float_dtype",
+    "session_options",
+    "check_request_tokens",
+    "config_from",
+)
+
+
+def test_each_shared_fact_is_defined_once():
+    where: dict[str, list[str]] = {name: [] for name in DEFINED_ONCE}
+    for path in product_modules():
+        for name in top_level_names(path) & set(DEFINED_ONCE):
+            where[name].append(path.relative_to(ROOT).as_posix())
+    twice = {name: places for name, places in where.items() if len(places) != 1}
+    assert not twice, twice
+
+
+def test_no_module_uses_a_command_line_module_as_a_library():
+    """A CLI (`__main__`) only parses arguments; what it runs lives in a library module others import."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in product_modules()
+        for line, module in imports(path.relative_to(ROOT).as_posix(), path.read_text())
+        if module.split(".")[0] in FIRST_PARTY and module.endswith("__main__")
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_triton_configs_are_read_by_one_parser():
+    """config.pbtxt is parsed only by serving/triton/config.py's `parse` (as Triton reads it)."""
+    parsers = [
+        path.relative_to(ROOT).as_posix()
+        for path in product_modules()
+        if "text_format.Parse(" in path.read_text() or "text_format.Merge(" in path.read_text()
+    ]
+    assert parsers == ["serving/triton/config.py"], parsers
