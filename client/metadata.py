@@ -39,11 +39,12 @@ class ModelInfo:
     n_layers: int = 0  # 0 for the session model, which takes no past
     n_kv_heads: int | None = None
     head_dim: int | None = None
+    rotary: bool = False  # the model takes position_ids (it rotates q and k by position)
 
     @property
     def sizes(self) -> names.GraphSizes:
         """What the inputs check needs; a session model (no past inputs) has no cache sizes."""
-        return names.GraphSizes(self.d_model, self.n_layers, self.n_kv_heads or 0, self.head_dim or 0)
+        return names.GraphSizes(self.d_model, self.n_layers, self.n_kv_heads or 0, self.head_dim or 0, self.rotary)
 
     def check(self, tensors: Mapping[str, Any]) -> tuple[int, int, int]:
         """(batch, past, new) of named inputs with finite values, or InvalidInputError naming the input
@@ -69,7 +70,8 @@ def parse_metadata(metadata: Mapping[str, Any]) -> ModelInfo:
     if not n_layers:
         return info
     past = inputs[names.past_name(0, names.KEY)].shape  # (batch, n_kv_heads, past, head_dim)
-    return dataclasses.replace(info, n_layers=n_layers, n_kv_heads=past[-3], head_dim=past[-1])
+    rotary = names.POSITION_IDS in inputs
+    return dataclasses.replace(info, n_layers=n_layers, n_kv_heads=past[-3], head_dim=past[-1], rotary=rotary)
 
 
 def _tensors(entries) -> dict[str, TensorInfo]:

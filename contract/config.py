@@ -13,8 +13,16 @@ from typing import Any
 
 from contract.files import MODEL_CONFIG_FILENAME
 
-LAYERNORM, NO_NORM = "layernorm", "none"
-NORMS = (LAYERNORM, NO_NORM)  # what a block applies to its input before attention
+LAYERNORM, RMSNORM, NO_NORM = "layernorm", "rmsnorm", "none"
+NORMS = (LAYERNORM, RMSNORM, NO_NORM)  # what a block applies to its input before attention
+QK_NORMS = (NO_NORM, RMSNORM)  # what q and k get per head before the rotation (Qwen3: rmsnorm)
+# Rotary pairing: `half` rotates x[i] with x[i + rotary_dim/2] (Llama, GPT-NeoX); `interleaved`
+# rotates x[2i] with x[2i+1] (GPT-J).
+HALF, INTERLEAVED = "half", "interleaved"
+ROPE_PAIRINGS = (HALF, INTERLEAVED)
+# Rotary frequency scaling as shipped: none, `linear` (positions divided by a factor) and Llama 3's
+# `llama3` (low frequencies divided by the factor, high ones kept, a smooth band between).
+ROPE_SCALINGS = ("none", "linear", "llama3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,29 +38,96 @@ class ModelConfig:
     # `residual: false` give a bare attention module (torch.nn.MultiheadAttention, the teaching texts')
     norm: str = LAYERNORM
     residual: bool = True
+    # Width of one head; None: d_model // n_heads. Qwen3 and Gemma give their own (the query width
+    # n_heads * head_dim then differs from d_model; W_o maps it back).
+    head_dim: int | None = None
+    # Rotary position embeddings (RoPE) of q and k: on when rope_theta is set. `rotary_dim` is the
+    # rotated width of a head (None: all of it; less for partial rotary as Phi and GPT-NeoX use it).
+    rope_theta: float | None = None
+    rotary_dim: int | None = None
+    rope_pairing: str = HALF
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max / low_freq_factor are scaled
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max / high_freq_factor are kept
+    rope_original_max_position: int = 8192  # llama3: the context the frequencies were trained for
+    qk_norm: str = NO_NORM
+    # A query attends at most the last `sliding_window` positions (itself included), in every layer,
+    # or with `sliding_window_pattern` N in all but every N-th layer (Gemma 3: N = 6, five local, one global)
+    sliding_window: int | None = None
+    sliding_window_pattern: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "max_seq_len"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{name} must be an integer, got {value!r}")
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        self._check_types()
+        if self.head_dim is None:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        self._check_rope()
+
+    def _check_types(self) -> None:
+        for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "max_seq_len", "sliding_window_pattern"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("head_dim", "sliding_window"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
         for name in ("bias", "residual"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.norm not in NORMS:
-            raise ValueError(f"norm must be one of {list(NORMS)}, got {self.norm!r}")
-        if isinstance(self.norm_eps, bool) or not isinstance(self.norm_eps, (int, float)) or not self.norm_eps > 0:
-            raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"n_heads ({self.n_heads}) must divide d_model ({self.d_model})")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
+        for name, value, choices in (("norm", self.norm, NORMS), ("qk_norm", self.qk_norm, QK_NORMS)):
+            if value not in choices:
+                raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        _check_positive_number("norm_eps", self.norm_eps)
+
+    def _check_rope(self) -> None:
+        if self.rope_theta is None:
+            changed = [name for name in ROPE_ONLY_FIELDS if getattr(self, name) != _DEFAULTS[name]]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set without rope_theta: rotary embeddings are off")
+            return
+        _check_positive_number("rope_theta", self.rope_theta)
+        if self.rotary_dim is not None:
+            _check_positive_int("rotary_dim", self.rotary_dim)
+            if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+                raise ValueError(f"rotary_dim must be even and at most head_dim {self.head_dim}, got {self.rotary_dim}")
+        if self.rope_pairing not in ROPE_PAIRINGS:
+            raise ValueError(f"rope_pairing must be one of {list(ROPE_PAIRINGS)}, got {self.rope_pairing!r}")
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling must be one of {list(ROPE_SCALINGS)}, got {self.rope_scaling!r}")
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor"):
+            _check_positive_number(name, getattr(self, name))
+        _check_positive_int("rope_original_max_position", self.rope_original_max_position)
+        if self.rope_scaling == "llama3" and not self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"rope_low_freq_factor ({self.rope_low_freq_factor}) must be below rope_high_freq_factor "
+                f"({self.rope_high_freq_factor})"
+            )
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def rotary(self) -> bool:
+        """Whether q and k are rotated by position (and the graph takes `position_ids`)."""
+        return self.rope_theta is not None
+
+    @property
+    def rotated_width(self) -> int:
+        """How many of a head's dims are rotated (0 without rotary embeddings)."""
+        if not self.rotary:
+            return 0
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends everything before it)."""
+        every = self.sliding_window_pattern
+        if self.sliding_window is None or (every > 1 and (layer + 1) % every == 0):
+            return None
+        return self.sliding_window
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection (and of W_o's input): n_heads * head_dim."""
+        return self.n_heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -65,10 +140,12 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     def n_params(self) -> int:
-        per_layer = 2 * self.d_model if self.norm == LAYERNORM else 0  # LayerNorm weight and bias
-        per_layer += 2 * self.d_model * self.d_model + 2 * self.kv_dim * self.d_model  # W_q, W_o, W_k, W_v
+        per_layer = {LAYERNORM: 2 * self.d_model, RMSNORM: self.d_model, NO_NORM: 0}[self.norm]  # weight (+ bias)
+        per_layer += 2 * self.q_dim * self.d_model + 2 * self.kv_dim * self.d_model  # W_q, W_o, W_k, W_v
         if self.bias:
-            per_layer += 2 * self.d_model + 2 * self.kv_dim
+            per_layer += self.q_dim + self.d_model + 2 * self.kv_dim
+        if self.qk_norm == RMSNORM:
+            per_layer += 2 * self.head_dim
         return per_layer * self.n_layers
 
     def kv_cache_bytes(self, batch: int, length: int, itemsize: int = 4) -> int:
@@ -120,6 +197,21 @@ class ModelConfig:
         return path
 
 
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
+ROPE_ONLY_FIELDS = tuple(name for name in _DEFAULTS if name.startswith(("rope_", "rotary_")) and name != "rope_theta")
+
 PRESETS: dict[str, ModelConfig] = {
     # the product's default: one layer of 8-head attention, 512 wide
     "seed": ModelConfig(d_model=512, n_heads=8, n_kv_heads=8, n_layers=1),
@@ -129,6 +221,19 @@ PRESETS: dict[str, ModelConfig] = {
     "gqa": ModelConfig(d_model=256, n_heads=8, n_kv_heads=4, n_layers=2, max_seq_len=2048),
     # benchmark size: a realistic width with GQA and several layers
     "large": ModelConfig(d_model=2048, n_heads=16, n_kv_heads=4, n_layers=4, max_seq_len=8192),
+    # Llama-shaped (the large preset's sizes): RMSNorm, no biases, RoPE with Llama 3.1's theta and scaling
+    "llama": ModelConfig(
+        d_model=2048,
+        n_heads=16,
+        n_kv_heads=4,
+        n_layers=4,
+        max_seq_len=8192,
+        bias=False,
+        norm=RMSNORM,
+        rope_theta=500000.0,
+        rope_scaling="llama3",
+        rope_scaling_factor=8.0,
+    ),
 }
 
 DEFAULT_PRESET = "seed"

@@ -24,12 +24,17 @@ class InputError(ValueError):
 
 
 def named_inputs(
-    hidden_states: Any, attention_mask: Any | None = None, past: Sequence[tuple[Any, Any]] | None = None
+    hidden_states: Any,
+    attention_mask: Any | None = None,
+    past: Sequence[tuple[Any, Any]] | None = None,
+    position_ids: Any | None = None,
 ) -> dict[str, Any]:
     """The graph's named inputs from positional ones; `past` is one (key, value) pair per layer."""
     tensors = {names.HIDDEN_STATES: hidden_states}
     if attention_mask is not None:
         tensors[names.ATTENTION_MASK] = attention_mask
+    if position_ids is not None:
+        tensors[names.POSITION_IDS] = position_ids
     for layer, pair in enumerate(past or ()):
         for kind, array in zip(names.KV_KINDS, pair, strict=True):
             tensors[names.past_name(layer, kind)] = array
@@ -38,7 +43,8 @@ def named_inputs(
 
 def with_defaults(cfg: names.Sizes, feeds: Mapping[str, Any]) -> dict[str, Any]:
     """`feeds` completed with what a caller may leave out, as the PyTorch original reads it: an empty
-    past (zero-length caches of the hidden states' dtype) and an all-ones attention mask."""
+    past (zero-length caches of the hidden states' dtype), an all-ones attention mask, and for a
+    model with rotary embeddings the positions counted from the mask (`default_positions`)."""
     hidden = feeds[names.HIDDEN_STATES]
     batch, new = hidden.shape[:2]
     filled = dict(feeds)
@@ -48,7 +54,18 @@ def with_defaults(cfg: names.Sizes, feeds: Mapping[str, Any]) -> dict[str, Any]:
     if names.ATTENTION_MASK not in filled:
         past = filled[names.past_name(0, names.KEY)].shape[2]
         filled[names.ATTENTION_MASK] = np.ones((batch, past + new), np.int64)
+    if cfg.rotary and names.POSITION_IDS not in filled:
+        filled[names.POSITION_IDS] = default_positions(np.asarray(filled[names.ATTENTION_MASK]), new)
     return filled
+
+
+def default_positions(attention_mask: np.ndarray, new: int) -> np.ndarray:
+    """The new tokens' positions (B, T) when a caller gives none, as Hugging Face derives them for left
+    padding: the count of attended positions before each one (a padded position gets 1). The same
+    rule as export/model.py's, on numpy arrays."""
+    positions = np.cumsum(attention_mask.astype(np.int64), axis=-1) - 1  # (B, P+T)
+    positions[attention_mask == 0] = 1
+    return positions[:, attention_mask.shape[1] - new :]
 
 
 def _dtype_name(array: Any) -> str:
@@ -85,7 +102,7 @@ def check_inputs(
     sizes: dict[str, int] = {}  # axis name -> size, filled by the first tensor that has it
     for name, array in tensors.items():
         spec = expected[name]
-        _check_dtype(name, array, "int64" if spec.is_mask else model_dtype)
+        _check_dtype(name, array, "int64" if spec.is_int64 else model_dtype)
         _check_shape(name, tuple(array.shape), spec.shape, sizes)
 
     batch, new = sizes[names.BATCH], sizes[names.SEQUENCE]
@@ -126,6 +143,25 @@ def check_length(cfg: names.Sizes, past: int, new: int, name: str = names.HIDDEN
     limit = getattr(cfg, "max_seq_len", None)
     if limit is not None and past + new > limit:
         raise InputError(name, f"past + new = {past} + {new} = {past + new} positions, more than max_seq_len {limit}")
+
+
+def check_positions(cfg: names.Sizes, tensors: Mapping[str, Any]) -> None:
+    """Given positions lie in [0, max_seq_len): the rotation's table holds no angle beyond it (a
+    config's limit; GraphSizes read from a server do not know it and pass)."""
+    positions, limit = tensors.get(names.POSITION_IDS), getattr(cfg, "max_seq_len", None)
+    if positions is None or limit is None or not _size(positions):
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise InputError(
+            names.POSITION_IDS,
+            f"positions must lie in [0, {limit}) (max_seq_len: the rotary table's length), got {bad}",
+        )
+
+
+def _size(array: Any) -> int:
+    return int(np.prod(tuple(array.shape)))
 
 
 def check_request_tokens(batch: int, new: int, limit: int) -> None:

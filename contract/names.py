@@ -12,6 +12,9 @@ from contract.config import ModelConfig
 
 HIDDEN_STATES = "hidden_states"
 ATTENTION_MASK = "attention_mask"
+# the new tokens' positions (B, T) int64, for models that rotate q and k by position (RoPE); optional
+# for a caller: counted from the attention mask when left out
+POSITION_IDS = "position_ids"
 OUTPUT = "output"
 # the session model's second output: positions the sequence holds after the step (-1 once it ended),
 # so that whoever steps a session learns its length from the server, not from its own count
@@ -56,9 +59,9 @@ def present_names(n_layers: int) -> list[str]:
     return [present_name(i, kind) for i in range(n_layers) for kind in KV_KINDS]
 
 
-def input_names(n_layers: int) -> list[str]:
-    """Stateless graph inputs, in graph order."""
-    return [HIDDEN_STATES, ATTENTION_MASK, *past_names(n_layers)]
+def input_names(n_layers: int, rotary: bool = False) -> list[str]:
+    """Stateless graph inputs, in graph order (`position_ids` only for a model with rotary embeddings)."""
+    return [HIDDEN_STATES, ATTENTION_MASK, *([POSITION_IDS] if rotary else []), *past_names(n_layers)]
 
 
 def output_names(n_layers: int) -> list[str]:
@@ -76,6 +79,7 @@ class GraphSizes:
     n_layers: int
     n_kv_heads: int
     head_dim: int
+    rotary: bool = False  # the graph takes position_ids
 
 
 Sizes = GraphSizes | ModelConfig
@@ -90,6 +94,11 @@ class TensorSpec:
     shape: tuple[str | int, ...]
     is_mask: bool = False
     is_length: bool = False  # an int32 length of the static-cache graphs
+    is_position: bool = False  # int64 positions
+
+    @property
+    def is_int64(self) -> bool:
+        return self.is_mask or self.is_position
 
     @property
     def dynamic_axes(self) -> dict[int, str]:
@@ -99,9 +108,11 @@ class TensorSpec:
 def input_specs(cfg: Sizes) -> list[TensorSpec]:
     """Stateless graph inputs, in graph order."""
     cache_shape = (BATCH, cfg.n_kv_heads, PAST_SEQUENCE, cfg.head_dim)
+    positions = [TensorSpec(POSITION_IDS, (BATCH, SEQUENCE), is_position=True)] if cfg.rotary else []
     return [
         TensorSpec(HIDDEN_STATES, (BATCH, SEQUENCE, cfg.d_model)),
         TensorSpec(ATTENTION_MASK, (BATCH, TOTAL_SEQUENCE), is_mask=True),
+        *positions,
         *(TensorSpec(name, cache_shape) for name in past_names(cfg.n_layers)),
     ]
 

@@ -2,9 +2,11 @@
 residual block unless its config drops the norm or the residual.
 
 Everything the product serves is judged against this file (docs/design.md, "Model math"). It reads like the math:
-project to queries, keys and values; split heads; append the new keys and values to the cache;
-scaled dot products; causal and padding masks; softmax; weighted sum of values; combine heads;
-output projection; residual. No export, device or serving code lives here.
+normalize (LayerNorm or RMSNorm); project to queries, keys and values; split heads; normalize q and k
+per head (QK-norm) and rotate them by position (RoPE) where the config says so; append the new keys
+and values to the cache; scaled dot products; causal, sliding-window and padding masks; softmax;
+weighted sum of values; combine heads; output projection; residual. No export, device or serving
+code lives here.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from contract.config import LAYERNORM, ModelConfig
-from contract.inputs import check_inputs, named_inputs
+from contract.config import HALF, LAYERNORM, RMSNORM, ModelConfig
+from contract.inputs import check_inputs, check_positions, default_positions, named_inputs
 
 
 class KVCache(NamedTuple):
@@ -51,30 +53,100 @@ class ModelOutput(NamedTuple):
     attention_weights: list[Tensor] | None  # per layer, (B, n_heads, T, P+T), when asked for
 
 
-def attention_allowed(attention_mask: Tensor, past_length: int, new_length: int) -> Tensor:
+def attention_allowed(attention_mask: Tensor, past_length: int, new_length: int, window: int | None = None) -> Tensor:
     """Which keys each query may attend: (B, 1, T, P+T), True = attend.
 
-    Query t sits at absolute position P+t; it may see key j iff j <= P+t (causal) and
-    attention_mask[b, j] == 1 (not padding).
+    Query t sits at absolute position P+t; it may see key j iff j <= P+t (causal), P+t - j < window
+    (a sliding window, when the layer has one) and attention_mask[b, j] == 1 (not padding).
     """
     query_position = torch.arange(new_length, device=attention_mask.device) + past_length  # (T,)
     key_position = torch.arange(past_length + new_length, device=attention_mask.device)  # (P+T,)
     causal = key_position[None, :] <= query_position[:, None]  # (T, P+T)
+    if window is not None:
+        causal = causal & (query_position[:, None] - key_position[None, :] < window)
     not_padding = attention_mask[:, None, None, :].bool()  # (B, 1, 1, P+T)
     return causal[None, None, :, :] & not_padding  # (B, 1, T, P+T)
 
 
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, over the last axis (no mean subtracted, no bias)."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Rotary(nn.Module):
+    """Rotary position embeddings: the first `rotated_width` dims of each head, taken as pairs (x1, x2),
+    turn by angle position * frequency_i: (x1 cos - x2 sin, x2 cos + x1 sin). The angles' cos and sin
+    are a table of max_seq_len positions (a position past it has no angle: refused at the edges)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.width, self.pairing = cfg.rotated_width, cfg.rope_pairing
+        positions = torch.arange(cfg.max_seq_len, dtype=torch.float32)  # (S,)
+        # in fp32 as Hugging Face computes them, so that the table is the trained model's
+        angles = positions[:, None] * rope_frequencies(cfg)[None, :]  # (S, width/2)
+        self.register_buffer("cos", angles.cos(), persistent=False)  # not weights: derived from the config
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
+        cos = self.cos[position_ids][:, None]  # (B, 1, T, width/2)
+        sin = self.sin[position_ids][:, None]
+        rotated, kept = x[..., : self.width], x[..., self.width :]  # (B, h, T, width), (B, h, T, hs - width)
+        if self.pairing == HALF:  # x1 = first half, x2 = second half
+            x1, x2 = rotated.chunk(2, dim=-1)  # (B, h, T, width/2) each
+            turned = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:  # interleaved: x1 = even dims, x2 = odd dims
+            x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+            turned = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        return torch.cat([turned, kept], dim=-1)  # (B, h, T, hs)
+
+
+def rope_frequencies(cfg: ModelConfig) -> Tensor:
+    """The rotation frequency of each pair, theta^(-2i / width), with the config's scaling (fp32)."""
+    width = cfg.rotated_width
+    frequencies = 1.0 / (cfg.rope_theta ** (torch.arange(0, width, 2, dtype=torch.int64).float() / width))
+    if cfg.rope_scaling == "linear":
+        return frequencies / cfg.rope_scaling_factor
+    if cfg.rope_scaling == "llama3":
+        return llama3_frequencies(frequencies, cfg)
+    return frequencies
+
+
+def llama3_frequencies(frequencies: Tensor, cfg: ModelConfig) -> Tensor:
+    """Llama 3's scaling: wavelengths longer than original / low_freq_factor are divided by the factor,
+    shorter than original / high_freq_factor kept, those between blended smoothly."""
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_max_position
+    wavelength = 2 * math.pi / frequencies
+    scaled = torch.where(wavelength > original / low, frequencies / factor, frequencies)
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = ~(wavelength < original / high) & ~(wavelength > original / low)
+    return torch.where(between, blended, scaled)
+
+
 class MultiHeadAttention(nn.Module):
-    """Attention with W_q, W_k, W_v, W_o; query head h reads kv head h // n_rep (GQA)."""
+    """Attention with W_q, W_k, W_v, W_o; query head h reads kv head h // n_rep (GQA); q and k
+    normalized per head (`qk_norm`) and rotated by position (`rope_theta`) where the config says so."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.n_rep = cfg.n_rep
-        self.W_q = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.W_q = nn.Linear(cfg.d_model, cfg.q_dim, bias=cfg.bias)
         self.W_k = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.bias)
         self.W_v = nn.Linear(cfg.d_model, cfg.kv_dim, bias=cfg.bias)
-        self.W_o = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.W_o = nn.Linear(cfg.q_dim, cfg.d_model, bias=cfg.bias)
+        if cfg.qk_norm == RMSNORM:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.rotary = Rotary(cfg) if cfg.rotary else None
 
     def split_heads(self, x: Tensor, n_heads: int) -> Tensor:
         B, T, _ = x.shape
@@ -84,10 +156,16 @@ class MultiHeadAttention(nn.Module):
         B, _, T, _ = x.shape
         return x.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d_model)
 
-    def forward(self, h: Tensor, allowed: Tensor, past: KVCache) -> tuple[Tensor, KVCache, Tensor]:
+    def forward(
+        self, h: Tensor, allowed: Tensor, past: KVCache, position_ids: Tensor | None
+    ) -> tuple[Tensor, KVCache, Tensor]:
         q = self.split_heads(self.W_q(h), self.n_heads)  # (B, nh, T, hs)
         k = self.split_heads(self.W_k(h), self.n_kv_heads)  # (B, n_kv, T, hs)
         v = self.split_heads(self.W_v(h), self.n_kv_heads)  # (B, n_kv, T, hs)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over hs
+        if self.rotary is not None:
+            q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)  # keys are cached rotated
 
         present = past.append(k, v)  # (B, n_kv, P+T, hs) each
         K = present.key.repeat_interleave(self.n_rep, dim=1)  # (B, nh, P+T, hs)
@@ -103,17 +181,23 @@ class MultiHeadAttention(nn.Module):
 
 
 class Layer(nn.Module):
-    """One block: x + Attention(LayerNorm(x)) by default (pre-norm, residual); `norm: none` drops the
-    LayerNorm and `residual: false` the skip connection, down to bare Attention(x)."""
+    """One block: x + Attention(Norm(x)) by default (pre-norm, residual; LayerNorm or RMSNorm);
+    `norm: none` drops the norm and `residual: false` the skip connection, down to bare Attention(x)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, window: int | None) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps) if cfg.norm == LAYERNORM else nn.Identity()
+        norms = {
+            LAYERNORM: lambda: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
+            RMSNORM: lambda: RMSNorm(cfg.d_model, cfg.norm_eps),
+        }
+        self.norm = norms.get(cfg.norm, nn.Identity)()
         self.attn = MultiHeadAttention(cfg)
-        self.residual = cfg.residual
+        self.residual, self.window = cfg.residual, window
 
-    def forward(self, x: Tensor, allowed: Tensor, past: KVCache) -> tuple[Tensor, KVCache, Tensor]:
-        attended, present, weights = self.attn(self.norm(x), allowed, past)
+    def forward(
+        self, x: Tensor, allowed: Tensor, past: KVCache, position_ids: Tensor | None
+    ) -> tuple[Tensor, KVCache, Tensor]:
+        attended, present, weights = self.attn(self.norm(x), allowed, past, position_ids)
         return self.add_residual(x, attended), present, weights
 
     def add_residual(self, x: Tensor, attended: Tensor) -> Tensor:
@@ -126,7 +210,7 @@ class AttentionModel(nn.Module):
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Layer(cfg, cfg.window(i)) for i in range(cfg.n_layers))
         self.init_weights(seed)
 
     @torch.no_grad()
@@ -134,7 +218,7 @@ class AttentionModel(nn.Module):
         """Deterministic: the same seed gives the same weights on every machine."""
         generator = torch.Generator().manual_seed(seed)
         for name, parameter in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # the block's norm and the per-head q/k norms
                 parameter.copy_(1.0 + 0.1 * torch.randn(parameter.shape, generator=generator))
             elif name.endswith("bias"):
                 parameter.copy_(0.02 * torch.randn(parameter.shape, generator=generator))
@@ -151,19 +235,29 @@ class AttentionModel(nn.Module):
         attention_mask: Tensor | None = None,
         past: list[KVCache] | None = None,
         return_attention: bool = False,
+        position_ids: Tensor | None = None,
     ) -> ModelOutput:
+        """`position_ids` (B, T) int64 place the new tokens for the rotation; left out, they are counted
+        from the attention mask (`default_positions`)."""
         if not torch.compiler.is_compiling():  # eager callers get named errors; a traced graph's runtime checks its own
-            check_inputs(self.cfg, named_inputs(hidden_states, attention_mask, past), float_dtype=None)
+            tensors = named_inputs(hidden_states, attention_mask, past, position_ids)
+            check_inputs(self.cfg, tensors, float_dtype=None)
+            check_positions(self.cfg, tensors)
         B, T, _ = hidden_states.shape  # (B, T, d_model)
         past = self.empty_cache(B, hidden_states) if past is None else past
         P = past[0].length
         if attention_mask is None:
             attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=hidden_states.device)  # (B, P+T)
-        allowed = attention_allowed(attention_mask, P, T)  # (B, 1, T, P+T)
+        if self.cfg.rotary and position_ids is None:  # counted from the mask, as Hugging Face does (B, T)
+            position_ids = torch.from_numpy(default_positions(attention_mask.cpu().numpy(), T)).to(
+                attention_mask.device
+            )
+        # one mask per distinct window: (B, 1, T, P+T) each
+        allowed = {w: attention_allowed(attention_mask, P, T, w) for w in {layer.window for layer in self.layers}}
 
         x, present, attention = hidden_states, [], []
         for layer, layer_past in zip(self.layers, past, strict=True):
-            x, layer_present, weights = layer(x, allowed, layer_past)
+            x, layer_present, weights = layer(x, allowed[layer.window], layer_past, position_ids)
             present.append(layer_present)
             attention.append(weights)
         return ModelOutput(x, present, attention if return_attention else None)

@@ -98,4 +98,5 @@ def graph_sizes(session) -> names.GraphSizes:
     specs = {i.name: i.shape for i in session.get_inputs()}
     n_layers = names.layer_count(list(specs))
     _, n_kv_heads, _, head_dim = specs[names.past_name(0, names.KEY)] if n_layers else (0, 0, 0, 0)
-    return names.GraphSizes(specs[names.HIDDEN_STATES][-1], n_layers, n_kv_heads, head_dim)
+    rotary = names.POSITION_IDS in specs
+    return names.GraphSizes(specs[names.HIDDEN_STATES][-1], n_layers, n_kv_heads, head_dim, rotary)

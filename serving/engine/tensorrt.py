@@ -201,5 +201,10 @@ def random_inputs(cfg: ModelConfig, sizes: dict[str, int], dtype: type = np.floa
     inputs = {}
     for spec in names.input_specs(cfg):
         shape = tuple(_size(axis, sizes) for axis in spec.shape)
-        inputs[spec.name] = np.ones(shape, np.int64) if spec.is_mask else rng.standard_normal(shape).astype(dtype)
+        if spec.is_mask:
+            inputs[spec.name] = np.ones(shape, np.int64)
+        elif spec.is_position:  # after a past of sizes[PAST_SEQUENCE] positions
+            inputs[spec.name] = np.broadcast_to(np.arange(shape[1]) + sizes[names.PAST_SEQUENCE], shape).copy()
+        else:
+            inputs[spec.name] = rng.standard_normal(shape).astype(dtype)
     return inputs

@@ -93,7 +93,7 @@ def _dims(shape: tuple[str | int, ...]) -> list[int]:
 
 
 def _data_type(spec: TensorSpec, float_dtype: str) -> int:
-    return pb.TYPE_INT64 if spec.is_mask else _FLOAT_TYPES[float_dtype]
+    return pb.TYPE_INT64 if spec.is_int64 else _FLOAT_TYPES[float_dtype]
 
 
 def _add_stateless_io(config: pb.ModelConfig, cfg: ModelConfig, float_dtype: str, optional: bool) -> None:

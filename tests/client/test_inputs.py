@@ -21,7 +21,7 @@ def metadata(cfg: ModelConfig, as_grpc_json: bool = False, model: str = "mha") -
 
     def entry(spec):
         dims = [-1 if isinstance(axis, str) else axis for axis in spec.shape]
-        datatype = "INT64" if spec.is_mask else "FP32"
+        datatype = "INT64" if spec.is_int64 else "FP32"
         return {"name": spec.name, "datatype": datatype, "shape": [str(d) for d in dims] if as_grpc_json else dims}
 
     inputs = [entry(s) for s in names.input_specs(cfg)]

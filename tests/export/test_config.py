@@ -35,7 +35,8 @@ def test_derived_sizes():
 
 
 def test_the_block_defaults_to_pre_norm_residual_and_ships_with_the_config(tmp_path):
-    assert all((cfg.norm, cfg.residual) == ("layernorm", True) for cfg in PRESETS.values())
+    classic = [cfg for name, cfg in PRESETS.items() if name != "llama"]  # llama: RMSNorm, as Llama ships
+    assert all((cfg.norm, cfg.residual, cfg.rotary) == ("layernorm", True, False) for cfg in classic)
     bare = ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3, norm="none", residual=False)
     assert bare.n_params() == ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3).n_params() - 3 * 2 * 96
     bare.save(tmp_path)
@@ -60,9 +61,26 @@ def test_the_block_defaults_to_pre_norm_residual_and_ships_with_the_config(tmp_p
         ({"n_layers": True}, "n_layers must be an integer"),
         ({"bias": "yes"}, "bias must be true or false"),
         ({"residual": 1}, "residual must be true or false, got 1"),
-        ({"norm": "rmsnorm"}, r"norm must be one of \['layernorm', 'none'\], got 'rmsnorm'"),
-        ({"norm": None}, r"norm must be one of \['layernorm', 'none'\], got None"),
+        ({"norm": "batchnorm"}, r"norm must be one of \['layernorm', 'rmsnorm', 'none'\], got 'batchnorm'"),
+        ({"norm": None}, r"norm must be one of \['layernorm', 'rmsnorm', 'none'\], got None"),
         ({"norm_eps": 0}, "norm_eps must be a positive number"),
+        ({"qk_norm": "layernorm"}, r"qk_norm must be one of \['none', 'rmsnorm'\], got 'layernorm'"),
+        ({"head_dim": 0}, "head_dim must be positive, got 0"),
+        ({"d_model": 100, "n_heads": 8, "head_dim": 0}, "head_dim must be positive"),
+        ({"rope_theta": 0}, "rope_theta must be a positive number, got 0"),
+        ({"rope_theta": "1e4"}, "rope_theta must be a positive number, got '1e4'"),
+        ({"rope_theta": 1e4, "rotary_dim": 7}, "rotary_dim must be even and at most head_dim 64, got 7"),
+        ({"rope_theta": 1e4, "rotary_dim": 66}, "rotary_dim must be even and at most head_dim 64, got 66"),
+        ({"rope_theta": 1e4, "rope_pairing": "gptj"}, r"rope_pairing must be one of \['half', 'interleaved'\]"),
+        ({"rope_theta": 1e4, "rope_scaling": "yarn"}, r"rope_scaling must be one of \['none', 'linear', 'llama3'\]"),
+        ({"rope_theta": 1e4, "rope_scaling_factor": -8.0}, "rope_scaling_factor must be a positive number"),
+        (
+            {"rope_theta": 1e4, "rope_scaling": "llama3", "rope_low_freq_factor": 4.0, "rope_high_freq_factor": 1.0},
+            r"rope_low_freq_factor \(4.0\) must be below rope_high_freq_factor \(1.0\)",
+        ),
+        ({"rotary_dim": 32}, "rotary_dim set without rope_theta: rotary embeddings are off"),
+        ({"sliding_window": 0}, "sliding_window must be positive, got 0"),
+        ({"sliding_window": 4, "sliding_window_pattern": 0}, "sliding_window_pattern must be positive"),
     ],
 )
 def test_invalid_configs_name_the_field(fields, message):
@@ -84,5 +102,5 @@ def test_unknown_fields_and_bad_json_are_rejected(tmp_path):
 
 
 def test_unknown_preset_lists_the_choices():
-    with pytest.raises(ValueError, match=r"unknown preset 'huge'; choose one of \['gqa', 'large', 'seed', 'tiny'\]"):
+    with pytest.raises(ValueError, match=r"unknown preset 'huge'; choose one of \['gqa', 'large', 'llama', 'seed', 'tiny'\]"):
         preset("huge")

@@ -18,6 +18,38 @@ MQA_NO_BIAS = ModelConfig(d_model=32, n_heads=4, n_kv_heads=1, n_layers=1, bias=
 BARE = ModelConfig(d_model=48, n_heads=6, n_kv_heads=2, n_layers=2, norm="none", residual=False)
 NORM_ONLY = ModelConfig(d_model=48, n_heads=4, n_kv_heads=4, n_layers=2, residual=False)
 RESIDUAL_ONLY = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, norm="none")
+# the attention people ship: Llama (RMSNorm, RoPE, no biases), partial and interleaved rotary with linear
+# scaling (Phi, GPT-J), Qwen3 (q/k norms, a head_dim of its own), Mistral and Gemma (sliding windows,
+# here every other layer) with Llama 3's frequency scaling (its original context small, so it bites)
+LLAMA = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, bias=False, norm="rmsnorm", rope_theta=1e4)
+PARTIAL = ModelConfig(
+    d_model=64,
+    n_heads=4,
+    n_kv_heads=4,
+    n_layers=1,
+    rope_theta=1e4,
+    rotary_dim=8,
+    rope_pairing="interleaved",
+    rope_scaling="linear",
+    rope_scaling_factor=2.0,
+)
+QWEN3 = ModelConfig(
+    d_model=64, n_heads=4, n_kv_heads=2, n_layers=2, head_dim=24, norm="rmsnorm", qk_norm="rmsnorm", rope_theta=1e6
+)
+WINDOWED = ModelConfig(
+    d_model=48,
+    n_heads=4,
+    n_kv_heads=2,
+    n_layers=2,
+    norm="rmsnorm",
+    rope_theta=500.0,
+    sliding_window=4,
+    sliding_window_pattern=2,
+    rope_scaling="llama3",
+    rope_scaling_factor=8.0,
+    rope_original_max_position=32,
+)
+MODERN = {"llama": LLAMA, "partial-interleaved": PARTIAL, "qwen3": QWEN3, "windowed": WINDOWED}
 
 
 def weights_of(model: AttentionModel) -> dict[str, np.ndarray]:
@@ -39,8 +71,8 @@ def random_past(cfg: ModelConfig, batch: int, length: int, seed: int = 1) -> lis
 
 @pytest.mark.parametrize(
     "cfg",
-    [MHA, GQA, MQA_NO_BIAS, BARE, NORM_ONLY, RESIDUAL_ONLY],
-    ids=["mha", "gqa", "mqa-no-bias", "bare", "norm-only", "residual-only"],
+    [MHA, GQA, MQA_NO_BIAS, BARE, NORM_ONLY, RESIDUAL_ONLY, *MODERN.values()],
+    ids=["mha", "gqa", "mqa-no-bias", "bare", "norm-only", "residual-only", *MODERN],
 )
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
 @pytest.mark.parametrize("past_length", [0, 5])
@@ -66,6 +98,38 @@ def test_model_matches_the_naive_loop(cfg, padded, past_length):
             np.testing.assert_allclose(
                 ours.transpose(0, 2, 1, 3)[real_keys], theirs.transpose(0, 2, 1, 3)[real_keys], atol=1e-5, rtol=1e-5
             )
+
+
+@pytest.mark.parametrize("cfg", list(MODERN.values()), ids=list(MODERN))
+def test_given_positions_place_the_tokens_and_a_cache_continues_them(cfg):
+    """A prefill at explicit positions, then one token at a time at the next positions, equals the
+    reference at those positions, and the cached keys are the rotated ones."""
+    model = AttentionModel(cfg, seed=5).eval()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, cfg.d_model, generator=g)
+    positions = torch.tensor([list(range(3, 12)), list(range(20, 29))])  # two rows at different offsets
+    with torch.no_grad():
+        whole = model(x, position_ids=positions)
+        cache, outputs = None, []
+        for t in range(9):
+            step = model(x[:, t : t + 1], past=cache, position_ids=positions[:, t : t + 1])
+            cache = step.present
+            outputs.append(step.output)
+    expected, _ = reference.forward(cfg, weights_of(model), x.numpy(), positions=positions.numpy())
+    np.testing.assert_allclose(whole.output.numpy(), expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(torch.cat(outputs, dim=1).numpy(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_positions_beyond_the_rotary_table_are_refused():
+    model = AttentionModel(LLAMA).eval()
+    with pytest.raises(InputError, match=r"input 'position_ids': positions must lie in \[0, 4096\).*got 4096"):
+        model(torch.zeros(1, 1, LLAMA.d_model), position_ids=torch.tensor([[4096]]))
+    with pytest.raises(InputError, match=r"input 'position_ids': positions must lie in .*got -1"):
+        model(torch.zeros(1, 2, LLAMA.d_model), position_ids=torch.tensor([[-1, 0]]))
+    with pytest.raises(InputError, match=r"position_ids.*expected dtype int64, got float32"):
+        model(torch.zeros(1, 1, LLAMA.d_model), position_ids=torch.tensor([[1.0]]))
+    with pytest.raises(InputError, match="unknown input"):  # a model without rotary takes no positions
+        AttentionModel(GQA)(torch.zeros(1, 1, GQA.d_model), position_ids=torch.tensor([[1]]))
 
 
 def test_padded_queries_give_finite_outputs():
