@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from contract import files
-from contract.config import ModelConfig
+from contract.config import RMSNORM, ModelConfig
 from export import artifacts, forms, graph_stats, targets
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
@@ -147,8 +147,8 @@ def check_variant(model: AttentionModel, path: Path, variant: Variant, progress:
     results = _climb(model, path, variant, progress)
     fused = graph_stats.fused_attention_count(model_proto)
     problems = [f"parity failed in scenario '{n}'" for n, r in results.items() if not r.passed]
-    if variant.fused and fused < model.cfg.n_layers:
-        problems.append(f"{fused} fused attention ops for {model.cfg.n_layers} layers")
+    if variant.fused:
+        problems += fusion_shortfalls(model.cfg, model_proto, rotations_inside=variant.ladder == POOL)
     if variant.target:
         problems += [
             f"does not fit {variant.target}: {p}" for p in targets.problems(variant.target, model_proto, model.cfg)
@@ -159,6 +159,9 @@ def check_variant(model: AttentionModel, path: Path, variant: Variant, progress:
         "opset": graph_stats.opset_of(model_proto),
         "op_histogram": graph_stats.op_histogram(model_proto),
         "fused_attention_ops": fused,
+        "fused_ops": {
+            op: graph_stats.op_count(model_proto, op) for op in (graph_stats.ROTARY_OP, graph_stats.RMS_NORM_OP)
+        },
         "target": variant.target,
         "tolerance": dataclasses.asdict(variant.tolerance),
         "parity": {name: result.to_dict() for name, result in results.items()},
@@ -166,6 +169,18 @@ def check_variant(model: AttentionModel, path: Path, variant: Variant, progress:
         "passed": not problems,
         "problems": problems,
     }
+
+
+def fusion_shortfalls(cfg: ModelConfig, model_proto: onnx.ModelProto, rotations_inside: bool = False) -> list[str]:
+    """What a "fused" graph lacks: one fused attention op per layer, and for the modern block one
+    RMSNormalization per RMSNorm (the block's, q's, k's) and one RotaryEmbedding per rotation of q and
+    k, unless the attention op rotates them itself (`rotations_inside`: the static form's GQA)."""
+    wanted = {"fused attention": (graph_stats.fused_attention_count(model_proto), cfg.n_layers)}
+    norms = (cfg.norm == RMSNORM) + 2 * (cfg.qk_norm == RMSNORM)
+    wanted[graph_stats.RMS_NORM_OP] = (graph_stats.op_count(model_proto, graph_stats.RMS_NORM_OP), norms * cfg.n_layers)
+    if cfg.rotary and not rotations_inside:
+        wanted[graph_stats.ROTARY_OP] = (graph_stats.op_count(model_proto, graph_stats.ROTARY_OP), 2 * cfg.n_layers)
+    return [f"{have} {op} ops for {need} ({cfg.n_layers} layers)" for op, (have, need) in wanted.items() if have < need]
 
 
 def _worst(results: dict[str, RungResult]) -> dict[str, dict]:

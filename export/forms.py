@@ -94,13 +94,14 @@ class _AttentionRewrite(pattern.RewriteRuleClassBase):
 
 
 class ToGroupQueryAttention(_AttentionRewrite):
-    """Attention with past/present -> GroupQueryAttention over the shared cache buffer."""
+    """Attention with past/present -> GroupQueryAttention over the shared cache buffer, attending
+    through the layer's sliding window where it has one."""
 
-    def __init__(self, seqlens_k: ir.Value, total_length: ir.Value) -> None:
+    def __init__(self, seqlens_k: ir.Value, total_length: ir.Value, cfg: ModelConfig) -> None:
         super().__init__("ToGroupQueryAttention", remove_nodes=True)
-        self.seqlens_k, self.total_length = seqlens_k, total_length
+        self.seqlens_k, self.total_length, self.cfg = seqlens_k, total_length, cfg
 
-    def rewrite(self, op, q, k, v, past_k, past_v, out, **_):
+    def rewrite(self, op, q, k, v, past_k, past_v, out, present_k, **_):
         n_heads, n_kv_heads, _ = self.heads(q, out)
         return op.GroupQueryAttention(
             q,
@@ -112,9 +113,139 @@ class ToGroupQueryAttention(_AttentionRewrite):
             self.total_length,
             num_heads=n_heads,
             kv_num_heads=n_kv_heads,
+            **window_attribute(self.cfg, present_k),
             _domain=MICROSOFT_DOMAIN,
             _outputs=3,
         )
+
+
+def window_attribute(cfg: ModelConfig, present_k: ir.Value) -> dict[str, int]:
+    """GroupQueryAttention's `local_window_size` for the layer of `present_k`: a query sees itself and
+    the window - 1 keys before it, as the model's mask (measured on ONNX Runtime 1.31's CPU kernel)."""
+    window = cfg.window(layer_of(present_k))
+    return {} if window is None else {"local_window_size": window}
+
+
+class _Attention4DRewrite(pattern.RewriteRuleClassBase):
+    """Matches one fused layer whose q and k were normalized or rotated before attention: the 4D
+    `Attention(q, k, v, allowed, past_key, past_value)` (B, heads, T, hs) and its context combined
+    into (B, T, nh * hs) by Transpose and Reshape."""
+
+    def pattern(self, op, q, k, v, allowed, past_k, past_v, combined_shape):
+        attended, present_k, present_v = op.Attention(
+            q,
+            k,
+            v,
+            allowed,
+            past_k,
+            past_v,
+            _allow_other_attributes=True,
+            _outputs=["attended", "present_k", "present_v"],
+        )
+        out = op.Reshape(op.Transpose(attended, perm=[0, 2, 1, 3]), combined_shape, _allow_other_attributes=True)
+        return out, present_k, present_v
+
+    def check(self, context, q, present_k, **values):
+        problem = _plain_4d_problem(values["attended"].producer())
+        dims = [*(q.shape or ()), *(present_k.shape or ())]
+        if problem is None and (len(dims) != 8 or not all(isinstance(d, int) for d in (dims[1], dims[3], dims[5]))):
+            problem = "q or the cache lack static head counts and sizes"
+        return pattern.MatchResult().fail(problem) if problem else pattern.MatchResult()
+
+    @staticmethod
+    def heads(q: ir.Value, present_k: ir.Value) -> tuple[int, int, int]:
+        return q.shape[1], present_k.shape[1], q.shape[3]
+
+
+def _plain_4d_problem(node: ir.Node) -> str | None:
+    attributes = _attention_attributes(node)
+    if attributes.get("is_causal", 0) or attributes.get("softcap", 0.0) or attributes.get("qk_matmul_output_mode", 0):
+        return "the Attention node is causal by attribute, has a softcap or returns its scores"
+    if attributes.get("scale") is not None:
+        return "the Attention node has a scale of its own"
+    return None
+
+
+def _rotation(value: ir.Value) -> tuple[ir.Value, ir.Node | None]:
+    """(the unrotated value, the RotaryEmbedding node) of a value a RotaryEmbedding made; else (it, None)."""
+    node = value.producer()
+    if node is not None and node.op_type == "RotaryEmbedding" and node.domain in ("", "ai.onnx"):
+        return node.inputs[0], node
+    return value, None
+
+
+def _heads_to_3d(op, value: ir.Value, heads: int, head_dim: int) -> ir.Value:
+    """(B, heads, T, hs) -> (B, T, heads * hs), the packed layout GroupQueryAttention takes."""
+    return op.Reshape(op.Transpose(value, perm=[0, 2, 1, 3]), op.Constant(value_ints=[0, 0, heads * head_dim]))
+
+
+class ToGroupQueryAttention4D(_Attention4DRewrite):
+    """4D Attention with past/present (q and k rotated by RotaryEmbedding, or not) -> GroupQueryAttention
+    over the shared cache buffer, rotating q and k itself (`do_rotary`, the model's cos/sin tables,
+    positions from each row's length) and attending through the layer's sliding window
+    (`local_window_size`: a query sees itself and the window - 1 keys before it, as the model's mask)."""
+
+    def __init__(self, seqlens_k: ir.Value, total_length: ir.Value, cfg: ModelConfig) -> None:
+        super().__init__("ToGroupQueryAttention4D", remove_nodes=True)
+        self.seqlens_k, self.total_length, self.cfg = seqlens_k, total_length, cfg
+
+    def check(self, context, q, k, present_k, **values):
+        result = super().check(context, q, present_k=present_k, **values)
+        if result:
+            (_, q_rotation), (_, k_rotation) = _rotation(q), _rotation(k)
+            if (q_rotation is None) != (k_rotation is None):
+                return result.fail("q and k are not rotated alike")
+            if q_rotation is not None and _rotary_attributes(q_rotation) != _rotary_attributes(k_rotation):
+                return result.fail("q and k are rotated differently")
+        return result
+
+    def rewrite(self, op, q, k, v, past_k, past_v, present_k, **_):
+        n_heads, n_kv_heads, head_dim = self.heads(q, present_k)
+        (q, rotation), (k, _) = _rotation(q), _rotation(k)
+        attributes = {"num_heads": n_heads, "kv_num_heads": n_kv_heads}
+        tables = []
+        if rotation is not None:
+            cos_table, sin_table = rotation.inputs[1], rotation.inputs[2]
+            tables = [cos_table, sin_table]
+            attributes |= {"do_rotary": 1, "rotary_interleaved": _rotary_attributes(rotation)["interleaved"]}
+        attributes |= window_attribute(self.cfg, present_k)
+        out, new_k, new_v = op.GroupQueryAttention(
+            _heads_to_3d(op, q, n_heads, head_dim),
+            _heads_to_3d(op, k, n_kv_heads, head_dim),
+            _heads_to_3d(op, v, n_kv_heads, head_dim),
+            past_k,
+            past_v,
+            self.seqlens_k,
+            self.total_length,
+            *tables,
+            **attributes,
+            _domain=MICROSOFT_DOMAIN,
+            _outputs=3,
+        )
+        return out, new_k, new_v
+
+
+def _rotary_attributes(node: ir.Node) -> dict:
+    attributes = _attention_attributes(node)
+    return {"interleaved": attributes.get("interleaved", 0), "width": attributes.get("rotary_embedding_dim", 0)}
+
+
+def layer_of(present: ir.Value) -> int:
+    """The layer a present key belongs to, from its graph output name (`present.{i}.key`)."""
+    return int(present.name.split(".")[1])
+
+
+class ToSingleOutputAttention4D(_Attention4DRewrite):
+    """4D Attention with past/present -> the cache Concat outside and a 4D, single-output Attention."""
+
+    def __init__(self) -> None:
+        super().__init__("ToSingleOutputAttention4D", remove_nodes=True)
+
+    def rewrite(self, op, q, k, v, allowed, past_k, past_v, combined_shape, **_):
+        present_k = op.Concat(past_k, k, axis=2)  # (B, n_kv, P+T, hd)
+        present_v = op.Concat(past_v, v, axis=2)
+        context = op.Attention(q, present_k, present_v, allowed)  # (B, nh, T, hd)
+        return op.Reshape(op.Transpose(context, perm=[0, 2, 1, 3]), combined_shape), present_k, present_v
 
 
 class ToSingleOutputAttention(_AttentionRewrite):
@@ -138,11 +269,13 @@ class ToSingleOutputAttention(_AttentionRewrite):
         return op.Reshape(combined, width), present_k, present_v
 
 
-def _rewrite_fused(model: AttentionModel, rule: pattern.RewriteRule) -> ir.Model:
+def _rewrite_fused(model: AttentionModel, rules: list[pattern.RewriteRule]) -> ir.Model:
+    """The fused graph with each layer's Attention rewritten by the first of `rules` that takes it."""
     fused = ir.from_proto(fused_proto(plain_graph(model))[0])
-    count = pattern.RewriteRuleSet([rule]).apply_to_model(fused)
+    count = sum(pattern.RewriteRuleSet([rule]).apply_to_model(fused) for rule in rules)
     if count != model.cfg.n_layers:
-        raise FormError(f"{rule.name}: rewrote {count} of {model.cfg.n_layers} layers' Attention nodes")
+        names = ", ".join(rule.name for rule in rules)
+        raise FormError(f"{names}: rewrote {count} of {model.cfg.n_layers} layers' Attention nodes")
     return fused
 
 
@@ -157,8 +290,12 @@ def static_problem(cfg: ModelConfig) -> str | None:
         )
     if cfg.head_dim % GQA_HEAD_DIM_MULTIPLE:
         return (
-            f"head_dim {cfg.head_dim} (d_model {cfg.d_model} / n_heads {cfg.n_heads}) is not a multiple of "
-            f"{GQA_HEAD_DIM_MULTIPLE}, which GroupQueryAttention requires"
+            f"head_dim {cfg.head_dim} is not a multiple of {GQA_HEAD_DIM_MULTIPLE}, which GroupQueryAttention requires"
+        )
+    if cfg.rotary and (cfg.rotated_width // 2) % GQA_HEAD_DIM_MULTIPLE:
+        return (
+            f"the rotated width {cfg.rotated_width} (rotary_dim) is not a multiple of {2 * GQA_HEAD_DIM_MULTIPLE}, "
+            "which GroupQueryAttention's rotation requires"
         )
     return None
 
@@ -171,12 +308,16 @@ def static_proto(model: AttentionModel) -> onnx.ModelProto:
         raise FormError(problem)
     seqlens_k = ir.Value(name=names.SEQLENS_K, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([names.BATCH]))
     total = ir.Value(name=names.TOTAL_SEQUENCE_LENGTH, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([]))
-    graph_model = _rewrite_fused(model, ToGroupQueryAttention.rule(seqlens_k, total))
+    rules = [ToGroupQueryAttention.rule(seqlens_k, total, cfg), ToGroupQueryAttention4D.rule(seqlens_k, total, cfg)]
+    graph_model = _rewrite_fused(model, rules)
     graph = graph_model.graph
     clean_up(graph_model)
     by_name = {value.name: value for value in graph.inputs}
     mask = by_name[names.ATTENTION_MASK]
+    _batch_from(by_name[names.HIDDEN_STATES], mask)
     assert not mask.uses(), "the attention mask still feeds a node after the rewrite"
+    positions = by_name.get(names.POSITION_IDS)
+    assert positions is None or not positions.uses(), "the positions still feed a node: GQA counts them itself"
     graph.inputs.clear()
     graph.inputs.extend([by_name[names.HIDDEN_STATES], seqlens_k, total])
     graph.inputs.extend(by_name[name] for name in names.past_names(cfg.n_layers))
@@ -188,9 +329,19 @@ def static_proto(model: AttentionModel) -> onnx.ModelProto:
     return proto
 
 
+def _batch_from(hidden: ir.Value, mask: ir.Value) -> None:
+    """The exporter may read the batch size off the mask's shape (`Shape(mask, end=1)`, both share the
+    axis); where the mask leaves the graph, read it off the hidden states' instead."""
+    for use in list(mask.uses()):
+        node = use.node
+        attributes = {name: node.attributes[name].value for name in node.attributes}
+        if node.op_type == "Shape" and attributes.get("start", 0) == 0 and attributes.get("end") == 1:
+            node.replace_input_with(use.idx, hidden)
+
+
 def tensorrt_proto(model: AttentionModel) -> onnx.ModelProto:
     """The TensorRT form of `model` in fp32: cache Concat outside, a single-output Attention."""
-    graph_model = _rewrite_fused(model, ToSingleOutputAttention.rule())
+    graph_model = _rewrite_fused(model, [ToSingleOutputAttention.rule(), ToSingleOutputAttention4D.rule()])
     clean_up(graph_model)
     proto = ir.to_proto(graph_model)
     proto.ir_version = IR_VERSION

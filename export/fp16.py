@@ -3,9 +3,12 @@
 FP16 IO halves the cache a decode step reads and returns. ONNX Runtime's float16 converter
 (`keep_io_types=False`) does the conversion; what must stay safe and why it does:
 
-* LayerNorm statistics: the exporter writes `LayerNormalization` with `stash_type=1`, so the
-  mean and variance are computed in fp32 even for fp16 inputs (ONNX Runtime honours it); a hidden
-  state of magnitude 1e3 would otherwise overflow its square (1e6 > 65504).
+* Norm statistics: the exporter writes `LayerNormalization` and the fusion `RMSNormalization` with
+  `stash_type=1` (its default), so the mean and variance (mean square) are computed in fp32 even for
+  fp16 inputs (ONNX Runtime honours it); a hidden state of magnitude 1e3 would otherwise overflow its
+  square (1e6 > 65504).
+* Rotary tables: cos and sin are held in fp16 like the weights; the precision floor the tolerance is
+  measured against rounds them too (export/runners.py `rounded_runner`).
 * Attention without a norm before it runs in fp32 (`attention_needs_fp32`, `_attention_in_fp32`):
   each `Attention` node's q, k, v and past are cast up and its context and presents cast back, so
   the graph's edges and caches stay fp16 while the scores q.k/sqrt(head_dim), the softmax and its
@@ -122,10 +125,10 @@ def check_fp16(model_proto: onnx.ModelProto, attention_in_fp32: bool | None = No
     if attention_in_fp32:
         _check_attention_widened(model_proto.graph)
     for node in model_proto.graph.node:
-        if node.op_type == "LayerNormalization":
+        if node.op_type in ("LayerNormalization", "RMSNormalization"):
             stash = next((a.i for a in node.attribute if a.name == "stash_type"), 1)  # 1 is the default
             if stash != onnx.TensorProto.FLOAT:
-                raise FP16Error(f"{node.name}: LayerNorm statistics would be computed in fp16")
+                raise FP16Error(f"{node.name}: {node.op_type} statistics would be computed in fp16")
 
 
 def _carried_config_needs_fp32(model_proto: onnx.ModelProto) -> bool:

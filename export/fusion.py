@@ -31,6 +31,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.version_converter import convert_version
 
 from export.model import AttentionModel
+from export.norm_rotary_fusion import fuse_norms_and_rotations
 from export.onnx_export import IR_VERSION, plain_graph, save_onnx
 
 # The first ONNX opset with `Attention` (past/present, GQA, boolean masks).
@@ -72,6 +73,14 @@ class FuseAttention(pattern.RewriteRuleClassBase):
         q = op.Transpose(op.Reshape(q3, q_shape, _allow_other_attributes=True), perm=[0, 2, 1, 3], _outputs=["q"])
         k = op.Transpose(op.Reshape(k3, k_shape, _allow_other_attributes=True), perm=[0, 2, 1, 3])
         v = op.Transpose(op.Reshape(v3, v_shape, _allow_other_attributes=True), perm=[0, 2, 1, 3])
+        context, present_k, present_v = self._attention(op, q, k, v, past_k, past_v, disallowed, divisor, fill)
+        combined = op.Transpose(context, perm=[0, 2, 1, 3])  # (B, T, nh, hs)
+        out = op.Reshape(combined, pattern.ANY_VALUE, _allow_other_attributes=True, _outputs=["out"])
+        return out, present_k, present_v
+
+    def _attention(self, op, q, k, v, past_k, past_v, disallowed, divisor, fill):
+        """The cache Concat, the GQA repeat, the scaled and masked scores, the softmax and the weighted
+        sum, over 4D q (B, nh, T, hs), k and v (B, n_kv, T, hs)."""
         present_k = op.Concat(past_k, k, _allow_other_attributes=True, _outputs=["present_k"])  # (B, n_kv, P+T, hs)
         present_v = op.Concat(past_v, v, _allow_other_attributes=True, _outputs=["present_v"])
         keys = self._repeat_heads(op, present_k, "k")  # (B, nh, P+T, hs)
@@ -79,9 +88,7 @@ class FuseAttention(pattern.RewriteRuleClassBase):
         scores = op.Div(op.MatMul(q, op.Transpose(keys, perm=[0, 1, 3, 2])), divisor)  # (B, nh, T, P+T)
         weights = op.Softmax(op.Where(disallowed, fill, scores), axis=-1)
         context = op.MatMul(weights, values)  # (B, nh, T, hs)
-        combined = op.Transpose(context, perm=[0, 2, 1, 3])  # (B, T, nh, hs)
-        out = op.Reshape(combined, pattern.ANY_VALUE, _allow_other_attributes=True, _outputs=["out"])
-        return out, present_k, present_v
+        return context, present_k, present_v
 
     @staticmethod
     def _repeat_heads(op, cache, kind: str):
@@ -147,6 +154,36 @@ class FuseAttention(pattern.RewriteRuleClassBase):
         )
 
 
+class FuseAttention4D(FuseAttention):
+    """The same, where q and k are not straight head splits of a projection (they were normalized per
+    head or rotated by position first): `Attention` on the 4D q, k, v (B, heads, T, hs), its 4D context
+    combined into heads by the graph's own Transpose and Reshape as before."""
+
+    def __init__(self) -> None:
+        pattern.RewriteRuleClassBase.__init__(self, "FuseAttention4DWithCache", remove_nodes=True)
+
+    def pattern(self, op, q, k, v, past_k, past_v, disallowed, divisor, fill):
+        return self._attention(op, q, k, v, past_k, past_v, disallowed, divisor, fill)
+
+    def _scale_problem(self, divisor, values) -> str | None:
+        q, present_k = values["q"], values["present_k"]
+        q_dims, kv_dims = _dims(q), _dims(present_k)
+        if not q_dims or not kv_dims or len(q_dims) != 4 or len(kv_dims) != 4:
+            return "q or the cache lack a 4D shape"
+        n_heads, head_dim, n_kv_heads = q_dims[1], q_dims[3], kv_dims[1]
+        if not all(isinstance(d, int) for d in (n_heads, head_dim, n_kv_heads)) or n_heads % n_kv_heads:
+            return "q or the cache lack static head counts"
+        if not all((_dims(values[r]) or [None] * 4)[1] == n_heads for r in ("k_repeated", "v_repeated")):
+            return "the repeated cache does not have the query's head count"
+        if _scalar(divisor) is None or not math.isclose(_scalar(divisor), math.sqrt(head_dim), rel_tol=1e-6):
+            return "the scores are not scaled by 1/sqrt(head_dim)"
+        return None
+
+    def rewrite(self, op, q, k, v, past_k, past_v, disallowed, **_):
+        allowed = disallowed.producer().inputs[0]  # (B, 1, T, P+T) bool, True = may attend
+        return op.Attention(q, k, v, allowed, past_k, past_v, _outputs=3)
+
+
 class FuseQKVProjections(pattern.RewriteRuleClassBase):
     """Three projections of the same input feeding one `Attention` -> one MatMul and a Split.
 
@@ -189,6 +226,8 @@ class FuseQKVProjections(pattern.RewriteRuleClassBase):
 
 
 ATTENTION_RULES = pattern.RewriteRuleSet([FuseAttention.rule()])
+# after the 3D rule has taken every layer it can (the 4D pattern is part of the 3D one)
+ATTENTION_4D_RULES = pattern.RewriteRuleSet([FuseAttention4D.rule()])
 QKV_RULES = pattern.RewriteRuleSet([FuseQKVProjections.rule(bias=True), FuseQKVProjections.rule(bias=False)])
 
 
@@ -196,16 +235,19 @@ QKV_RULES = pattern.RewriteRuleSet([FuseQKVProjections.rule(bias=True), FuseQKVP
 class FusionCounts:
     attention: int  # Attention ops made (one per layer when all went well)
     qkv: int  # Q/K/V projection groups merged
+    norms: int = 0  # RMSNormalization ops made (the block's, q's and k's)
+    rotations: int = 0  # RotaryEmbedding ops made (q's and k's per layer)
 
 
 def fuse(model: ir.Model, *, fuse_qkv: bool = False) -> FusionCounts:
     """Fuse `model` (the plain graph, as `ir.Model`) in place and clean it up."""
     convert_version(model, ATTENTION_OPSET)
     common_passes.ShapeInferencePass()(model)  # the rule reads head counts from shapes
-    attention = ATTENTION_RULES.apply_to_model(model)
+    norms, rotations = fuse_norms_and_rotations(model)
+    attention = ATTENTION_RULES.apply_to_model(model) + ATTENTION_4D_RULES.apply_to_model(model)
     qkv = QKV_RULES.apply_to_model(model) if fuse_qkv else 0
     clean_up(model, fold_limit=_FOLD_LIMIT if qkv else None)
-    return FusionCounts(attention, qkv)
+    return FusionCounts(attention, qkv, norms, rotations)
 
 
 def clean_up(model: ir.Model, fold_limit: int | None = None) -> None:

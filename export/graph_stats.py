@@ -36,6 +36,17 @@ def fused_attention_count(model_proto: onnx.ModelProto) -> int:
     )
 
 
+# the modern block's parts as one op each (export/norm_rotary_fusion.py)
+ROTARY_OP, RMS_NORM_OP = "RotaryEmbedding", "RMSNormalization"
+
+
+def op_count(model_proto: onnx.ModelProto, op_type: str, domain: str = "") -> int:
+    return sum(
+        node.op_type == op_type and ("" if node.domain in ("", "ai.onnx") else node.domain) == domain
+        for node in model_proto.graph.node
+    )
+
+
 def opset_of(model_proto: onnx.ModelProto, domain: str = "") -> int | None:
     for entry in model_proto.opset_import:
         if entry.domain in ((domain,) if domain else ("", "ai.onnx")):

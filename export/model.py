@@ -77,7 +77,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class Rotary(nn.Module):
@@ -88,15 +88,16 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.width, self.pairing = cfg.rotated_width, cfg.rope_pairing
-        positions = torch.arange(cfg.max_seq_len, dtype=torch.float32)  # (S,)
+        # one row past max_seq_len: the static pool rotates its scratch position too (serving/engine/kv_pool.py)
+        positions = torch.arange(cfg.max_seq_len + 1, dtype=torch.float32)  # (S + 1,)
         # in fp32 as Hugging Face computes them, so that the table is the trained model's
-        angles = positions[:, None] * rope_frequencies(cfg)[None, :]  # (S, width/2)
+        angles = positions[:, None] * rope_frequencies(cfg)[None, :]  # (S + 1, width/2)
         self.register_buffer("cos", angles.cos(), persistent=False)  # not weights: derived from the config
         self.register_buffer("sin", angles.sin(), persistent=False)
 
     def forward(self, x: Tensor, position_ids: Tensor) -> Tensor:
-        cos = self.cos[position_ids][:, None]  # (B, 1, T, width/2)
-        sin = self.sin[position_ids][:, None]
+        cos = F.embedding(position_ids, self.cos)[:, None]  # the table's row per position: (B, 1, T, width/2)
+        sin = F.embedding(position_ids, self.sin)[:, None]
         rotated, kept = x[..., : self.width], x[..., self.width :]  # (B, h, T, width), (B, h, T, hs - width)
         if self.pairing == HALF:  # x1 = first half, x2 = second half
             x1, x2 = rotated.chunk(2, dim=-1)  # (B, h, T, width/2) each

@@ -43,7 +43,16 @@ class GraphSignature(nn.Module):
         return (result.output, *(tensor for cache in result.present for tensor in cache))
 
 
-def trace_inputs(cfg: ModelConfig) -> tuple[Tensor, Tensor, list[tuple[Tensor, Tensor]]]:
+class RotaryGraphSignature(GraphSignature):
+    """The same with the new tokens' positions (a model with rotary embeddings)."""
+
+    def forward(self, hidden_states, attention_mask, position_ids, past):  # type: ignore[override]
+        result = self.model(hidden_states, attention_mask, [KVCache(k, v) for k, v in past], position_ids=position_ids)
+        return (result.output, *(tensor for cache in result.present for tensor in cache))
+
+
+def trace_inputs(cfg: ModelConfig) -> tuple:
+    """(hidden_states, attention_mask, [position_ids,] past): example inputs of the graph's signature."""
     generator = torch.Generator().manual_seed(0)
     B, T, P = _TRACE_BATCH, _TRACE_NEW, _TRACE_PAST
     hidden_states = torch.randn(B, T, cfg.d_model, generator=generator)  # (B, T, d_model)
@@ -53,6 +62,9 @@ def trace_inputs(cfg: ModelConfig) -> tuple[Tensor, Tensor, list[tuple[Tensor, T
         (torch.randn(cache_shape, generator=generator), torch.randn(cache_shape, generator=generator))
         for _ in range(cfg.n_layers)
     ]
+    if cfg.rotary:
+        position_ids = (torch.arange(T) + P).expand(B, T).contiguous()  # (B, T)
+        return hidden_states, attention_mask, position_ids, past
     return hidden_states, attention_mask, past
 
 
@@ -69,7 +81,10 @@ def dynamic_shapes(cfg: ModelConfig) -> dict:
         spec.name: {axis: dims[name] for axis, name in spec.dynamic_axes.items()} for spec in names.input_specs(cfg)
     }
     past = [(specs[names.past_name(i, names.KEY)], specs[names.past_name(i, names.VALUE)]) for i in range(cfg.n_layers)]
-    return {"hidden_states": specs[names.HIDDEN_STATES], "attention_mask": specs[names.ATTENTION_MASK], "past": past}
+    shapes = {"hidden_states": specs[names.HIDDEN_STATES], "attention_mask": specs[names.ATTENTION_MASK]}
+    if cfg.rotary:
+        shapes["position_ids"] = specs[names.POSITION_IDS]
+    return shapes | {"past": past}
 
 
 def name_axes(model_proto: onnx.ModelProto, cfg: ModelConfig, specs: list[names.TensorSpec] | None = None) -> None:
@@ -139,7 +154,7 @@ def _fingerprint(model: AttentionModel) -> bytes:
 
 def _export(model: AttentionModel) -> onnx.ModelProto:
     cfg = model.cfg
-    graph = GraphSignature(model.eval())
+    graph = (RotaryGraphSignature if cfg.rotary else GraphSignature)(model.eval())
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -147,7 +162,7 @@ def _export(model: AttentionModel) -> onnx.ModelProto:
             trace_inputs(cfg),
             dynamo=True,
             opset_version=PLAIN_OPSET,
-            input_names=names.input_names(cfg.n_layers),
+            input_names=names.input_names(cfg.n_layers, cfg.rotary),
             output_names=names.output_names(cfg.n_layers),
             dynamic_shapes=dynamic_shapes(cfg),
             external_data=False,

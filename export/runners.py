@@ -54,9 +54,9 @@ def rounded_runner(model, dtype: type = np.float16) -> Forward:
     import torch
 
     rounded, stored = copy.deepcopy(model), torch.from_numpy(np.empty(0, dtype)).dtype
-    with torch.no_grad():
-        for parameter in rounded.parameters():
-            parameter.copy_(parameter.to(stored).float())
+    with torch.no_grad():  # its weights and its float tables (the rotation's cos and sin)
+        for tensor in [*rounded.parameters(), *(b for b in rounded.buffers() if b.is_floating_point())]:
+            tensor.copy_(tensor.to(stored).float())
     run = torch_runner(rounded.double())
 
     def forward(inputs: Mapping[str, np.ndarray]) -> Arrays:

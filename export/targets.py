@@ -7,6 +7,8 @@ The op lists are the engines' own:
   TensorRT 10.15, "Y" rows), the ones an exported attention graph can contain. `Attention` is there
   since TensorRT 10.14, with one output only, no `past_key`/`past_value`, 4D Q, K, V and mask
   (the same file; `importAttention` in onnx-tensorrt `onnxOpImporters.cpp`; NVIDIA/TensorRT#4738).
+  `RotaryEmbedding` and `RMSNormalization` (opset 23) since 10.15 (onnx-tensorrt's 10.15-GA release,
+  PR #1048: "Added support for RotaryEmbedding, RMSNormalization and TensorScatter").
 - `ORT_1_24_CUDA_KERNELS`: the CUDA kernels of ONNX Runtime 1.24.4, the runtime of NGC Triton 26.04's
   onnxruntime backend (server `build.py` on r26.04: ort_version 1.24.4), as (first, last) op versions,
   read from the kernel registrations of `libonnxruntime_providers_cuda.so` in the onnxruntime-gpu
@@ -34,8 +36,8 @@ TENSORRT_OPS = frozenset(
     {
         "Add", "And", "Attention", "Cast", "Concat", "Constant", "ConstantOfShape", "Div", "Equal", "Expand",
         "Gather", "Identity", "LayerNormalization", "Less", "LessOrEqual", "MatMul", "Mul", "Neg", "Not", "Pow",
-        "Range", "ReduceMean", "Reshape", "Shape", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub",
-        "Transpose", "Trilu", "Unsqueeze", "Where",
+        "Range", "ReduceMean", "Reshape", "RMSNormalization", "RotaryEmbedding", "Shape", "Slice", "Softmax",
+        "Split", "Sqrt", "Squeeze", "Sub", "Transpose", "Trilu", "Unsqueeze", "Where",
     }
 )  # fmt: skip
 
@@ -109,13 +111,37 @@ def _static_problems(proto: onnx.ModelProto, cfg: ModelConfig) -> list[str]:
         present = [name for name in node.output[1:3] if name.startswith("present.")]
         if len(layer) != 2 or len(present) != 2:
             found.append(f"{node.name}: its past and present are not graph inputs and outputs")
+            continue
+        found += _gqa_attribute_problems(node, cfg, int(present[0].split(".")[1]))
     expected = [spec.name for spec in names.static_input_specs(cfg)]
     actual = [value.name for value in proto.graph.input]
     if actual != expected:
         found.append(f"graph inputs {actual}, expected {expected}")
-    leftover = [n.op_type for n in proto.graph.node if n.op_type in ("Attention", "Softmax", "Concat")]
+    pasts = set(names.past_names(cfg.n_layers))
+    leftover = [
+        n.op_type
+        for n in proto.graph.node
+        if n.op_type in ("Attention", "Softmax", "RotaryEmbedding") or (n.op_type == "Concat" and pasts & set(n.input))
+    ]
     if leftover:
         found.append(f"attention left outside GroupQueryAttention: {sorted(set(leftover))}")
+    return found
+
+
+def _gqa_attribute_problems(node: onnx.NodeProto, cfg: ModelConfig, layer: int) -> list[str]:
+    """The op rotates q and k when the model does, and attends through the layer's window."""
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    found = []
+    if attributes.get("do_rotary", 0) != int(cfg.rotary):
+        found.append(
+            f"layer {layer}: GroupQueryAttention do_rotary={attributes.get('do_rotary', 0)}, the model "
+            f"{'rotates' if cfg.rotary else 'does not rotate'} q and k"
+        )
+    if attributes.get("local_window_size", -1) != (cfg.window(layer) or -1):
+        found.append(
+            f"layer {layer}: GroupQueryAttention local_window_size={attributes.get('local_window_size', -1)}, "
+            f"the layer's window is {cfg.window(layer)}"
+        )
     return found
 
 

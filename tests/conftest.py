@@ -26,6 +26,39 @@ TEST_CONFIGS = {
     "tiny": preset("tiny"),
     "gqa": preset("gqa"),
     "unseen": ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3, max_seq_len=1024),
+    # the modern block, every part at once: RMSNorm, q/k norms, a head_dim of its own (query width 128
+    # from 64), RoPE with Llama 3's scaling (its original context small enough to bite), a sliding
+    # window in every other layer
+    "rotary": ModelConfig(
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        head_dim=32,
+        bias=False,
+        norm="rmsnorm",
+        qk_norm="rmsnorm",
+        rope_theta=1e4,
+        rope_scaling="llama3",
+        rope_scaling_factor=8.0,
+        rope_original_max_position=64,
+        sliding_window=24,
+        sliding_window_pattern=2,
+        max_seq_len=512,
+    ),
+    # partial, interleaved rotation (GPT-J's pairing, Phi's partial width) with linear scaling
+    "rotary-partial": ModelConfig(
+        d_model=128,
+        n_heads=4,
+        n_kv_heads=4,
+        n_layers=1,
+        rope_theta=500.0,
+        rotary_dim=16,
+        rope_pairing="interleaved",
+        rope_scaling="linear",
+        rope_scaling_factor=2.0,
+        max_seq_len=512,
+    ),
 }
 
 

@@ -21,7 +21,7 @@ import onnxruntime as ort
 
 from contract import names
 from contract.config import ModelConfig
-from contract.inputs import with_defaults
+from contract.inputs import default_positions, with_defaults
 from serving.engine import tensorrt
 from serving.engine.ort import (
     CPU,
@@ -104,15 +104,25 @@ class Runner:
         return [self.to_device(np.zeros(shape, self.dtype)) for _ in self.past_names]
 
     def run(
-        self, hidden: np.ndarray, mask: np.ndarray, past: Sequence[ort.OrtValue], presents_on_host: bool = False
+        self,
+        hidden: np.ndarray,
+        mask: np.ndarray,
+        past: Sequence[ort.OrtValue],
+        presents_on_host: bool = False,
+        positions: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[ort.OrtValue]]:
-        """One graph run: hidden (B, T, d) and mask (B, P+T) from the host, past on the device.
+        """One graph run: hidden (B, T, d) and mask (B, P+T) from the host, past on the device; for a
+        model with rotary embeddings the new tokens' positions (B, T), counted from the mask when None
+        (so a batch left-padded by the concat engine places each row's tokens after its own past).
 
         Returns the output on the host and the presents on the device (or the host if asked).
         """
         binding = self.session.io_binding()
         binding.bind_ortvalue_input(names.HIDDEN_STATES, self.to_device(hidden))
         binding.bind_ortvalue_input(names.ATTENTION_MASK, self.to_device(mask))
+        if self.cfg.rotary:
+            positions = default_positions(mask, hidden.shape[1]) if positions is None else positions
+            binding.bind_ortvalue_input(names.POSITION_IDS, self.to_device(positions))
         for name, value in zip(self.past_names, past, strict=True):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output(names.OUTPUT, CPU)
@@ -129,7 +139,11 @@ class Runner:
         feeds = with_defaults(self.cfg, feeds)
         past = [self.to_device(feeds[name]) for name in self.past_names]
         output, presents = self.run(
-            feeds[names.HIDDEN_STATES], feeds[names.ATTENTION_MASK], past, presents_on_host=True
+            feeds[names.HIDDEN_STATES],
+            feeds[names.ATTENTION_MASK],
+            past,
+            presents_on_host=True,
+            positions=feeds.get(names.POSITION_IDS),
         )
         arrays = {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
         return {name: array.astype(np.float32, copy=False) for name, array in arrays.items()}  # served IO is fp32

@@ -133,7 +133,8 @@ def test_unseen_config_matches_the_independent_implementation(artifact_dir, vari
 def test_a_graph_without_the_pattern_is_left_alone_and_the_build_fails(tmp_path, capsys, monkeypatch):
     """A 'fused' variant with nothing fused fails the command and is not kept (docs/design.md,
     "Artifacts and variants")."""
-    monkeypatch.setattr(fusion.ATTENTION_RULES, "apply_to_model", lambda model: 0)  # a graph it does not know
+    for rules in (fusion.ATTENTION_RULES, fusion.ATTENTION_4D_RULES):  # a graph neither rule knows
+        monkeypatch.setattr(rules, "apply_to_model", lambda model: 0)
     assert export_main(["build", "--preset", "tiny", "--out", str(tmp_path), "--variants", "fp32-fused"]) == 1
     assert "0 fused attention ops for 2 layers" in capsys.readouterr().err
     assert not (tmp_path / files.model_filename("fp32-fused")).exists()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from contract.inputs import check_finite, check_inputs, check_length, check_request_tokens
+from contract.inputs import check_finite, check_inputs, check_length, check_positions, check_request_tokens
 from serving.triton import config as triton_config
 from serving.triton import engines
 from serving.triton.models import common
@@ -34,6 +34,7 @@ class TritonPythonModel:
             arrays = common.request_arrays(request)
             batch, past, new = check_inputs(self.model.cfg, arrays, float_dtype="float32")
             check_length(self.model.cfg, past, new)
+            check_positions(self.model.cfg, arrays)
             check_request_tokens(batch, new, self.max_request_tokens)
             check_finite(arrays)
             return common.response(self.runner.run_arrays(arrays))
