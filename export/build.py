@@ -180,7 +180,11 @@ def fusion_shortfalls(cfg: ModelConfig, model_proto: onnx.ModelProto, rotations_
     wanted[graph_stats.RMS_NORM_OP] = (graph_stats.op_count(model_proto, graph_stats.RMS_NORM_OP), norms * cfg.n_layers)
     if cfg.rotary and not rotations_inside:
         wanted[graph_stats.ROTARY_OP] = (graph_stats.op_count(model_proto, graph_stats.ROTARY_OP), 2 * cfg.n_layers)
-    return [f"{have} {op} ops for {need} ({cfg.n_layers} layers)" for op, (have, need) in wanted.items() if have < need]
+    return [
+        f"{have} {op} ops for {cfg.n_layers} layers (expected {need})"
+        for op, (have, need) in wanted.items()
+        if have < need
+    ]
 
 
 def _worst(results: dict[str, RungResult]) -> dict[str, dict]:
