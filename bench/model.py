@@ -113,9 +113,11 @@ def torch_candidate(directory: Path, threads: int) -> Prepare:
             for i in range(model.cfg.n_layers)
         ]
 
+        positions = tensors.get(names.POSITION_IDS)  # a rotary model's, given as a caller would
+
         def step():
             with torch.inference_mode():
-                return model(tensors[names.HIDDEN_STATES], tensors[names.ATTENTION_MASK], past)
+                return model(tensors[names.HIDDEN_STATES], tensors[names.ATTENTION_MASK], past, position_ids=positions)
 
         return step
 
@@ -306,6 +308,23 @@ def median(row: dict, name: str) -> float:
     return row["candidates"][name]["median_ms"]
 
 
+def rotation_costs(results: dict) -> dict:
+    """Per rotary preset and decode shape: its step time over its twin's without rotary embeddings, for
+    the PyTorch original and each served form (1.0 = the rotation is free)."""
+    costs: dict = {}
+    for name, entry in results["presets"].items():
+        twin = results["presets"].get(f"{name}{WITHOUT_ROTARY}")
+        if twin is None:
+            continue
+        twin_rows = {row["label"]: row for row in twin["rows"]}
+        costs[name] = {
+            row["label"]: {c: median(row, c) / median(twin_rows[row["label"]], c) for c in (TORCH, FUSED, STATIC)}
+            for row in entry["rows"]
+            if row["phase"] == "decode"
+        }
+    return costs
+
+
 def targets(results: dict) -> dict:
     """The issue's targets, measured (reported, never asserted)."""
     out: dict = {}
@@ -356,7 +375,7 @@ def targets(results: dict) -> dict:
 
 def table(results: dict) -> str:
     header = (
-        f"{'preset':<7} {'shape':<18} {'torch ms':>9} "
+        f"{'preset':<22} {'shape':<18} {'torch ms':>9} "
         + " ".join(f"{n + ' ms (x)':>22}" for n in CANDIDATES[1:])
         + f" {'fused/fp32':>10} {'floor ms':>9} {'fused/floor':>11} {'static/floor':>12}"
     )
@@ -371,7 +390,7 @@ def table(results: dict) -> str:
             else:
                 tail = f"{'':>9} {'':>11} {'':>12}"
             ratio = median(row, FUSED) / median(row, PLAIN)
-            lines.append(f"{preset_name:<7} {row['label']:<18} {torch_ms:>9.3f} {cells}{ratio:>10.2f} {tail}")
+            lines.append(f"{preset_name:<22} {row['label']:<18} {torch_ms:>9.3f} {cells}{ratio:>10.2f} {tail}")
     lines.append("(x) = PyTorch eager median / candidate median; fused/fp32 and */floor use medians")
     return "\n".join(lines)
 
@@ -391,7 +410,12 @@ def targets_text(measured: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--presets", default="seed,large", help="comma-separated preset names (default: seed,large)")
+    parser.add_argument(
+        "--presets",
+        default="seed,large",
+        help="comma-separated preset names (default: seed,large); a rotary preset (llama) is measured beside "
+        "its twin without rotary embeddings, for the rotation's cost per step",
+    )
     parser.add_argument("--quick", action="store_true", help="a few small shapes with short budgets")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per candidate")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
@@ -400,12 +424,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+WITHOUT_ROTARY = "-without-rotary"  # a rotary preset's twin, to measure what the rotation costs a step
+
+
+def without_rotary(cfg: ModelConfig) -> ModelConfig:
+    """The same model with q and k not rotated (every rotary field at its default)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name.startswith(("rope_", "rotary_"))}
+    return dataclasses.replace(cfg, **defaults)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         configs = {name: preset(name) for name in args.presets.split(",") if name}
     except ValueError as error:
         print(f"error: {error}")
         return 2
+    configs |= {f"{name}{WITHOUT_ROTARY}": without_rotary(cfg) for name, cfg in configs.items() if cfg.rotary}
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="bench-artifacts-") as scratch:
         root = args.artifacts or Path(scratch)
@@ -414,6 +448,10 @@ def run(args: argparse.Namespace) -> int:
     print(table(results))
     print(f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)")
     print(targets_text(results["targets"]))
+    for name, rows in results["rotation_costs"].items():
+        for label, ratios in rows.items():
+            cells = ", ".join(f"{c} {ratio:.2f}x" for c, ratio in ratios.items())
+            print(f"rotation cost, {name} {label}: {cells} (with / without rotary embeddings)")
     load = results["machine"]["load_average_1min"]["before"]
     if load > 0.5:
         print(f"note: the machine was busy when the run began (1-minute load average {load:.1f}): expect noise")
@@ -446,6 +484,7 @@ def benchmark(configs: dict[str, ModelConfig], root: Path, quick: bool, threads:
         "seconds": round(time.perf_counter() - started, 1),
     }
     results["targets"] = targets(results)
+    results["rotation_costs"] = rotation_costs(results)
     return results
 
 

@@ -1,7 +1,8 @@
 """The PyTorch peer the decode engines are measured against: gpt-fast's static KV cache in eager mode.
 
 One preallocated buffer per layer, (B, n_kv, capacity, head_dim); a step writes the new key and value
-at its position with `index_copy_` and attends over the filled part with
+at its position with `index_copy_` (keys normalized and rotated first where the model does) and
+attends over the filled part (its window's, where a layer has one) with
 `F.scaled_dot_product_attention` (GQA by `enable_gqa`). Same weights as the PyTorch original
 (`export/model.py`), whose math it repeats in the form a PyTorch user would deploy; `check_peer`
 holds it to the original before any timing.
@@ -35,17 +36,28 @@ class StaticCacheDecoder:
     def step(self, hidden: Tensor) -> Tensor:
         """hidden (B, 1, d_model) at position `length`; returns (B, 1, d_model) and advances by one."""
         position = torch.tensor([self.length], device=hidden.device)
+        positions = position.expand(hidden.shape[0], 1)  # (B, 1)
         x = hidden
         for layer, keys, values in zip(self.model.layers, self.keys, self.values, strict=True):
             attn = layer.attn
             h = layer.norm(x)
             q = attn.split_heads(attn.W_q(h), attn.n_heads)  # (B, nh, 1, hs)
-            keys.index_copy_(2, position, attn.split_heads(attn.W_k(h), attn.n_kv_heads))  # (B, n_kv, cap, hs)
+            k = attn.split_heads(attn.W_k(h), attn.n_kv_heads)  # (B, n_kv, 1, hs)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            if attn.rotary is not None:
+                q, k = attn.rotary(q, positions), attn.rotary(k, positions)
+            keys.index_copy_(2, position, k)  # (B, n_kv, cap, hs)
             values.index_copy_(2, position, attn.split_heads(attn.W_v(h), attn.n_kv_heads))
             filled = self.length + 1
+            first = 0 if layer.window is None else max(0, filled - layer.window)  # a window: the last positions
             context = F.scaled_dot_product_attention(
-                q, keys[:, :, :filled], values[:, :, :filled], scale=1 / math.sqrt(attn.head_dim), enable_gqa=True
-            )  # (B, nh, 1, hs): one query sees every filled position
+                q,
+                keys[:, :, first:filled],
+                values[:, :, first:filled],
+                scale=1 / math.sqrt(attn.head_dim),
+                enable_gqa=True,
+            )  # (B, nh, 1, hs): one query sees every filled position (in its window)
             x = layer.add_residual(x, attn.W_o(attn.combine_heads(context)))
         self.length += 1
         return x
