@@ -148,6 +148,20 @@ def test_session_batching_is_oldest_and_both_timeouts_come_from_one_setting(arti
     assert triton_config.parameter(config, triton_config.P_KV_CACHE_BYTES) == str(123 << 20)
 
 
+@pytest.mark.parametrize("budget_mib", [1, 64, 2048])
+def test_triton_has_more_sequence_slots_than_the_budget_has_rows_on_any_placement(budget_mib):
+    """With every slot taken Triton holds a START unanswered: the budget must refuse first. 2 GiB on
+    the tiny model holds 8,192 fp32 rows on the CPU (the 1,025th START hung with 1,024 slots) and
+    16,384 fp16 rows on CUDA; slots cover the live rows, as many evicted ones Triton still holds, and
+    as many refused STARTs awaiting their END."""
+    cfg, settings = preset("tiny"), ServingSettings(kv_cache_bytes=budget_mib << 20)
+    slots = triton_config.mha_session_config(cfg, {}, settings).sequence_batching.oldest.max_candidate_sequences
+    for itemsize in (4, 2):  # the pool's float on the CPU (fp32) and on CUDA (fp16)
+        rows = settings.kv_cache_bytes // cfg.kv_cache_bytes(1, cfg.max_seq_len, itemsize)
+        assert slots >= 3 * rows, (itemsize, rows, slots)
+    assert slots >= 1024
+
+
 def test_mha_onnx_runs_on_the_gpu_with_tensorrt_in_fp16(built):
     config = read_config(built, MHA_ONNX)
     assert config.backend == "onnxruntime" and config.default_model_filename == "model.onnx"
