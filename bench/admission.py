@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench import results as output
 from bench.serving import percentiles
 from contract import files
 from contract.config import ModelConfig, preset
 
-RESULTS = Path(__file__).parent / "results"
 PRESET = "tiny"
 VARIANTS = ("fp32-fused", "fp32-static")  # what mha and mha_session serve on the CPU
 DERIVED, FIXED = "derived", "fixed-1024"
@@ -259,18 +257,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attempts", type=int, default=2000, help="sessions to try to open (default 2000)")
     parser.add_argument("--timeout", type=float, default=5.0, help="the client's deadline per open (default 5 s)")
     parser.add_argument("--memory-rounds", type=int, default=2, help="turns of the slot-memory runs (default 2)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
-    parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
+    output.output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-admission-") as scratch:
-        root = args.work or Path(scratch)
-        root.mkdir(parents=True, exist_ok=True)
+    with output.work_folder(args.work, "bench-admission-") as root:
         results = benchmark(root, args.rows, args.attempts, args.timeout, args.memory_rounds)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "admission.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out / "admission.png")
+    wrote = output.write(results, args.out, "admission", plot)
     print(table(results))
-    print(f"wrote {args.out / 'admission.json'} and {args.out / 'admission.png'}")
+    print(wrote)
     return 0
