@@ -20,16 +20,14 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
-import json
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench import results as output
 from bench.serving import NOOP, percentiles, write_noop_model
 
-RESULTS = Path(__file__).parent / "results"
 MODES = ("envoy/mha_session", "direct/mha_session", "envoy/noop", "direct/noop")
 
 
@@ -189,18 +187,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
     parser.add_argument("--steps", type=int, default=25, help="timed steps per mode and round (default 25)")
     parser.add_argument("--sessions", type=int, default=64, help="sessions spread over the replicas (default 64)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
-    parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
+    output.output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as scratch:
-        root = args.work or Path(scratch)
-        root.mkdir(parents=True, exist_ok=True)
+    with output.work_folder(args.work, "bench-scale-") as root:
         results = benchmark(root, args.preset, args.past, args.rounds, args.steps, args.sessions)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out / "scale.png")
+    wrote = output.write(results, args.out, "scale", plot)
     print(table(results))
-    print(f"wrote {args.out / 'scale.json'} and {args.out / 'scale.png'}")
+    print(wrote)
     return 0

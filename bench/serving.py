@@ -29,12 +29,10 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import platform
 import re
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -42,12 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import results as output
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from export.progress import Progress
 from serving.triton.config import ServingSettings
 
-RESULTS = Path(__file__).parent / "results"
 STATIC_MODEL, CONCAT_MODEL, NOOP = "mha_session", "mha_session_concat", "noop"
 ENGINE_MODELS = {"static": STATIC_MODEL, "concat": CONCAT_MODEL}
 # throughput also runs the no-op model: the most steps/s Triton and the client reach on this machine
@@ -682,22 +680,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="two past lengths, few steps, few sessions")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="ONNX Runtime threads in-process")
     parser.add_argument("--time-limit", type=float, default=900.0, help="stop adding points after this many seconds")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
-    parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
+    output.output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     progress = Progress()
     deadline = Deadline(args.time_limit)
-    with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
-        root = args.work or Path(scratch)
-        root.mkdir(parents=True, exist_ok=True)
+    with output.work_folder(args.work, "bench-serving-") as root:
         results = benchmark(root, Plan.make(args.quick), args.threads, deadline, progress)
     results["quick"] = args.quick
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serving.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out / "serving.png")
+    wrote = output.write(results, args.out, "serving", plot)
     print(table(results))
     print(targets_text(results["targets"]))
-    print(f"wrote {args.out / 'serving.json'} and {args.out / 'serving.png'}")
+    print(wrote)
     return 0

@@ -229,7 +229,17 @@ class SessionCore:
             raise UnknownSessionError(f"session {self.id} is already {'closed' if self.closed else 'open'}")
         info = yield from self.client._metadata(self.client.session_model)
         self._sent = np.zeros((1, 0, info.d_model), info.float_dtype)
-        answer = yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=True, end=False)
+        try:
+            answer = yield from self.client._send_step(
+                self.id, {names.HIDDEN_STATES: self._sent}, start=True, end=False
+            )
+        except ServerBusyError:
+            # a refused START still holds a slot in Triton's sequence batcher until END (or its idle
+            # timeout): give it back now, so that refusals cannot fill the slots; open() may be tried again
+            with contextlib.suppress(ClientError):
+                yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=False, end=True)
+            self._sent = None
+            raise
         self.replica = answer.replica
         self.started = True
 

@@ -2,7 +2,8 @@
 
 Used at every edge that takes tensors from a user: the PyTorch original's eager entry, the
 ONNX Runtime runner behind Triton, the client before it sends. `check_inputs` works on anything with
-`.shape` and `.dtype` (numpy arrays, torch tensors); the value checks (`check_finite`) on numpy arrays.
+`.shape` and `.dtype` (numpy arrays, torch tensors); the value checks (`check_finite`,
+`check_mask_values`) on numpy arrays.
 """
 
 from __future__ import annotations
@@ -127,6 +128,21 @@ def check_finite(tensors: Mapping[str, Any]) -> None:
         if array.dtype.kind == "f" and not _all_finite(array):
             where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
             raise InputError(name, f"expected finite values, got {array[where]} at index {list(where)}")
+
+
+def check_mask_values(tensors: Mapping[str, Any]) -> None:
+    """The attention mask, where given, holds only 1 (attend) and 0 (padding), the contract's two
+    values. The graphs read any nonzero value as "attend", so a -1 meant as padding, or token ids sent
+    as the mask, would be answered silently wrong: every edge refuses them alike. numpy arrays only."""
+    mask = tensors.get(names.ATTENTION_MASK)  # None: left out (all ones)
+    if mask is None or mask.size == 0:
+        return
+    outside = (mask < 0) | (mask > 1)
+    if outside.any():
+        where = tuple(int(i) for i in np.argwhere(outside)[0])
+        raise InputError(
+            names.ATTENTION_MASK, f"expected values 0 (padding) or 1 (attend), got {mask[where]} at index {list(where)}"
+        )
 
 
 def _all_finite(array: Any) -> bool:

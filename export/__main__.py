@@ -16,6 +16,7 @@ filled in one go by `python -m serving ensure`).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -93,8 +94,19 @@ def import_and_report(args: argparse.Namespace) -> int:
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except OSError as error:
+        print(cannot_write(args.out, error), file=sys.stderr)
+        return 1
     print(origin_summary(report))
     return 0
+
+
+def cannot_write(out: Path, error: OSError) -> str:
+    """One line for a build the file system refused (nothing was left half-written: build.py): the
+    directory asked for and the OS error, not the staging file it happened on."""
+    code = f" ({errno.errorcode[error.errno]})" if error.errno in errno.errorcode else ""
+    where = f": {error.filename}" if error.filename and Path(error.filename) in (out, *out.parents) else ""
+    return f"error: cannot write {out}: {error.strerror or error}{code}{where}; nothing was changed there"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         build_and_report(cfg, out, getattr(args, "variants", None), seed=getattr(args, "seed", None) or 0)
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        print(cannot_write(out, error), file=sys.stderr)
         return 1
     if args.command is None:
         print(f"artifacts: {out}; serve them: python -m serving repository --artifacts {out} --repository R")

@@ -1,7 +1,9 @@
 """`build`: an artifact directory with every variant that passed the parity ladder, and its report.
 
-A variant is written under a temporary name, checked against the PyTorch original over the
-ladder's scenarios, and moved into place only when it passes (docs/design.md, "Artifacts and variants").
+Every file is written into a staging directory beside the target, put in place when the build ends
+(also when a variant failed: the report says why); a variant's file is kept only when it passed the
+parity ladder against the PyTorch original (docs/design.md, "Artifacts and variants"), and its
+sha256 goes into the report.
 """
 
 from __future__ import annotations
@@ -220,9 +222,11 @@ def build_model(
     `origin` says where the weights came from (a seed, or an imported file and its check against the
     module it came from) and goes into the report. `variants=None` builds every variant the config can
     have (the others are reported as skipped, with the reason); a variant asked for by name that the
-    config cannot have fails the build. Raises BuildError (after writing the report) when any variant fails.
+    config cannot have fails the build. Raises BuildError (after writing the report) when any variant
+    fails. Everything is written into a directory beside `out` and put in place at the end
+    (`artifacts.staged`): an error (OSError: a full disk, a directory that cannot be written) leaves
+    `out` as it was.
     """
-    cfg = model.cfg
     asked = variants is not None
     variants = DEFAULT_VARIANTS if variants is None else variants
     unknown = [v for v in variants if v not in VARIANTS]
@@ -230,22 +234,36 @@ def build_model(
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     progress = progress or Progress()
     out = Path(out)
-    with progress.stage(f"config and weights -> {out}"):
-        artifacts.save_artifact(model, out)
-    report = {"config": cfg.to_dict(), **(origin or {}), "variants": {}}
-    for name in variants:
-        variant = VARIANTS[name]
-        reason = variant.unsupported(cfg)
-        if reason is None:
-            report["variants"][name] = _build_variant(model, out, variant, progress)
-        else:
-            (out / files.model_filename(name)).unlink(missing_ok=True)
-            report["variants"][name] = _not_built(reason, failed=asked)
-    report["passed"] = all(entry["passed"] for entry in report["variants"].values())
-    (out / files.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
+    with artifacts.staged(out, owned=[files.model_filename(name) for name in variants]) as staging:
+        report = _build_into(model, staging, variants, asked, progress, origin, shown=out)
     if not report["passed"]:
         failed = {n: e["problems"] for n, e in report["variants"].items() if not e["passed"]}
         raise BuildError(f"variant(s) failed: {failed}; see {out / files.REPORT_FILENAME}")
+    return report
+
+
+def _build_into(
+    model: AttentionModel,
+    out: Path,
+    variants: tuple[str, ...],
+    asked: bool,
+    progress: Progress,
+    origin: dict | None,
+    shown: Path,
+) -> dict:
+    """Every file of the build into `out`; `shown` is the directory the user asked for."""
+    with progress.stage(f"config and weights -> {shown}"):
+        artifacts.save_artifact(model, out)
+    report = {"config": model.cfg.to_dict(), **(origin or {}), "variants": {}}
+    for name in variants:
+        variant = VARIANTS[name]
+        reason = variant.unsupported(model.cfg)
+        if reason is None:
+            report["variants"][name] = _build_variant(model, out, variant, progress)
+        else:
+            report["variants"][name] = _not_built(reason, failed=asked)
+    report["passed"] = all(entry["passed"] for entry in report["variants"].values())
+    (out / files.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
@@ -254,19 +272,18 @@ def _not_built(reason: str, failed: bool) -> dict:
 
 
 def _build_variant(model: AttentionModel, out: Path, variant: Variant, progress: Progress) -> dict:
-    final = out / files.model_filename(variant.name)
-    staging = out / f".{final.name}.partial"
-    final.unlink(missing_ok=True)  # a stale file must not pass for this build's result
+    """The variant's file in `out` (a staging directory) if it passes, with its sha256 in the entry
+    (the repository records it and the served models check it before loading), else no file."""
+    path = out / files.model_filename(variant.name)
     started = time.perf_counter()
     with progress.stage(f"{variant.name}: export"):
-        variant.make(model, staging)
+        variant.make(model, path)
     with progress.stage(f"{variant.name}: parity"):
-        entry = check_variant(model, staging, variant, progress)
+        entry = check_variant(model, path, variant, progress)
     entry["build_seconds"] = round(time.perf_counter() - started, 2)
     if entry["passed"]:
-        staging.replace(final)
-        entry["file"] = final.name
+        entry["file"], entry["sha256"] = path.name, files.sha256(path)
     else:
-        staging.unlink()
+        path.unlink()
         entry["file"] = None
     return entry

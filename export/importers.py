@@ -25,7 +25,6 @@ its one `bias` field.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from contract.config import LAYERNORM, NO_NORM, ModelConfig
-from contract.files import MODEL_CONFIG_FILENAME
+from contract.files import MODEL_CONFIG_FILENAME, sha256
 from export.model import AttentionModel
 
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
@@ -118,14 +117,6 @@ def read_state_dict(path: Path) -> dict[str, Tensor]:
     if problems:
         raise WeightsError(path, problems)
     return {str(key): value.detach().to(torch.float32).contiguous() for key, value in loaded.items()}
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class LayoutProblems(Exception):

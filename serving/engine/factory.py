@@ -23,7 +23,7 @@ from serving.engine.kv_pool import KVPool
 from serving.engine.ort import CUDA, session_float_dtype
 from serving.engine.placement import Placement, choose_placement, model_file, open_session
 from serving.engine.runner import Runner
-from serving.engine.settings import ENGINE_STATIC, SessionSettings
+from serving.engine.settings import ENGINE_STATIC, SessionSettings, most_sequences
 from serving.engine.static_engine import StaticSessionEngine
 
 SessionEngines = StaticSessionEngine | ConcatSessionEngine
@@ -106,6 +106,8 @@ def pool_rows(cfg: ModelConfig, budget_bytes: int, session) -> int:
     has one scratch position, kv_pool.py, outside the budget's count)."""
     row = cfg.kv_cache_bytes(1, cfg.max_seq_len, np.dtype(session_float_dtype(session)).itemsize)
     rows = budget_bytes // row
+    # Triton's sequence slots were sized from this bound before the placement was known (serving/triton/config.py)
+    assert rows <= most_sequences(cfg, budget_bytes), f"a {row}-byte row is narrower than the bound assumes"
     if rows < 1:
         raise EngineError(
             f"the KV cache budget of {budget_bytes} bytes holds no sequence of max_seq_len {cfg.max_seq_len} "

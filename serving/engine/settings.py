@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 
+from contract.config import ModelConfig
 from serving.engine.errors import EngineError
 
 ENGINE_STATIC, ENGINE_CONCAT = "static", "concat"
 ENGINES = (ENGINE_STATIC, ENGINE_CONCAT)
+# Bytes of the narrowest float a session engine's cache holds: fp16 (the static graph on CUDA); fp32 on the CPU
+NARROWEST_CACHE_ITEMSIZE = 2
+
+
+def most_sequences(cfg: ModelConfig, kv_cache_bytes: int) -> int:
+    """The most sequences a KV budget holds at once on any placement: rows of max_seq_len positions
+    in the narrowest cache float (fp16 on CUDA holds twice the rows of fp32 on the CPU; the concat
+    engine counts fp32). Known before the placement is, so a config written ahead can rely on it."""
+    return kv_cache_bytes // cfg.kv_cache_bytes(1, cfg.max_seq_len, NARROWEST_CACHE_ITEMSIZE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
-from contract.inputs import InputError, check_finite, check_inputs
+from contract.inputs import InputError, check_finite, check_inputs, check_mask_values
 from serving.engine import errors
 
 
@@ -56,6 +56,7 @@ def check_step(cfg: ModelConfig, request: StepRequest) -> int:
             names.ATTENTION_MASK,
             f"a step's mask covers its new tokens only: expected shape [1, {new}], got {list(request.mask.shape)}",
         )
+    check_mask_values({names.ATTENTION_MASK: request.mask})
     return new
 
 

@@ -27,7 +27,7 @@ from contract import names
 from contract.config import ModelConfig
 from contract.names import TensorSpec
 from serving.engine import tensorrt
-from serving.engine.settings import ENGINES, SessionSettings
+from serving.engine.settings import ENGINES, SessionSettings, most_sequences
 
 MHA, MHA_SESSION, MHA_ONNX = "mha", "mha_session", "mha_onnx"
 MODELS = (MHA, MHA_SESSION, MHA_ONNX)
@@ -145,10 +145,7 @@ def mha_session_config(
     config.output.add(name=names.HELD_LENGTH, data_type=pb.TYPE_INT64, dims=[1])
     batching = config.sequence_batching
     batching.max_sequence_idle_microseconds = settings.triton_idle_microseconds
-    # A candidate slot is held from START to END or Triton's idle timeout, also by a sequence our cache
-    # refused: keep far more slots than the budget holds sequences so that the budget (a clear
-    # UNAVAILABLE) and not Triton's backlog (a silent wait) is what limits sessions.
-    batching.oldest.max_candidate_sequences = max(1024, 4 * settings.max_batch_size)
+    batching.oldest.max_candidate_sequences = candidate_sequences(cfg, settings)
     batching.oldest.max_queue_delay_microseconds = settings.max_queue_delay_microseconds
     _set_parameters(
         config,
@@ -159,6 +156,27 @@ def mha_session_config(
         },
     )
     return config
+
+
+# Candidate slots when the budget holds few sequences (what mha_session had before the budget set them)
+MIN_CANDIDATE_SEQUENCES = 1024
+
+
+def candidate_sequences(cfg: ModelConfig, settings: ServingSettings) -> int:
+    """mha_session's candidate sequence slots (`oldest` strategy), from the KV budget, so that the
+    budget and never Triton is what turns a session away.
+
+    Triton's sequence batcher gives a sequence a slot from its START until its END or Triton's idle
+    timeout, whatever the model answered; with every slot taken it answers nothing and keeps a new
+    START in a backlog until one frees (nothing else in the batcher bounds sequences). The slots held
+    at once are at most: the live sequences (at most `most`, the rows the budget holds on any
+    placement: serving/engine/settings.py), those the model evicted for idleness that Triton holds
+    until its own timeout, twice the model's (they were all live one model timeout ago: at most
+    `most` again), and STARTs the model refused, until their END (client/core.py sends it at once;
+    a client that does not is covered up to `most` more). Three times `most`, then.
+    """
+    most = most_sequences(cfg, settings.kv_cache_bytes)
+    return max(MIN_CANDIDATE_SEQUENCES, 4 * settings.max_batch_size, 3 * most)
 
 
 def mha_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConfig:

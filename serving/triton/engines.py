@@ -1,7 +1,7 @@
 """The engines of the Python-backend models from what Triton gives them: the model's version folder
 and its config parameters (serving/triton/config.py writes them), read into the engine's typed
 settings (serving/engine/factory.py). A parameter that is missing or wrong is an EngineError naming
-it, at load.
+it, a graph that is not the one its build checked an IntegrityError naming it, at load.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from serving.engine.placement import TENSORRT
 from serving.engine.runner import Runner
 from serving.engine.settings import ENGINE_STATIC, SessionSettings
 from serving.triton import config as triton_config
+from serving.triton import digests
 
 # file parameter -> the placement that runs it
 FILE_PLACEMENTS = {
@@ -26,8 +27,11 @@ FILE_PLACEMENTS = {
 
 
 def onnx_files(version: Path, parameters: dict[str, str]) -> dict[str, Path]:
-    """Placement kind -> the ONNX file its parameter names in the version folder."""
-    return {kind: version / parameters[key] for key, kind in FILE_PLACEMENTS.items() if parameters.get(key)}
+    """Placement kind -> the ONNX file its parameter names in the version folder, each checked against
+    the folder's SHA256SUMS first (digests.IntegrityError: the model does not load, and says why)."""
+    files = {kind: version / parameters[key] for key, kind in FILE_PLACEMENTS.items() if parameters.get(key)}
+    digests.verify(version, [path.name for path in files.values()])
+    return files
 
 
 def threads(parameters: dict[str, str]) -> int:

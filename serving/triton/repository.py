@@ -5,8 +5,11 @@
     REPO/<model>/1/config.json         the ModelConfig the model was built from
     REPO/<model>/1/model.<variant>.onnx  python models: one passing graph per placement (PYTHON_FILES)
     REPO/mha_onnx/1/model.onnx         the onnxruntime backend's default file name
+    REPO/<model>/1/SHA256SUMS          each graph's sha256 from the build's report (serving/triton/digests.py)
 
-Only variants that passed the parity ladder (report.json) are ever copied.
+Only variants that passed the parity ladder (report.json) are ever copied, and only when the file is
+still the one the build checked (its sha256 as the report recorded it); the Python models check the
+copies against SHA256SUMS again when they load.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import shutil
 from pathlib import Path
 
 from contract.config import ModelConfig
-from contract.files import MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
+from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename, sha256
 from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC
 from serving.triton import config as triton_config
+from serving.triton import digests
 from serving.triton.config import ServingSettings
 
 VERSION = "1"
@@ -52,16 +56,43 @@ class RepositoryError(RuntimeError):
     """The artifact directory cannot fill a repository (no passing variant, missing files)."""
 
 
-def _passing_variants(artifact_dir: Path) -> set[str]:
+def _read_report(artifact_dir: Path) -> dict:
     report_path = artifact_dir / REPORT_FILENAME
     if not report_path.is_file():
         raise RepositoryError(f"{artifact_dir} has no {REPORT_FILENAME}; run `python -m export build` first")
-    report = json.loads(report_path.read_text())
+    return json.loads(report_path.read_text())
+
+
+def _passing_variants(artifact_dir: Path, report: dict) -> set[str]:
     return {
         name
         for name, entry in report.get("variants", {}).items()
         if entry.get("passed") and entry.get("file") and (artifact_dir / model_filename(name)).is_file()
     }
+
+
+def checked_digest(path: Path, report: dict) -> str:
+    """The sha256 the build recorded for the graph at `path`, once the file is seen to still have it."""
+    entry = next(entry for entry in report["variants"].values() if entry.get("file") == path.name)
+    recorded = entry.get("sha256")
+    if recorded is None:
+        raise RepositoryError(f"{path.parent / REPORT_FILENAME} records no sha256 for {path.name}; build it again")
+    actual = sha256(path)
+    if actual != recorded:
+        raise RepositoryError(
+            f"{path} changed after its build: sha256 {actual}, the build recorded {recorded}; build it again"
+        )
+    return recorded
+
+
+def _copy_graphs(artifact_dir: Path, report: dict, version: Path, copies: dict[str, str]) -> None:
+    """Each graph (artifact file name -> its name in `version`), checked against the build's digest,
+    copied, and the digests written beside them."""
+    recorded = {}
+    for source, target in sorted(copies.items()):
+        recorded[target] = checked_digest(artifact_dir / source, report)
+        shutil.copyfile(artifact_dir / source, version / target)
+    digests.write(version, recorded)
 
 
 def python_files(choices: dict[str, tuple[str, ...]], passing: set[str]) -> dict[str, str]:
@@ -111,7 +142,8 @@ def write_repository(
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; choose from {list(triton_config.MODELS)}")
     cfg = ModelConfig.load(artifact_dir)
-    passing = _passing_variants(artifact_dir)
+    report = _read_report(artifact_dir)
+    passing = _passing_variants(artifact_dir, report)
     files = model_files(passing, settings)
     for name in triton_config.PYTHON_MODELS:
         if name in models and P_CPU not in files[name]:
@@ -127,11 +159,10 @@ def write_repository(
         shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
         if name in triton_config.PYTHON_MODELS:
             shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)
-            for onnx_file in sorted(set(files[name].values())):
-                shutil.copyfile(artifact_dir / onnx_file, version / onnx_file)
+            copies = {onnx_file: onnx_file for onnx_file in files[name].values()}
         else:
-            source = artifact_dir / model_filename(ONNX_BACKEND_VARIANT)
-            shutil.copyfile(source, version / triton_config.ONNX_BACKEND_FILENAME)
+            copies = {model_filename(ONNX_BACKEND_VARIANT): triton_config.ONNX_BACKEND_FILENAME}
+        _copy_graphs(artifact_dir, report, version, copies)
     return repository
 
 
@@ -139,14 +170,14 @@ def _fresh_version_dir(model_dir: Path) -> Path:
     """The version folder, without the ONNX files of an earlier build (another variant may win now)."""
     version = model_dir / VERSION
     version.mkdir(parents=True, exist_ok=True)
-    for stale in version.glob("model*.onnx"):
-        stale.unlink()
+    for stale in [*version.glob("model*.onnx"), version / DIGESTS_FILENAME]:
+        stale.unlink(missing_ok=True)
     return version
 
 
 def is_complete(repository_dir: str | Path, models: tuple[str, ...] = triton_config.PYTHON_MODELS) -> bool:
-    """Whether each of `models` has its config, its config.json and every ONNX file its config names
-    (what serving needs). Reads the configs only: no torch, no onnx."""
+    """Whether each of `models` has its config, its config.json, every ONNX file its config names and
+    their digests (what serving needs). Reads the configs only: no torch, no onnx, no hashing."""
     repository = Path(repository_dir)
     for name in models:
         version = repository / name / VERSION
@@ -156,5 +187,10 @@ def is_complete(repository_dir: str | Path, models: tuple[str, ...] = triton_con
         config = triton_config.parse(config_path.read_text())
         needed = [value.string_value for key, value in config.parameters.items() if key.startswith(P_CPU)]
         if not needed or not all((version / name).is_file() for name in [*needed, SHIM_FILENAME]):
+            return False
+        try:
+            if not set(needed) <= set(digests.read(version)):
+                return False
+        except digests.IntegrityError:  # none recorded: written before digests were
             return False
     return True

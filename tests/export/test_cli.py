@@ -2,13 +2,16 @@
 
 import copy
 import json
+import os
+import resource
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from contract import names
+from contract import files, names
 from contract.config import ModelConfig
 from export import __main__ as cli
 from export import build
@@ -55,6 +58,8 @@ def test_build_writes_the_artifact_and_prints_a_table(cli_build):
     assert ModelConfig.load(out) == UNSEEN
     assert "fp32" in proc.stdout and "pass" in proc.stdout
     assert "fp32: export ... done" in proc.stderr and "fp32: parity ... done" in proc.stderr  # progress
+    report = json.loads((out / files.REPORT_FILENAME).read_text())  # each kept file's digest, for the repository
+    assert report["variants"]["fp32"]["sha256"] == files.sha256(out / "model.fp32.onnx")
 
 
 @pytest.mark.slow  # a whole build
@@ -145,7 +150,75 @@ def test_a_variant_that_fails_parity_fails_the_command_and_is_not_kept(tmp_path,
     captured = capsys.readouterr()
     assert "FAIL" in captured.out and "parity failed" in captured.err
     assert not (tmp_path / "model.fp32.onnx").exists()
-    assert not list(tmp_path.glob(".*partial"))
+    assert not list(tmp_path.parent.glob(".*partial"))  # the staging folder beside it is gone
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] is False and report["variants"]["fp32"]["file"] is None
     assert report["variants"]["fp32"]["worst"]["present.0.value"]["max_abs"] > 1e-5
+
+
+# --- a file system that refuses the build -----------------------------------------------------------
+
+
+def tree(directory: Path) -> dict[str, str]:
+    """Each file under `directory` (names relative to it) and its sha256: what a failure must not change."""
+    return {str(p.relative_to(directory)): files.sha256(p) for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def build_command(out: Path) -> list[str]:
+    return [sys.executable, "-m", "export", "build", "--preset", "tiny", "--variants", "fp32", "--out", str(out)]
+
+
+def test_an_out_path_inside_a_file_is_one_clear_error_and_nothing_is_made(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("a file where a folder would go")
+    before = tree(tmp_path)
+    assert cli.main(["build", "--preset", "tiny", "--out", str(tmp_path / "notes.txt" / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: cannot write {tmp_path / 'notes.txt' / 'out'}: Not a directory (ENOTDIR): {tmp_path / 'notes.txt'}; "
+        "nothing was changed there"
+    )
+    assert tree(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.slow  # two builds
+def test_a_full_disk_leaves_the_earlier_build_as_it_was_and_says_so_in_one_line(tmp_path):
+    """RLIMIT_FSIZE in the child (honest as root too, unlike chmod): the weights fit, the first graph
+    does not, as when a disk fills up mid-build; a rebuild over an earlier artifact and a first build."""
+    earlier = tmp_path / "earlier"
+    assert cli.main(["build", "--preset", "tiny", "--out", str(earlier), "--variants", "fp32"]) == 0
+    limit = (earlier / files.WEIGHTS_FILENAME).stat().st_size + 4096
+    assert (earlier / files.model_filename("fp32")).stat().st_size > limit  # the graph is what hits the limit
+    before = tree(tmp_path)
+
+    def small_disk() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes get EFBIG
+
+    for out in (earlier, tmp_path / "first"):
+        proc = subprocess.run(
+            build_command(out), capture_output=True, text=True, timeout=300, check=False, preexec_fn=small_disk
+        )
+        assert proc.returncode == 1, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: cannot write {out}: File too large (EFBIG); nothing was changed there"
+        )
+        assert tree(tmp_path) == before  # the earlier build byte for byte, no first/, no staging folder
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes through chmod 0555 (the full-disk and file-in-the-way tests hold as root)"
+)
+def test_a_read_only_out_directory_fails_before_building_and_stays_as_it_was(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "kept.txt").write_text("already here")
+    out.chmod(0o555)
+    try:
+        assert cli.main(["build", "--preset", "tiny", "--out", str(out)]) == 1
+    finally:
+        out.chmod(0o755)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: cannot write {out}: Permission denied (EACCES): {out}; nothing was changed there"
+    assert tree(tmp_path) == {"out/kept.txt": files.sha256(out / "kept.txt")}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

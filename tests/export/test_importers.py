@@ -335,7 +335,7 @@ def test_build_from_weights_records_where_they_came_from(tmp_path, capsys):
     report = json.loads((out / files.REPORT_FILENAME).read_text())
     assert "seed" not in report
     assert report["weights"]["layout"] == "torch-mha" and report["weights"]["file"] == path
-    assert report["weights"]["sha256"] == importers.sha256(tmp_path / "mha.pt")
+    assert report["weights"]["sha256"] == files.sha256(tmp_path / "mha.pt")
     assert report["source_check"]["passed"] and report["config"]["norm"] == "none"
     assert artifacts.load_model(out).cfg == ModelConfig.from_dict(report["config"])
 

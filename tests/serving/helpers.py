@@ -62,3 +62,17 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def change_one_weight(path, by: float = 1e-3) -> None:
+    """Move one value of the graph's first float initializer by `by`: a file changed after its build
+    that still loads and serves, a little off (what the digests must catch)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    initializer = next(i for i in model.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and i.dims)
+    values = numpy_helper.to_array(initializer).copy()
+    values.flat[0] += by
+    initializer.CopyFrom(numpy_helper.from_array(values, initializer.name))
+    onnx.save(model, str(path))

@@ -71,6 +71,9 @@ STATELESS_CASES = {
         lambda a, c: good_inputs(c, past=c.max_seq_len - 2, new=3),
         (H, "past + new = 2046 + 3 = 2049 positions", "max_seq_len 2048"),
     ),
+    # the graphs read any nonzero value as "attend": a -1 meant as padding would be answered silently wrong
+    "mask value 5": Case(_replace(M, lambda a, c: _mask_with(a[M], 5)), (M, "0 (padding) or 1", "5 at index [0, 2]")),
+    "mask value -1": Case(_replace(M, lambda a, c: _mask_with(a[M], -1)), (M, "0 (padding) or 1", "got -1 at index")),
     "more tokens than a request may carry": Case(
         lambda a, c: _batched(good_inputs(c, past=0, new=1025), 2), (H, "2 x 1025 = 2050 tokens", "2048 per request")
     ),
@@ -81,6 +84,12 @@ def _poke(array: np.ndarray, value: float) -> np.ndarray:
     poked = array.copy()
     poked[(0,) * (array.ndim - 2) + (1, 2)] = value
     return poked
+
+
+def _mask_with(mask: np.ndarray, value: int) -> np.ndarray:
+    changed = mask.copy()
+    changed[0, 2] = value
+    return changed
 
 
 def _batched(arrays: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
@@ -110,6 +119,16 @@ SESSION_CASES = {
     "wrong size": (lambda d: np.ones((1, 2, d - 1), np.float32), None, (H, "[-1,-1,256]")),
     "two rows": (lambda d: np.ones((2, 2, d), np.float32), None, ("mha_session", "batch-size 1")),  # Triton core
     "mask length": (lambda d: np.ones((1, 2, d), np.float32), np.ones((1, 3), np.int64), (M, "[1, 2]", "[1, 3]")),
+    "mask value 5": (
+        lambda d: np.ones((1, 2, d), np.float32),
+        np.array([[1, 5]], np.int64),
+        (M, "0 (padding) or 1", "got 5"),
+    ),
+    "mask value -1": (
+        lambda d: np.ones((1, 2, d), np.float32),
+        np.array([[-1, 1]], np.int64),
+        (M, "0 (padding) or 1", "got -1"),
+    ),
     "no new tokens": (lambda d: np.ones((1, 0, d), np.float32), None, (H, "sequence_length must be at least 1")),
     "too long": (lambda d: np.ones((1, 2048, d), np.float32), None, ("would hold 2051 positions", "max_seq_len 2048")),
     # one NaN in a step would sit in the cache and poison every later step of the session

@@ -180,6 +180,7 @@ def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(a
     from serving.engine.settings import ENGINE_STATIC
     from serving.triton import engines
     from serving.triton.config import P_ENGINE, P_IDLE_TIMEOUT, P_KV_CACHE_BYTES, P_ONNX_FILE, P_ONNX_FILE_CUDA
+    from serving.triton.repository import VERSION, write_repository
 
     parameters = {
         P_ENGINE: ENGINE_STATIC,
@@ -188,7 +189,8 @@ def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(a
         P_KV_CACHE_BYTES: str(original.cfg.kv_cache_bytes(4, original.cfg.max_seq_len)),
         P_IDLE_TIMEOUT: "60",
     }
-    engine = engines.session_engine(artifact_dir("gqa"), original.cfg, parameters, 8, "test")
+    repository = write_repository(artifact_dir("gqa"), tmp_path, models=("mha_session",))  # with the digests
+    engine = engines.session_engine(repository / "mha_session" / VERSION, original.cfg, parameters, 8, "test")
     assert engine.pool.device == "cuda" and engine.pool.dtype is np.float16
     assert engine.pool.cuda_graphs, engine.description
     rng, reference = np.random.default_rng(4), Reference(original)

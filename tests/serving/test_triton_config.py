@@ -18,8 +18,9 @@ from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from export import build
 from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, ENGINES
 from serving.triton import config as triton_config
-from serving.triton import repository
+from serving.triton import digests, engines, repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
+from tests.serving.helpers import change_one_weight
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = PROJECT_ROOT / "model_repository"
@@ -147,6 +148,20 @@ def test_session_batching_is_oldest_and_both_timeouts_come_from_one_setting(arti
     assert triton_config.parameter(config, triton_config.P_KV_CACHE_BYTES) == str(123 << 20)
 
 
+@pytest.mark.parametrize("budget_mib", [1, 64, 2048])
+def test_triton_has_more_sequence_slots_than_the_budget_has_rows_on_any_placement(budget_mib):
+    """With every slot taken Triton holds a START unanswered: the budget must refuse first. 2 GiB on
+    the tiny model holds 8,192 fp32 rows on the CPU (the 1,025th START hung with 1,024 slots) and
+    16,384 fp16 rows on CUDA; slots cover the live rows, as many evicted ones Triton still holds, and
+    as many refused STARTs awaiting their END."""
+    cfg, settings = preset("tiny"), ServingSettings(kv_cache_bytes=budget_mib << 20)
+    slots = triton_config.mha_session_config(cfg, {}, settings).sequence_batching.oldest.max_candidate_sequences
+    for itemsize in (4, 2):  # the pool's float on the CPU (fp32) and on CUDA (fp16)
+        rows = settings.kv_cache_bytes // cfg.kv_cache_bytes(1, cfg.max_seq_len, itemsize)
+        assert slots >= 3 * rows, (itemsize, rows, slots)
+    assert slots >= 1024
+
+
 def test_mha_onnx_runs_on_the_gpu_with_tensorrt_in_fp16(built):
     config = read_config(built, MHA_ONNX)
     assert config.backend == "onnxruntime" and config.default_model_filename == "model.onnx"
@@ -171,6 +186,43 @@ def test_a_repository_is_complete_only_with_configs_and_models(built, tmp_path):
     (tmp_path / "repo" / MHA_SESSION / "1" / "model.fp32-static.onnx").unlink()
     assert not repository.is_complete(tmp_path / "repo")  # `python -m serving` would export first
     assert not repository.is_complete(tmp_path / "empty")
+    shutil.copytree(built, tmp_path / "unchecked")
+    (tmp_path / "unchecked" / MHA / "1" / files.DIGESTS_FILENAME).unlink()  # written before digests were
+    assert not repository.is_complete(tmp_path / "unchecked")
+
+
+def test_each_version_folder_records_the_builds_digest_of_every_graph_it_holds(built, artifact_dir):
+    report = json.loads((artifact_dir("gqa") / files.REPORT_FILENAME).read_text())
+    built_digests = {entry["file"]: entry["sha256"] for entry in report["variants"].values() if entry["file"]}
+    for model in triton_config.MODELS:
+        version = built / model / repository.VERSION
+        recorded = digests.read(version)
+        assert sorted(recorded) == sorted(path.name for path in version.glob("*.onnx")), model
+        for name, digest in recorded.items():
+            source = files.model_filename(repository.ONNX_BACKEND_VARIANT) if model == MHA_ONNX else name
+            assert digest == built_digests[source] == files.sha256(version / name), (model, name)
+
+
+def test_a_graph_changed_in_the_repository_is_refused_when_the_model_loads(built, tmp_path):
+    repo = shutil.copytree(built, tmp_path / "repo")
+    version = repo / MHA_SESSION / repository.VERSION
+    parameters = {key: value.string_value for key, value in read_config(repo, MHA_SESSION).parameters.items()}
+    assert engines.onnx_files(version, parameters)  # as written: every graph checks out
+    changed = version / parameters[triton_config.P_ONNX_FILE]
+    recorded = files.sha256(changed)
+    change_one_weight(changed)
+    with pytest.raises(digests.IntegrityError) as raised:
+        engines.onnx_files(version, parameters)
+    assert f"{changed} changed after its build: sha256 {files.sha256(changed)}, the build recorded {recorded}" in str(
+        raised.value
+    )
+
+
+def test_an_artifact_changed_after_its_build_is_not_copied_into_a_repository(artifact_dir, tmp_path):
+    source = shutil.copytree(artifact_dir("gqa"), tmp_path / "artifact")
+    change_one_weight(source / "model.fp32-static.onnx")
+    with pytest.raises(repository.RepositoryError, match=r"model\.fp32-static\.onnx changed after its build: sha256"):
+        repository.write_repository(source, tmp_path / "repo")
 
 
 def test_fp32_is_served_when_the_fused_variant_failed(artifact_dir, tmp_path):

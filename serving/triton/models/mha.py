@@ -1,14 +1,21 @@
 """`mha`: the stateless model. A request carries the hidden states, the mask and the whole past;
 the answer is the output and the presents (docs/design.md, "Contracts"). Each request is checked on
-its own (shapes, dtypes, finite values, past + new within max_seq_len, batch x new within the
-repository's `max_request_tokens`) and a bad one gets its own INVALID_ARG answer naming the input;
-execute() never raises."""
+its own (shapes, dtypes, finite values, a mask of 0 and 1, past + new within max_seq_len, batch x new
+within the repository's `max_request_tokens`) and a bad one gets its own INVALID_ARG answer naming
+the input; execute() never raises."""
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from contract.inputs import check_finite, check_inputs, check_length, check_positions, check_request_tokens
+from contract.inputs import (
+    check_finite,
+    check_inputs,
+    check_length,
+    check_mask_values,
+    check_positions,
+    check_request_tokens,
+)
 from serving.triton import config as triton_config
 from serving.triton import engines
 from serving.triton.models import common
@@ -37,6 +44,7 @@ class TritonPythonModel:
             check_positions(self.model.cfg, arrays)
             check_request_tokens(batch, new, self.max_request_tokens)
             check_finite(arrays)
+            check_mask_values(arrays)
             return common.response(self.runner.run_arrays(arrays))
         except Exception as error:  # answered, never raised: the server keeps serving
             return common.error_response(self.model.name, error)

@@ -1,0 +1,35 @@
+"""What the served benchmarks' commands share: where they write (`--out`) and work (`--work`), and
+writing their JSON and plot."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def output_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
+    parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
+
+
+@contextlib.contextmanager
+def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
+    """`work` (made if needed), or a temporary folder removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
+        root = work or Path(scratch)
+        root.mkdir(parents=True, exist_ok=True)
+        yield root
+
+
+def write(results: dict, out: Path, name: str, plot: Callable[[dict, Path], Path]) -> str:
+    """`<name>.json` and `<name>.png` in `out`; the line that says so."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out / f"{name}.png")
+    return f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}"

@@ -1,0 +1,92 @@
+"""Admission: the KV budget, never Triton's sequence batcher, is what turns a session away.
+
+Triton gives each sequence a candidate slot from START to END; with every slot taken it holds a new
+START unanswered in a backlog. mha_session had 1,024 slots whatever its budget: on a budget of more
+rows than that, the 1,025th START hung to the caller's deadline. The slots now follow the budget
+(serving/triton/config.py `candidate_sequences`): on a budget of more than 1,024 rows every START is
+answered at once, the first beyond the budget with `[cache_full]` (the client's ServerBusyError),
+and the client ends the refused sequence so that refusals do not hold slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from client import Client, ServerBusyError
+from contract import errors as kinds
+from contract.config import ModelConfig
+from serving.host.launcher import start_triton
+from serving.triton.config import MHA, MHA_SESSION, ServingSettings
+from serving.triton.repository import write_repository
+from tests.serving import helpers
+
+pytestmark = [pytest.mark.served, pytest.mark.slow]
+
+ROWS = 1100  # fp32 rows of the tiny model's max_seq_len: more than the 1,024 slots Triton had
+ANSWER_WITHIN_S = 10.0  # a START Triton held in its backlog would time out here instead of answering
+
+
+@pytest.fixture(scope="module")
+def server(artifact_dir, tmp_path_factory):
+    artifact = artifact_dir("tiny")
+    cfg = ModelConfig.load(artifact)
+    settings = ServingSettings(threads=1, kv_cache_bytes=ROWS * cfg.kv_cache_bytes(1, cfg.max_seq_len))
+    work = tmp_path_factory.mktemp("admission")
+    repository = write_repository(artifact, work / "repository", settings, models=(MHA, MHA_SESSION))
+    triton = start_triton(repository, log_path=work / "triton.log")
+    yield triton
+    triton.stop()
+
+
+def open_until_refused(client: Client, most: int) -> tuple[list, ServerBusyError]:
+    sessions = []
+    while len(sessions) <= most:
+        session = client.session()
+        try:
+            session.open()
+        except ServerBusyError as refused:
+            return sessions, refused
+        sessions.append(session)
+    pytest.fail(f"{len(sessions)} sessions opened on a budget of {ROWS} rows")
+
+
+def test_every_start_is_answered_and_the_first_beyond_the_budget_is_refused_as_cache_full(server):
+    client = Client(server.grpc_url, timeout=ANSWER_WITHIN_S, retries=0)
+    sessions, refused = open_until_refused(client, most=2 * ROWS)
+    try:
+        # ROWS on the CPU's fp32 pool (twice that in fp16 on a GPU): either way past Triton's old 1,024
+        assert len(sessions) in (ROWS, 2 * ROWS)
+        assert refused.kind == kinds.CACHE_FULL and "the KV cache budget is full" in refused.message
+        assert_a_refused_open_is_ended(server, client)
+        assert_live_sessions_still_answer_right(client, [sessions[0], sessions[len(sessions) // 2], sessions[-1]])
+    finally:
+        for session in sessions:
+            session.close()
+        client.close()
+    with Client(server.grpc_url, timeout=ANSWER_WITHIN_S, retries=0) as again:
+        again.session().open().close()  # the ENDs gave the rows back
+
+
+def assert_a_refused_open_is_ended(server, client: Client) -> None:
+    """A refused START holds a Triton slot until its END: open() sends that END, so refusals never
+    fill the slots. Seen from Triton: a later step of the refused sequence is no longer one it holds
+    (its own "must specify the START flag"; had it kept the slot, the model would answer the step)."""
+    refused = client.session()
+    with pytest.raises(ServerBusyError):
+        refused.open()
+    width = client.metadata(MHA_SESSION).d_model
+    with helpers.Client(server, "grpc") as raw, pytest.raises(InferenceServerException) as answer:
+        raw.step(refused.id, np.zeros((1, 1, width), np.float32))
+    assert "must specify the START flag" in answer.value.message(), answer.value.message()
+
+
+def assert_live_sessions_still_answer_right(client: Client, sessions: list) -> None:
+    """Sessions opened before the refusals step as usual: the same tokens give each of them the
+    stateless model's answer for a sequence with no past."""
+    width = client.metadata(MHA_SESSION).d_model
+    tokens = np.random.default_rng(5).standard_normal((1, 3, width)).astype(np.float32)
+    expected = client.infer(tokens).output
+    for session in sessions:
+        np.testing.assert_allclose(session.step(tokens), expected, atol=1e-5, rtol=1e-5)

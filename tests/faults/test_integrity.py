@@ -1,0 +1,94 @@
+"""A model file changed after its build (one weight moved by 1e-3: the graph still loads and would
+serve answers a little off): the Python models check each graph against the digest its build
+recorded (the version folder's SHA256SUMS) and refuse to load it, and the reason, naming the file
+and both digests, is in Triton's model status and log, so in what `python -m serving` prints.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as triton_http
+from tritonclient.utils import InferenceServerException
+
+from client import Client
+from contract.files import sha256
+from serving.host.launcher import ADMIN_HEADER, free_port, start_triton
+from serving.triton.config import ServingSettings
+from serving.triton.repository import write_repository
+from tests.serving.helpers import change_one_weight
+
+pytestmark = [pytest.mark.served, pytest.mark.slow]
+
+
+@pytest.fixture
+def repository(artifact_dir, tmp_path) -> Path:
+    return write_repository(artifact_dir("tiny"), tmp_path / "repository", ServingSettings(threads=1))
+
+
+def changed(path: Path) -> tuple[str, str]:
+    """Move one weight of the graph at `path`; its digest before and after."""
+    before = sha256(path)
+    change_one_weight(path)
+    return before, sha256(path)
+
+
+def processes_using(path: Path) -> list[str]:
+    """Command lines of the running processes that name `path` (a tritonserver, a model's stub)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(path) in command and "pytest" not in command:
+            found.append(command)
+    return found
+
+
+def test_serving_a_changed_graph_fails_at_start_naming_the_file_and_both_digests(repository, tmp_path):
+    graph = repository / "mha" / "1" / "model.fp32-fused.onnx"
+    recorded, actual = changed(graph)
+    ports = [str(free_port()) for _ in range(3)]
+    command = [sys.executable, "-m", "serving", "--model-repository", str(repository), "--no-gateway"]
+    command += ["--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2]]
+    finished = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False)
+    output = finished.stdout + finished.stderr
+    assert finished.returncode == 1, output
+    # Triton's model status, in its log and in what `python -m serving` prints
+    assert "load failed for model 'mha': version 1 is at UNAVAILABLE state" in output, output
+    assert f"IntegrityError: {graph} changed after its build: sha256 {actual}, the build recorded {recorded}" in output
+    assert not processes_using(repository)  # Triton and the other model's stub are gone too
+
+
+def test_a_running_model_refuses_to_reload_a_changed_graph_and_keeps_serving_the_checked_one(repository, tmp_path):
+    server = start_triton(repository, log_path=tmp_path / "triton.log")
+    try:
+        client = Client(server.grpc_url, retries=0)
+        width = client.metadata("mha_session").d_model
+        token = np.random.default_rng(0).standard_normal((1, 3, width)).astype(np.float32)
+        with client.session() as session:
+            before = session.step(token)
+        graph = repository / "mha_session" / "1" / "model.fp32-static.onnx"
+        recorded, actual = changed(graph)
+        admin = triton_http.InferenceServerClient(server.http_url)
+        config = admin.get_model_config("mha_session")
+        config["parameters"]["reload"] = {"string_value": "1"}  # a changed config: Triton loads anew
+        with pytest.raises(InferenceServerException) as refused:
+            admin.load_model("mha_session", headers={ADMIN_HEADER: server.admin_key}, config=json.dumps(config))
+        message = refused.value.message()
+        assert "load failed for model 'mha_session'" in message and "UNAVAILABLE" in message, message
+        assert f"IntegrityError: {graph} changed after its build: sha256 {actual}" in message, message
+        assert f"the build recorded {recorded}" in (tmp_path / "triton.log").read_text()
+        # Triton keeps the version it had, whose graph was checked when it loaded
+        with client.session() as session:
+            np.testing.assert_array_equal(session.step(token), before)
+        admin.close()
+        client.close()
+    finally:
+        server.stop()
