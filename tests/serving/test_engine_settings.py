@@ -7,8 +7,9 @@ import pytest
 
 from serving.engine.errors import EngineError
 from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, SessionSettings
+from contract.files import sha256
 from serving.triton import config as triton_config
-from serving.triton import engines
+from serving.triton import digests, engines
 
 PARAMETERS = {triton_config.P_KV_CACHE_BYTES: "1048576", triton_config.P_IDLE_TIMEOUT: "60"}
 
@@ -64,6 +65,9 @@ def test_a_missing_or_wrong_parameter_is_named(parameters, message):
 
 
 def test_model_files_map_to_their_placements(tmp_path):
+    for name in ("a.onnx", "b.onnx"):
+        (tmp_path / name).write_bytes(name.encode())
+    digests.write(tmp_path, {name: sha256(tmp_path / name) for name in ("a.onnx", "b.onnx")})
     parameters = {triton_config.P_ONNX_FILE: "a.onnx", triton_config.P_ONNX_FILE_CUDA: "b.onnx"}
     assert engines.onnx_files(tmp_path, parameters) == {"cpu": tmp_path / "a.onnx", "cuda": tmp_path / "b.onnx"}
 
