@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from contract.files import sha256
 from serving.engine.errors import EngineError
 from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, SessionSettings
-from contract.files import sha256
 from serving.triton import config as triton_config
 from serving.triton import digests, engines
 
