@@ -4,6 +4,7 @@ python -m bench model            # PyTorch eager vs each ONNX variant on ONNX Ru
 python -m bench model --quick    # a few small shapes, short budgets
 python -m bench serving          # in-process vs Triton stateless vs stateful, gRPC and HTTP
 python -m bench scale            # Envoy in front of 3 Triton replicas vs straight to one; 64 sessions' spread
+python -m bench gateway          # 16 sessions stepping through the gateway (JSON, b64) vs the gRPC client direct
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -13,12 +14,12 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import gpu, model, scale, serving
+from bench import gateway, gpu, model, scale, serving
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
-COMMANDS: dict[str, ModuleType] = {"model": model, "serving": serving, "scale": scale, "gpu": gpu}
-DEFAULT_COMMANDS = ("model", "serving", "scale")
+COMMANDS: dict[str, ModuleType] = {"model": model, "serving": serving, "scale": scale, "gateway": gateway, "gpu": gpu}
+DEFAULT_COMMANDS = ("model", "serving", "scale", "gateway")
 
 
 def parser() -> argparse.ArgumentParser:

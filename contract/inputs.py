@@ -109,7 +109,24 @@ def check_finite(tensors: Mapping[str, Any]) -> None:
     for name, array in tensors.items():
         if array.dtype.kind == "f" and not _all_finite(array):
             where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
-            raise InputError(name, f"expected finite values, got {array[where]} at index {list(where)}")
+            raise InputError(name, f"expected finite {array.dtype} values, got {array[where]} at index {list(where)}")
+
+
+def check_mask_values(tensors: Mapping[str, Any]) -> None:
+    """The attention mask holds only 1 (attend) and 0 (padding). numpy arrays only."""
+    mask = tensors.get(names.ATTENTION_MASK)
+    if mask is None or not mask.size:
+        return
+    bad = (mask != 0) & (mask != 1)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise InputError(names.ATTENTION_MASK, f"expected values 0 or 1, got {mask[where]} at index {list(where)}")
+
+
+def check_one_sequence(batch: int) -> None:
+    """A session holds one sequence: its steps have batch_size 1."""
+    if batch != 1:
+        raise InputError(names.HIDDEN_STATES, f"a session holds one sequence, so {names.BATCH} must be 1, got {batch}")
 
 
 def _all_finite(array: Any) -> bool:
@@ -128,12 +145,14 @@ def check_length(cfg: names.Sizes, past: int, new: int, name: str = names.HIDDEN
         raise InputError(name, f"past + new = {past} + {new} = {past + new} positions, more than max_seq_len {limit}")
 
 
-def check_request_tokens(batch: int, new: int, limit: int) -> None:
-    """batch x new within the deployment's cap on the tokens one stateless request computes."""
+def check_request_tokens(batch: int, new: int, limit: int, setting: str | None = None) -> None:
+    """batch x new within the deployment's cap on the tokens one stateless request computes; `setting`
+    names the knob that sets `limit`, for the message."""
     if batch * new > limit:
+        knob = f" ({setting})" if setting else ""
         raise InputError(
             names.HIDDEN_STATES,
-            f"batch x new = {batch} x {new} = {batch * new} tokens, more than this server's {limit} per request",
+            f"batch x new = {batch} x {new} = {batch * new} tokens, more than this server's {limit} per request{knob}",
         )
 
 

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator
 import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic.json_schema import models_json_schema
 
 from serving.gateway import routes
 from serving.gateway.errors import install_handlers
-from serving.gateway.limits import BodyLimitMiddleware
+from serving.gateway.limits import RequestLimitsMiddleware
 from serving.gateway.metrics import MetricsMiddleware
 from serving.gateway.settings import Settings
 from serving.gateway.state import GatewayState
@@ -59,10 +61,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_handlers(app)
     app.include_router(routes.health)
     app.include_router(routes.v1)
-    # added last = outermost: metrics see every answer, the body limit runs before any parsing
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    # added last = outermost: metrics see every answer, the limits run before any parsing
+    app.add_middleware(RequestLimitsMiddleware, gateway=app.state.gateway)
     app.add_middleware(MetricsMiddleware, metrics=app.state.gateway.metrics)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, plus the schemas of the bodies the routes read themselves (routes.BODY_MODELS)."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        template = "#/components/schemas/{model}"
+        _, bodies = models_json_schema([(model, "validation") for model in routes.BODY_MODELS], ref_template=template)
+        document["components"]["schemas"] = dict(sorted((document["components"]["schemas"] | bodies["$defs"]).items()))
+        app.openapi_schema = document
+    return app.openapi_schema
 
 
 def _install_docs(app: FastAPI) -> None:

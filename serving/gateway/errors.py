@@ -43,6 +43,12 @@ class InvalidInput(ApiError):
     status, code = 400, "invalid_input"
 
 
+class SchemaViolation(ApiError):
+    """The body is not JSON, or its fields do not match the OpenAPI document."""
+
+    status, code = 422, "validation_error"
+
+
 class Unauthorized(ApiError):
     status, code = 401, "unauthorized"
     headers: ClassVar[dict[str, str] | None] = {"WWW-Authenticate": 'Bearer realm="attention-serving"'}
@@ -136,7 +142,9 @@ def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse
 
 
 def _unexpected(request: Request, error: Exception) -> JSONResponse:
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
+    # the route's template, not the path: a path can hold a session id, which logs must not
+    route = getattr(request.scope.get("route"), "path", "an unmatched route")
+    log.error("unexpected error on %s %s", request.method, route, exc_info=error)
     return error_response(500, "internal", "internal error; it is logged on the server")
 
 
