@@ -30,7 +30,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.errors import ApiError, BodyTooLarge, Overloaded, error_response
 
-LARGE_BODY_BYTES = 1 << 20
+# a body over this takes a place among SERVING_LARGE_BODY_CONCURRENCY: JSON numbers this size are about
+# 3x it as Python objects while decoded (a base64 body, 1x: 8 MiB carries the seed model's past of 1,500
+# positions, which stateless callers send every step and must not queue for)
+LARGE_BODY_BYTES = 8 << 20
 # when the request being handled must be answered by, on the event loop's clock (None outside a request)
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 

@@ -49,8 +49,8 @@ class Settings(BaseSettings):
     large_body_concurrency: int = Field(
         default=2,
         ge=1,
-        description="requests with bodies over 1 MiB in flight at once (decoding megabytes of JSON takes several "
-        "times their size); past it 429 with Retry-After at once",
+        description="requests with bodies over 8 MiB in flight at once (decoding megabytes of JSON numbers takes "
+        "several times their size); past it 429 with Retry-After at once",
     )
     max_seq_len: int | None = Field(
         default=None,

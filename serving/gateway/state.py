@@ -14,7 +14,7 @@ from client import AsyncClient, ClientError, ModelInfo
 from serving.gateway import upstream
 from serving.gateway.auth import owner_of
 from serving.gateway.errors import Overloaded
-from serving.gateway.limits import LARGE_BODY_BYTES, request_deadline
+from serving.gateway.limits import request_deadline
 from serving.gateway.metrics import Metrics
 from serving.gateway.sessions import GatewaySession, SessionIds, SessionStore, tag
 from serving.gateway.settings import Settings
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLOSE_TIMEOUT_S = 5.0  # ending a session upstream is best effort: Triton's own idle timeout is the backstop
 LEARN_INTERVAL_S = 2.0  # how often the models' metadata is asked for until Triton answers
+OFFLOAD_BYTES = 1 << 20  # bodies (and answers) over this are decoded (encoded) on a worker thread
 
 
 class GatewayState:
@@ -126,7 +127,7 @@ class GatewayState:
     async def offload(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, in a worker thread when it works on a large body (megabytes of JSON take the
         event loop for a while: /healthz and the other requests go on meanwhile), inline otherwise."""
-        if nbytes > LARGE_BODY_BYTES:
+        if nbytes > OFFLOAD_BYTES:
             return await asyncio.to_thread(fn, *args)
         return fn(*args)
 
