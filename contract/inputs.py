@@ -157,6 +157,8 @@ def check_request_tokens(batch: int, new: int, limit: int, setting: str | None =
 
 
 def _check_dtype(name: str, array: Any, expected: str) -> None:
+    if isinstance(array, np.ndarray) and array.dtype == np.dtype(expected):
+        return  # numpy's dtype names are written in Python: str() of one costs more than the rest of the check
     actual = _dtype_name(array)
     if actual != expected:
         raise InputError(name, f"expected dtype {expected}, got {actual}")

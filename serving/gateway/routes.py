@@ -13,7 +13,6 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
@@ -34,20 +33,25 @@ from serving.gateway.state import GatewayState
 # --- dependencies ---------------------------------------------------------------------------
 
 
-async def gateway_state(request: Request) -> GatewayState:
+def the_gateway(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
-async def caller(
-    request: Request,
-    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
-    api_key: Annotated[str | None, Depends(api_key_scheme)],
-) -> str:
-    """Who is calling, as sessions record it (a keyed hash of its key: auth.owner_of), or 401."""
-    gateway: GatewayState = request.app.state.gateway
+async def gateway_state(request: Request) -> GatewayState:
+    return the_gateway(request)
+
+
+async def caller(request: Request) -> str:
+    """Who is calling, as sessions record it (a keyed hash of its key: auth.owner_of), or 401. The
+    two schemes read the headers as FastAPI's security dependencies would; they are called here, not
+    declared as dependencies, because solving them cost every request tens of microseconds (app.py
+    documents them)."""
+    gateway = the_gateway(request)
     if not gateway.keys:
         return ANONYMOUS
-    return gateway.owner(identify(bearer.credentials if bearer is not None else api_key, gateway.keys))
+    bearer = await bearer_scheme(request)
+    presented = bearer.credentials if bearer is not None else await api_key_scheme(request)
+    return gateway.owner(identify(presented, gateway.keys))
 
 
 State = Annotated[GatewayState, Depends(gateway_state)]
@@ -56,6 +60,7 @@ ResponseEncoding = Annotated[
     Encoding, Query(description="`b64`: tensors in the response as base64 tensor objects (see the description)")
 ]
 SESSION_PATH = "/sessions/{session_id}"
+SECURITY_SCHEMES = (bearer_scheme, api_key_scheme)  # either one: app.py puts them in the document
 
 health = APIRouter(tags=["health"])
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(caller)])
@@ -148,7 +153,8 @@ def _describe(info: ModelInfo) -> dict:
     summary="One stateless forward pass: new tokens plus the past the caller holds",
     openapi_extra=body_documented(schemas.AttendRequest),
 )
-async def attend(request: Request, gw: State, encoding: ResponseEncoding = "json") -> Response:
+async def attend(request: Request, encoding: ResponseEncoding = "json") -> Response:
+    gw = the_gateway(request)  # not a dependency: solving one costs the busiest routes each request
     async with gw.attend_slot():
         raw = await request.body()
         body = await gw.offload(len(raw), validated.parse, raw, schemas.AttendRequest)
@@ -213,9 +219,8 @@ async def create_session(gw: State, owner: Caller, response: Response) -> dict:
     summary="Append new tokens to a session and return their output",
     openapi_extra=body_documented(schemas.StepBody),
 )
-async def step(
-    session_id: str, request: Request, gw: State, owner: Caller, encoding: ResponseEncoding = "json"
-) -> Response:
+async def step(session_id: str, request: Request, owner: Caller, encoding: ResponseEncoding = "json") -> Response:
+    gw = the_gateway(request)
     raw = await request.body()
     body = await gw.offload(len(raw), validated.parse, raw, schemas.StepBody)  # 422 before 404, as documented
     async with gw.sessions.using(session_id, owner) as session:

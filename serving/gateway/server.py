@@ -39,6 +39,7 @@ def _config(settings: Settings) -> uvicorn.Config:
         # no line per request: it cost a tenth of a step's time, and a path holds the session's id; the
         # metrics count requests by route and status, and errors are logged
         access_log=False,
+        proxy_headers=False,  # nothing here reads the client's address: no X-Forwarded-For to rewrite it from
     )
 
 
