@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -91,8 +92,9 @@ class GatewayState:
         await self.client.close()
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str | None = None) -> None:
-        """Run `coroutine` beside the requests; kept until it ends (asyncio holds tasks weakly)."""
-        task = asyncio.create_task(coroutine, name=name or coroutine.__name__)
+        """Run `coroutine` beside the requests, outside the context of the one that started it (its
+        deadline is not the task's); kept until it ends (asyncio holds tasks weakly)."""
+        task = asyncio.create_task(coroutine, name=name or coroutine.__name__, context=contextvars.Context())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
