@@ -27,16 +27,15 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from bench.output import add_folder_arguments, work_folder, write_results
 from contract import files
 
-RESULTS = Path(__file__).parent / "results"
 MODES = ("gateway/json", "gateway/b64", "grpc/client")
 KEY = "bench-key"
 
@@ -347,18 +346,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps per session per mode and round (default 100)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (default 1)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
-    parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
+    add_folder_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-gateway-") as scratch:
-        root = args.work or Path(scratch)
-        root.mkdir(parents=True, exist_ok=True)
+    with work_folder(args.work, "bench-gateway-") as root:
         results = benchmark(root, args.preset, args.sessions, args.steps, args.rounds, args.workers)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gateway.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out / "gateway.png")
-    print(table(results))
-    print(f"wrote {args.out / 'gateway.json'} and {args.out / 'gateway.png'}")
+    write_results(args.out, "gateway", results, plot, table)
     return 0

@@ -20,16 +20,14 @@ from __future__ import annotations
 import argparse
 import base64
 import collections
-import json
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from bench.output import add_folder_arguments, work_folder, write_results
 from bench.serving import NOOP, percentiles, write_noop_model
 
-RESULTS = Path(__file__).parent / "results"
 MODES = ("envoy/mha_session", "direct/mha_session", "envoy/noop", "direct/noop")
 
 
@@ -189,18 +187,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
     parser.add_argument("--steps", type=int, default=25, help="timed steps per mode and round (default 25)")
     parser.add_argument("--sessions", type=int, default=64, help="sessions spread over the replicas (default 64)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
-    parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
+    add_folder_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="bench-scale-") as scratch:
-        root = args.work or Path(scratch)
-        root.mkdir(parents=True, exist_ok=True)
+    with work_folder(args.work, "bench-scale-") as root:
         results = benchmark(root, args.preset, args.past, args.rounds, args.steps, args.sessions)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out / "scale.png")
-    print(table(results))
-    print(f"wrote {args.out / 'scale.json'} and {args.out / 'scale.png'}")
+    write_results(args.out, "scale", results, plot, table)
     return 0
