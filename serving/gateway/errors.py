@@ -109,10 +109,10 @@ DESCRIPTIONS = {
     401: "missing or wrong API key (`Authorization: Bearer <key>` or `X-API-Key: <key>`)",
     404: "no such session (or it belongs to another key)",
     409: "the session cannot go on: lost with a Triton process (`session_lost`), evicted, or a step in flight",
-    413: "request body larger than the configured limit",
+    413: "request body larger than any valid request for the served model can be, or than the configured limit",
     422: "the body does not match the schema",
-    429: "this API key holds as many open sessions as it may, or the gateway is at its stateless concurrency cap "
-    "(see Retry-After)",
+    429: "this API key holds as many open sessions as it may, or the gateway is at its cap on stateless requests "
+    "or on large bodies in flight (see Retry-After)",
     502: "Triton failed on a request it accepted",
     503: "Triton is unavailable, not ready, or its KV-cache budget is full (see Retry-After)",
     504: "the request took longer than the per-request timeout",

@@ -24,7 +24,7 @@ from serving.gateway.validated import body_bound
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLOSE_TIMEOUT_S = 5.0  # ending a session upstream is best effort: Triton's own idle timeout is the backstop
-LEARN_INTERVAL_S = 2.0  # how often the models' metadata is asked for until Triton answers
+LEARN_INTERVAL_S, LEARN_INTERVAL_MAX_S = 2.0, 60.0  # how often the models' metadata is asked for until Triton answers
 OFFLOAD_BYTES = 1 << 20  # bodies (and answers) over this are decoded (encoded) on a worker thread
 
 
@@ -115,7 +115,9 @@ class GatewayState:
 
     async def _learn_models(self) -> None:
         """Both models' metadata as soon as Triton answers, so that the body bound holds from the first
-        request on; a request that needs one before then asks for it itself."""
+        request on; a request that needs one before then asks for it itself. While Triton does not
+        answer, asked less and less often (each failed ask logs the client's retries)."""
+        interval = LEARN_INTERVAL_S
         while True:
             for model in (self.settings.model, self.settings.session_model):
                 with contextlib.suppress(ClientError, TimeoutError):
@@ -124,7 +126,8 @@ class GatewayState:
                             self._learned(model, await self.client.metadata(model))
             if len(self._infos) == 2:
                 return
-            await asyncio.sleep(LEARN_INTERVAL_S)
+            await asyncio.sleep(interval)
+            interval = min(2 * interval, LEARN_INTERVAL_MAX_S)
 
     async def offload(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, in a worker thread when it works on a large body (megabytes of JSON take the
