@@ -5,6 +5,7 @@ python -m bench model --quick    # a few small shapes, short budgets
 python -m bench serving          # in-process vs Triton stateless vs stateful, gRPC and HTTP
 python -m bench scale            # Envoy in front of 3 Triton replicas vs straight to one; 64 sessions' spread
 python -m bench admission        # 2,000 opens on a 1,500-row KV budget: sequence slots from the budget vs 1,024
+python -m bench gateway          # 16 sessions stepping through the gateway (JSON, b64) vs the gRPC client direct
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -14,7 +15,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import admission, gpu, model, scale, serving
+from bench import admission, gateway, gpu, model, scale, serving
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
@@ -23,9 +24,10 @@ COMMANDS: dict[str, ModuleType] = {
     "serving": serving,
     "scale": scale,
     "admission": admission,
+    "gateway": gateway,
     "gpu": gpu,
 }
-DEFAULT_COMMANDS = ("model", "serving", "scale", "admission")
+DEFAULT_COMMANDS = ("model", "serving", "scale", "admission", "gateway")
 
 
 def parser() -> argparse.ArgumentParser:

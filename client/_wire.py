@@ -129,12 +129,7 @@ def step_tensors(info: ModelInfo | None, hidden_states: Any, attention_mask: Any
     checked against `info` when given."""
     tensors = named_inputs(as_array(hidden_states, names.HIDDEN_STATES), _mask(attention_mask))
     if info is not None:
-        batch, _, _ = info.check(tensors)
-        if batch != 1:
-            raise InvalidInputError(
-                f"input '{names.HIDDEN_STATES}': a session holds one sequence, so batch_size must be 1, got {batch}",
-                input_name=names.HIDDEN_STATES,
-            )
+        info.check(tensors, session=True)
     return tensors
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from client.errors import ClientError, InvalidInputError
 from contract import names
-from contract.inputs import InputError, check_finite, check_inputs
+from contract.inputs import InputError, check_finite, check_inputs, check_one_sequence
 
 # Triton datatypes of the model's float tensors, as numpy names (what check_inputs compares).
 _FLOAT_DTYPES = {"FP32": "float32", "FP16": "float16", "FP64": "float64"}
@@ -46,11 +46,14 @@ class ModelInfo:
         """What the inputs check needs; a session model (no past inputs) has no cache sizes."""
         return names.GraphSizes(self.d_model, self.n_layers, self.n_kv_heads or 0, self.head_dim or 0, self.rotary)
 
-    def check(self, tensors: Mapping[str, Any]) -> tuple[int, int, int]:
-        """(batch, past, new) of named inputs with finite values, or InvalidInputError naming the input
-        at fault. The server knows its own limits (max_seq_len) and says so."""
+    def check(self, tensors: Mapping[str, Any], *, session: bool = False) -> tuple[int, int, int]:
+        """(batch, past, new) of named inputs with finite values (a session's: one sequence), or
+        InvalidInputError naming the input at fault. The server knows its own limits (max_seq_len)
+        and says so."""
         try:
             sizes = check_inputs(self.sizes, tensors, float_dtype=self.float_dtype)
+            if session:
+                check_one_sequence(sizes[0])
             check_finite(tensors)
             return sizes
         except InputError as error:

@@ -127,7 +127,13 @@ def check_finite(tensors: Mapping[str, Any]) -> None:
     for name, array in tensors.items():
         if array.dtype.kind == "f" and not _all_finite(array):
             where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
-            raise InputError(name, f"expected finite values, got {array[where]} at index {list(where)}")
+            raise InputError(name, f"expected finite {array.dtype} values, got {array[where]} at index {list(where)}")
+
+
+def check_one_sequence(batch: int) -> None:
+    """A session holds one sequence: its steps have batch_size 1."""
+    if batch != 1:
+        raise InputError(names.HIDDEN_STATES, f"a session holds one sequence, so {names.BATCH} must be 1, got {batch}")
 
 
 def check_mask_values(tensors: Mapping[str, Any]) -> None:
@@ -180,16 +186,20 @@ def _size(array: Any) -> int:
     return int(np.prod(tuple(array.shape)))
 
 
-def check_request_tokens(batch: int, new: int, limit: int) -> None:
-    """batch x new within the deployment's cap on the tokens one stateless request computes."""
+def check_request_tokens(batch: int, new: int, limit: int, setting: str | None = None) -> None:
+    """batch x new within the deployment's cap on the tokens one stateless request computes; `setting`
+    names the knob that sets `limit`, for the message."""
     if batch * new > limit:
+        knob = f" ({setting})" if setting else ""
         raise InputError(
             names.HIDDEN_STATES,
-            f"batch x new = {batch} x {new} = {batch * new} tokens, more than this server's {limit} per request",
+            f"batch x new = {batch} x {new} = {batch * new} tokens, more than this server's {limit} per request{knob}",
         )
 
 
 def _check_dtype(name: str, array: Any, expected: str) -> None:
+    if isinstance(array, np.ndarray) and array.dtype == np.dtype(expected):
+        return  # numpy's dtype names are written in Python: str() of one costs more than the rest of the check
     actual = _dtype_name(array)
     if actual != expected:
         raise InputError(name, f"expected dtype {expected}, got {actual}")

@@ -21,6 +21,9 @@ RUN python -m pip install /tmp/src \
         "prometheus-client==0.26.0" \
         "swagger-ui-bundle-v2==5.31.0" \
         "itsdangerous==2.2.0" \
+        "orjson==3.13.0" \
+        "uvloop==0.23.0" \
+        "httptools==0.9.0" \
     && rm -rf /tmp/src
 
 RUN useradd --uid 10001 --no-log-init --create-home --shell /usr/sbin/nologin serving

@@ -7,13 +7,16 @@ from collections.abc import AsyncIterator
 
 import swagger_ui_bundle
 from fastapi import FastAPI
+from fastapi.encoders import jsonable_encoder
 from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic.json_schema import models_json_schema
 
 from serving.gateway import routes
 from serving.gateway.errors import install_handlers
-from serving.gateway.limits import BodyLimitMiddleware
+from serving.gateway.limits import RequestLimitsMiddleware
 from serving.gateway.metrics import MetricsMiddleware
 from serving.gateway.settings import Settings
 from serving.gateway.state import GatewayState
@@ -53,16 +56,41 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=_lifespan,
         docs_url=None,  # FastAPI's page loads Swagger UI from a CDN: blank on an offline host
         redoc_url=None,
+        # no OpenTelemetry (the gateway's metrics are Prometheus'): asking whether it is configured read
+        # the environment on every request
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     _install_docs(app)
     app.state.gateway = GatewayState(settings)
     install_handlers(app)
+    app.include_router(routes.v1)  # first: the router tries routes in order, and these are the busy ones
     app.include_router(routes.health)
-    app.include_router(routes.v1)
-    # added last = outermost: metrics see every answer, the body limit runs before any parsing
-    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    # added last = outermost: metrics see every answer, the limits run before any parsing
+    app.add_middleware(RequestLimitsMiddleware, gateway=app.state.gateway)
     app.add_middleware(MetricsMiddleware, metrics=app.state.gateway.metrics)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, plus what the routes do by hand: the schemas of the bodies they read
+    themselves (routes.BODY_MODELS) and the API-key schemes of every /v1 route (routes.caller)."""
+    if app.openapi_schema is None:
+        document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = document["components"]
+        template = "#/components/schemas/{model}"
+        _, bodies = models_json_schema([(model, "validation") for model in routes.BODY_MODELS], ref_template=template)
+        components["schemas"] = dict(sorted((components["schemas"] | bodies["$defs"]).items()))
+        schemes = routes.SECURITY_SCHEMES
+        components["securitySchemes"] = {
+            s.scheme_name: jsonable_encoder(s.model, by_alias=True, exclude_none=True) for s in schemes
+        }
+        for path, operations in document["paths"].items():
+            if path.startswith(routes.v1.prefix):
+                for operation in operations.values():
+                    operation["security"] = [{s.scheme_name: []} for s in schemes]
+        app.openapi_schema = document
+    return app.openapi_schema
 
 
 def _install_docs(app: FastAPI) -> None:

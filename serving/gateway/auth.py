@@ -1,7 +1,9 @@
 """API keys: `Authorization: Bearer <key>` or `X-API-Key: <key>`, compared in constant time.
 
-A request's identity is a fingerprint of its key (never the key itself): sessions belong to it and
-the per-key session limit counts by it. Without configured keys auth is off and everyone is
+A request's identity is its key (checked here); sessions record their owner as a keyed hash of it
+(`owner_of`: HMAC-SHA256 with the gateway's session secret), which a session id carries, signed but
+readable: without the secret nobody can test guessed keys against it. The per-key session limit
+counts by that owner. Without configured keys auth is off and everyone is
 `anonymous` (the gateway then binds to loopback only; see `Settings.bind_host`).
 """
 
@@ -22,8 +24,9 @@ bearer_scheme = HTTPBearer(auto_error=False, description="`Authorization: Bearer
 api_key_scheme = APIKeyHeader(name="X-API-Key", auto_error=False, description="`X-API-Key: <key>`")
 
 
-def fingerprint(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
+def owner_of(key: str, secret: str) -> str:
+    """The owner sessions record for `key`: a keyed hash, the same on every gateway sharing `secret`."""
+    return hmac.new(secret.encode(), key.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def key_matches(candidate: str, keys: Sequence[bytes]) -> bool:
@@ -37,9 +40,9 @@ def key_matches(candidate: str, keys: Sequence[bytes]) -> bool:
 
 
 def identify(presented: str | None, keys: Sequence[bytes]) -> str:
-    """The fingerprint of a valid presented key; 401 for a missing or wrong one."""
+    """A valid presented key; 401 for a missing or wrong one."""
     if not presented:
         raise Unauthorized("an API key is required: send `Authorization: Bearer <key>` or `X-API-Key: <key>`")
     if not key_matches(presented, keys):
         raise Unauthorized("the API key is not valid")
-    return fingerprint(presented)
+    return presented

@@ -43,6 +43,12 @@ class InvalidInput(ApiError):
     status, code = 400, "invalid_input"
 
 
+class SchemaViolation(ApiError):
+    """The body is not JSON, or its fields do not match the OpenAPI document."""
+
+    status, code = 422, "validation_error"
+
+
 class Unauthorized(ApiError):
     status, code = 401, "unauthorized"
     headers: ClassVar[dict[str, str] | None] = {"WWW-Authenticate": 'Bearer realm="attention-serving"'}
@@ -103,10 +109,10 @@ DESCRIPTIONS = {
     401: "missing or wrong API key (`Authorization: Bearer <key>` or `X-API-Key: <key>`)",
     404: "no such session (or it belongs to another key)",
     409: "the session cannot go on: lost with a Triton process (`session_lost`), evicted, or a step in flight",
-    413: "request body larger than the configured limit",
+    413: "request body larger than any valid request for the served model can be, or than the configured limit",
     422: "the body does not match the schema",
-    429: "this API key holds as many open sessions as it may, or the gateway is at its stateless concurrency cap "
-    "(see Retry-After)",
+    429: "this API key holds as many open sessions as it may, or the gateway is at its cap on stateless requests "
+    "or on large bodies in flight (see Retry-After)",
     502: "Triton failed on a request it accepted",
     503: "Triton is unavailable, not ready, or its KV-cache budget is full (see Retry-After)",
     504: "the request took longer than the per-request timeout",
@@ -136,7 +142,9 @@ def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse
 
 
 def _unexpected(request: Request, error: Exception) -> JSONResponse:
-    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=error)
+    # the route's template, not the path: a path can hold a session id, which logs must not
+    route = getattr(request.scope.get("route"), "path", "an unmatched route")
+    log.error("unexpected error on %s %s", request.method, route, exc_info=error)
     return error_response(500, "internal", "internal error; it is logged on the server")
 
 

@@ -1,37 +1,72 @@
-"""The request body limit, enforced before any of the body is parsed.
+"""What every request is held to before the app sees it: its deadline, the body limit, and the cap on
+large bodies in flight.
 
-A declared Content-Length over the limit is refused at once; a chunked body is read up to the limit
-and refused as soon as it passes it, so a client cannot make the gateway buffer more than the limit.
-The body is read here and replayed to the app: FastAPI would turn an error raised while it reads
-the body into a 400.
+- The deadline (`request_deadline`): `SERVING_REQUEST_TIMEOUT_S` from the request's arrival; every
+  upstream call of the request ends by then (state.GatewayState.call), so no request outlives it.
+- The body limit: the smaller of `SERVING_MAX_BODY_BYTES` and the most a valid body can need for the
+  served model (validated.body_bound, once its sizes are known). A declared Content-Length over it is
+  refused at once; a chunked body is read up to it and refused as soon as it passes it, so a client
+  cannot make the gateway buffer more than the limit.
+- Large bodies: a body over `LARGE_BODY_BYTES` (declared, or once that much of a chunked one has come)
+  takes one of `SERVING_LARGE_BODY_CONCURRENCY` places for its whole request, or gets 429 with
+  Retry-After at once: megabytes of JSON numbers are several times their size as Python objects while
+  they are decoded, and four at once took the gateway from 96 MiB to 1.6 GB. When the last large
+  request in flight ends, the memory it freed is given back to the system (`malloc_trim`), so that a
+  burst does not leave the process at its peak.
+
+The body is read here and replayed to the app: FastAPI would turn an error raised while it reads the
+body into a 400.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import ctypes
+import ctypes.util
+from collections.abc import Callable
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.gateway.errors import BodyTooLarge, error_response
+from serving.gateway.errors import ApiError, BodyTooLarge, Overloaded, error_response
+
+# a body over this takes a place among SERVING_LARGE_BODY_CONCURRENCY: JSON numbers this size are about
+# 3x it as Python objects while decoded (a base64 body, 1x: 8 MiB carries the seed model's past of 1,500
+# positions, which stateless callers send every step and must not queue for)
+LARGE_BODY_BYTES = 8 << 20
+# when the request being handled must be answered by, on the event loop's clock (None outside a request)
+request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
 
-class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+class RequestLimitsMiddleware:
+    def __init__(self, app: ASGIApp, gateway) -> None:  # gateway: state.GatewayState
+        self.app, self.gateway = app, gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        request_deadline.set(asyncio.get_running_loop().time() + self.gateway.settings.request_timeout_s)
+        limit = self.gateway.body_limit
         declared = _content_length(scope)
-        if declared is not None and declared > self.limit:
-            await self._refuse(scope, receive, send, f"declared Content-Length {declared}")
+        if declared is not None and declared > limit:
+            await _refuse(scope, receive, send, BodyTooLarge(_too_large(f"declared Content-Length {declared}", limit)))
             return
-        body = await self._read(receive)
-        if body is None:
-            await self._refuse(scope, receive, send, "the body")
+        large = _LargeBody(self.gateway)
+        try:
+            if declared is not None and declared > LARGE_BODY_BYTES:
+                large.take()
+            body = await self._read(receive, limit, large)
+        except ApiError as error:
+            large.release()
+            await _refuse(scope, receive, send, error)
             return
-        await self.app(scope, _replay(body, receive), send)
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            large.release()
 
-    async def _read(self, receive: Receive) -> bytes | None:
+    async def _read(self, receive: Receive, limit: int, large: _LargeBody) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -39,16 +74,50 @@ class BodyLimitMiddleware:
                 return b"".join(chunks)
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
-                return None
+            if size > limit:
+                raise BodyTooLarge(_too_large("the body", limit))
+            if size > LARGE_BODY_BYTES and not large.taken:
+                large.take()
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
-        error = BodyTooLarge(f"request body too large: {what} exceeds the limit of {self.limit} bytes")
-        response = error_response(error.status, error.code, error.message, {"Connection": "close"})
-        await response(scope, receive, send)
+
+class _LargeBody:
+    """One request's place among the large bodies in flight (taken at most once, released once)."""
+
+    def __init__(self, gateway) -> None:
+        self.gateway, self.taken = gateway, False
+
+    def take(self) -> None:
+        cap = self.gateway.settings.large_body_concurrency
+        if self.gateway.large_bodies >= cap:
+            raise Overloaded(
+                f"{self.gateway.large_bodies} requests with bodies over {LARGE_BODY_BYTES >> 20} MiB are in flight, "
+                f"the most this gateway takes at once (SERVING_LARGE_BODY_CONCURRENCY); retry shortly"
+            )
+        self.gateway.large_bodies += 1
+        self.taken = True
+
+    def release(self) -> None:
+        if self.taken:
+            self.taken = False
+            self.gateway.large_bodies -= 1
+            if self.gateway.large_bodies == 0:
+                give_back_memory()
+
+
+def _too_large(what: str, limit: int) -> str:
+    return (
+        f"request body too large: {what} exceeds the limit of {limit} bytes (the most a valid request "
+        "can need for the served model, or SERVING_MAX_BODY_BYTES)"
+    )
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:
+    # the rest of the body may still be on its way: close rather than read it
+    headers = {**(error.headers or {}), "Connection": "close"}
+    await error_response(error.status, error.code, error.message, headers)(scope, receive, send)
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -72,3 +141,21 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()  # after the body: disconnect notices come from the server
 
     return replay
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, where there is one: it returns the heap's free pages to the system, which
+    free() alone leaves to the process (the decoded lists of a large body are many small blocks)."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def give_back_memory() -> None:
+    if _TRIM is not None:
+        _TRIM(0)

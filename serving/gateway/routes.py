@@ -1,25 +1,28 @@
-"""The routes: health (open), models, stateless attention and sessions (behind an API key)."""
+"""The routes: health (open), models, stateless attention and sessions (behind an API key).
+
+/v1/attend and a session's step read their body themselves (validated.py: parsed and checked once,
+into arrays) instead of through a pydantic body parameter; `body_documented` puts the schema their
+body follows into the OpenAPI document (app.py adds the models to its components).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
-from fastapi.security import HTTPAuthorizationCredentials
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
-from contract import names
-from serving.gateway import schemas
+from serving.gateway import schemas, validated
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
-from serving.gateway.encoding import Encoding, decode, encode
+from serving.gateway.encoding import Encoding, encode, tensor_json
 from serving.gateway.errors import (
     ApiError,
-    InvalidInput,
     SessionConflict,
+    SessionLost,
     UpstreamTimeout,
     UpstreamUnavailable,
     responses,
@@ -30,20 +33,25 @@ from serving.gateway.state import GatewayState
 # --- dependencies ---------------------------------------------------------------------------
 
 
-def gateway_state(request: Request) -> GatewayState:
+def the_gateway(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 
-def caller(
-    request: Request,
-    bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)],
-    api_key: Annotated[str | None, Depends(api_key_scheme)],
-) -> str:
-    """The caller's identity (a fingerprint of its key), or 401."""
-    keys = gateway_state(request).keys
-    if not keys:
+async def gateway_state(request: Request) -> GatewayState:
+    return the_gateway(request)
+
+
+async def caller(request: Request) -> str:
+    """Who is calling, as sessions record it (a keyed hash of its key: auth.owner_of), or 401. The
+    two schemes read the headers as FastAPI's security dependencies would; they are called here, not
+    declared as dependencies, because solving them cost every request tens of microseconds (app.py
+    documents them)."""
+    gateway = the_gateway(request)
+    if not gateway.keys:
         return ANONYMOUS
-    return identify(bearer.credentials if bearer is not None else api_key, keys)
+    bearer = await bearer_scheme(request)
+    presented = bearer.credentials if bearer is not None else await api_key_scheme(request)
+    return gateway.owner(identify(presented, gateway.keys))
 
 
 State = Annotated[GatewayState, Depends(gateway_state)]
@@ -52,9 +60,21 @@ ResponseEncoding = Annotated[
     Encoding, Query(description="`b64`: tensors in the response as base64 tensor objects (see the description)")
 ]
 SESSION_PATH = "/sessions/{session_id}"
+SECURITY_SCHEMES = (bearer_scheme, api_key_scheme)  # either one: app.py puts them in the document
 
 health = APIRouter(tags=["health"])
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(caller)])
+BODY_MODELS = (schemas.AttendRequest, schemas.StepBody)  # bodies read by hand: app.py documents them
+
+
+def body_documented(model: type) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that reads its body itself."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def json_answer(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
 
 
 # --- health ---------------------------------------------------------------------------------
@@ -107,7 +127,7 @@ async def list_models(gw: State) -> dict:
     for name, kind in kinds.items():
         entry = {"name": name, "kind": kind, "ready": state.models.get(name, False)}
         if entry["ready"]:
-            entry |= _describe(await gw.call(client.metadata(name), f"metadata of '{name}'"))
+            entry |= _describe(await gw.model_info(name))
         models.append(entry)
     return {"models": models}
 
@@ -131,35 +151,40 @@ def _describe(info: ModelInfo) -> dict:
     response_model=schemas.AttendResponse,
     responses=responses(400, 401, 413, 422, 429, 502, 503, 504),
     summary="One stateless forward pass: new tokens plus the past the caller holds",
+    openapi_extra=body_documented(schemas.AttendRequest),
 )
-async def attend(body: schemas.AttendRequest, gw: State, encoding: ResponseEncoding = "json") -> JSONResponse:
+async def attend(request: Request, encoding: ResponseEncoding = "json") -> Response:
+    gw = the_gateway(request)  # not a dependency: solving one costs the busiest routes each request
     async with gw.attend_slot():
-        return await _attend(body, gw, encoding)
+        raw = await request.body()
+        body = await gw.offload(len(raw), validated.parse, raw, schemas.AttendRequest)
+        info = await gw.model_info(gw.settings.model)
+        valid = await gw.offload(len(raw), validated.attend, body, info, gw.settings.max_request_tokens)
+        del raw, body  # megabytes, perhaps: not kept while Triton works
+        call = gw.client.infer(valid.hidden_states, valid.attention_mask, valid.past or None)
+        result = await gw.call(call, "stateless attention")
+        answer = {"output": result.output, "present": [{"key": k, "value": v} for k, v in result.present]}
+        return json_answer(await gw.offload(_nbytes(result.present), _render, answer, encoding))
 
 
-async def _attend(body: schemas.AttendRequest, gw: State, encoding: Encoding) -> JSONResponse:
-    info = await gw.call(gw.client.metadata(), "model metadata")
-    dtype = info.float_dtype
-    hidden = decode(body.hidden_states, names.HIDDEN_STATES, dtype)
-    check_request_tokens(hidden, gw.settings.max_request_tokens)
-    mask = None if body.attention_mask is None else decode(body.attention_mask, names.ATTENTION_MASK, "int64")
-    past = [
-        tuple(decode(getattr(pair, kind), names.past_name(layer, kind), dtype) for kind in names.KV_KINDS)
-        for layer, pair in enumerate(body.past_key_values or ())
-    ]
-    result = await gw.call(gw.client.infer(hidden, mask, past or None), "stateless attention")
-    present = [{"key": encode(key, encoding), "value": encode(value, encoding)} for key, value in result.present]
-    # built by hand, not through response_model: validating megabytes of floats again buys nothing
-    return JSONResponse({"output": encode(result.output, encoding), "present": present})
+def _nbytes(present: list[tuple[np.ndarray, np.ndarray]]) -> int:
+    return sum(key.nbytes + value.nbytes for key, value in present)
 
 
-def check_request_tokens(hidden: np.ndarray, limit: int) -> None:
-    batch, new = hidden.shape[:2] if hidden.ndim >= 2 else (1, hidden.size)
-    if batch * new > limit:
-        raise InvalidInput(
-            f"input '{names.HIDDEN_STATES}': batch x new = {batch} x {new} = {batch * new} tokens, more than the "
-            f"gateway's {limit} per request (SERVING_MAX_REQUEST_TOKENS)"
-        )
+def _render(answer: dict, encoding: Encoding) -> bytes:
+    """The answer as JSON, tensors encoded; built by hand, not through response_model: validating
+    megabytes of floats again buys nothing."""
+    return tensor_json(_encoded(answer, encoding))
+
+
+def _encoded(value: Any, encoding: Encoding) -> Any:
+    if isinstance(value, np.ndarray):
+        return encode(value, encoding)
+    if isinstance(value, dict):
+        return {key: _encoded(item, encoding) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_encoded(item, encoding) for item in value]
+    return value
 
 
 # --- sessions -------------------------------------------------------------------------------
@@ -176,9 +201,11 @@ async def create_session(gw: State, owner: Caller, response: Response) -> dict:
     session = gw.sessions.reserve(owner, gw.client.session())
     try:  # START now: a full KV budget or a Triton that cannot serve answers here, not at the first step
         await gw.call(session.upstream.open(), "opening a session")
-    except ApiError:
+    except ApiError as error:
         gw.sessions.remove(session.id, owner, "refused when opened")
-        await gw.end_upstream(session)  # Triton's batcher may hold the sequence
+        gw.end_later(session)  # Triton's batcher may hold the sequence; the answer does not wait for it
+        if isinstance(error, SessionLost):  # nothing was held, so nothing is lost: the model cannot serve now
+            raise UpstreamUnavailable(error.message) from None
         raise
     gw.sessions.name(session)
     response.headers["Location"] = f"/v1/sessions/{session.id}"
@@ -190,22 +217,23 @@ async def create_session(gw: State, owner: Caller, response: Response) -> dict:
     response_model=schemas.StepResponse,
     responses=responses(400, 401, 404, 409, 413, 422, 502, 503, 504),
     summary="Append new tokens to a session and return their output",
+    openapi_extra=body_documented(schemas.StepBody),
 )
-async def step(
-    session_id: str, body: schemas.StepBody, gw: State, owner: Caller, encoding: ResponseEncoding = "json"
-) -> JSONResponse:
+async def step(session_id: str, request: Request, owner: Caller, encoding: ResponseEncoding = "json") -> Response:
+    gw = the_gateway(request)
+    raw = await request.body()
+    body = await gw.offload(len(raw), validated.parse, raw, schemas.StepBody)  # 422 before 404, as documented
     async with gw.sessions.using(session_id, owner) as session:
-        info = await gw.call(gw.client.metadata(gw.client.session_model), "session model metadata")
-        hidden = decode(body.hidden_states, names.HIDDEN_STATES, info.float_dtype)
-        mask = None if body.attention_mask is None else decode(body.attention_mask, names.ATTENTION_MASK, "int64")
-        output = await _step(gw, session, hidden, mask)
-        return JSONResponse({"output": encode(output, encoding), "length": session.upstream.length})
+        info = await gw.model_info(gw.settings.session_model)
+        output = await _step(gw, session, await gw.offload(len(raw), validated.step, body, info))
+        return json_answer(tensor_json({"output": encode(output, encoding), "length": session.upstream.length}))
 
 
-async def _step(gw: State, session: GatewaySession, hidden: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+async def _step(gw: State, session: GatewaySession, valid: validated.ValidStep) -> np.ndarray:
     """One upstream step; a session whose server-side state is lost or unknown is marked broken."""
     try:
-        return await gw.call(session.upstream.step(hidden, mask), f"step of session '{session.id}'")
+        call = session.upstream.step(valid.hidden_states, valid.attention_mask)
+        return await gw.call(call, f"step of session '{session.id}'")
     except SessionConflict as error:
         gw.sessions.break_(session, f"Triton no longer holds its KV cache ({error.message})")
         raise

@@ -1,21 +1,42 @@
 """Request and response bodies; their JSON Schemas are the OpenAPI document's.
 
-Tensors are nested lists of the stated rank, or an `EncodedTensor` (see `encoding`). The schemas
-fix ranks and element types; sizes depend on the served model (`GET /v1/models`) and are checked
-against it, with a 400 that names the input and the expected and actual shape.
+Tensors are nested lists of the stated rank, or an `EncodedTensor` (see `encoding`). The document
+fixes ranks and element types; sizes depend on the served model (`GET /v1/models`). A request's
+tensor fields are validated here only as "a list or a tensor object": what the elements are, the
+ranks, the sizes, the dtypes and the values are checked once, on the arrays, by
+`serving/gateway/validated.py` (a 400 that names the input, the expected and the actual), instead
+of once per float by pydantic and again on the arrays.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler
+from pydantic_core import core_schema
 
 from serving.gateway.encoding import EncodedTensor, FiniteFloat, MaskBit
 
-States = list[list[list[FiniteFloat]]] | EncodedTensor  # (batch, sequence, d_model)
-Mask = list[list[MaskBit]] | EncodedTensor  # (batch, length) of 0/1
-Cache = list[list[list[list[FiniteFloat]]]] | EncodedTensor  # (batch, n_kv_heads, length, head_dim)
+
+class Documented:
+    """A field validated as its own type (shallow: a list or a tensor object) and documented as
+    `documented` (the nested lists and their elements). pydantic validates Python input with the
+    `python_schema` of a json-or-python schema and writes the JSON Schema from its `json_schema`."""
+
+    def __init__(self, documented: Any) -> None:
+        self.documented = documented
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.json_or_python_schema(
+            json_schema=handler.generate_schema(self.documented), python_schema=handler(source)
+        )
+
+
+Tensor = list[Any] | EncodedTensor
+States = Annotated[Tensor, Documented(list[list[list[FiniteFloat]]] | EncodedTensor)]  # (batch, sequence, d_model)
+Mask = Annotated[Tensor, Documented(list[list[MaskBit]] | EncodedTensor)]  # (batch, length) of 0/1
+Cache = Annotated[Tensor, Documented(list[list[list[list[FiniteFloat]]]] | EncodedTensor)]
+# (batch, n_kv_heads, length, head_dim)
 
 
 class Strict(BaseModel):

@@ -14,8 +14,8 @@ Everything runs on the event loop, so plain dicts suffice; the only awaits are u
 a session's `busy` flag (set before them) keeps a second request out.
 
 Any gateway replica serves any session (docs/scale-out.md, "Gateways"): a session's id is a claim
-signed with the gateway's secret (itsdangerous) naming the Triton sequence, the owner's key
-fingerprint and the Triton replica holding it, so a gateway that has not seen the session resumes it
+signed with the gateway's secret (itsdangerous) naming the Triton sequence, the owner (a keyed hash
+of its API key, auth.owner_of) and the Triton replica holding it, so a gateway that has not seen the session resumes it
 from its id alone; nothing is shared between gateways. With a secret shared by several gateways
 (`shared`), what this table holds is only this process's view, so it never ends a session upstream on
 its own: an idle one is forgotten here and the model's own idle timeout frees its cache, and a
@@ -41,6 +41,12 @@ from serving.gateway.errors import SessionConflict, SessionNotFound, TooManySess
 
 log = logging.getLogger(__name__)
 TOMBSTONES = 10_000  # how many gone sessions we remember, to say why they are gone
+
+
+def tag(session_id: str) -> str:
+    """A short name of a session for the logs: a session id is a credential (with its key), so logs
+    carry this one-way tag instead."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass

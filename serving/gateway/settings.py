@@ -46,11 +46,30 @@ class Settings(BaseSettings):
     attend_concurrency: int = Field(
         default=8, ge=1, description="/v1/attend requests in flight at once; past it 429 with Retry-After at once"
     )
+    large_body_concurrency: int = Field(
+        default=2,
+        ge=1,
+        description="requests with bodies over 8 MiB in flight at once (decoding megabytes of JSON numbers takes "
+        "several times their size); past it 429 with Retry-After at once",
+    )
+    max_seq_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="the served model's max_seq_len, for the largest body a valid request can need (unset: "
+        "max_request_tokens); larger bodies get 413 before they are read",
+    )
     max_request_tokens: int = Field(
         default=4096,
         ge=1,
         description="/v1/attend: batch x new tokens one request may carry; past it 400 (Triton's own cap, the "
         "repository's max_request_tokens, may be lower)",
+    )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        description="gateway processes on the one port (python -m serving.gateway, settings from the environment); "
+        "they share a session secret, so any of them steps any session, but each counts sessions per key and "
+        "busy steps on its own",
     )
     log_level: str = Field(default="info")
 

@@ -1,25 +1,31 @@
 """What the routes of one app share: the `GatewayState` (settings, accepted keys, the asyncio Triton
-client, the session store, the metrics), kept on `app.state.gateway`."""
+client, the served models' metadata, the session store, the metrics), kept on `app.state.gateway`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
-from client import AsyncClient, ClientError
+from client import AsyncClient, ClientError, ModelInfo
 from serving.gateway import upstream
+from serving.gateway.auth import owner_of
 from serving.gateway.errors import Overloaded
+from serving.gateway.limits import request_deadline
 from serving.gateway.metrics import Metrics
-from serving.gateway.sessions import GatewaySession, SessionIds, SessionStore
+from serving.gateway.sessions import GatewaySession, SessionIds, SessionStore, tag
 from serving.gateway.settings import Settings
+from serving.gateway.validated import body_bound
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLOSE_TIMEOUT_S = 5.0  # ending a session upstream is best effort: Triton's own idle timeout is the backstop
+LEARN_INTERVAL_S, LEARN_INTERVAL_MAX_S = 2.0, 60.0  # how often the models' metadata is asked for until Triton answers
+OFFLOAD_BYTES = 1 << 20  # bodies (and answers) over this are decoded (encoded) on a worker thread
 
 
 class GatewayState:
@@ -27,17 +33,24 @@ class GatewayState:
         self.settings = settings
         self.keys = [key.encode() for key in settings.accepted_keys()]
         self.metrics = Metrics()
-        secret = settings.session_secret.get_secret_value() if settings.session_secret else None
+        given = settings.session_secret.get_secret_value() if settings.session_secret else None
+        self.secret = given or secrets.token_urlsafe(32)
         self.sessions = SessionStore(
             settings.sessions_per_key,
             settings.session_idle_s,
-            SessionIds(secret or secrets.token_urlsafe(32)),
+            SessionIds(self.secret),
             lambda claim: self.client.session(claim.sequence_id, claim.replica),
-            shared=secret is not None,
+            shared=given is not None,
         )
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))
+        # the largest body taken: the configured limit, lowered to what the served model can need once
+        # its sizes are known (validated.body_bound)
+        self.body_limit = settings.max_body_bytes
+        self.large_bodies = 0  # requests with a body over LARGE_BODY_BYTES in flight
+        self._infos: dict[str, ModelInfo] = {}
+        self._owners: dict[str, str] = {}  # accepted key -> owner_of(key): only configured keys get here
         self._client: AsyncClient | None = None
-        self._sweeper: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # the sweeper, the models' metadata, ENDs sent after a request
         self._attending = 0  # /v1/attend requests in flight (everything runs on the event loop)
 
     @property
@@ -45,21 +58,83 @@ class GatewayState:
         assert self._client is not None, "the gateway is not started"
         return self._client
 
+    def owner(self, key: str) -> str:
+        """Who a (valid) key is, as sessions record it; hashed once per key."""
+        owner = self._owners.get(key)
+        if owner is None:
+            owner = self._owners[key] = owner_of(key, self.secret)
+        return owner
+
     async def start(self) -> None:
         s = self.settings
-        # few retries: the caller is waiting, and the deadline below bounds the whole call anyway
+        # few retries: the caller is waiting, and the deadline below bounds the whole call anyway;
+        # validate=False: every request was checked once at the edge (validated.py)
         self._client = AsyncClient(
-            s.triton_url, "grpc", s.model, s.session_model, timeout=s.request_timeout_s, retries=2, backoff=0.05
+            s.triton_url,
+            "grpc",
+            s.model,
+            s.session_model,
+            timeout=s.request_timeout_s,
+            retries=2,
+            backoff=0.05,
+            validate=False,
         )
-        self._sweeper = asyncio.create_task(self._sweep(), name="session-sweeper")
+        self.spawn(self._sweep())
+        self.spawn(self._learn_models())
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        sweeping = [t for t in self._tasks if not t.get_name().startswith("end-")]
+        for task in sweeping:
+            task.cancel()
+        await asyncio.gather(*sweeping, return_exceptions=True)
         await asyncio.gather(*(self.end_upstream(s) for s in self.sessions.drain()))
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # ENDs already on their way
         await self.client.close()
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str | None = None) -> None:
+        """Run `coroutine` beside the requests, outside the context of the one that started it (its
+        deadline is not the task's); kept until it ends (asyncio holds tasks weakly)."""
+        task = asyncio.create_task(coroutine, name=name or coroutine.__name__, context=contextvars.Context())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def model_info(self, model: str) -> ModelInfo:
+        """A served model's metadata, asked of Triton once (a model keeps its tensors across reloads)."""
+        info = self._infos.get(model)
+        if info is None:
+            info = await self.call(self.client.metadata(model), f"metadata of '{model}'")
+            self._learned(model, info)
+        return info
+
+    def _learned(self, model: str, info: ModelInfo) -> None:
+        self._infos[model] = info
+        if model == self.settings.model:
+            s = self.settings
+            bound = body_bound(info, s.max_request_tokens, s.max_seq_len or s.max_request_tokens)
+            self.body_limit = min(s.max_body_bytes, bound)
+
+    async def _learn_models(self) -> None:
+        """Both models' metadata as soon as Triton answers, so that the body bound holds from the first
+        request on; a request that needs one before then asks for it itself. While Triton does not
+        answer, asked less and less often (each failed ask logs the client's retries)."""
+        interval = LEARN_INTERVAL_S
+        while True:
+            for model in (self.settings.model, self.settings.session_model):
+                with contextlib.suppress(ClientError, TimeoutError):
+                    async with asyncio.timeout(self.settings.request_timeout_s):
+                        if model not in self._infos:
+                            self._learned(model, await self.client.metadata(model))
+            if len(self._infos) == 2:
+                return
+            await asyncio.sleep(interval)
+            interval = min(2 * interval, LEARN_INTERVAL_MAX_S)
+
+    async def offload(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, in a worker thread when it works on a large body (megabytes of JSON take the
+        event loop for a while: /healthz and the other requests go on meanwhile), inline otherwise."""
+        if nbytes > OFFLOAD_BYTES:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
 
     @contextlib.asynccontextmanager
     async def attend_slot(self) -> AsyncIterator[None]:
@@ -77,16 +152,25 @@ class GatewayState:
             self._attending -= 1
 
     async def call(self, awaitable: Awaitable[T], what: str) -> T:
+        """An upstream call within what is left of the request's time (SERVING_REQUEST_TIMEOUT_S)."""
         timeout_s = self.settings.request_timeout_s
-        return await upstream.call(awaitable, timeout_s=timeout_s, metrics=self.metrics, what=what)
+        deadline = request_deadline.get() or asyncio.get_running_loop().time() + timeout_s
+        return await upstream.call(awaitable, deadline=deadline, timeout_s=timeout_s, metrics=self.metrics, what=what)
+
+    def end_later(self, session: GatewaySession) -> None:
+        """Send the session's END beside the request, which does not wait for it: a hung Triton must not
+        hold an answer past its deadline."""
+        self.spawn(self.end_upstream(session), name=f"end-{tag(session.id)}")
 
     async def end_upstream(self, session: GatewaySession) -> None:
         """Send the session's END to Triton; failures are logged, not raised (the caller is done with it)."""
+        loop = asyncio.get_running_loop()
+        deadline = min(loop.time() + CLOSE_TIMEOUT_S, request_deadline.get() or float("inf"))  # within a request's
         try:
-            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+            async with asyncio.timeout_at(deadline):
                 await session.upstream.close()
         except (ClientError, TimeoutError) as error:
-            log.warning("ending session %s upstream failed (Triton will expire it): %r", session.id, error)
+            log.warning("ending session %s upstream failed (Triton will expire it): %r", tag(session.id), error)
 
     async def _sweep(self) -> None:
         interval = min(self.settings.session_idle_s / 2, 10.0)

@@ -55,10 +55,11 @@ def to_api_error(error: client_errors.ClientError, what: str) -> ApiError:
     return UpstreamFailed(f"{what}: Triton failed on the request: {error.message}")
 
 
-async def call(awaitable: Awaitable[T], *, timeout_s: float, metrics: Metrics, what: str) -> T:
-    """Await an upstream call under the per-request deadline, with its errors as ApiErrors."""
+async def call(awaitable: Awaitable[T], *, deadline: float, timeout_s: float, metrics: Metrics, what: str) -> T:
+    """Await an upstream call until `deadline` (the event loop's clock: the request's, `timeout_s` after
+    it arrived), with its errors as ApiErrors."""
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout_at(deadline):
             return await awaitable
     except TimeoutError:
         metrics.upstream_errors.labels("timeout").inc()

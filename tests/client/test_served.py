@@ -215,7 +215,7 @@ def test_bad_inputs_are_refused_before_sending(triton, served_cfg, protocol):
         assert caught.value.status is None
         poisoned = hidden(served_cfg, 1, 2, seed=0)
         poisoned[0, 1, 5] = np.nan
-        with pytest.raises(InvalidInputError, match=r"expected finite values, got nan at index \[0, 1, 5\]"):
+        with pytest.raises(InvalidInputError, match=r"expected finite float32 values, got nan at index \[0, 1, 5\]"):
             client.infer(poisoned)
         with pytest.raises(InvalidInputError, match="finite"), client.session() as session:
             session.step(poisoned)

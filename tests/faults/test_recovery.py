@@ -28,6 +28,7 @@ from tests.fixtures.serving_process import serving_process
 pytestmark = [pytest.mark.served, pytest.mark.slow]
 
 RECOVERY_WINDOW_S = 30.0  # the issue's bound; measured recoveries are 2 to 4 s
+REQUEST_TIMEOUT_S = 10.0  # the gateway's per-request timeout here (a dead stub takes Triton about 3 s to report)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,12 @@ def stack(artifact_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("faults")
     repository = write_repository(artifact_dir("tiny"), work / "repository", ServingSettings(threads=1))
     with (
-        serving_process(repository, work, args=("--probe-interval", "0.5")) as served,
+        serving_process(
+            repository,
+            work,
+            env={"SERVING_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S)},
+            args=("--probe-interval", "0.5"),
+        ) as served,
         httpx.Client(base_url=served.gateway_url, timeout=30) as gateway,
     ):
         yield served, gateway
@@ -104,6 +110,46 @@ def test_a_killed_session_model_is_reloaded_and_its_sessions_are_lost(stack):
     np.testing.assert_array_equal(first_again, first)
     assert "reloading mha_session" in served.output() and "serving again" in served.output()
     assert served.process.poll() is None
+
+
+def test_opening_a_session_while_the_session_model_is_dead_answers_503_with_retry_after(stack):
+    """Nothing was held, so nothing is lost: the model cannot serve now, which is 503 and a retry, as
+    the README promises (it was 409 session_lost)."""
+    served, gateway = stack
+    killed_at = time.monotonic()
+    kill(served, "mha_session_0_0")
+    opened = gateway.post("/v1/sessions")
+    assert_code(opened, 503, "upstream_unavailable")
+    assert opened.headers["retry-after"] == "1"
+    assert "opening a session" in opened.json()["error"]["message"]
+    recovered = wait_ready(gateway, killed_at)
+    print(f"session model reloaded: serving {recovered:.1f} s after kill -9")
+    new_session(gateway)  # and sessions open again
+
+
+def test_no_request_outlives_the_request_timeout_while_tritonserver_hangs(stack):
+    """SIGSTOP of tritonserver: it accepts connections and answers nothing. Opening a session (START,
+    refused, then END) and a step each answer 504 within SERVING_REQUEST_TIMEOUT_S (plus the time to
+    send the answer), not the START's timeout plus the END's."""
+    served, gateway = stack
+    session, _ = new_session(gateway)
+    (triton,) = [pid for pid, command in served.descendants().items() if "bin/tritonserver" in command]
+    os.kill(triton, signal.SIGSTOP)
+    try:
+        for method, path, body in [
+            ("POST", "/v1/sessions", None),
+            ("POST", f"/v1/sessions/{session}/step", {"hidden_states": hidden(1, 3)}),
+        ]:
+            started = time.monotonic()
+            answer = gateway.request(method, path, json=body)
+            took = time.monotonic() - started
+            assert_code(answer, 504, "upstream_timeout")
+            print(f"{method} {path.split('/')[-1]} with tritonserver stopped: 504 after {took:.2f} s")
+            assert took < REQUEST_TIMEOUT_S + 1.0, took
+    finally:
+        os.kill(triton, signal.SIGCONT)
+    wait_ready(gateway, time.monotonic())
+    new_session(gateway)
 
 
 def test_a_killed_stateless_model_is_reloaded(stack):

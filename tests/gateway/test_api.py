@@ -135,6 +135,8 @@ def test_attend_returns_output_and_presents_and_b64_is_bit_exact_with_json(api):
             {"hidden_states": [[[0.5] * D_MODEL]], "attention_mask": b64_tensor(np.array([[2]], np.int64))},
             ["attention_mask", "0 or 1", "got 2"],
         ),
+        ({"hidden_states": [[[0.5] * D_MODEL]], "attention_mask": [[3]]}, ["attention_mask", "0 or 1", "got 3"]),
+        ({"hidden_states": [[[0.5] * (D_MODEL - 1) + [True]]]}, ["hidden_states", "boolean", f"[0, 0, {D_MODEL - 1}]"]),
         (
             {
                 "hidden_states": [[[0.5] * D_MODEL]],
@@ -156,6 +158,8 @@ def test_attend_returns_output_and_presents_and_b64_is_bit_exact_with_json(api):
         "b64-dtype",
         "b64-alphabet",
         "mask-value",
+        "mask-list-value",
+        "boolean",
         "kv-heads",
         "layers",
     ],
@@ -171,7 +175,7 @@ def test_bad_input_gets_400_naming_the_input_expected_and_actual(api, body, frag
         ("{}", "body.hidden_states: Field required"),
         ('{"hidden_states": [[[0.5]]], "extra": 1}', "body.extra: Extra inputs are not permitted"),
         ('{"hidden_states": [[[NaN]]]}', "finite number"),
-        ('{"hidden_states": [[[0.5]]], "attention_mask": [[3]]}', "attention_mask"),
+        ('{"hidden_states": [[[0.5]]], "attention_mask": "all"}', "body.attention_mask"),
         ('{"hidden_states": [[[0.5]]], "past_key_values": [{"key": [[[[0.5]]]]}]}', "past_key_values.0.value"),
         ("{not json", "JSON"),
         ("[1, 2]", "body"),

@@ -13,8 +13,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +21,10 @@ import numpy as np
 import psutil
 import pytest
 
+from bench.gateway import gateway_process
 from client import Client, SessionLostError
 from contract import errors as kinds
 from contract import names
-from serving.host.launcher import free_port
 from tests.fixtures.serving_process import serving_process
 
 pytestmark = [pytest.mark.served, pytest.mark.timeout(300)]
@@ -122,30 +120,10 @@ def test_24_sessions_over_both_protocols_each_stay_on_one_replica_and_equal_the_
 
 @contextlib.contextmanager
 def second_gateway(fleet):
-    """`python -m serving.gateway` on Envoy, with the first gateway's session secret."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "SERVING_TRITON_URL": f"127.0.0.1:{fleet.grpc_port}",
-        "SERVING_PORT": str(port),
-        "SERVING_SESSION_SECRET": SECRET,
-    }
-    process = subprocess.Popen(
-        [sys.executable, "-m", "serving.gateway"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                    break
-            assert process.poll() is None and time.monotonic() < deadline, "the second gateway did not start"
-            time.sleep(0.2)
+    """`python -m serving.gateway` on Envoy, with the first gateway's session secret (and, as it, no keys)."""
+    triton = f"127.0.0.1:{fleet.grpc_port}"
+    with gateway_process(triton, Path(os.devnull), api_keys="", session_secret=SECRET) as (url, _):
         yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        process.wait(30)
 
 
 def step_on(url: str, session_id: str, hidden: np.ndarray) -> httpx.Response:

@@ -1,0 +1,357 @@
+"""The gateway's cost: sessions stepping through its HTTP API against the gRPC client library direct.
+
+Writes `gateway.json` and `gateway.png` and prints a table.
+
+One Triton (the bundled binary, the served default preset) and one gateway (`python -m
+serving.gateway`, a process of its own, auth on) on 127.0.0.1. `--sessions` sessions step
+concurrently, one token per step, in three modes that take turns round by round (the machine's noise
+falls on all of them alike):
+
+- `gateway/json`: `POST /v1/sessions/{id}/step` with the token as nested JSON lists, the answer too;
+- `gateway/b64`: the same with base64 tensor objects both ways (`?encoding=b64`);
+- `grpc/client`: `client.AsyncClient` straight to Triton's gRPC port (the library as a direct caller
+  uses it: `validate=True`).
+
+Per mode: steps/s over the rounds, the ratio to `grpc/client`, and CPU per step of the load
+generator (this process: the HTTP client, or the gRPC client library itself), of the gateway
+process and of Triton (its server and model processes). Everything shares the machine's cores, so the
+CPU columns say where the time goes. Bounded: the number of steps is fixed by the arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from bench import results as output
+from contract import files
+
+MODES = ("gateway/json", "gateway/b64", "grpc/client")
+KEY = "bench-key"
+
+
+def prepare(root: Path, preset_name: str) -> Path:
+    """The preset's repository under `root`, from its artifact there (built when missing or stale)."""
+    from contract.config import ModelConfig, preset
+    from serving.triton.cli import export_to
+    from serving.triton.config import ServingSettings
+    from serving.triton.repository import write_repository
+
+    cfg, artifacts, settings = preset(preset_name), root / "artifacts", ServingSettings(threads=1)
+    if (artifacts / files.MODEL_CONFIG_FILENAME).is_file() and ModelConfig.load(artifacts) == cfg:
+        return write_repository(artifacts, root / "repository", settings)
+    return export_to(cfg, root / "repository", artifacts, settings)
+
+
+@contextlib.contextmanager
+def gateway_process(triton_grpc_url: str, log_path: Path, **settings: object) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`python -m serving.gateway` on a free port in front of `triton_grpc_url`, with API key `KEY` and
+    `settings` (Settings fields, passed as SERVING_* variables); its URL and process, once ready."""
+    import httpx
+
+    from serving.host.launcher import free_port
+
+    port = free_port()
+    env = {"api_keys": KEY, "sessions_per_key": 256, "log_level": "warning", **settings}
+    env = {**os.environ, **{f"SERVING_{k.upper()}": str(v) for k, v in env.items()}}
+    env |= {"SERVING_TRITON_URL": triton_grpc_url, "SERVING_PORT": str(port)}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "serving.gateway"], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not become ready; see {log_path}")
+            time.sleep(0.2)
+        yield url, process
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of these processes and all their descendants, now."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            for process in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    times = process.cpu_times()
+                    total += times.user + times.system
+    return total
+
+
+# --- the three ways to step a session -----------------------------------------------------------------------
+
+
+class Connection(asyncio.Protocol):
+    """One HTTP/1.1 keep-alive connection that sends prepared requests and reads each answer with
+    httptools' C parser: the load generator's cost per step stays a few tens of microseconds (aiohttp's
+    client took about 250), so the machine's cores go to what is measured."""
+
+    def __init__(self) -> None:
+        import httptools
+
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.answer: asyncio.Future | None = None
+        self.chunks: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        body, self.chunks = b"".join(self.chunks), []
+        self.answer.set_result((self.parser.get_status_code(), body))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(ConnectionError(f"the gateway closed the connection: {exc!r}"))
+
+    async def request(self, method: str, path: str, body: bytes = b"", headers: bytes = b"") -> tuple[int, bytes]:
+        self.answer = asyncio.get_running_loop().create_future()
+        head = f"{method} {path} HTTP/1.1\r\nHost: gateway\r\nContent-Length: {len(body)}\r\n".encode()
+        self.transport.write(head + headers + b"\r\n" + body)
+        return await self.answer
+
+
+class HttpSessions:
+    """Sessions stepped through the gateway over HTTP/1.1 keep-alive, one connection each."""
+
+    def __init__(self, url: str, token: np.ndarray, b64: bool) -> None:
+        from serving.gateway.encoding import encode, tensor_json
+
+        self.host, self.port = url.removeprefix("http://").rsplit(":", 1)
+        self.b64, self.width = b64, token.shape[-1]
+        # encoded once: the load generator's own cost stays low
+        self.body = tensor_json({"hidden_states": encode(token, "b64" if b64 else "json")})
+        self.query = "?encoding=b64" if b64 else ""
+        self.headers = f"X-API-Key: {KEY}\r\nContent-Type: application/json\r\n".encode()
+
+    async def run(self, count: int, steps: int) -> float:
+        loop = asyncio.get_running_loop()
+        connections = [(await loop.create_connection(Connection, self.host, int(self.port)))[1] for _ in range(count)]
+        try:
+            ids = await asyncio.gather(*(self._open(c) for c in connections))
+            try:
+                started = time.perf_counter()
+                await asyncio.gather(
+                    *(self._steps(c, session, steps) for c, session in zip(connections, ids, strict=True))
+                )
+                return time.perf_counter() - started
+            finally:
+                for c, session in zip(connections, ids, strict=True):
+                    await c.request("DELETE", f"/v1/sessions/{session}", headers=self.headers)
+        finally:
+            for c in connections:
+                c.transport.close()
+
+    async def _open(self, connection: Connection) -> str:
+        status, body = await connection.request("POST", "/v1/sessions", headers=self.headers)
+        if status != 201:
+            raise RuntimeError(f"opening a session: {status} {body[:300]!r}")
+        return json.loads(body)["id"]
+
+    async def _steps(self, connection: Connection, session: str, steps: int) -> None:
+        path = f"/v1/sessions/{session}/step{self.query}"
+        for _ in range(steps):
+            status, body = await connection.request("POST", path, self.body, self.headers)
+            if status != 200:
+                raise RuntimeError(f"step: {status} {body[:300]!r}")
+        output = json.loads(body)["output"]  # the last answer, checked whole
+        shape = output["shape"] if self.b64 else list(np.asarray(output).shape)
+        if shape != [1, 1, self.width]:
+            raise RuntimeError(f"step answered an output of shape {shape}")
+
+
+class GrpcSessions:
+    """Sessions stepped by the asyncio client library straight to Triton's gRPC port."""
+
+    def __init__(self, url: str, token: np.ndarray) -> None:
+        self.url, self.token = url, token
+
+    async def run(self, count: int, steps: int) -> float:
+        from client import AsyncClient
+
+        async with AsyncClient(self.url, "grpc") as triton:
+            sessions = [triton.session() for _ in range(count)]
+            await asyncio.gather(*(s.open() for s in sessions))
+            try:
+                started = time.perf_counter()
+                await asyncio.gather(*(self._steps(s, steps) for s in sessions))
+                return time.perf_counter() - started
+            finally:
+                await asyncio.gather(*(s.close() for s in sessions))
+
+    async def _steps(self, session, steps: int) -> None:
+        for _ in range(steps):
+            await session.step(self.token)
+
+
+# --- the run -----------------------------------------------------------------------------------------------
+
+
+def measure(fronts: dict, pids: dict[str, list[int]], sessions: int, steps: int, rounds: int) -> dict:
+    """`rounds` interleaved rounds of every mode: steps/s and CPU per step of each process group."""
+    samples = {mode: {"seconds": 0.0, "steps": 0, "cpu": dict.fromkeys(pids, 0.0), "load_cpu": 0.0} for mode in MODES}
+    asyncio.run(fronts["grpc/client"].run(sessions, 3))  # warm-up: connections, metadata
+    asyncio.run(fronts["gateway/json"].run(sessions, 3))
+    for _ in range(rounds):
+        for mode in MODES:
+            before = {group: cpu_seconds(group_pids) for group, group_pids in pids.items()}
+            own = time.process_time()
+            elapsed = asyncio.run(fronts[mode].run(sessions, steps))
+            sample = samples[mode]
+            sample["load_cpu"] += time.process_time() - own
+            for group, group_pids in pids.items():
+                sample["cpu"][group] += cpu_seconds(group_pids) - before[group]
+            sample["seconds"] += elapsed
+            sample["steps"] += sessions * steps
+    return summarize(samples)
+
+
+def summarize(samples: dict) -> dict:
+    rows = {}
+    for mode, sample in samples.items():
+        per_step = 1e6 / sample["steps"]
+        rows[mode] = {
+            "steps": sample["steps"],
+            "steps_per_s": sample["steps"] / sample["seconds"],
+            "load_generator_cpu_us_per_step": sample["load_cpu"] * per_step,
+            **{f"{group}_cpu_us_per_step": seconds * per_step for group, seconds in sample["cpu"].items()},
+        }
+    direct = rows["grpc/client"]["steps_per_s"]
+    for row in rows.values():
+        row["ratio_to_grpc"] = row["steps_per_s"] / direct
+    return rows
+
+
+def benchmark(root: Path, preset_name: str, sessions: int, steps: int, rounds: int, workers: int) -> dict:
+    from client import Client
+    from serving.host.launcher import start_triton
+
+    repository = prepare(root, preset_name)
+    server = start_triton(repository, log_path=root / "triton.log")
+    try:
+        with Client(server.grpc_url, "grpc") as triton:
+            d_model = triton.metadata("mha_session").d_model
+        token = np.random.default_rng(0).standard_normal((1, 1, d_model)).astype(np.float32)
+        with gateway_process(server.grpc_url, root / "gateway.log", workers=workers) as (url, gateway):
+            fronts = {
+                "gateway/json": HttpSessions(url, token, b64=False),
+                "gateway/b64": HttpSessions(url, token, b64=True),
+                "grpc/client": GrpcSessions(server.grpc_url, token),
+            }
+            pids = {"gateway": [gateway.pid], "triton": [server.process.pid]}
+            rows = measure(fronts, pids, sessions, steps, rounds)
+    finally:
+        server.stop()
+    conditions = {
+        "preset": preset_name,
+        "d_model": d_model,
+        "sessions": sessions,
+        "steps_per_session_per_round": steps,
+        "rounds": rounds,
+        "gateway_workers": workers,
+        "cpus": os.cpu_count(),
+    }
+    return {"conditions": conditions, "modes": rows, "target": target(rows)}
+
+
+def target(rows: dict) -> dict:
+    worst = min(rows["gateway/json"]["ratio_to_grpc"], rows["gateway/b64"]["ratio_to_grpc"])
+    return {
+        "what": "gateway steps/s >= 60% of the gRPC client's, JSON and b64",
+        "worst_ratio": worst,
+        "met": worst >= 0.6,
+    }
+
+
+def table(results: dict) -> str:
+    c = results["conditions"]
+    lines = [
+        f"{c['sessions']} sessions, one-token steps, {c['preset']} (d_model {c['d_model']}), "
+        f"{c['rounds']} rounds x {c['steps_per_session_per_round']} steps each, gateway workers {c['gateway_workers']}",
+        f"{'mode':<14} {'steps/s':>8} {'vs gRPC':>8} {'CPU us/step: load gen':>22} {'gateway':>8} {'triton':>8}",
+    ]
+    for mode, row in results["modes"].items():
+        lines.append(
+            f"{mode:<14} {row['steps_per_s']:>8.0f} {row['ratio_to_grpc']:>7.0%} "
+            f"{row['load_generator_cpu_us_per_step']:>22.0f} {row['gateway_cpu_us_per_step']:>8.0f} "
+            f"{row['triton_cpu_us_per_step']:>8.0f}"
+        )
+    t = results["target"]
+    lines.append(f"target: {t['what']}: worst {t['worst_ratio']:.0%}, {'met' if t['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    import matplotlib.pyplot as plt
+
+    modes = list(results["modes"])
+    rows = [results["modes"][m] for m in modes]
+    figure, (rate, cpu) = plt.subplots(1, 2, figsize=(11, 4))
+    rate.bar(modes, [r["steps_per_s"] for r in rows])
+    for x, row in enumerate(rows):
+        rate.annotate(f"{row['ratio_to_grpc']:.0%}", (x, row["steps_per_s"]), ha="center", va="bottom")
+    rate.set(title=f"{results['conditions']['sessions']} sessions stepping", ylabel="decode steps / s")
+    bottom = np.zeros(len(rows))
+    for group in ("load_generator", "gateway", "triton"):
+        values = np.array([r[f"{group}_cpu_us_per_step"] for r in rows])
+        cpu.bar(modes, values, bottom=bottom, label=group.replace("_", " "))
+        bottom += values
+    cpu.set(title="CPU per step", ylabel="microseconds")
+    cpu.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from serving.triton.cli import DEFAULT_PRESET
+
+    parser.add_argument("--preset", default=DEFAULT_PRESET, help="the served model (default: %(default)s)")
+    parser.add_argument("--sessions", type=int, default=16, help="concurrent sessions (default 16)")
+    parser.add_argument("--steps", type=int, default=100, help="steps per session per mode and round (default 100)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (default 1)")
+    output.output_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    with output.work_folder(args.work, "bench-gateway-") as root:
+        results = benchmark(root, args.preset, args.sessions, args.steps, args.rounds, args.workers)
+    print(table(results))
+    print(output.write(results, args.out, "gateway", plot))
+    return 0

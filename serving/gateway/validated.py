@@ -1,0 +1,191 @@
+"""The gateway's edge: a request body in, one validated request out (as TGI's router validates into
+`ValidGenerateRequest`).
+
+`parse` reads the body once (orjson) and checks its fields against the schema (`schemas`, shallow);
+`attend` and `step` decode every tensor into a numpy array (`encoding.decode`) and check the arrays
+once with the checks of `contract/inputs.py`: names, ranks, sizes and dtypes against the
+served model's metadata, the gateway's token cap, mask values, finite values. What comes out is
+trusted by the rest of the gateway, which calls the client library with its own checks off; Triton's
+models check again behind their own trust boundary.
+
+422 `validation_error`: the body is not JSON or its fields do not match the document. 400
+`invalid_input`: a tensor does not fit the served model (the message names the input, the expected
+and the actual).
+
+`body_bound` is the most bytes a valid request body can need for the served model, so that a larger
+one is refused (413) before it is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ValidationError
+
+from client import ModelInfo
+from contract import names
+from contract.inputs import (
+    InputError,
+    check_finite,
+    check_inputs,
+    check_mask_values,
+    check_one_sequence,
+    check_request_tokens,
+    named_inputs,
+)
+from serving.gateway.encoding import decode
+from serving.gateway.errors import InvalidInput, SchemaViolation, describe_validation
+
+# A JSON number as text, generously: "-1.2345678901234567e-308, " is 26 bytes; whitespace and brackets
+# ride on the rest.
+JSON_BYTES_PER_NUMBER = 32
+BODY_OVERHEAD_BYTES = 64 << 10  # field names, tensor objects' dtype and shape
+Pairs = list[tuple[np.ndarray, np.ndarray]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidAttend:
+    """A /v1/attend request whose tensors fit the stateless model."""
+
+    hidden_states: np.ndarray
+    attention_mask: np.ndarray | None
+    past: Pairs  # one (key, value) per layer; empty for an empty past
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidStep:
+    """A session step whose tensors fit the session model: one sequence's new tokens (and mask)."""
+
+    hidden_states: np.ndarray
+    attention_mask: np.ndarray | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """A request body parsed, its fields as the schema has them (tensors not decoded yet)."""
+
+    raw: bytes
+    fields: Any  # a schemas.AttendRequest or schemas.StepBody
+
+
+def parse(raw: bytes, schema: type[BaseModel]) -> Body:
+    """The body parsed (orjson) and its fields validated against `schema`, or 422."""
+    try:
+        document = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise SchemaViolation(f"body: not valid JSON: {_why_not_json(raw, error)}") from None
+    try:
+        return Body(raw, schema.model_validate(document))
+    except ValidationError as error:
+        located = [{**e, "loc": ("body", *e["loc"])} for e in error.errors()]
+        raise SchemaViolation(describe_validation(located)) from None
+
+
+def attend(body: Body, info: ModelInfo, max_request_tokens: int) -> ValidAttend:
+    """A parsed /v1/attend body whose tensors fit the stateless model `info`, or 400."""
+    tensors, past = _decode_inputs(body, info.float_dtype)
+    try:
+        batch, _, new = check_inputs(info.sizes, tensors, float_dtype=info.float_dtype)
+        check_request_tokens(batch, new, max_request_tokens, setting="SERVING_MAX_REQUEST_TOKENS")
+        _check_values(tensors)
+    except InputError as error:
+        raise InvalidInput(str(error)) from None
+    return ValidAttend(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK), past)
+
+
+def step(body: Body, info: ModelInfo) -> ValidStep:
+    """A parsed session step whose tensors fit the session model `info`, or 400."""
+    tensors, _ = _decode_inputs(body, info.float_dtype)
+    try:
+        batch, _, _ = check_inputs(info.sizes, tensors, float_dtype=info.float_dtype)
+        check_one_sequence(batch)
+        _check_values(tensors)
+    except InputError as error:
+        raise InvalidInput(str(error)) from None
+    return ValidStep(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK))
+
+
+def _check_values(tensors: dict[str, np.ndarray]) -> None:
+    check_mask_values(tensors)
+    check_finite(tensors)
+
+
+# --- the body's fields --------------------------------------------------------------------------------------
+
+_NOT_JSON_NUMBERS = re.compile(rb"-?(NaN|Infinity)")
+
+
+def _why_not_json(raw: bytes, error: orjson.JSONDecodeError) -> str:
+    start = error.pos - 1 if raw[error.pos - 1 : error.pos] == b"-" else error.pos  # orjson points past a sign
+    found = _NOT_JSON_NUMBERS.match(raw, start)
+    if found is not None:  # what Python's json.dumps writes for float("nan"): say so plainly
+        return (
+            f"{found.group().decode()} at char {error.pos}: JSON has no NaN or Infinity, values must be finite numbers"
+        )
+    return str(error)
+
+
+def _decode_inputs(body: Body, dtype: str) -> tuple[dict[str, np.ndarray], Pairs]:
+    """The graph's named inputs from the body's tensor fields (and the past as pairs), or 400 naming
+    the field."""
+    fields = body.fields
+    try:
+        hidden = decode(fields.hidden_states, names.HIDDEN_STATES, dtype)
+        mask = None if fields.attention_mask is None else decode(fields.attention_mask, names.ATTENTION_MASK, "int64")
+        past = [
+            (
+                decode(pair.key, names.past_name(layer, names.KEY), dtype),
+                decode(pair.value, names.past_name(layer, names.VALUE), dtype),
+            )
+            for layer, pair in enumerate(getattr(fields, "past_key_values", None) or ())
+        ]
+    except InputError as error:
+        raise InvalidInput(str(error)) from None
+    _refuse_booleans(body)
+    return named_inputs(hidden, mask, past), past
+
+
+def _refuse_booleans(body: Body) -> None:
+    """numpy reads `true` in a list of numbers as 1.0; no field of a body is a boolean, so a body
+    without the words `true` and `false` (the common case, checked on the bytes) holds none, and
+    otherwise the lists are walked to name the input and the index."""
+    if b"true" not in body.raw and b"false" not in body.raw:
+        return
+    fields = body.fields
+    tensors = {names.HIDDEN_STATES: fields.hidden_states, names.ATTENTION_MASK: fields.attention_mask}
+    for layer, pair in enumerate(getattr(fields, "past_key_values", None) or ()):
+        tensors |= {names.past_name(layer, kind): getattr(pair, kind) for kind in names.KV_KINDS}
+    for name, value in tensors.items():
+        where = first_boolean(value)
+        if where is not None:
+            raise InvalidInput(f"input '{name}': expected numbers, got a boolean at index {list(where)}")
+
+
+def first_boolean(value: Any, index: tuple[int, ...] = ()) -> tuple[int, ...] | None:
+    """The index of the first boolean in nested lists, or None."""
+    if isinstance(value, bool):
+        return index
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = first_boolean(item, (*index, i))
+            if found is not None:
+                return found
+    return None
+
+
+# --- the largest body -------------------------------------------------------------------------------------
+
+
+def body_bound(info: ModelInfo, max_request_tokens: int, max_seq_len: int) -> int:
+    """The most bytes a valid body can need for the stateless model `info`: `max_request_tokens` new
+    tokens over a past of `max_seq_len` positions (with its mask), or a session step of `max_seq_len`
+    tokens, every number written as JSON text (the longer of the two forms; base64 takes 5.33 bytes
+    a float32)."""
+    cache = 2 * info.n_layers * (info.n_kv_heads or 0) * (info.head_dim or 0)
+    attend = max_request_tokens * info.d_model + (max_request_tokens + max_seq_len) + cache * max_seq_len
+    step = max_seq_len * (info.d_model + 1)
+    return JSON_BYTES_PER_NUMBER * max(attend, step) + BODY_OVERHEAD_BYTES

@@ -1,0 +1,134 @@
+"""Large JSON bodies against a real gateway process (`python -m serving.gateway`) in front of the
+session's real Triton, over HTTP: a body larger than any valid request for the served model is
+refused from its Content-Length or while it streams; a burst of large bodies is capped (429 with
+Retry-After), /healthz answers throughout, and the gateway's memory comes back after it.
+
+The measured numbers are printed (docs/reliability.md has them)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from bench.gateway import KEY, gateway_process
+from serving.gateway.limits import LARGE_BODY_BYTES
+
+pytestmark = [pytest.mark.served, pytest.mark.slow]
+MIB = 1 << 20
+HEADERS = {"X-API-Key": KEY, "Content-Type": "application/json"}
+
+
+def json_states(tokens: int, width: int, seed: int = 0) -> bytes:
+    states = np.random.default_rng(seed).standard_normal((1, tokens, width)).astype(np.float32)
+    return json.dumps({"hidden_states": states.tolist()}).encode()
+
+
+def test_a_body_larger_than_the_model_can_need_gets_413_declared_or_streamed(triton, served_cfg, tmp_path):
+    """16 tokens over a past of 64 positions need about 1.2 MB as JSON on the test model: a 2.5 MB body
+    is refused though it is far under SERVING_MAX_BODY_BYTES."""
+    settings = {"max_request_tokens": 16, "max_seq_len": 64}
+    with gateway_process(triton.grpc_url, tmp_path / "gateway.log", **settings) as (url, _):
+        big = json_states(500, served_cfg.d_model)
+        assert 2 * MIB < len(big) < 64 * MIB
+        declared = httpx.post(f"{url}/v1/attend", content=big, headers=HEADERS, timeout=30)
+        assert declared.status_code == 413, declared.text
+        message = declared.json()["error"]["message"]
+        assert f"declared Content-Length {len(big)}" in message and "the most a valid request can need" in message
+        chunks = [big[i : i + 256 << 10] for i in range(0, len(big), 256 << 10)]
+        streamed = httpx.post(f"{url}/v1/attend", content=iter(chunks), headers=HEADERS, timeout=30)
+        assert "content-length" not in streamed.request.headers
+        assert streamed.status_code == 413, streamed.text
+        # a body within the bound is read and checked as usual: 17 tokens are one too many
+        over_cap = httpx.post(f"{url}/v1/attend", content=json_states(17, served_cfg.d_model), headers=HEADERS)
+        assert over_cap.status_code == 400 and "17 tokens" in over_cap.json()["error"]["message"]
+        assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+class Watch:
+    """/healthz polled and the gateway's resident memory sampled on threads while the `with` runs."""
+
+    def __init__(self, url: str, pid: int) -> None:
+        self.url, self.process = url, psutil.Process(pid)
+        self.peak_rss, self.health_s, self.statuses = 0, [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._memory), threading.Thread(target=self._health)]
+
+    def _memory(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak_rss = max(self.peak_rss, self.process.memory_info().rss)
+
+    def _health(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.wait(0.1):
+                started = time.perf_counter()
+                self.statuses.append(client.get(f"{self.url}/healthz").status_code)
+                self.health_s.append(time.perf_counter() - started)
+
+    def __enter__(self) -> Watch:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def rss_settled(pid: int, seconds: float = 3.0) -> int:
+    """The process's resident memory once it stops falling (at most `seconds`)."""
+    process, last = psutil.Process(pid), None
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        now = process.memory_info().rss
+        if last is not None and now >= last:
+            return now
+        last = now
+        time.sleep(0.5)
+    return process.memory_info().rss
+
+
+def test_a_burst_of_large_bodies_is_capped_healthz_answers_and_memory_comes_back(triton, served_cfg, tmp_path):
+    """Four concurrent 55 MiB /v1/attend bodies (under the 64 MiB body limit; 11,000 tokens, past the
+    token cap, which only the parsed body shows) once took the gateway from 96 MiB to 1.59 GB and
+    stalled /healthz 4 s."""
+    body = json_states(11_000, served_cfg.d_model)
+    assert 50 * MIB < len(body) < 64 * MIB
+    with gateway_process(triton.grpc_url, tmp_path / "gateway.log", large_body_concurrency=2) as (url, gateway):
+        small = json_states(3, served_cfg.d_model)
+        for _ in range(3):  # warm: the model's metadata, the first request's allocations
+            assert httpx.post(f"{url}/v1/attend", content=small, headers=HEADERS, timeout=30).status_code == 200
+        before = rss_settled(gateway.pid)
+
+        def send(_: int) -> httpx.Response:
+            return httpx.post(f"{url}/v1/attend", content=body, headers=HEADERS, timeout=120)
+
+        with Watch(url, gateway.pid) as watch, concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(send, range(4)))
+        after = rss_settled(gateway.pid)
+
+        statuses = sorted(a.status_code for a in answers)
+        print(
+            f"4 x {len(body) / MIB:.0f} MiB: answers {statuses}; gateway RSS before {before / MIB:.0f} MiB, "
+            f"peak {watch.peak_rss / MIB:.0f} MiB, after {after / MIB:.0f} MiB; /healthz {len(watch.health_s)} "
+            f"answers, slowest {max(watch.health_s) * 1e3:.0f} ms"
+        )
+        for answer in answers:
+            if answer.status_code == 429:
+                assert answer.json()["error"]["code"] == "overloaded" and answer.headers["retry-after"] == "1"
+                assert f"over {LARGE_BODY_BYTES >> 20} MiB" in answer.json()["error"]["message"]
+            else:
+                assert answer.status_code == 400, answer.text[:300]
+                assert "11000 tokens" in answer.json()["error"]["message"]
+        assert 429 in statuses  # two at once are decoded; the others are told to come back
+        assert watch.statuses and set(watch.statuses) == {200}
+        assert max(watch.health_s) < 2.0, watch.health_s  # it stalled 4 s before the cap and the threads
+        assert after - before <= 50 * MIB, (before / MIB, after / MIB)
+        assert httpx.post(f"{url}/v1/attend", content=small, headers=HEADERS, timeout=30).status_code == 200
