@@ -118,7 +118,7 @@ def test_a_step_is_one_sequence_and_leaves_out_the_mask_when_not_given():
         ({"hidden_states": b64(np.zeros((1, 1, D_MODEL), np.int64))}, ["expected dtype float32, got int64"]),
         (
             {"hidden_states": [[[0.5] * D_MODEL]], "attention_mask": [[3]]},
-            ["input 'attention_mask'", "0 or 1, got 3 at index [0, 0]"],
+            ["input 'attention_mask'", "0 (padding) or 1 (attend), got 3 at index [0, 0]"],
         ),
         ({"hidden_states": np.zeros((5, 13, D_MODEL)).tolist()}, ["5 x 13 = 65 tokens", "SERVING_MAX_REQUEST_TOKENS"]),
         ({"hidden_states": [[["0.5"] * D_MODEL]]}, ["input 'hidden_states'", "expected numbers", "strings"]),
