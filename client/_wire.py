@@ -114,11 +114,16 @@ def as_array(value: Any, name: str) -> np.ndarray:
 
 
 def stateless_tensors(
-    info: ModelInfo | None, hidden_states: Any, attention_mask: Any = None, past: Sequence | None = None
+    info: ModelInfo | None,
+    hidden_states: Any,
+    attention_mask: Any = None,
+    past: Sequence | None = None,
+    position_ids: Any = None,
 ) -> dict[str, np.ndarray]:
-    """Named inputs of a stateless call, checked against `info` when given; an omitted past is
-    left out (the model's past inputs are optional: an empty past)."""
-    tensors = named_inputs(as_array(hidden_states, names.HIDDEN_STATES), _mask(attention_mask), _pairs(past))
+    """Named inputs of a stateless call, checked against `info` when given; an omitted past, mask or
+    positions are left out (the model's inputs are optional: an empty past, all ones, counted)."""
+    positions = as_array(position_ids, names.POSITION_IDS)
+    tensors = named_inputs(as_array(hidden_states, names.HIDDEN_STATES), _mask(attention_mask), _pairs(past), positions)
     if info is not None:
         info.check(tensors)
     return tensors

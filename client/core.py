@@ -150,10 +150,10 @@ class ClientCore:
         return self._infos[model]
 
     def _infer(
-        self, hidden_states: Any, attention_mask: Any = None, past: Sequence | None = None
+        self, hidden_states: Any, attention_mask: Any = None, past: Sequence | None = None, position_ids: Any = None
     ) -> Operation[InferResult]:
         info = (yield from self._metadata()) if self.validate else None
-        tensors = _wire.stateless_tensors(info, hidden_states, attention_mask, past)
+        tensors = _wire.stateless_tensors(info, hidden_states, attention_mask, past, position_ids)
         inputs = _wire.make_inputs(self._module, tensors)
         result = yield from self._call(
             f"infer on '{self.model}'", lambda s: s.infer(self.model, inputs, **self._timeout_kw)

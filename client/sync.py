@@ -98,9 +98,12 @@ class Client(ClientCore):
         hidden_states: np.ndarray,
         attention_mask: np.ndarray | None = None,
         past: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+        position_ids: np.ndarray | None = None,
     ) -> InferResult:
-        """One stateless call: the output and the presents (feed them back as `past` to decode)."""
-        return self._run(self._infer(hidden_states, attention_mask, past))
+        """One stateless call: the output and the presents (feed them back as `past` to decode).
+        `position_ids` (B, T) place the new tokens of a model with rotary embeddings (left out: the
+        server counts them from the mask)."""
+        return self._run(self._infer(hidden_states, attention_mask, past, position_ids))
 
     def session(self, sequence_id: int | None = None, replica: str | None = None) -> Session:
         """A new server-side session (nothing is sent until its first step); with `replica`, one

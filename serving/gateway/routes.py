@@ -161,7 +161,7 @@ async def attend(request: Request, encoding: ResponseEncoding = "json") -> Respo
         info = await gw.model_info(gw.settings.model)
         valid = await gw.offload(len(raw), validated.attend, body, info, gw.settings.max_request_tokens)
         del raw, body  # megabytes, perhaps: not kept while Triton works
-        call = gw.client.infer(valid.hidden_states, valid.attention_mask, valid.past or None)
+        call = gw.client.infer(valid.hidden_states, valid.attention_mask, valid.past or None, valid.position_ids)
         result = await gw.call(call, "stateless attention")
         answer = {"output": result.output, "present": [{"key": k, "value": v} for k, v in result.present]}
         return json_answer(await gw.offload(_nbytes(result.present), _render, answer, encoding))

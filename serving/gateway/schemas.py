@@ -35,6 +35,7 @@ class Documented:
 Tensor = list[Any] | EncodedTensor
 States = Annotated[Tensor, Documented(list[list[list[FiniteFloat]]] | EncodedTensor)]  # (batch, sequence, d_model)
 Mask = Annotated[Tensor, Documented(list[list[MaskBit]] | EncodedTensor)]  # (batch, length) of 0/1
+Positions = Annotated[Tensor, Documented(list[list[Annotated[int, Field(ge=0)]]] | EncodedTensor)]  # (batch, sequence)
 Cache = Annotated[Tensor, Documented(list[list[list[list[FiniteFloat]]]] | EncodedTensor)]
 # (batch, n_kv_heads, length, head_dim)
 
@@ -55,6 +56,11 @@ class AttendRequest(Strict):
     )
     past_key_values: list[KeyValue] | None = Field(
         default=None, description="one {key, value} per layer, as returned in `present`; omit for an empty past"
+    )
+    position_ids: Positions | None = Field(
+        default=None,
+        description="(batch, sequence) int64: the new tokens' positions, for a model with rotary embeddings; "
+        "default counted from the mask (the attended positions before each token)",
     )
 
 

@@ -54,6 +54,7 @@ class ValidAttend:
     hidden_states: np.ndarray
     attention_mask: np.ndarray | None
     past: Pairs  # one (key, value) per layer; empty for an empty past
+    position_ids: np.ndarray | None = None  # a rotary model's; None: the server counts them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +95,9 @@ def attend(body: Body, info: ModelInfo, max_request_tokens: int) -> ValidAttend:
         _check_values(tensors)
     except InputError as error:
         raise InvalidInput(str(error)) from None
-    return ValidAttend(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK), past)
+    return ValidAttend(
+        tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK), past, tensors.get(names.POSITION_IDS)
+    )
 
 
 def step(body: Body, info: ModelInfo) -> ValidStep:
@@ -136,6 +139,8 @@ def _decode_inputs(body: Body, dtype: str) -> tuple[dict[str, np.ndarray], Pairs
     try:
         hidden = decode(fields.hidden_states, names.HIDDEN_STATES, dtype)
         mask = None if fields.attention_mask is None else decode(fields.attention_mask, names.ATTENTION_MASK, "int64")
+        given = getattr(fields, "position_ids", None)
+        positions = None if given is None else decode(given, names.POSITION_IDS, "int64")
         past = [
             (
                 decode(pair.key, names.past_name(layer, names.KEY), dtype),
@@ -146,7 +151,7 @@ def _decode_inputs(body: Body, dtype: str) -> tuple[dict[str, np.ndarray], Pairs
     except InputError as error:
         raise InvalidInput(str(error)) from None
     _refuse_booleans(body)
-    return named_inputs(hidden, mask, past), past
+    return named_inputs(hidden, mask, past, positions), past
 
 
 def _refuse_booleans(body: Body) -> None:
@@ -157,6 +162,7 @@ def _refuse_booleans(body: Body) -> None:
         return
     fields = body.fields
     tensors = {names.HIDDEN_STATES: fields.hidden_states, names.ATTENTION_MASK: fields.attention_mask}
+    tensors[names.POSITION_IDS] = getattr(fields, "position_ids", None)
     for layer, pair in enumerate(getattr(fields, "past_key_values", None) or ()):
         tensors |= {names.past_name(layer, kind): getattr(pair, kind) for kind in names.KV_KINDS}
     for name, value in tensors.items():
@@ -182,10 +188,10 @@ def first_boolean(value: Any, index: tuple[int, ...] = ()) -> tuple[int, ...] | 
 
 def body_bound(info: ModelInfo, max_request_tokens: int, max_seq_len: int) -> int:
     """The most bytes a valid body can need for the stateless model `info`: `max_request_tokens` new
-    tokens over a past of `max_seq_len` positions (with its mask), or a session step of `max_seq_len`
-    tokens, every number written as JSON text (the longer of the two forms; base64 takes 5.33 bytes
-    a float32)."""
+    tokens (with their positions) over a past of `max_seq_len` positions (with its mask), or a session
+    step of `max_seq_len` tokens, every number written as JSON text (the longer of the two forms;
+    base64 takes 5.33 bytes a float32)."""
     cache = 2 * info.n_layers * (info.n_kv_heads or 0) * (info.head_dim or 0)
-    attend = max_request_tokens * info.d_model + (max_request_tokens + max_seq_len) + cache * max_seq_len
+    attend = max_request_tokens * (info.d_model + 1) + (max_request_tokens + max_seq_len) + cache * max_seq_len
     step = max_seq_len * (info.d_model + 1)
     return JSON_BYTES_PER_NUMBER * max(attend, step) + BODY_OVERHEAD_BYTES
