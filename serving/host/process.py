@@ -177,8 +177,11 @@ class ManagedProcess:
             (self.work_dir / OWNER_FILE).unlink()
         return graceful
 
-    def stop(self) -> int | None:
-        raise NotImplementedError
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL of the group after `timeout`; the work directory stays (a subclass
+        says what it leaves)."""
+        self.end(((signal.SIGTERM, timeout),))
+        return self.process.returncode
 
     def __enter__(self):
         return self
