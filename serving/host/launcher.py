@@ -268,7 +268,12 @@ def shm_prefix(work_dir: Path) -> str:
 
 def private_repository(source: Path, models: Sequence[str], into: Path) -> Path:
     """Triton's own copy of `models` from `source`: each config copied (the supervisor rewrites it to
-    reload the model), every other file or folder linked (the model files are not copied)."""
+    reload the model), each version folder made anew with links to its files (they are not copied).
+
+    Triton polls this copy and loads a model again when anything in its folder changes. The stub
+    writes model.py's bytecode beside it whatever PYTHONDONTWRITEBYTECODE says, and that new
+    __pycache__ made Triton load both models twice at every start (measured); an empty file of that
+    name in each version folder leaves Python nowhere to write (it skips the cache then)."""
     from serving.triton.config import TRITON_CONFIG_FILENAME
 
     for model in models:
@@ -277,9 +282,22 @@ def private_repository(source: Path, models: Sequence[str], into: Path) -> Path:
         for entry in (source / model).iterdir():
             if entry.name == TRITON_CONFIG_FILENAME:
                 shutil.copyfile(entry, target / entry.name)
+            elif entry.is_dir() and entry.name.isdigit():
+                _link_version(entry, target / entry.name)
             else:
                 (target / entry.name).symlink_to(entry)
     return into
+
+
+def _link_version(source: Path, target: Path) -> None:
+    target.mkdir()
+    for entry in source.iterdir():
+        if entry.name != PYCACHE:
+            (target / entry.name).symlink_to(entry)
+    (target / PYCACHE).touch()
+
+
+PYCACHE = "__pycache__"
 
 
 def _command(install: TritonInstall, repository: Path, host: str, ports: dict, work_dir: Path) -> list:

@@ -51,9 +51,12 @@ _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> Callable[[], None]:
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
     """A preexec_fn: the child gets `sig` when the thread that forked it ends (with this process:
-    see `_Spawner`), and ends at once if `parent` died before the request took effect."""
+    see `_Spawner`), and ends at once if `parent` died before the request took effect. SIGKILL: a
+    graceful stop is the owner's job; once the owner is gone what matters is that nothing holds the
+    ports (a graceful Triton exit may take its exit timeout), and what a kill leaves (shared-memory
+    regions, folders) the next start removes."""
     prctl = _libc.prctl  # looked up before the fork: the child only calls it
 
     def preexec() -> None:

@@ -126,7 +126,7 @@ def test_admin_apis_are_refused_to_every_caller(triton, protocol, call):
                 ADMIN_CALLS[call](client, headers=headers)
             assert "restricted" in refused.value.message().lower(), refused.value
         # the client libraries will not even send it (what reaches the server: the raw test below)
-        with pytest.raises((InferenceServerException, ValueError), match="(?i)header|metadata"):
+        with pytest.raises((InferenceServerException, ValueError), match=r"(?i)header|metadata"):
             ADMIN_CALLS[call](client, headers={named: value})
         assert client.is_model_ready("mha_session")  # nothing was unloaded
     finally:
