@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import errno
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -218,24 +220,41 @@ class TritonServer(ManagedProcess):
         """The prefix of this server's shared-memory regions (the Python backend's, one per stub)."""
         return shm_prefix(self.work_dir)
 
-    def reload(self, models: Sequence[str]) -> None:
-        """Load `models` anew: their config in the private repository rewritten with one parameter
-        changed, which Triton's next poll (within POLL_SECONDS) loads as a new model."""
+    def reload(self, models: Sequence[str], timeout: float = 30.0) -> None:
+        """Load `models` anew and return once Triton serves them: their config in the private
+        repository rewritten with one parameter changed, which Triton's next poll (within
+        POLL_SECONDS) loads as a new model, swapped in once ready. TimeoutError after `timeout`."""
         from serving.triton.config import TRITON_CONFIG_FILENAME, parse, to_text
 
         self.reloads += 1
+        generation = str(self.reloads)
         for model in models:
             path = self.repository / model / TRITON_CONFIG_FILENAME
             config = parse(path.read_text())
-            config.parameters[RELOAD_PARAMETER].string_value = str(self.reloads)
+            config.parameters[RELOAD_PARAMETER].string_value = generation
             scratch = self.work_dir / f"{model}.{TRITON_CONFIG_FILENAME}"
             scratch.write_text(to_text(config))
             scratch.replace(path)  # Triton's poll never reads half a file
+        deadline = time.monotonic() + timeout
+        while (pending := [m for m in models if self._served_generation(m) != generation]) and self.is_running():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Triton did not load {', '.join(pending)} again within {timeout:g} s")
+            time.sleep(0.1)
+
+    def _served_generation(self, model: str) -> str | None:
+        """The reload parameter of the config Triton serves `model` with (that of its ready version)."""
+        url = f"http://{self.http_url}/v2/models/{model}/config"
+        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url, timeout=5) as response:
+            parameters = json.load(response).get("parameters", {})
+            return parameters.get(RELOAD_PARAMETER, {}).get("string_value")
+        return None
 
     def stop(self, timeout: float = 30.0, keep_log: bool = False) -> int | None:
         """Graceful: SIGINT to Triton (it unloads the models, which ends their stubs), then SIGTERM,
         then SIGKILL of the whole process group. Idempotent. Removes the server's shared-memory
         regions and work directory; the log is kept when asked or when Triton did not exit cleanly."""
+        if not self.claim_stop():
+            return self.process.returncode
         graceful = self.end(((signal.SIGINT, timeout), (signal.SIGTERM, 10.0)))
         clean = graceful and (self.process.returncode == 0 or self._held_a_replaced_model())
         remove_unmapped_shm(self.shm_prefix)  # Triton removes them only on a clean exit

@@ -112,6 +112,8 @@ class ManagedProcess:
 
     def __init__(self, process: subprocess.Popen, work_dir: Path, log_path: Path) -> None:
         self.process, self.work_dir, self.log_path = process, work_dir, log_path
+        self._stopping = False
+        self._stop_lock = threading.Lock()
         atexit.register(self.stop)
 
     @classmethod
@@ -160,6 +162,12 @@ class ManagedProcess:
                 raise error(f"{self.name} not ready after {timeout:g} s:\n{self.log_tail()}")
             time.sleep(poll_s)
 
+    def claim_stop(self) -> bool:
+        """True for the first caller of a stop alone (a stop's cleanup runs once)."""
+        with self._stop_lock:
+            first, self._stopping = not self._stopping, True
+            return first
+
     def end(self, grace: Sequence[tuple[signal.Signals, float]]) -> bool:
         """Each signal in turn while it runs, waiting its seconds; then SIGKILL of the whole group,
         and wait until no member is left (a stub that outlived its server). Idempotent. Returns
@@ -183,7 +191,8 @@ class ManagedProcess:
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL of the group after `timeout`; the work directory stays (a subclass
         says what it leaves)."""
-        self.end(((signal.SIGTERM, timeout),))
+        if self.claim_stop():
+            self.end(((signal.SIGTERM, timeout),))
         return self.process.returncode
 
     def __enter__(self):

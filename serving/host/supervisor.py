@@ -122,17 +122,20 @@ class Supervisor:
             if self._reload(dead) and self._wait_serving(timeout=30.0):
                 self._record(seen, problem, f"reload {', '.join(dead)}", ok=True)
                 return True
+            if self._stop.is_set():  # stopping: what is left to do is the stop's
+                return False
             log.warning("supervisor: reloading %s did not bring it back; restarting Triton", ", ".join(dead))
         else:
             log.warning("supervisor: %s; restarting Triton", problem)
         return self._restart(seen, problem)
 
     def _reload(self, models: tuple[str, ...]) -> bool:
-        """Load anew through Triton's private repository (`TritonServer.reload`): no API is involved."""
+        """Load anew through Triton's private repository (`TritonServer.reload`, which returns once
+        Triton serves the new models): no restricted API is involved."""
         try:
-            self.server.reload(models)
+            self.server.reload(models, timeout=30.0)
             return True
-        except OSError as error:
+        except (OSError, TimeoutError) as error:
             log.warning("supervisor: reload failed: %s", error)
             return False
 

@@ -173,6 +173,8 @@ class Envoy(ManagedProcess):
     def stop(self, timeout: float = 10.0, keep_files: bool = False) -> int | None:
         """SIGTERM (Envoy exits at once), SIGKILL if it has not after `timeout`. Idempotent. The work
         directory (config, logs) is removed unless asked or unless Envoy exited badly."""
+        if not self.claim_stop():
+            return self.process.returncode
         clean = self.end(((signal.SIGTERM, timeout),)) and self.process.returncode == 0
         if not clean:
             log.warning("Envoy exited with %s; its files are kept in %s", self.process.returncode, self.work_dir)
