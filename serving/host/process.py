@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 OWNER_FILE = ".attention-serving-owner.json"  # in each work directory: who started what
 SHM_DIR = Path("/dev/shm")
-GROUP_EXIT_TIMEOUT_S = 5.0  # a killed group's members are gone well within this (measured: < 0.1 s)
+GROUP_EXIT_TIMEOUT_S = 5.0  # how long a stop waits for a killed group's members to be gone
 
 
 class ProcessStartError(RuntimeError):
