@@ -161,85 +161,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def start_front(args: argparse.Namespace):
-    """What the gateway and the clients talk to: one supervised Triton, or Envoy in front of
-    `--replicas` of them (serving/host/fleet.py)."""
-    from serving.host.envoy import ProxySettings
-    from serving.host.fleet import start_fleet
-    from serving.host.launcher import check_ports_free
+    """What the gateway and the clients talk to (serving/host/front.py)."""
+    from serving.host.front import FrontPorts, TritonOptions, start_front
 
-    front_ports = {"http": args.http_port, "grpc": args.grpc_port}
-    if args.replicas == 1:
-        front_ports["metrics"] = args.metrics_port
-    check_ports_free(args.triton_address, {k: v for k, v in front_ports.items() if v})
-    if not args.no_gateway and args.gateway_port:
-        check_ports_free(gateway_host(args), {"gateway": args.gateway_port})
-    if args.replicas == 1:
-        return OneTriton(supervise(args, front_ports, args.log))
-    proxy = ProxySettings(http_port=args.http_port, grpc_port=args.grpc_port, listen_address=args.triton_address)
-    print(f"starting {args.replicas} Triton replicas and Envoy in front of them", flush=True)
-    return start_fleet(args.replicas, lambda index: supervise(args, {}, replica_log(args.log, index)), proxy)
-
-
-def replica_log(log: Path | None, index: int) -> Path | None:
-    """A file of its own per replica (NAME-<i>.EXT); a stream such as /dev/stdout is shared."""
-    if log is None or log.parts[:2] == ("/", "dev") or (log.exists() and not log.is_file()):
-        return log
-    return log.with_name(f"{log.stem}-{index}{log.suffix}")
-
-
-def supervise(args: argparse.Namespace, ports: dict[str, int], log: Path | None):
-    """Triton started and kept serving (serving/host/supervisor.py): the same ports and log at every
-    restart, so the gateway and the clients find it again. A port not given is picked now, once."""
-    from serving.host.launcher import free_port, start_triton
-    from serving.host.supervisor import Supervisor
-
-    ports = {name: ports.get(name) or free_port(args.triton_address) for name in ("http", "grpc", "metrics")}
-
-    def start():
-        return start_triton(
-            args.model_repository,
-            host=args.triton_address,
-            http_port=ports["http"],
-            grpc_port=ports["grpc"],
-            metrics_port=ports["metrics"],
-            log_path=log,
-            tritonserver=args.tritonserver,
-        )
-
-    return Supervisor(start, interval=args.probe_interval)
-
-
-class OneTriton:
-    """One supervised Triton, with the face of a Fleet (serving/host/fleet.py) for `run`."""
-
-    def __init__(self, supervisor) -> None:
-        self.supervisor = supervisor
-
-    @property
-    def grpc_url(self) -> str:
-        return self.supervisor.server.grpc_url
-
-    @property
-    def failed(self) -> str | None:
-        return self.supervisor.failed
-
-    def check(self, say=print) -> bool:
-        if self.supervisor.running():
-            return True
-        say(f"error: {self.supervisor.failed}; Triton's log: {self.supervisor.server.log_path}")
-        return False
-
-    def layout(self) -> list[str]:
-        server = self.supervisor.server
-        return [
-            f"Triton HTTP     http://{server.http_url}",
-            f"Triton gRPC     {server.grpc_url}",
-            f"Triton metrics  {server.metrics_url}",
-            f"models          {', '.join(server.models)}",
-        ]
-
-    def stop(self) -> None:
-        self.supervisor.stop()
+    options = TritonOptions(
+        args.model_repository, args.triton_address, args.log, args.tritonserver, args.probe_interval
+    )
+    ports = FrontPorts(args.http_port, args.grpc_port, args.metrics_port)
+    gateway = (gateway_host(args), args.gateway_port) if not args.no_gateway and args.gateway_port else None
+    return start_front(options, ports, args.replicas, gateway, say=lambda line: print(line, flush=True))
 
 
 def gateway_host(args: argparse.Namespace) -> str:
@@ -267,9 +197,9 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
 
 
 def watch(front, stop: threading.Event) -> None:
-    while not stop.wait(0.5):
-        if not front.check(lambda line: print(line, file=sys.stderr, flush=True)):
-            return
+    from serving.host.front import watch
+
+    watch(front, stop, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
 def main(argv: list[str] | None = None) -> int:

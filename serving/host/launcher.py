@@ -8,22 +8,25 @@ first `python3` it finds there and takes its packages from that environment; it 
 put the wheel's libraries and this interpreter's libpython on LD_LIBRARY_PATH (without the latter the
 stub loads the system libpython against another stdlib), and load the models whose backends exist.
 
-Every server started here has its administrative APIs (model repository, shared memory, logging,
-trace) restricted, over HTTP and gRPC, to a key made at start and shared with nobody but the
-supervisor (serving/host/supervisor.py), which reloads a model through them. Ports are checked before the
-start: a port another process holds is named with that process, and never read as if it were ours.
+Every server started here serves a private copy of its repository (in its own 0700 work directory)
+with Triton polling it: the supervisor (serving/host/supervisor.py) reloads a model by rewriting that
+copy's config, so nothing needs Triton's model-repository API, and its administrative APIs (model
+repository, shared memory, logging, trace) are closed over HTTP and gRPC to every request: no key
+exists, on the command line or anywhere else. Ports are checked before the start: a port another
+process holds is named with that process, and never read as if it were ours. Each server dies with
+the process that started it and leaves no process, shared-memory region or folder behind
+(serving/host/process.py).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import errno
 import importlib.util
+import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -38,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from contract import files
+from serving.host.process import ManagedProcess, ProcessStartError, remove_unmapped_shm
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ SHM_PREFIX = "triton_python_backend_shm_region_"
 _PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "pytorch_libtorch": "pytorch"}
 
 
-class TritonStartError(RuntimeError):
+class TritonStartError(ProcessStartError):
     """Triton did not become ready; the message ends with the tail of its log."""
 
 
@@ -54,9 +58,18 @@ class PortInUseError(TritonStartError):
     """A port the server needs is held by another process (named in the message)."""
 
 
-# the APIs that change a running server; restricted to the admin key (Triton's --*-restricted-* flags)
+# The APIs that change a running server, closed to every request: Triton admits them only with a
+# header of this name, which no request can carry. An HTTP/1.1 field name ends at its first colon,
+# and gRPC's HTTP/2 parser resets a stream whose header name holds one (measured on 2.51, which
+# admits a raw HTTP/2 request with a header it can parse). So what the command line shows opens
+# nothing, and nothing else does either.
 RESTRICTED_APIS = "model-repository,shared-memory,logging,trace"
-ADMIN_HEADER = "admin-key"
+CLOSED_HEADER = "admin:closed"
+# A config parameter no model reads: changing it in the private repository makes Triton load the
+# model anew (Triton 2.51 skips a load whose files did not change, and one whose config changes in
+# nothing but the instances keeps the instances, the dead one included)
+RELOAD_PARAMETER = "supervisor_reload"
+POLL_SECONDS = 1  # how often Triton looks for changed configs in its private repository
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +179,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-class TritonServer:
+class TritonServer(ManagedProcess):
     """A running tritonserver process; stop() (or leaving the `with` block) shuts it down."""
+
+    name = "tritonserver"
 
     def __init__(
         self,
@@ -178,13 +193,10 @@ class TritonServer:
         log_path: Path,
         work_dir: Path,
         owns_log: bool,
-        admin_key: str,
     ) -> None:
-        self.process, self.host, self.ports, self.models = process, host, ports, models
-        self.log_path, self._work_dir, self._owns_log = log_path, work_dir, owns_log
-        self.admin_key = admin_key  # the restricted APIs' key: nobody else has it
-        self._started_at = time.time()
-        atexit.register(self.stop)
+        super().__init__(process, work_dir, log_path)
+        self.host, self.ports, self.models, self._owns_log = host, ports, models, owns_log
+        self.reloads = 0  # models loaded anew by `reload`
 
     @property
     def http_url(self) -> str:
@@ -198,99 +210,143 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.ports['metrics']}/metrics"
 
-    def is_running(self) -> bool:
-        return self.process.poll() is None
+    @property
+    def repository(self) -> Path:
+        """The private copy Triton serves and polls."""
+        return self.work_dir / "repository"
 
-    def log_tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
+    @property
+    def shm_prefix(self) -> str:
+        """The prefix of this server's shared-memory regions (the Python backend's, one per stub)."""
+        return shm_prefix(self.work_dir)
+
+    def reload(self, models: Sequence[str], timeout: float = 30.0) -> None:
+        """Load `models` anew and return once Triton serves them: their config in the private
+        repository rewritten with one parameter changed, which Triton's next poll (within
+        POLL_SECONDS) loads as a new model, swapped in once ready. TimeoutError after `timeout`."""
+        from serving.triton.config import TRITON_CONFIG_FILENAME, parse, to_text
+
+        self.reloads += 1
+        generation = str(self.reloads)
+        for model in models:
+            path = self.repository / model / TRITON_CONFIG_FILENAME
+            config = parse(path.read_text())
+            config.parameters[RELOAD_PARAMETER].string_value = generation
+            scratch = self.work_dir / f"{model}.{TRITON_CONFIG_FILENAME}"
+            scratch.write_text(to_text(config))
+            scratch.replace(path)  # Triton's poll never reads half a file
+        deadline = time.monotonic() + timeout
+        while (pending := [m for m in models if self._served_generation(m) != generation]) and self.is_running():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Triton did not load {', '.join(pending)} again within {timeout:g} s")
+            time.sleep(0.1)
+
+    def _served_generation(self, model: str) -> str | None:
+        """The reload parameter of the config Triton serves `model` with (that of its ready version)."""
+        url = f"http://{self.http_url}/v2/models/{model}/config"
+        with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url, timeout=5) as response:
+            parameters = json.load(response).get("parameters", {})
+            return parameters.get(RELOAD_PARAMETER, {}).get("string_value")
+        return None
 
     def stop(self, timeout: float = 30.0, keep_log: bool = False) -> int | None:
         """Graceful: SIGINT to Triton (it unloads the models, which ends their stubs), then SIGTERM,
-        then SIGKILL of the whole process group. Idempotent. The log is kept when asked or when
-        Triton did not exit cleanly."""
-        atexit.unregister(self.stop)
-        graceful = True
-        for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 10.0)):
-            if self.process.poll() is not None:
-                break
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(wait)
-        if self.process.poll() is None:
-            graceful = False
-            self._kill_group()
-            self.process.wait(10)
-        self._kill_group()  # a stub that outlived its server
-        clean = graceful and self.process.returncode == 0
-        if not clean:  # Triton removes its stubs' shared memory only on a clean exit
-            remove_orphan_shm(self._started_at)
+        then SIGKILL of the whole process group. Idempotent. Removes the server's shared-memory
+        regions and work directory; the log is kept when asked or when Triton did not exit cleanly."""
+        if not self.claim_stop():
+            return self.process.returncode
+        graceful = self.end(((signal.SIGINT, timeout), (signal.SIGTERM, 10.0)))
+        clean = graceful and (self.process.returncode == 0 or self._held_a_replaced_model())
+        remove_unmapped_shm(self.shm_prefix)  # Triton removes them only on a clean exit
         self._cleanup(keep_log=keep_log or not clean)
         return self.process.returncode
 
-    def _kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+    def _held_a_replaced_model(self) -> bool:
+        """Triton 2.51 never unloads a model whose stub died and which was then loaded anew: a stop
+        ends with its exit timeout and exit code 1 (measured: the replaced model still live 60 s
+        after the reload, while a healthy model's reload unloads the old one at once)."""
+        return self.reloads > 0 and self.process.returncode == 1 and "Exit timeout expired" in self.log_tail(5)
 
     def _cleanup(self, keep_log: bool) -> None:
         if keep_log:
             log.warning("Triton exited with %s; its log is kept at %s", self.process.returncode, self.log_path)
-        shutil.rmtree(self._work_dir / "backends", ignore_errors=True)
-        if self._owns_log and not keep_log:
-            shutil.rmtree(self._work_dir, ignore_errors=True)
+        if keep_log and self._owns_log:  # the log is in the work directory: keep it alone
+            for entry in self.work_dir.iterdir():
+                if entry != self.log_path:
+                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
 
     def __enter__(self) -> TritonServer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+
+def shm_prefix(work_dir: Path) -> str:
+    return f"{SHM_PREFIX}{work_dir.name}_"
 
 
-def remove_orphan_shm(since: float) -> None:
-    """Shared-memory regions a killed server's stubs left behind (a graceful stop removes its own)."""
-    shm = Path("/dev/shm")
-    if not shm.is_dir():
-        return
-    in_use = _mapped_shm_files()
-    for region in shm.glob(f"{SHM_PREFIX}*"):
-        with contextlib.suppress(OSError):
-            if region.stat().st_mtime >= since - 1 and region.name not in in_use:
-                region.unlink()
+def private_repository(source: Path, models: Sequence[str], into: Path) -> Path:
+    """Triton's own copy of `models` from `source`: each config copied (the supervisor rewrites it to
+    reload the model), each version folder made anew with links to its files (they are not copied).
+
+    Triton polls this copy and loads a model again when anything in its folder changes. The stub
+    writes model.py's bytecode beside it whatever PYTHONDONTWRITEBYTECODE says, and that new
+    __pycache__ made Triton load both models twice at every start (measured); an empty file of that
+    name in each version folder leaves Python nowhere to write (it skips the cache then)."""
+    from serving.triton.config import TRITON_CONFIG_FILENAME
+
+    for model in models:
+        target = into / model
+        target.mkdir(parents=True)
+        for entry in (source / model).iterdir():
+            if entry.name == TRITON_CONFIG_FILENAME:
+                shutil.copyfile(entry, target / entry.name)
+            elif entry.is_dir() and entry.name.isdigit():
+                _link_version(entry, target / entry.name)
+            else:
+                (target / entry.name).symlink_to(entry)
+    return into
 
 
-def _mapped_shm_files() -> set[str]:
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            names.update(line.rsplit("/", 1)[-1] for line in maps.read_text().splitlines() if SHM_PREFIX in line)
-    return names
+def _link_version(source: Path, target: Path) -> None:
+    target.mkdir()
+    for entry in source.iterdir():
+        if entry.name != PYCACHE:
+            (target / entry.name).symlink_to(entry)
+    (target / PYCACHE).touch()
 
 
-def _command(install: TritonInstall, repository: Path, models: Sequence[str], host: str, ports: dict, key: str) -> list:
-    command = [
+PYCACHE = "__pycache__"
+
+
+def _command(install: TritonInstall, repository: Path, host: str, ports: dict, work_dir: Path) -> list:
+    closed = f"{RESTRICTED_APIS}:{CLOSED_HEADER}=never"
+    return [
         str(install.binary),
         f"--model-repository={repository}",
         f"--backend-directory={install.backends}",
-        "--model-control-mode=explicit",  # the supervisor reloads a model whose process died
-        *(f"--load-model={model}" for model in models),
+        # every model in the private repository, loaded again when its config there changes; the
+        # load and unload APIs are refused in this mode whatever the header
+        "--model-control-mode=poll",
+        f"--repository-poll-secs={POLL_SECONDS}",
         f"--http-port={ports['http']}",
         f"--grpc-port={ports['grpc']}",
         f"--metrics-port={ports['metrics']}",
         f"--http-address={host}",
         f"--grpc-address={host}",
         f"--metrics-address={host}",
-        f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
-        f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={key}",
+        f"--http-restricted-api={closed}",
+        f"--grpc-restricted-protocol={closed}",
         f"--allow-gpu-metrics={str(install.gpu_metrics).lower()}",
         # on SIGINT Triton waits this long for open client connections (idle keep-alives included)
         "--exit-timeout-secs=5",
         # a decode step's caches are megabytes: start the shared-memory region big enough for them
         "--backend-config=python,shm-default-byte-size=16777216",
         "--backend-config=python,shm-growth-byte-size=16777216",
+        # this server's regions under a name of their own: a stop (or the next start, after a kill)
+        # removes exactly those
+        f"--backend-config=python,shm-region-prefix-name={shm_prefix(work_dir)}",
     ]
-    return command
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:
@@ -327,20 +383,15 @@ def port_holder(port: int) -> str:
 
 
 def _wait_ready(server: TritonServer, models: Sequence[str], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    urls = [f"http://{server.http_url}/v2/health/ready"] + [
-        f"http://{server.http_url}/v2/models/{m}/ready" for m in models
-    ]
-    pending = list(urls)
-    while pending:
-        if not server.is_running():
-            raise TritonStartError(f"tritonserver exited with {server.process.returncode}:\n{server.log_tail()}")
-        if time.monotonic() > deadline:
-            raise TritonStartError(f"tritonserver not ready after {timeout:.0f} s ({pending[0]}):\n{server.log_tail()}")
-        if answers_200(pending[0]):
+    pending = [f"http://{server.http_url}/v2/health/ready"]
+    pending += [f"http://{server.http_url}/v2/models/{m}/ready" for m in models]
+
+    def ready() -> bool:
+        while pending and answers_200(pending[0]):
             pending.pop(0)
-        else:
-            time.sleep(0.2)
+        return not pending
+
+    server.wait_ready(ready, timeout, TritonStartError, poll_s=0.2)
 
 
 def answers_200(url: str) -> bool:
@@ -376,27 +427,16 @@ def start_triton(
     check_ports_free(host, {name: port for name, port in ports.items() if port})
     ports = {name: port or free_port(host) for name, port in ports.items()}
     work_dir = Path(tempfile.mkdtemp(prefix="triton-"))
-    install = system_install(Path(tritonserver)) if tritonserver else bundled_install(work_dir)
-    if models is None:
-        models, skipped = loadable_models(repository, install.backends)
-        for model, why in skipped.items():
-            log.info("not loading model '%s': %s", model, why)
-    if not models:
-        raise TritonStartError(f"no loadable model in {repository}")
+    try:
+        install, models = _prepare(repository, models, tritonserver, work_dir)
+    except BaseException:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise
     owns_log = log_path is None
     log_path = Path(log_path) if log_path else work_dir / "triton.log"
-    key = secrets.token_urlsafe(32)
-    with open(log_path, "ab") as log_file:
-        process = subprocess.Popen(
-            _command(install, repository, models, host, ports, key),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=install.env,
-            cwd=work_dir,
-            start_new_session=True,  # its own process group: stop() reaches the stubs too
-        )
-    server = TritonServer(process, host, ports, list(models), log_path, work_dir, owns_log, key)
+    command = _command(install, work_dir / "repository", host, ports, work_dir)
+    process = TritonServer.spawn(command, work_dir, output=log_path, env=install.env, shm_prefix=shm_prefix(work_dir))
+    server = TritonServer(process, host, ports, list(models), log_path, work_dir, owns_log)
     try:
         _wait_ready(server, models, ready_timeout)
     except BaseException:
@@ -410,3 +450,18 @@ def start_triton(
         models,
     )
     return server
+
+
+def _prepare(
+    repository: Path, models: Sequence[str] | None, tritonserver: str | Path | None, work_dir: Path
+) -> tuple[TritonInstall, list[str]]:
+    """The install to run and the models to load, laid out in `work_dir` (backends, private repository)."""
+    install = system_install(Path(tritonserver)) if tritonserver else bundled_install(work_dir)
+    if models is None:
+        models, skipped = loadable_models(repository, install.backends)
+        for model, why in skipped.items():
+            log.info("not loading model '%s': %s", model, why)
+    if not models:
+        raise TritonStartError(f"no loadable model in {repository}")
+    private_repository(repository, models, work_dir / "repository")
+    return install, list(models)

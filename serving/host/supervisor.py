@@ -14,19 +14,17 @@ SessionLostError (the gateway's 409 `session_lost`); new sessions work once the 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 
 from client import Client, ClientError
-from serving.host.launcher import ADMIN_HEADER, TritonServer, TritonStartError
+from serving.host.launcher import TritonServer, TritonStartError
 
 log = logging.getLogger(__name__)
 
 DEAD_STUB = "is not healthy"  # Triton's python backend: "Stub process '<instance>' is not healthy."
-RELOAD_PARAMETER = "supervisor_reload"  # a config parameter no model reads: changing it forces a reload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +74,6 @@ class Supervisor:
         self._stop = threading.Event()
         self._restarts_in_a_row = 0
         self._client: Client | None = None  # the probe's, for the current server
-        self._reloads = 0
         self._thread = threading.Thread(target=self._loop, name="triton-supervisor", daemon=True)
         self._thread.start()
 
@@ -125,36 +122,22 @@ class Supervisor:
             if self._reload(dead) and self._wait_serving(timeout=30.0):
                 self._record(seen, problem, f"reload {', '.join(dead)}", ok=True)
                 return True
+            if self._stop.is_set():  # stopping: what is left to do is the stop's
+                return False
             log.warning("supervisor: reloading %s did not bring it back; restarting Triton", ", ".join(dead))
         else:
             log.warning("supervisor: %s; restarting Triton", problem)
         return self._restart(seen, problem)
 
-    def _reload(self, models: list[str]) -> bool:
-        """Load again through the restricted model-repository API (the key only this process has)."""
-        import tritonclient.http as triton_http
-        from tritonclient.utils import InferenceServerException
-
-        client = triton_http.InferenceServerClient(self.server.http_url, network_timeout=60.0)
-        admin = {ADMIN_HEADER: self.server.admin_key}
+    def _reload(self, models: tuple[str, ...]) -> bool:
+        """Load anew through Triton's private repository (`TritonServer.reload`, which returns once
+        Triton serves the new models): no restricted API is involved."""
         try:
-            for model in models:
-                client.load_model(model, headers=admin, config=json.dumps(self._reload_config(client, model)))
+            self.server.reload(models, timeout=30.0)
             return True
-        except (InferenceServerException, OSError) as error:
+        except (OSError, TimeoutError) as error:
             log.warning("supervisor: reload failed: %s", error)
             return False
-        finally:
-            client.close()
-
-    def _reload_config(self, client, model: str) -> dict:
-        """The model's own config with one parameter changed. Triton skips a load whose files did not
-        change, and a load whose config changes in nothing but the instances keeps the instances,
-        the dead one included (measured on 2.51); any other change makes it load them anew."""
-        self._reloads += 1
-        config = client.get_model_config(model)
-        config.setdefault("parameters", {})[RELOAD_PARAMETER] = {"string_value": str(self._reloads)}
-        return config
 
     def _restart(self, seen: float, problem: str) -> bool:
         self._restarts_in_a_row += 1

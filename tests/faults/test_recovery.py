@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 import urllib.error
@@ -23,6 +24,7 @@ import pytest
 
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
+from tests.fixtures.admin import GRPC_PREFIX, cmdline, environ, grpc_call, http_status, restrictions
 from tests.fixtures.serving_process import serving_process
 
 pytestmark = [pytest.mark.served, pytest.mark.slow]
@@ -210,3 +212,34 @@ def test_the_shape_that_kills_triton_2_51s_http_front_end_costs_seconds_not_the_
     print(f"huge-shape request: serving {recovered:.1f} s after it")
     np.testing.assert_array_equal(attend(gateway), before)
     assert served.process.poll() is None
+
+
+def test_nothing_a_local_user_reads_in_proc_opens_a_restricted_api(stack):
+    """Every command line and environment of what the product starts (tritonserver, its stubs, Envoy)
+    as any local user reads them in /proc: no string there, tried as the value of every header name
+    they suggest, opens a restricted API over HTTP or gRPC; the restriction header itself cannot be
+    carried (refused over HTTP/1.1, the stream reset over HTTP/2); without it, refused. The
+    supervisor needs none of it: the recoveries above reload a model without any API."""
+    served, gateway = stack
+    from serving.host.envoy import Replica, start_envoy
+
+    triton = next(pid for pid, command in served.descendants().items() if "bin/tritonserver" in command)
+    with start_envoy([Replica("127.0.0.1", served.http_port, served.grpc_port)]) as envoy:
+        pids = [*served.descendants(), envoy.process.pid]
+        assert sum("triton_python_backend_stub" in " ".join(cmdline(pid)) for pid in pids) == 2
+        readable = [text for pid in pids for text in [*cmdline(pid), *environ(pid).values()]]
+    closed = restrictions(cmdline(triton))
+    values = {piece for text in readable for piece in re.split(r"[\s=:,;]", text) if len(piece) >= 8}
+    names = {"admin-key", *closed["http"][0].split(":")}
+    http, grpc = f"127.0.0.1:{served.http_port}", f"127.0.0.1:{served.grpc_port}"
+    assert http_status(http, "POST", "/v2/repository/index") == 403
+    assert "restricted" in grpc_call(grpc, "RepositoryIndex")
+    assert http_status(http, "POST", "/v2/repository/index", [tuple(v.encode() for v in closed["http"])]) == 403
+    assert grpc_call(grpc, "RepositoryIndex", [closed["grpc"]]) == "reset"
+    for name in names:
+        for value in values:
+            assert http_status(http, "POST", "/v2/repository/index", [(name.encode(), value.encode())]) == 403
+            answer = grpc_call(grpc, "RepositoryIndex", [(GRPC_PREFIX + name, value)])
+            assert answer.startswith("status 14:") and "restricted" in answer, (name, value, answer)
+    print(f"{len(values)} strings from {len(pids)} processes' command lines and environments, {len(names)} names")
+    assert gateway.get("/readyz").status_code == 200

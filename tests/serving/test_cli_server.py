@@ -11,10 +11,8 @@ of that repository for the budget and eviction errors; and SIGINT leaves no proc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -31,6 +29,7 @@ from contract import names
 from contract.config import ModelConfig
 from serving.host.launcher import answers_200, free_port
 from tests import reference
+from tests.fixtures.serving_process import descendants, still_running
 from tests.fixtures.triton import metric, wait_for_metric
 from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
 
@@ -294,18 +293,11 @@ def test_an_idle_session_is_evicted_its_memory_freed_and_its_next_step_says_so(s
 # --- last: stopping leaves nothing behind --------------------------------------------------------------
 
 
-def processes_using(path: Path) -> list[str]:
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError):
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            if str(path) in text and cmdline.parent.name != str(os.getpid()):
-                found.append(text)
-    return found
-
-
 def test_sigint_stops_triton_and_leaves_no_process(served):
-    assert any("tritonserver" in p for p in processes_using(served.repository))
+    started: dict[int, str] = {}  # Triton serves a private copy of the repository: found as descendants
+    descendants(served.process.pid, started)
+    commands = " ".join(started.values())
+    assert "bin/tritonserver" in commands and commands.count("triton_python_backend_stub") == 2, started
     assert stop(served) == 0, served.output_path.read_text()
-    assert processes_using(served.repository) == []
+    assert still_running(started) == []
     assert "SIGINT: shutting down" in served.output_path.read_text()

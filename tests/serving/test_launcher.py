@@ -10,6 +10,7 @@ import pytest
 import tritonclient.http as httpclient
 
 from serving.host.launcher import SHM_PREFIX, TritonStartError, start_triton
+from tests.fixtures.admin import cmdline, grpc_call, http_status, restrictions
 
 pytestmark = pytest.mark.served
 
@@ -110,21 +111,61 @@ ADMIN_CALLS = {
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize("call", ADMIN_CALLS)
-def test_admin_apis_are_refused_without_the_launchers_key(triton, protocol, call):
-    """A local Triton is as closed as the compose one: without the key nothing changes the server
-    (an uploaded model.py would run arbitrary code as the server's user)."""
+def test_admin_apis_are_refused_to_every_caller(triton, protocol, call):
+    """A local Triton is as closed as the compose one, and no key opens it: a call with the header
+    its command line names (what any local user reads in /proc) is refused like a call without (an
+    uploaded model.py would run arbitrary code as the server's user)."""
     from tritonclient.utils import InferenceServerException
 
     module = httpclient if protocol == "http" else pytest.importorskip("tritonclient.grpc")
     client = module.InferenceServerClient(triton.http_url if protocol == "http" else triton.grpc_url)
+    named, value = restrictions(cmdline(triton.process.pid))["http"]  # the gRPC client adds Triton's prefix
     try:
-        with pytest.raises(InferenceServerException) as refused:
-            ADMIN_CALLS[call](client, headers={"admin-key": "a guess"})
-        assert "restricted" in refused.value.message().lower() or "admin-key" in refused.value.message(), refused.value
+        for headers in (None, {"admin-key": "a guess"}):
+            with pytest.raises(InferenceServerException) as refused:
+                ADMIN_CALLS[call](client, headers=headers)
+            assert "restricted" in refused.value.message().lower(), refused.value
+        # the client libraries will not even send it (what reaches the server: the raw test below)
+        with pytest.raises((InferenceServerException, ValueError), match=r"(?i)header|metadata"):
+            ADMIN_CALLS[call](client, headers={named: value})
         assert client.is_model_ready("mha_session")  # nothing was unloaded
-        # the key opens it (gRPC carries it in a prefixed metadata key)
-        header = "admin-key" if protocol == "http" else "triton-grpc-protocol-admin-key"
-        assert client.get_model_repository_index(headers={header: triton.admin_key})
+    finally:
+        client.close()
+
+
+# what each restricted API is over the wire: (HTTP method and path, gRPC method)
+RESTRICTED_CALLS = {
+    "list the repository": (("POST", "/v2/repository/index"), "RepositoryIndex"),
+    "load a model": (("POST", "/v2/repository/models/mha/load"), "RepositoryModelLoad"),
+    "unload a model": (("POST", "/v2/repository/models/mha/unload"), "RepositoryModelUnload"),
+    "shared memory": (("GET", "/v2/systemsharedmemory/status"), "SystemSharedMemoryStatus"),
+    "log settings": (("GET", "/v2/logging"), "LogSettings"),
+    "trace settings": (("GET", "/v2/trace/setting"), "TraceSetting"),
+}
+
+
+def test_the_header_the_command_line_names_cannot_be_carried_by_any_request(triton):
+    """Raw bytes, past every client library: the restriction header of the command line sent as it
+    stands is refused over HTTP/1.1 (a field name ends at its first colon) and makes gRPC's HTTP/2
+    parser reset the stream. The same raw clients reach the unrestricted APIs (so they work)."""
+    closed = restrictions(cmdline(triton.process.pid))
+    assert set(closed) == {"http", "grpc"} and all(":" in name for name, _ in closed.values()), closed
+    http_header = [(closed["http"][0].encode(), closed["http"][1].encode())]
+    for (method, path), grpc_method in RESTRICTED_CALLS.values():
+        assert http_status(triton.http_url, method, path, http_header) == 403, path
+        assert http_status(triton.http_url, method, path) == 403, path
+        assert grpc_call(triton.grpc_url, grpc_method, [closed["grpc"]]) == "reset", grpc_method
+        without = grpc_call(triton.grpc_url, grpc_method)
+        assert without.startswith("status 14:") and "restricted" in without, (grpc_method, without)
+    assert http_status(triton.http_url, "GET", "/v2/health/ready", http_header) == 200
+    assert grpc_call(triton.grpc_url, "ServerReady").startswith("status 0")
+    assert client_ready(triton)
+
+
+def client_ready(server) -> bool:
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        return client.is_model_ready("mha") and client.is_model_ready("mha_session")
     finally:
         client.close()
 

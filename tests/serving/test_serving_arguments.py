@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from serving.__main__ import parser, replica_log
+from serving.__main__ import parser
+from serving.host.front import replica_log
 
 
 def test_each_replica_logs_to_a_file_of_its_own_and_a_stream_is_shared():

@@ -9,7 +9,6 @@ admin API once it is ready.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import importlib.util
@@ -21,7 +20,6 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +36,7 @@ from serving.host.envoy.config import (
     write_endpoints,
 )
 from serving.host.launcher import answers_200
+from serving.host.process import ManagedProcess, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -89,25 +88,27 @@ def validate(config: dict[str, Any] | str | Path) -> None:
             text=True,
             timeout=60,
             check=False,
+            preexec_fn=die_with_parent(os.getpid()),  # one libc call, no lock (serving/host/process.py)
         )
     output = (run.stdout + run.stderr).strip()
     if run.returncode != 0 or "Deprecated field" in output:
         raise EnvoyConfigError(f"envoy rejects {path.name} (exit {run.returncode}):\n{output}")
 
 
-@dataclasses.dataclass
-class Envoy:
+class Envoy(ManagedProcess):
     """A running Envoy over file-listed replicas. `update(replicas)` changes them live; `stop()` (or
     leaving the `with` block) ends it."""
 
-    process: subprocess.Popen
-    work_dir: Path
-    admin_url: str  # http://127.0.0.1:PORT
-    http_port: int = 0
-    grpc_port: int = 0
-    host: str = "127.0.0.1"
-    _owns_dir: bool = True
-    _version: int = 0
+    name = "envoy"
+
+    def __init__(
+        self, process: subprocess.Popen, work_dir: Path, admin_url: str = "", host: str = "127.0.0.1", owns_dir=True
+    ) -> None:
+        super().__init__(process, work_dir, work_dir / "envoy.log")
+        self.admin_url = admin_url  # http://127.0.0.1:PORT
+        self.host, self._owns_dir = host, owns_dir
+        self.http_port = self.grpc_port = 0
+        self._version = 0
 
     @property
     def http_url(self) -> str:
@@ -122,19 +123,12 @@ class Envoy:
         return self.work_dir / ENVOY_CONFIG_FILENAME
 
     @property
-    def log_path(self) -> Path:
-        return self.work_dir / "envoy.log"
-
-    @property
     def access_log_path(self) -> Path:
         return self.work_dir / "access.log"
 
     @property
     def endpoints_dir(self) -> Path:
         return self.work_dir / "endpoints"
-
-    def is_running(self) -> bool:
-        return self.process.poll() is None
 
     def update(self, replicas: Sequence[Replica]) -> None:
         """Replace the replica list: a new one takes new sessions once it passes a health check, a
@@ -170,11 +164,6 @@ class Envoy:
         with urllib.request.urlopen(request, timeout=5) as response:
             return response.read().decode()
 
-    def log_tail(self, lines: int = 40) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
     def access_log(self) -> list[dict[str, Any]]:
         """Every request logged so far, oldest first (Envoy flushes its access log every second)."""
         with contextlib.suppress(FileNotFoundError):
@@ -184,17 +173,9 @@ class Envoy:
     def stop(self, timeout: float = 10.0, keep_files: bool = False) -> int | None:
         """SIGTERM (Envoy exits at once), SIGKILL if it has not after `timeout`. Idempotent. The work
         directory (config, logs) is removed unless asked or unless Envoy exited badly."""
-        atexit.unregister(self.stop)
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
-        clean = self.process.returncode == 0
+        if not self.claim_stop():
+            return self.process.returncode
+        clean = self.end(((signal.SIGTERM, timeout),)) and self.process.returncode == 0
         if not clean:
             log.warning("Envoy exited with %s; its files are kept in %s", self.process.returncode, self.work_dir)
         if self._owns_dir and clean and not keep_files:
@@ -203,9 +184,6 @@ class Envoy:
 
     def __enter__(self) -> Envoy:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _for_protocol(expected: dict[Replica, str], protocol: str) -> dict[str, str]:
@@ -251,9 +229,8 @@ def start_envoy(
     admin_path = work_dir / "admin-address"
     with contextlib.suppress(FileNotFoundError):
         admin_path.unlink()
-    process = _launch(work_dir, admin_path, concurrency)
-    envoy = Envoy(process, work_dir, admin_url="", host=_client_host(settings), _owns_dir=owns_dir)
-    atexit.register(envoy.stop)
+    process = Envoy.spawn(_command(work_dir, admin_path, concurrency), work_dir, owns_work_dir=owns_dir)
+    envoy = Envoy(process, work_dir, host=_client_host(settings), owns_dir=owns_dir)
     try:
         _wait_ready(envoy, admin_path, ready_timeout)
         envoy.http_port, envoy.grpc_port = _listener_ports(envoy, settings)
@@ -264,8 +241,8 @@ def start_envoy(
     return envoy
 
 
-def _launch(work_dir: Path, admin_path: Path, concurrency: int) -> subprocess.Popen:
-    command = [
+def _command(work_dir: Path, admin_path: Path, concurrency: int) -> list[str]:
+    return [
         str(envoy_binary()),
         "-c",
         str(work_dir / ENVOY_CONFIG_FILENAME),
@@ -284,14 +261,6 @@ def _launch(work_dir: Path, admin_path: Path, concurrency: int) -> subprocess.Po
         "--file-flush-min-size-kb",
         "1",
     ]
-    return subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=work_dir,
-        start_new_session=True,  # its own process group: a kill reaches nothing else
-    )
 
 
 def _client_host(settings: ProxySettings) -> str:
@@ -300,17 +269,13 @@ def _client_host(settings: ProxySettings) -> str:
 
 def _wait_ready(envoy: Envoy, admin_path: Path, timeout: float) -> None:
     """Until the admin API says LIVE: listeners bound, every cluster's first health checks done."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if not envoy.is_running():
-            raise EnvoyStartError(f"envoy exited with {envoy.process.returncode}:\n{envoy.log_tail()}")
-        if time.monotonic() > deadline:
-            raise EnvoyStartError(f"envoy not ready after {timeout:g} s:\n{envoy.log_tail()}")
+
+    def ready() -> bool:
         if not envoy.admin_url and admin_path.is_file() and (address := admin_path.read_text().strip()):
             envoy.admin_url = f"http://{address}"
-        if envoy.admin_url and answers_200(envoy.admin_url + "/ready"):
-            return
-        time.sleep(0.05)
+        return bool(envoy.admin_url) and answers_200(envoy.admin_url + "/ready")
+
+    envoy.wait_ready(ready, timeout, EnvoyStartError, poll_s=0.05)
 
 
 def _listener_ports(envoy: Envoy, settings: ProxySettings) -> tuple[int, int]:

@@ -1,0 +1,125 @@
+"""What `python -m serving` puts in front of the gateway and the clients: one supervised Triton, or
+Envoy in front of N of them (serving/host/fleet.py), started on the ports asked for and kept serving
+until `stop()`; `watch` runs until a signal or until nothing is left to serve."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from serving.host.envoy import ProxySettings
+from serving.host.fleet import Fleet, start_fleet
+from serving.host.launcher import check_ports_free, free_port, start_triton
+from serving.host.process import reap_leftovers
+from serving.host.supervisor import Supervisor
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonOptions:
+    """How every Triton of the front starts (the same at every restart)."""
+
+    repository: Path
+    address: str = "127.0.0.1"
+    log: Path | None = None  # with several replicas, NAME-<i>.EXT each (`replica_log`)
+    tritonserver: Path | None = None  # an installed binary instead of the wheel's
+    probe_interval: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontPorts:
+    http: int
+    grpc: int
+    metrics: int  # with several replicas, each takes a free port of its own
+
+
+def start_front(
+    options: TritonOptions,
+    ports: FrontPorts,
+    replicas: int,
+    gateway: tuple[str, int] | None = None,
+    say: Callable[[str], None] = print,
+):
+    """One supervised Triton on `ports`, or Envoy on the HTTP and gRPC ports in front of `replicas`
+    of them. What a run killed before it could stop left is removed first (and named); then every
+    port, the gateway's (address, port) too, is checked before anything starts."""
+    for removed in reap_leftovers():
+        say(f"removed what an earlier run left: {removed}")
+    front_ports = {"http": ports.http, "grpc": ports.grpc}
+    if replicas == 1:
+        front_ports["metrics"] = ports.metrics
+    check_ports_free(options.address, {k: v for k, v in front_ports.items() if v})
+    if gateway is not None:
+        check_ports_free(gateway[0], {"gateway": gateway[1]})
+    if replicas == 1:
+        return OneTriton(supervise(options, front_ports, options.log))
+    proxy = ProxySettings(http_port=ports.http, grpc_port=ports.grpc, listen_address=options.address)
+    say(f"starting {replicas} Triton replicas and Envoy in front of them")
+    return start_fleet(replicas, lambda index: supervise(options, {}, replica_log(options.log, index)), proxy)
+
+
+def replica_log(log: Path | None, index: int) -> Path | None:
+    """A file of its own per replica (NAME-<i>.EXT); a stream such as /dev/stdout is shared."""
+    if log is None or log.parts[:2] == ("/", "dev") or (log.exists() and not log.is_file()):
+        return log
+    return log.with_name(f"{log.stem}-{index}{log.suffix}")
+
+
+def supervise(options: TritonOptions, ports: dict[str, int], log: Path | None) -> Supervisor:
+    """Triton started and kept serving (serving/host/supervisor.py): the same ports and log at every
+    restart, so the gateway and the clients find it again. A port not given is picked now, once."""
+    ports = {name: ports.get(name) or free_port(options.address) for name in ("http", "grpc", "metrics")}
+
+    def start():
+        return start_triton(
+            options.repository,
+            host=options.address,
+            http_port=ports["http"],
+            grpc_port=ports["grpc"],
+            metrics_port=ports["metrics"],
+            log_path=log,
+            tritonserver=options.tritonserver,
+        )
+
+    return Supervisor(start, interval=options.probe_interval)
+
+
+class OneTriton:
+    """One supervised Triton, with the face of a Fleet (serving/host/fleet.py)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    @property
+    def grpc_url(self) -> str:
+        return self.supervisor.server.grpc_url
+
+    @property
+    def failed(self) -> str | None:
+        return self.supervisor.failed
+
+    def check(self, say: Callable[[str], None] = print) -> bool:
+        if self.supervisor.running():
+            return True
+        say(f"error: {self.supervisor.failed}; Triton's log: {self.supervisor.server.log_path}")
+        return False
+
+    def layout(self) -> list[str]:
+        server = self.supervisor.server
+        return [
+            f"Triton HTTP     http://{server.http_url}",
+            f"Triton gRPC     {server.grpc_url}",
+            f"Triton metrics  {server.metrics_url}",
+            f"models          {', '.join(server.models)}",
+        ]
+
+    def stop(self) -> None:
+        self.supervisor.stop()
+
+
+def watch(front: OneTriton | Fleet, stop: threading.Event, say: Callable[[str], None]) -> None:
+    """Until `stop` is set or the front has nothing left to serve (said through `say`)."""
+    while not stop.wait(0.5):
+        if not front.check(say):
+            return

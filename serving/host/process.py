@@ -1,0 +1,330 @@
+"""The processes the host starts (tritonserver, Envoy): one life for all of them, and no orphans.
+
+A `ManagedProcess` runs in a session of its own (a stop reaches its whole group: tritonserver's model
+stubs too), in a private work directory, and dies with the process that started it: it is spawned
+with PR_SET_PDEATHSIG, from one thread that lives as long as this process (the kernel sends the
+signal when the *thread* that forked the child ends, so a child started from a supervisor's or a
+pool's thread would otherwise die with that thread). Triton's stubs are tritonserver's children
+and check every 300 ms that it still exists (the Python backend's own watch), so they follow it.
+
+Every work directory holds an owner record: the child's pid and start time, and those of the
+process that started it. `reap_leftovers()` (run before every start) finds the records whose owner
+is gone, a run killed before it could stop what it started, and removes what they name: the
+child's process group if it is still there and still the recorded one, the shared-memory regions
+under the record's prefix that no process maps, and the work directory. A record whose owner lives
+belongs to a running server and is never touched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OWNER_FILE = ".attention-serving-owner.json"  # in each work directory: who started what
+SHM_DIR = Path("/dev/shm")
+GROUP_EXIT_TIMEOUT_S = 5.0  # how long a stop waits for a killed group's members to be gone
+
+
+class ProcessStartError(RuntimeError):
+    """A managed process did not become ready; the message ends with the tail of its log."""
+
+
+# --- dying with the parent ------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None]:
+    """A preexec_fn: the child gets `sig` when the thread that forked it ends (with this process:
+    see `_Spawner`), and ends at once if `parent` died before the request took effect. SIGKILL: a
+    graceful stop is the owner's job; once the owner is gone what matters is that nothing holds the
+    ports (a graceful Triton exit may take its exit timeout), and what a kill leaves (shared-memory
+    regions, folders) the next start removes."""
+    prctl = _libc.prctl  # looked up before the fork: the child only calls it
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+class _Spawner:
+    """One thread that starts every managed process and lives as long as this process, so the
+    children's death signal comes when this process ends and never when a caller's thread does."""
+
+    _instance: _Spawner | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls) -> _Spawner:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = cls()
+            return cls._instance
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        threading.Thread(target=self._serve, name="process-spawner", daemon=True).start()
+
+    def popen(self, command: Sequence[str], **options) -> subprocess.Popen:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._requests.put((command, options, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            command, options, done = self._requests.get()
+            try:
+                # the preexec_fn calls one libc function, looked up before the fork, and takes no lock
+                preexec = die_with_parent(os.getpid())
+                done.set_result(subprocess.Popen(command, preexec_fn=preexec, **options))  # noqa: PLW1509
+            except BaseException as error:  # handed to the caller, who raises it
+                done.set_exception(error)
+
+
+# --- the managed process ----------------------------------------------------------------------------
+
+
+class ManagedProcess:
+    """A child process in its own session and work directory, stopped by `stop()` (or leaving the
+    `with` block, or this process's exit). Subclasses say how it stops and what it leaves behind."""
+
+    name = "process"  # how messages name it
+
+    def __init__(self, process: subprocess.Popen, work_dir: Path, log_path: Path) -> None:
+        self.process, self.work_dir, self.log_path = process, work_dir, log_path
+        self._stopping = False
+        self._stop_lock = threading.Lock()
+        atexit.register(self.stop)
+
+    @classmethod
+    def spawn(
+        cls,
+        command: Sequence[str],
+        work_dir: Path,
+        *,
+        output: Path | None = None,
+        env: dict[str, str] | None = None,
+        shm_prefix: str | None = None,
+        owns_work_dir: bool = True,
+    ) -> subprocess.Popen:
+        """Start `command` in `work_dir` (stdout and stderr appended to `output`, or dropped) after
+        removing what dead runs left, and record who started it."""
+        for removed in reap_leftovers():
+            log.warning("removed what an earlier run left: %s", removed)
+        with open(output or os.devnull, "ab") as sink:
+            process = _Spawner.get().popen(
+                list(command),
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=work_dir,
+                start_new_session=True,  # its own process group: a stop reaches its children too
+            )
+        _write_owner_record(work_dir, process.pid, shm_prefix, owns_work_dir)
+        return process
+
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def wait_ready(self, ready: Callable[[], bool], timeout: float, error: type[Exception], poll_s: float) -> None:
+        """Until `ready()`; `error` naming the exit code or the timeout, with the log's tail."""
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if not self.is_running():
+                raise error(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise error(f"{self.name} not ready after {timeout:g} s:\n{self.log_tail()}")
+            time.sleep(poll_s)
+
+    def claim_stop(self) -> bool:
+        """True for the first caller of a stop alone (a stop's cleanup runs once)."""
+        with self._stop_lock:
+            first, self._stopping = not self._stopping, True
+            return first
+
+    def end(self, grace: Sequence[tuple[signal.Signals, float]]) -> bool:
+        """Each signal in turn while it runs, waiting its seconds; then SIGKILL of the whole group,
+        and wait until no member is left (a stub that outlived its server). Idempotent. Returns
+        whether it exited before the SIGKILL."""
+        atexit.unregister(self.stop)
+        for sig, wait in grace:
+            if self.process.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(wait)
+        graceful = self.process.poll() is not None
+        kill_group(self.process.pid)
+        self.process.wait(10)
+        wait_group_gone(self.process.pid)
+        with contextlib.suppress(FileNotFoundError):
+            (self.work_dir / OWNER_FILE).unlink()
+        return graceful
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL of the group after `timeout`; the work directory stays (a subclass
+        says what it leaves)."""
+        if self.claim_stop():
+            self.end(((signal.SIGTERM, timeout),))
+        return self.process.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --- process groups and shared memory ---------------------------------------------------------------
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+    return members
+
+
+def kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def wait_group_gone(pgid: int, timeout: float = GROUP_EXIT_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while group_members(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def mapped_shm_names(prefix: str) -> set[str]:
+    """Names of the /dev/shm regions under `prefix` that some process maps."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):
+            for line in maps.read_text().splitlines():
+                if prefix in line:
+                    names.add(line.rsplit("/", 1)[-1])
+    return names
+
+
+def remove_unmapped_shm(prefix: str) -> list[Path]:
+    """Remove the shared-memory regions under `prefix` that no process maps; returns them."""
+    if not SHM_DIR.is_dir():
+        return []
+    in_use, removed = mapped_shm_names(prefix), []
+    for region in SHM_DIR.glob(f"{prefix}*"):
+        if region.name not in in_use:
+            with contextlib.suppress(FileNotFoundError):
+                region.unlink()
+                removed.append(region)
+    return removed
+
+
+# --- owner records and leftovers ----------------------------------------------------------------------
+
+
+def _start_time(pid: int) -> float | None:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).create_time()
+    return None
+
+
+def _write_owner_record(work_dir: Path, pid: int, shm_prefix: str | None, owns_work_dir: bool) -> None:
+    record = {
+        "pid": pid,
+        "started": _start_time(pid),
+        "owner": os.getpid(),
+        "owner_started": _start_time(os.getpid()),
+        "shm_prefix": shm_prefix,
+        "owns_work_dir": owns_work_dir,
+    }
+    scratch = work_dir / f"{OWNER_FILE}.{pid}"
+    scratch.write_text(json.dumps(record))
+    scratch.replace(work_dir / OWNER_FILE)
+
+
+def _alive(pid: int, started: float | None) -> bool:
+    return started is not None and _start_time(pid) == started
+
+
+def reap_leftovers(temp_dir: Path | None = None) -> list[str]:
+    """Remove what runs whose owner died left in `temp_dir` (the system's by default); returns a
+    line for each thing removed."""
+    removed: list[str] = []
+    for record_path in Path(temp_dir or tempfile.gettempdir()).glob(f"*/{OWNER_FILE}"):
+        claimed = _claim(record_path)
+        if claimed is not None:
+            removed += _reap(record_path.parent, claimed)
+    return removed
+
+
+def _claim(record_path: Path) -> dict | None:
+    """The record if its owner is gone, renamed first so that one reaper alone acts on it."""
+    try:
+        if record_path.stat().st_uid != os.getuid():
+            return None
+        record = json.loads(record_path.read_text())
+        if _alive(record["owner"], record["owner_started"]):
+            return None
+        claimed = record_path.with_name(f"{OWNER_FILE}.reaping-{os.getpid()}")
+        record_path.rename(claimed)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record
+
+
+def _reap(work_dir: Path, record: dict) -> list[str]:
+    removed = []
+    pid, owner = record["pid"], record["owner"]
+    leader_started = _start_time(pid)
+    # the group is the recorded one while its leader is the recorded process, or gone (its stubs left)
+    if (leader_started is None or leader_started == record["started"]) and group_members(pid):
+        kill_group(pid)
+        wait_group_gone(pid)
+        removed.append(f"process group {pid} (started by pid {owner}, which is gone)")
+    if record.get("shm_prefix"):
+        removed += [str(region) for region in remove_unmapped_shm(record["shm_prefix"])]
+    if record.get("owns_work_dir", True):
+        shutil.rmtree(work_dir, ignore_errors=True)
+        removed.append(str(work_dir))
+    else:
+        for leftover in work_dir.glob(f"{OWNER_FILE}*"):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+    return removed

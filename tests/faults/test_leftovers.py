@@ -1,0 +1,246 @@
+"""No orphans and no leftovers, with real processes: a child dies with the process that started it
+(even when the thread that started it is long gone); a start removes what a dead owner's run left
+(its process group, its shared-memory regions, its work directory) and nothing of a living one's;
+and a Triton that was killed, or whose model was reloaded after its stub died, or that logged
+elsewhere, is stopped without leaving a region, a stub or a folder behind."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+
+from serving.host.launcher import POLL_SECONDS, start_triton
+from serving.host.process import OWNER_FILE, SHM_DIR, ManagedProcess, group_members, reap_leftovers
+
+SHM_REGION_BYTES = 16 << 20  # the launcher's shm-default-byte-size
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_until(predicate, timeout: float) -> float:
+    """Seconds until `predicate()`; fails after `timeout`."""
+    began = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - began < timeout, f"not within {timeout:g} s"
+        time.sleep(0.02)
+    return time.monotonic() - began
+
+
+# --- the owner's death, and what a dead owner left ---------------------------------------------------
+
+OWNER = textwrap.dedent(
+    """
+    import os, subprocess, sys, threading
+    from pathlib import Path
+    from serving.host.process import ManagedProcess, _write_owner_record
+
+    work, mode = Path(sys.argv[1]), sys.argv[2]
+    if mode == "managed":  # started from a thread that ends at once, as the supervisor's restarts are
+        started = []
+        thread = threading.Thread(target=lambda: started.append(ManagedProcess.spawn(["sleep", "300"], work)))
+        thread.start()
+        thread.join()
+        pid = started[0].pid
+    else:  # as a run before the death signal existed left it: a group of its own, nothing tying it to us
+        pid = subprocess.Popen(["sleep", "300"], start_new_session=True).pid
+        _write_owner_record(work, pid, "triton_python_backend_shm_region_test-leftover_", True)
+        Path("/dev/shm/triton_python_backend_shm_region_test-leftover_x").write_bytes(b"0" * 4096)
+    print(pid, flush=True)
+    if mode == "managed":
+        sys.stdin.read()  # until the test kills us
+    """
+)
+
+
+def run_owner(work: Path, mode: str) -> tuple[subprocess.Popen, int]:
+    work.mkdir()
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(work), mode], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    return owner, int(owner.stdout.readline())
+
+
+def test_a_child_dies_with_its_owner_even_when_the_thread_that_started_it_ended(tmp_path):
+    owner, child = run_owner(tmp_path / "run", "managed")
+    try:
+        time.sleep(0.5)
+        assert running(child), "the child died with the thread that started it"
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        print(f"the child ended {wait_until(lambda: not running(child), timeout=5.0):.2f} s after its owner's kill -9")
+    finally:
+        owner.kill()
+        if running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_a_start_removes_what_a_dead_owner_left_and_nothing_of_a_living_one(tmp_path):
+    owner, orphan = run_owner(tmp_path / "dead", "orphan")
+    owner.wait(10)
+    dead_region = SHM_DIR / "triton_python_backend_shm_region_test-leftover_x"
+    living_dir = _mkdir(tmp_path / "living")
+    living = ManagedProcess(ManagedProcess.spawn(["sleep", "300"], living_dir), living_dir, living_dir / "log")
+    living_region = SHM_DIR / "triton_python_backend_shm_region_test-living_x"
+    living_region.write_bytes(b"0" * 4096)  # no one maps it, but its owner (this test) lives
+    try:
+        assert running(orphan) and dead_region.exists()
+        removed = reap_leftovers(tmp_path)
+        assert not running(orphan), "the dead owner's process was left running"
+        assert not dead_region.exists() and not (tmp_path / "dead").exists()
+        assert removed == [
+            f"process group {orphan} (started by pid {owner.pid}, which is gone)",
+            str(dead_region),
+            str(tmp_path / "dead"),
+        ]
+        assert living.is_running() and living_region.exists() and (tmp_path / "living" / OWNER_FILE).exists()
+        assert reap_leftovers(tmp_path) == []  # nothing twice
+    finally:
+        living.stop()
+        living_region.unlink(missing_ok=True)
+        dead_region.unlink(missing_ok=True)
+        if running(orphan):
+            os.kill(orphan, signal.SIGKILL)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+# --- a real Triton's stops ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_repository(artifact_dir, tmp_path_factory):
+    from serving.triton.config import ServingSettings
+    from serving.triton.repository import write_repository
+
+    return write_repository(artifact_dir("tiny"), tmp_path_factory.mktemp("repository"), ServingSettings(threads=1))
+
+
+def stubs(server) -> dict[str, int]:
+    """{model instance: pid} of a server's stubs (the members of its process group but itself)."""
+    found = {}
+    for pid in group_members(server.process.pid):
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"triton_python_backend_stub" in command[0] and len(command) > 8:  # not yet exec'd: bash -c
+                found[command[8].decode()] = pid
+    return found
+
+
+def regions(server) -> list[Path]:
+    return sorted(SHM_DIR.glob(f"{server.shm_prefix}*"))
+
+
+def assert_nothing_left(server, stub_pids, log_kept: bool = False) -> None:
+    assert not regions(server), "a shared-memory region outlived its server"
+    if log_kept:  # after a failure the log alone is kept, in the work directory
+        assert [entry.name for entry in server.work_dir.iterdir()] == [server.log_path.name]
+        shutil.rmtree(server.work_dir)
+    assert not server.work_dir.exists(), f"{server.work_dir} outlived its server"
+    assert not [pid for pid in stub_pids if running(pid)], "a stub outlived its server"
+
+
+def test_a_killed_tritonserver_leaves_no_region_stub_or_folder(tiny_repository):
+    server = start_triton(tiny_repository)
+    # the stubs that served the models' config checks may still be on their way out
+    wait_until(lambda: sorted(stubs(server)) == ["mha_0_0", "mha_session_0_0"], timeout=10.0)
+    stub_pids = list(stubs(server).values())
+    sizes = [region.stat().st_size for region in regions(server)]  # each stub's, the config checks' too
+    assert len(sizes) >= 2 and set(sizes) == {SHM_REGION_BYTES}, sizes
+    os.kill(server.process.pid, signal.SIGKILL)
+    server.stop()
+    assert server.process.returncode == -signal.SIGKILL
+    assert_nothing_left(server, stub_pids, log_kept=True)
+
+
+def infer_mha(server) -> np.ndarray:
+    client = httpclient.InferenceServerClient(server.http_url)
+    try:
+        x = httpclient.InferInput("hidden_states", [1, 2, 32], "FP32")
+        x.set_data_from_numpy(np.ones((1, 2, 32), np.float32))
+        return client.infer("mha", [x]).as_numpy("output")
+    finally:
+        client.close()
+
+
+def reload_dead_mha(server, during=None) -> None:
+    """kill -9 of the mha stub, then `server.reload` (as the supervisor does), `during()` called
+    meanwhile if given; asserts that a new stub answers as the old one did."""
+    before = infer_mha(server)
+    dead = stubs(server)["mha_0_0"]
+    os.kill(dead, signal.SIGKILL)
+    reloading = threading.Thread(target=server.reload, args=(["mha"],))
+    reloading.start()
+    if during is not None:
+        during()
+    reloading.join(60)
+    assert stubs(server)["mha_0_0"] != dead
+    np.testing.assert_array_equal(infer_mha(server), before)
+
+
+def stop_and_check(server, caplog) -> int:
+    stub_pids = list(stubs(server).values())
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        returncode = server.stop()
+    print(f"stopped in {time.monotonic() - began:.1f} s, tritonserver's exit code {returncode}")
+    assert "kept" not in caplog.text, caplog.text  # neither the log nor any file is kept as after a failure
+    assert_nothing_left(server, stub_pids)
+    return returncode
+
+
+def test_a_server_whose_stub_died_and_was_reloaded_stops_cleanly(tiny_repository, caplog):
+    server = start_triton(tiny_repository)
+    reload_dead_mha(server)
+    assert stop_and_check(server, caplog) == 0
+
+
+def test_requests_that_reach_the_dead_model_during_its_reload_leave_nothing_behind(tiny_repository, caplog):
+    """Triton 2.51 keeps a request that reaches the replaced model while it is swapped out, and with
+    it that model, which then never unloads: the stop ends with Triton's exit timeout and exit code
+    1, expected after a reload; nothing is kept or left."""
+    server = start_triton(tiny_repository)
+
+    def knock() -> None:  # requests while the model is swapped: refused, or stuck until the client gives up
+        x = httpclient.InferInput("hidden_states", [1, 2, 32], "FP32")
+        x.set_data_from_numpy(np.ones((1, 2, 32), np.float32))
+        for _ in range(20):
+            client = httpclient.InferenceServerClient(server.http_url, network_timeout=2.0)
+            with contextlib.suppress(Exception):
+                client.infer("mha", [x])
+            client.close()
+            time.sleep(0.05)
+
+    reload_dead_mha(server, during=knock)
+    assert stop_and_check(server, caplog) in (0, 1)
+
+
+def test_a_server_that_logs_elsewhere_leaves_no_folder(tiny_repository, tmp_path):
+    log_path = tmp_path / "triton.log"
+    server = start_triton(tiny_repository, log_path=log_path)
+    stub_pids = list(stubs(server).values())
+    time.sleep(3 * POLL_SECONDS)  # Triton's polls find nothing changed: nothing is loaded twice
+    assert server.stop() == 0
+    assert_nothing_left(server, stub_pids)
+    assert log_path.read_text().count("successfully loaded 'mha'") == 1
