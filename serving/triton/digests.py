@@ -47,12 +47,13 @@ def verify(version: Path, names: Iterable[str]) -> None:
     naming the file, the recorded and the actual digest."""
     recorded = read(version)
     for name in sorted(set(names)):
+        path = (version / name).resolve()  # the user's file: Triton serves links to it (serving/host/launcher.py)
         expected = recorded.get(name)
         if expected is None:
-            raise IntegrityError(f"{version / name}: no sha256 recorded for it in {DIGESTS_FILENAME}; {REWRITE}")
-        actual = sha256(version / name)
+            raise IntegrityError(f"{path}: no sha256 recorded for it in {DIGESTS_FILENAME}; {REWRITE}")
+        actual = sha256(path)
         if actual != expected:
             raise IntegrityError(
-                f"{version / name} changed after its build: sha256 {actual}, the build recorded {expected}; "
+                f"{path} changed after its build: sha256 {actual}, the build recorded {expected}; "
                 f"refusing to serve it: {REWRITE}"
             )
