@@ -31,7 +31,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.version_converter import convert_version
 
 from export.model import AttentionModel
-from export.norm_rotary_fusion import fuse_norms_and_rotations
+from export.norm_rotary_fusion import constant_ints, constant_scalar, fuse_norms_and_rotations
 from export.onnx_export import IR_VERSION, plain_graph, save_onnx
 
 # The first ONNX opset with `Attention` (past/present, GQA, boolean masks).
@@ -42,17 +42,10 @@ _MAX_FILL = -1e4
 _FOLD_LIMIT = 1 << 28
 
 
-def _ints(value: ir.Value | None) -> list[int] | None:
-    """A small constant as a list of ints, None when it is not a known constant."""
-    if value is None or value.const_value is None:
-        return None
-    return [int(v) for v in value.const_value.numpy().reshape(-1)]
-
-
-def _scalar(value: ir.Value | None) -> float | None:
-    if value is None or value.const_value is None or value.const_value.numpy().size != 1:
-        return None
-    return float(value.const_value.numpy().reshape(-1)[0])
+def _scaled_by_sqrt(divisor: ir.Value, head_dim: int) -> bool:
+    """The scores are divided by sqrt(head_dim), the op's default scale."""
+    value = constant_scalar(divisor)
+    return value is not None and math.isclose(value, math.sqrt(head_dim), rel_tol=1e-6)
 
 
 def _dims(value: ir.Value) -> list[int | str | None] | None:
@@ -105,12 +98,12 @@ class FuseAttention(pattern.RewriteRuleClassBase):
     def _mask_problem(disallowed, fill, values) -> str | None:
         if disallowed.producer() is None or disallowed.producer().op_type != "Not":
             return "the masked_fill condition is not Not(allowed)"
-        if _scalar(fill) is None or _scalar(fill) > _MAX_FILL:
+        if constant_scalar(fill) is None or constant_scalar(fill) > _MAX_FILL:
             return "the masked_fill value does not zero a masked weight"
         if any(values[c].producer().attributes.get_int("axis") not in (2, -2) for c in ("present_k", "present_v")):
             return "the cache is not concatenated along the sequence axis"
         # Unsqueeze at axis 1 would tile (head h reads kv head h % n_kv), not repeat_interleave
-        if any(_ints(values[f"{kind}_axes"]) not in ([2], [-3]) for kind in ("k", "v")):
+        if any(constant_ints(values[f"{kind}_axes"]) not in ([2], [-3]) for kind in ("k", "v")):
             return "the kv heads are not repeated with repeat_interleave"
         return None
 
@@ -119,7 +112,7 @@ class FuseAttention(pattern.RewriteRuleClassBase):
         shapes = self._shapes(*(values[n] for n in names))
         if shapes is None:
             return "q, k, v or the output lack the static head counts the op needs"
-        if _scalar(divisor) is None or not math.isclose(_scalar(divisor), math.sqrt(shapes["head_dim"]), rel_tol=1e-6):
+        if not _scaled_by_sqrt(divisor, shapes["head_dim"]):
             return "the scores are not scaled by 1/sqrt(head_dim)"
         return None
 
@@ -175,7 +168,7 @@ class FuseAttention4D(FuseAttention):
             return "q or the cache lack static head counts"
         if not all((_dims(values[r]) or [None] * 4)[1] == n_heads for r in ("k_repeated", "v_repeated")):
             return "the repeated cache does not have the query's head count"
-        if _scalar(divisor) is None or not math.isclose(_scalar(divisor), math.sqrt(head_dim), rel_tol=1e-6):
+        if not _scaled_by_sqrt(divisor, head_dim):
             return "the scores are not scaled by 1/sqrt(head_dim)"
         return None
 

@@ -26,13 +26,15 @@ from onnxscript.rewriter import pattern
 MAX_INT64 = 2**63 - 1
 
 
-def _ints(value: ir.Value | None) -> list[int] | None:
+def constant_ints(value: ir.Value | None) -> list[int] | None:
+    """A small constant as a list of ints, None when it is not a known constant."""
     if value is None or value.const_value is None:
         return None
     return [int(v) for v in value.const_value.numpy().reshape(-1)]
 
 
-def _scalar(value: ir.Value | None) -> float | None:
+def constant_scalar(value: ir.Value | None) -> float | None:
+    """A one-element constant as a float, None when it is not one."""
     if value is None or value.const_value is None or value.const_value.numpy().size != 1:
         return None
     return float(value.const_value.numpy().reshape(-1)[0])
@@ -50,16 +52,16 @@ class FuseRMSNorm(pattern.RewriteRuleClassBase):
 
     def check(self, context, x, two, axes, eps, weight, **_):
         result = pattern.MatchResult()
-        if _scalar(two) != 2.0:
+        if constant_scalar(two) != 2.0:
             return result.fail("not a square")
-        if _ints(axes) != [-1] and _ints(axes) != [len(x.shape or ()) - 1]:
+        if constant_ints(axes) != [-1] and constant_ints(axes) != [len(x.shape or ()) - 1]:
             return result.fail("the mean is not over the last axis")
-        if _scalar(eps) is None or weight.const_value is None:
+        if constant_scalar(eps) is None or weight.const_value is None:
             return result.fail("epsilon or the weight is not a constant")
         return result
 
     def rewrite(self, op, x, eps, weight, **_):
-        return op.RMSNormalization(x, weight, axis=-1, epsilon=_scalar(eps))
+        return op.RMSNormalization(x, weight, axis=-1, epsilon=constant_scalar(eps))
 
 
 class FuseRotary(pattern.RewriteRuleClassBase):
@@ -115,20 +117,20 @@ class FuseRotary(pattern.RewriteRuleClassBase):
     @staticmethod
     def _pairs_problem(values) -> str | None:
         last = ([3], [-1])
-        if _ints(values["e_start"]) != [0] or _ints(values["o_start"]) != [1]:
+        if constant_ints(values["e_start"]) != [0] or constant_ints(values["o_start"]) != [1]:
             return "the pairs are not the even and odd dims"
-        if _ints(values["e_step"]) != [2] or _ints(values["o_step"]) != [2]:
+        if constant_ints(values["e_step"]) != [2] or constant_ints(values["o_step"]) != [2]:
             return "the pairs are not taken with step 2"
-        if _ints(values["e_axes"]) not in last or _ints(values["o_axes"]) not in last:
+        if constant_ints(values["e_axes"]) not in last or constant_ints(values["o_axes"]) not in last:
             return "the pairs are not taken on the last axis"
-        if _ints(values["u1"]) != [-1] or _ints(values["u2"]) != [-1]:
+        if constant_ints(values["u1"]) != [-1] or constant_ints(values["u2"]) != [-1]:
             return "the turned pairs are not stacked on a new last axis"
         return None
 
     @staticmethod
     def _halves_problem(values) -> str | None:
         split = values["x1"].producer()
-        sizes = _ints(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
+        sizes = constant_ints(split.inputs[1]) if len(split.inputs) > 1 and split.inputs[1] is not None else None
         if split.attributes.get_int("axis", 0) not in (3, -1):
             return "the halves are not split on the last axis"
         if sizes is not None and (len(sizes) != 2 or sizes[0] != sizes[1]):
@@ -140,13 +142,15 @@ class FuseRotary(pattern.RewriteRuleClassBase):
         width = 2 * cos_table.const_value.shape[1]
         for name in ("rotated_part", "kept_part"):
             slicing = values[name].producer()
-            axes = _ints(slicing.inputs[3]) if len(slicing.inputs) > 3 else None
-            steps = _ints(slicing.inputs[4]) if len(slicing.inputs) > 4 and slicing.inputs[4] is not None else [1]
+            axes = constant_ints(slicing.inputs[3]) if len(slicing.inputs) > 3 else None
+            steps = (
+                constant_ints(slicing.inputs[4]) if len(slicing.inputs) > 4 and slicing.inputs[4] is not None else [1]
+            )
             if axes not in ([3], [-1]) or steps != [1]:
                 return "the rotated and kept parts are not slices of the last axis"
-        if _ints(values["r_start"]) != [0] or _ints(values["r_end"]) != [width]:
+        if constant_ints(values["r_start"]) != [0] or constant_ints(values["r_end"]) != [width]:
             return f"the rotated part is not the first {width} dims"
-        if _ints(values["k_start"]) != [width] or (_ints(values["k_end"]) or [0])[0] < width:
+        if constant_ints(values["k_start"]) != [width] or (constant_ints(values["k_end"]) or [0])[0] < width:
             return f"the kept part is not the dims after {width}"
         return None
 
@@ -163,7 +167,7 @@ def _angle_rows(cos: ir.Value, sin: ir.Value) -> tuple[ir.Value, ir.Value, ir.Va
     found = []
     for value in (cos, sin):
         unsqueeze = value.producer()
-        if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or _ints(unsqueeze.inputs[1]) != [1]:
+        if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or constant_ints(unsqueeze.inputs[1]) != [1]:
             return "the angles are not broadcast over the head axis"
         gather = unsqueeze.inputs[0].producer()
         if gather is None or gather.op_type != "Gather" or gather.attributes.get_int("axis", 0) != 0:

@@ -51,9 +51,14 @@ def verify(version: Path, names: Iterable[str]) -> None:
         expected = recorded.get(name)
         if expected is None:
             raise IntegrityError(f"{path}: no sha256 recorded for it in {DIGESTS_FILENAME}; {REWRITE}")
-        actual = sha256(path)
-        if actual != expected:
-            raise IntegrityError(
-                f"{path} changed after its build: sha256 {actual}, the build recorded {expected}; "
-                f"refusing to serve it: {REWRITE}"
-            )
+        changed = changed_since_build(path, expected)
+        if changed:
+            raise IntegrityError(f"{changed}; refusing to serve it: {REWRITE}")
+
+
+def changed_since_build(path: Path, recorded: str) -> str | None:
+    """What to say when `path` no longer has the sha256 its build recorded; None when it has it."""
+    actual = sha256(path)
+    if actual == recorded:
+        return None
+    return f"{path} changed after its build: sha256 {actual}, the build recorded {recorded}"

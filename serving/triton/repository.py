@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from contract.config import ModelConfig
-from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename, sha256
+from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
 from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC
 from serving.triton import config as triton_config
 from serving.triton import digests
@@ -77,11 +77,9 @@ def checked_digest(path: Path, report: dict) -> str:
     recorded = entry.get("sha256")
     if recorded is None:
         raise RepositoryError(f"{path.parent / REPORT_FILENAME} records no sha256 for {path.name}; build it again")
-    actual = sha256(path)
-    if actual != recorded:
-        raise RepositoryError(
-            f"{path} changed after its build: sha256 {actual}, the build recorded {recorded}; build it again"
-        )
+    changed = digests.changed_since_build(path, recorded)
+    if changed:
+        raise RepositoryError(f"{changed}; build it again")
     return recorded
 
 
