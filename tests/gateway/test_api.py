@@ -133,9 +133,12 @@ def test_attend_returns_output_and_presents_and_b64_is_bit_exact_with_json(api):
         ({"hidden_states": {"dtype": "float32", "shape": [1], "b64": "!!!"}}, ["hidden_states.b64", "base64"]),
         (
             {"hidden_states": [[[0.5] * D_MODEL]], "attention_mask": b64_tensor(np.array([[2]], np.int64))},
-            ["attention_mask", "0 or 1", "got 2"],
+            ["attention_mask", "0 (padding) or 1 (attend)", "got 2"],
         ),
-        ({"hidden_states": [[[0.5] * D_MODEL]], "attention_mask": [[3]]}, ["attention_mask", "0 or 1", "got 3"]),
+        (
+            {"hidden_states": [[[0.5] * D_MODEL]], "attention_mask": [[3]]},
+            ["attention_mask", "0 (padding) or 1 (attend)", "got 3"],
+        ),
         ({"hidden_states": [[[0.5] * (D_MODEL - 1) + [True]]]}, ["hidden_states", "boolean", f"[0, 0, {D_MODEL - 1}]"]),
         (
             {
