@@ -79,7 +79,7 @@ def staged(out: Path, owned: Iterable[str]) -> Iterator[Path]:
     if not nearest.is_dir():  # `out`, or a folder it would be made in, is a file
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(nearest))
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.is_dir() and not os.access(out, os.W_OK):  # found now rather than after the build
+    if out.is_dir() and not os.access(out, os.W_OK, effective_ids=True):  # found now rather than after the build
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(out))
     staging = out.parent / f".{out.name}.{secrets.token_hex(4)}.partial"
     staging.mkdir()

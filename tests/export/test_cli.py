@@ -2,10 +2,11 @@
 
 import copy
 import json
-import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from export.onnx_export import export_onnx
 from serving.engine.ort import ort_runner, ort_session
 from tests import reference
 from tests.conftest import TEST_CONFIGS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 UNSEEN = TEST_CONFIGS["unseen"]  # 96 wide, 6 heads, 2 kv heads, 3 layers
 
@@ -206,19 +209,33 @@ def test_a_full_disk_leaves_the_earlier_build_as_it_was_and_says_so_in_one_line(
         assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0, reason="root writes through chmod 0555 (the full-disk and file-in-the-way tests hold as root)"
-)
-def test_a_read_only_out_directory_fails_before_building_and_stays_as_it_was(tmp_path, capsys):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "kept.txt").write_text("already here")
-    out.chmod(0o555)
+# The command with everything imported first, then (as root, who writes through any mode) as `nobody`,
+# so that a read-only folder is read-only to it
+AS_NOBODY = """
+import os, sys
+from export import __main__ as cli
+if os.geteuid() == 0:
+    os.setegid(65534)
+    os.seteuid(65534)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_read_only_out_directory_fails_before_building_and_stays_as_it_was():
+    place = Path(tempfile.mkdtemp(prefix="read-only-"))  # under /tmp: a folder `nobody` may enter
     try:
-        assert cli.main(["build", "--preset", "tiny", "--out", str(out)]) == 1
+        place.chmod(0o755)
+        out = place / "out"
+        out.mkdir()
+        (out / "kept.txt").write_text("already here")
+        out.chmod(0o555)
+        before = tree(place)
+        command = [sys.executable, "-c", AS_NOBODY, "build", "--preset", "tiny", "--out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+        assert done.returncode == 1, done.stdout + done.stderr
+        err = done.stderr.strip().splitlines()
+        assert err[-1] == f"error: cannot write {out}: Permission denied (EACCES): {out}; nothing was changed there"
+        assert tree(place) == before and sorted(p.name for p in place.iterdir()) == ["out"]
     finally:
-        out.chmod(0o755)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == f"error: cannot write {out}: Permission denied (EACCES): {out}; nothing was changed there"
-    assert tree(tmp_path) == {"out/kept.txt": files.sha256(out / "kept.txt")}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+        (place / "out").chmod(0o755)
+        shutil.rmtree(place)
