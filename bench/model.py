@@ -417,6 +417,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "its twin without rotary embeddings, for the rotation's cost per step",
     )
     parser.add_argument("--quick", action="store_true", help="a few small shapes with short budgets")
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        help="only these shapes, e.g. decode:1:4096,prefill:1:512 (default: prefill B1/B4 at T 128/512/2048, "
+        "decode B1/B8 at P 128/1024/4096)",
+    )
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per candidate")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
     parser.add_argument(
@@ -443,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="bench-artifacts-") as scratch:
         root = args.artifacts or Path(scratch)
-        results = benchmark(configs, root, args.quick, args.threads, progress)
+        results = benchmark(configs, root, args.quick, args.threads, progress, args.shapes)
     write(results, args.out)
     print(table(results))
     print(f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)")
@@ -459,9 +465,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def benchmark(configs: dict[str, ModelConfig], root: Path, quick: bool, threads: int, progress: Progress) -> dict:
+def parse_shapes(text: str) -> list[Shape]:
+    """`decode:B:P` and `prefill:B:T`, comma-separated (e.g. "decode:1:4096,prefill:1:512")."""
+    grid = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            phase, batch, length = item.split(":")
+            if phase not in ("decode", "prefill"):
+                raise ValueError
+            b, n = int(batch), int(length)
+        except ValueError:
+            wanted = "decode:BATCH:PAST or prefill:BATCH:TOKENS"
+            raise argparse.ArgumentTypeError(f"a shape is {wanted}, got {item!r}") from None
+        grid.append(Shape(phase, b, 1, n) if phase == "decode" else Shape(phase, b, n, 0))
+    return grid
+
+
+def benchmark(
+    configs: dict[str, ModelConfig],
+    root: Path,
+    quick: bool,
+    threads: int,
+    progress: Progress,
+    grid: list[Shape] | None = None,
+) -> dict:
+    """`grid` (default: the standard shapes, fewer when `quick`) for every preset."""
     started, load_before = time.perf_counter(), os.getloadavg()[0]
-    grid, plan = shapes(quick), Plan.make(quick)
+    grid, plan = grid or shapes(quick), Plan.make(quick)
     with progress.stage("memory bandwidth"):
         before = copy_bandwidth(threads)
     measured = {}
