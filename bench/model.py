@@ -216,10 +216,23 @@ def prepare_artifacts(cfg: ModelConfig, directory: Path, progress: Progress) -> 
     if not _reusable(cfg, directory, [paths[v] for v in VARIANTS]):
         build(cfg, directory, VARIANTS, progress=progress)
         paths[QKV].unlink(missing_ok=True)  # made from the old build
-    if not paths[QKV].is_file():
+    if not qkv_applies(cfg):
+        del paths[QKV]
+    elif not paths[QKV].is_file():
         with progress.stage(f"{QKV}: fuse and check against {FUSED}"):
             _make_qkv(directory, paths)
     return paths
+
+
+def qkv_applies(cfg: ModelConfig) -> bool:
+    """The Q/K/V merge takes projections that feed the 3D Attention op directly: not where q and k are
+    normalized per head or rotated first (the 4D form)."""
+    return not cfg.rotary and cfg.qk_norm == "none"
+
+
+def measured(paths: dict[str, Path]) -> tuple[str, ...]:
+    """The candidates a preset has (the Q/K/V merge only where it applies)."""
+    return tuple(name for name in CANDIDATES if name != QKV or QKV in paths)
 
 
 def _reusable(cfg: ModelConfig, directory: Path, graphs: list[Path]) -> bool:
@@ -263,7 +276,7 @@ def measure_preset(
         budget, passes = plan.budgets[phase], plan.passes[phase]
         budget = dataclasses.replace(budget, seconds=budget.seconds / passes, min_runs=-(-budget.min_runs // passes))
         for turn in range(passes):
-            order = CANDIDATES if turn % 2 == 0 else CANDIDATES[::-1]
+            order = measured(paths) if turn % 2 == 0 else measured(paths)[::-1]
             for name in order:
                 with progress.stage(f"{cfg_label(cfg)} {phase} {name} (pass {turn + 1}/{passes})"):
                     prepare = candidate(name, directory, paths, threads)
@@ -293,7 +306,7 @@ def preset_results(cfg: ModelConfig, grid: list[Shape], timings: dict, gbps: flo
     rows = []
     for shape in grid:
         row = {**dataclasses.asdict(shape), "label": shape.label}
-        row["candidates"] = {name: timings[(name, shape)].to_dict() for name in CANDIDATES}
+        row["candidates"] = {name: timings[(name, shape)].to_dict() for name in measured(paths)}
         if shape.phase == "decode":
             row["floor_ms"] = {
                 "fp32": decode_floor_ms(cfg, shape, 4, gbps),
@@ -383,7 +396,12 @@ def table(results: dict) -> str:
     for preset_name, entry in results["presets"].items():
         for row in entry["rows"]:
             torch_ms = median(row, TORCH)
-            cells = " ".join(f"{median(row, n):>12.3f} ({torch_ms / median(row, n):>5.2f}x)  " for n in CANDIDATES[1:])
+            cells = " ".join(
+                f"{median(row, n):>12.3f} ({torch_ms / median(row, n):>5.2f}x)  "
+                if n in row["candidates"]
+                else f"{'-':>22}"
+                for n in CANDIDATES[1:]
+            )
             floor = row.get("floor_ms", {}).get("fp32")
             if floor:
                 tail = f"{floor:>9.3f} {median(row, FUSED) / floor:>11.2f} {median(row, STATIC) / floor:>12.2f}"
