@@ -26,33 +26,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from contract.config import LAYERNORM, NO_NORM, ModelConfig
+from contract.config import LAYERNORM, NO_NORM, RMSNORM, ModelConfig
 from contract.files import MODEL_CONFIG_FILENAME, sha256
+from export import hf_config, hf_source
 from export.model import AttentionModel
 
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
 NORM_KINDS = ("weight", "bias")
+QK_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head norms, under the attention module (ours under attn.)
+PACKED_QKV = "qkv_proj"  # Phi-3: q, k and v in one Linear
 # The user's module against ours: a causal prefill, then decode steps (`check_against_source`)
 SOURCE_BATCH, SOURCE_PREFILL, SOURCE_STEPS = 2, 7, 32
 # Both sides are the same fp32 math summed in another order (measured below 1e-6 at our init's scale)
 SOURCE_TOLERANCE = 1e-5
-# A Hugging Face config.json: the fields that mean rotary position embeddings, and the ones we read
-ROTARY_FIELDS = ("rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "partial_rotary_factor", "rotary_emb_base")
-ROTARY_REASON = (
-    "the checkpoint uses rotary position embeddings, which rotate q and k by position; this model does not, "
-    "and its outputs would differ from the checkpoint's"
-)
-HF_CONFIG_FIELDS = {
-    "num_attention_heads": "n_heads",
-    "num_key_value_heads": "n_kv_heads",
-    "layer_norm_eps": "norm_eps",
-    "max_position_embeddings": "max_seq_len",
-}
 
 
 class WeightsError(ValueError):
@@ -87,15 +79,57 @@ class Imported:
 # --- reading a file --------------------------------------------------------------------------------
 
 
-def read_state_dict(path: Path) -> dict[str, Tensor]:
-    """Tensors by key, floating point ones as fp32."""
+INDEX_SUFFIX = ".safetensors.index.json"  # a sharded checkpoint's map from key to shard file
+
+
+class SafetensorsFiles(Mapping):
+    """The tensors of one safetensors file or of a sharded checkpoint's shards, by key, read when asked
+    for (as fp32): a whole checkpoint's MLPs and embeddings are never loaded, only their keys listed."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._files = files  # key -> the file holding it
+        self._read: dict[str, Tensor] = {}
+
+    @classmethod
+    def open(cls, path: Path) -> SafetensorsFiles:
+        from safetensors import safe_open
+
+        if path.name.endswith(INDEX_SUFFIX):
+            weight_map = json.loads(path.read_text())["weight_map"]
+            return cls({key: path.parent / shard for key, shard in weight_map.items()})
+        with safe_open(str(path), "pt") as handle:
+            return cls(dict.fromkeys(handle.keys(), path))
+
+    @property
+    def shards(self) -> list[Path]:
+        return sorted(set(self._files.values()))
+
+    def __getitem__(self, key: str) -> Tensor:
+        if key not in self._read:
+            from safetensors import safe_open
+
+            with safe_open(str(self._files[key]), "pt") as handle:
+                tensor = handle.get_tensor(key)
+            if not tensor.is_floating_point():
+                raise WeightsError(self._files[key], [f"{key}: dtype {tensor.dtype}, not floating point"])
+            self._read[key] = tensor.to(torch.float32).contiguous()
+        return self._read[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def read_state_dict(path: Path) -> Mapping[str, Tensor]:
+    """Tensors by key, floating point ones as fp32: a `torch.save`d state dict, a safetensors file or a
+    sharded checkpoint's `model.safetensors.index.json` (the last two read key by key when needed)."""
     if not path.is_file():
         raise WeightsError(path, ["no such file"])
     try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            loaded = load_file(str(path))
+        if path.suffix == ".safetensors" or path.name.endswith(INDEX_SUFFIX):
+            return SafetensorsFiles.open(path)
         else:
             loaded = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as error:  # any reader's failure means the same to the user: not a file of weights
@@ -174,13 +208,23 @@ class Layout:
     def has_norm(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> bool:
         return self.norm is not None and any(f"{layer.block}{self.norm}.weight" in tensors for layer in layers)
 
-    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer) -> tuple[int, int]:
-        """(d_model, the key projection's width) as the first layer's weights give them."""
+    def norm_kind(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> str:
+        """The block's norm: a weight and a bias are a LayerNorm, a weight alone an RMSNorm."""
+        if not self.has_norm(tensors, layers):
+            return NO_NORM
+        return LAYERNORM if any(f"{layer.block}{self.norm}.bias" in tensors for layer in layers) else RMSNORM
+
+    def has_qk_norm(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> bool:
+        return any(f"{layer.attention}{QK_NORMS[0]}.weight" in tensors for layer in layers)
+
+    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer, given: dict) -> tuple[int, int, int]:
+        """(d_model, the query projection's width, the key projection's width) as the first layer's
+        weights give them."""
         w_q, w_k = (tensors.get(f"{self.module(layer, p)}.weight") for p in ("W_q", "W_k"))
         if w_q is None or w_k is None or w_q.dim() != 2 or w_k.dim() != 2:
             shapes = [None if w is None else list(w.shape) for w in (w_q, w_k)]
             raise LayoutProblems([f"the first layer's W_q and W_k are {shapes}, not two matrices"])
-        return int(w_q.shape[1]), int(w_k.shape[0])
+        return int(w_q.shape[1]), int(w_q.shape[0]), int(w_k.shape[0])
 
     def expected(
         self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer, biased: tuple[str, ...]
@@ -189,8 +233,11 @@ class Layout:
         shapes = our_shapes(cfg)
         keys = {f"{self.module(layer, p)}.weight": shapes[f"attn.{p}.weight"] for p in PROJECTIONS}
         keys |= {f"{self.module(layer, p)}.bias": shapes[f"attn.{p}.bias"] for p in biased}
-        if cfg.norm == LAYERNORM and self.norm is not None:
-            keys |= {f"{layer.block}{self.norm}.{kind}": (cfg.d_model,) for kind in NORM_KINDS}
+        if cfg.norm != NO_NORM and self.norm is not None:
+            kinds = NORM_KINDS if cfg.norm == LAYERNORM else NORM_KINDS[:1]
+            keys |= {f"{layer.block}{self.norm}.{kind}": (cfg.d_model,) for kind in kinds}
+        if cfg.qk_norm == RMSNORM:
+            keys |= {f"{layer.attention}{name}.weight": (cfg.head_dim,) for name in QK_NORMS}
         return keys
 
     def convert(self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer) -> dict[str, Tensor]:
@@ -199,28 +246,84 @@ class Layout:
         ours = {f"attn.{p}.weight": tensors[f"{self.module(layer, p)}.weight"] for p in PROJECTIONS}
         for p in PROJECTIONS if cfg.bias else ():
             ours[f"attn.{p}.bias"] = tensors.get(f"{self.module(layer, p)}.bias", torch.zeros(shapes[f"attn.{p}.bias"]))
-        if cfg.norm == LAYERNORM:
-            ours |= {f"norm.{kind}": tensors[f"{layer.block}{self.norm}.{kind}"] for kind in NORM_KINDS}
+        if cfg.norm != NO_NORM:
+            kinds = NORM_KINDS if cfg.norm == LAYERNORM else NORM_KINDS[:1]
+            ours |= {f"norm.{kind}": tensors[f"{layer.block}{self.norm}.{kind}"] for kind in kinds}
+        if cfg.qk_norm == RMSNORM:
+            ours |= {f"attn.{name}.weight": tensors[f"{layer.attention}{name}.weight"] for name in QK_NORMS}
         return ours
 
     def refusals(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> list[str]:
         """What the file holds that this model cannot express (each with the reason)."""
         return []
 
+    def left_out(self, key: str, layers: list[SourceLayer]) -> bool:
+        """Whether `key` belongs to a part of a whole model this one does not serve (listed, not refused)."""
+        return False
+
     def module(self, layer: SourceLayer, projection: str) -> str:
         return layer.attention + self.projections[projection]
 
 
 class HuggingFaceLayout(Layout):
-    def refusals(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> list[str]:
-        found = [f"{key}: {ROTARY_REASON}" for key in tensors if "rotary_emb" in key]
-        found += [
-            f"{layer.block}{self.norm}: a weight without a bias is an RMSNorm (Llama, Mistral, Qwen2), which this "
-            f"model does not express (norm: {LAYERNORM} or {NO_NORM})"
-            for layer in layers
-            if f"{layer.block}{self.norm}.weight" in tensors and f"{layer.block}{self.norm}.bias" not in tensors
-        ]
-        return found
+    """A Hugging Face decoder's attention blocks (Llama, Mistral, Qwen2, Qwen3, Phi-3): each layer's
+    `input_layernorm` and `self_attn` (q/k/v/o projections, or Phi-3's packed `qkv_proj`; Qwen3's
+    `q_norm`/`k_norm`). The rest of a whole checkpoint (embeddings, MLPs, other norms, the LM head) is
+    left out and listed by key group (`left_out`)."""
+
+    def layers(self, tensors: dict[str, Tensor]) -> list[SourceLayer]:
+        if not any(key.endswith(f".{PACKED_QKV}.weight") for key in tensors):
+            return super().layers(tensors)
+        prefixes = find_prefixes(list(tensors), f"{PACKED_QKV}.weight")
+        return [SourceLayer(prefix, prefix.removesuffix(self.block_suffix)) for prefix in prefixes]
+
+    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer, given: dict) -> tuple[int, int, int]:
+        if not self.packs_qkv(tensors, layer):
+            return super().widths(tensors, layer, given)
+        qkv = tensors[f"{layer.attention}{PACKED_QKV}.weight"]  # (q + 2 kv widths, d_model)
+        n_heads, n_kv_heads = given.get("n_heads"), given.get("n_kv_heads")
+        if not n_heads or not n_kv_heads or qkv.shape[0] % (n_heads + 2 * n_kv_heads):
+            raise LayoutProblems(
+                [
+                    f"{layer.attention}{PACKED_QKV}.weight is {list(qkv.shape)}: the config.json beside it must give "
+                    "num_attention_heads and num_key_value_heads that split it"
+                ]
+            )
+        head_dim = qkv.shape[0] // (n_heads + 2 * n_kv_heads)
+        return int(qkv.shape[1]), n_heads * head_dim, n_kv_heads * head_dim
+
+    def expected(
+        self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer, biased: tuple[str, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        keys = super().expected(tensors, cfg, layer, biased)
+        if self.packs_qkv(tensors, layer):
+            for p in ("W_q", "W_k", "W_v"):
+                del keys[f"{self.module(layer, p)}.weight"]
+                keys.pop(f"{self.module(layer, p)}.bias", None)
+            keys[f"{layer.attention}{PACKED_QKV}.weight"] = (cfg.q_dim + 2 * cfg.kv_dim, cfg.d_model)
+        return keys
+
+    def convert(self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer) -> dict[str, Tensor]:
+        if self.packs_qkv(tensors, layer):  # rows: q, then k, then v (Phi3Attention splits them so)
+            w_q, w_k, w_v = tensors[f"{layer.attention}{PACKED_QKV}.weight"].split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim])
+            tensors = {
+                **tensors,
+                **{
+                    f"{self.module(layer, p)}.weight": w
+                    for p, w in zip(("W_q", "W_k", "W_v"), (w_q, w_k, w_v), strict=True)
+                },
+            }
+        return super().convert(tensors, cfg, layer)
+
+    def packs_qkv(self, tensors: dict[str, Tensor], layer: SourceLayer) -> bool:
+        return f"{layer.attention}{PACKED_QKV}.weight" in tensors
+
+    def left_out(self, key: str, layers: list[SourceLayer]) -> bool:
+        """Keys of a whole checkpoint this model does not serve: outside every layer's attention module
+        and input norm, or the rotary buffers older checkpoints saved (derived from the config here)."""
+        if key.endswith("rotary_emb.inv_freq"):
+            return True
+        return not any(key.startswith((layer.attention, f"{layer.block}{self.norm}.")) for layer in layers)
 
 
 class TorchMHALayout(Layout):
@@ -240,11 +343,11 @@ class TorchMHALayout(Layout):
     def has_norm(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> bool:
         return False
 
-    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer) -> tuple[int, int]:
+    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer, given: dict) -> tuple[int, int, int]:
         out = tensors[f"{layer.attention}out_proj.weight"]
         if out.dim() != 2:
             raise LayoutProblems([f"{layer.attention}out_proj.weight is {list(out.shape)}, not a matrix"])
-        return int(out.shape[0]), int(out.shape[0])
+        return int(out.shape[0]), int(out.shape[0]), int(out.shape[0])
 
     def expected(
         self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer, biased: tuple[str, ...]
@@ -315,9 +418,9 @@ LAYOUTS: dict[str, Layout] = {
 
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our keys under `layers.{i}.` -> shape (docs/design.md, "Model math")."""
-    d, kv = cfg.d_model, cfg.kv_dim
-    rows = {"W_q": d, "W_k": kv, "W_v": kv, "W_o": d}
-    return {f"attn.{p}.weight": (rows[p], d) for p in PROJECTIONS} | {f"attn.{p}.bias": (rows[p],) for p in PROJECTIONS}
+    d, q, kv = cfg.d_model, cfg.q_dim, cfg.kv_dim
+    shapes = {"W_q": (q, d), "W_k": (kv, d), "W_v": (kv, d), "W_o": (d, q)}
+    return {f"attn.{p}.weight": shapes[p] for p in PROJECTIONS} | {f"attn.{p}.bias": shapes[p][:1] for p in PROJECTIONS}
 
 
 # --- the config the weights determine --------------------------------------------------------------
@@ -325,7 +428,7 @@ def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def beside(path: Path, layout: Layout) -> dict:
     """Config fields from a `config.json` beside the weights: ours (`native`) or a Hugging Face one
-    (`hf`); refuses a Hugging Face config with rotary embeddings."""
+    (`hf`: export/hf_config.py reads it, refusing what this model cannot represent)."""
     sidecar = path.parent / MODEL_CONFIG_FILENAME
     if layout.name not in ("native", "hf") or not sidecar.is_file():
         return {}
@@ -334,37 +437,36 @@ def beside(path: Path, layout: Layout) -> dict:
         return {}
     if layout.name == "native":
         return ModelConfig.load(sidecar).to_dict() if "d_model" in data else {}
-    rotary = [field for field in ROTARY_FIELDS if data.get(field) is not None]
-    if rotary or data.get("position_embedding_type") == "rotary":
-        raise LayoutProblems([f"{sidecar}: {rotary or 'position_embedding_type'}: {ROTARY_REASON}"])
-    return {ours: data[theirs] for theirs, ours in HF_CONFIG_FIELDS.items() if data.get(theirs) is not None}
+    try:
+        return hf_config.fields_from(data)
+    except hf_config.ConfigRefusal as refused:
+        raise LayoutProblems([f"{sidecar}: {refused}"]) from None
 
 
-def heads(d_model: int, kv_width: int, given: dict) -> tuple[int, int]:
-    """(n_heads, n_kv_heads): from n_heads given, else from n_kv_heads given (head_dim = kv_width / n_kv)."""
-    n_heads, n_kv_heads = given.get("n_heads"), given.get("n_kv_heads")
+def heads(d_model: int, q_width: int, kv_width: int, given: dict) -> tuple[int, int, int]:
+    """(n_heads, n_kv_heads, head_dim): a given head_dim splits the widths; else n_heads given, else
+    n_kv_heads given (head_dim = kv_width / n_kv_heads), with head_dim = q_width / n_heads."""
+    n_heads, n_kv_heads, head_dim = given.get("n_heads"), given.get("n_kv_heads"), given.get("head_dim")
     if n_kv_heads is not None and (not isinstance(n_kv_heads, int) or n_kv_heads <= 0):
         raise LayoutProblems([f"n_kv_heads must be a positive integer, got {n_kv_heads!r}"])
-    if n_heads is None and n_kv_heads:
-        head_dim = kv_width // n_kv_heads if kv_width % n_kv_heads == 0 else 0
-        n_heads = d_model // head_dim if head_dim and d_model % head_dim == 0 else None
-        if n_heads is None:
-            raise LayoutProblems(
-                [f"n_kv_heads {n_kv_heads} does not divide the key width {kv_width} into heads of d_model {d_model}"]
-            )
-    if n_heads is None:
-        divisors = [h for h in range(1, d_model + 1) if d_model % h == 0 and kv_width % (d_model // h) == 0]
+    if head_dim is None and n_heads is None and n_kv_heads:
+        head_dim = kv_width // n_kv_heads if kv_width % n_kv_heads == 0 else None
+        if head_dim is None or q_width % head_dim:
+            widths = f"the key width {kv_width} into heads of the query width {q_width}"
+            raise LayoutProblems([f"n_kv_heads {n_kv_heads} does not divide {widths}"])
+    if head_dim is None and n_heads is None:
+        divisors = [h for h in range(1, q_width + 1) if q_width % h == 0 and kv_width % (q_width // h) == 0]
+        why = f"the weights do not tell the number of heads: give --n-heads (the query width {q_width}"
+        raise LayoutProblems([f"{why}: one of {divisors})"])
+    if head_dim is None:
+        if not isinstance(n_heads, int) or n_heads <= 0 or q_width % n_heads:
+            raise LayoutProblems([f"n_heads {n_heads!r} does not divide the query width {q_width}"])
+        head_dim = q_width // n_heads
+    if q_width % head_dim or kv_width % head_dim:
         raise LayoutProblems(
-            [f"the weights do not tell the number of heads: give n_heads (d_model {d_model}: one of {divisors})"]
+            [f"the query width {q_width} and key width {kv_width} are not whole numbers of heads of {head_dim}"]
         )
-    if not isinstance(n_heads, int) or n_heads <= 0 or d_model % n_heads:
-        raise LayoutProblems([f"n_heads {n_heads!r} does not divide d_model {d_model}"])
-    head_dim = d_model // n_heads
-    if kv_width % head_dim:
-        raise LayoutProblems(
-            [f"the key width {kv_width} is not a whole number of heads of {head_dim} ({d_model} / {n_heads} heads)"]
-        )
-    return n_heads, kv_width // head_dim
+    return q_width // head_dim, kv_width // head_dim, head_dim
 
 
 def import_config(
@@ -373,16 +475,19 @@ def import_config(
     """The config: what the weights determine, then what is given, then defaults; a given field that
     contradicts the weights is refused."""
     given = {**beside(path, layout), **given}
-    d_model, kv_width = layout.widths(tensors, layers[0])
-    n_heads, n_kv_heads = heads(d_model, kv_width, given)
+    d_model, q_width, kv_width = layout.widths(tensors, layers[0], given)
+    n_heads, n_kv_heads, head_dim = heads(d_model, q_width, kv_width, given)
     has_norm = layout.has_norm(tensors, layers)
+    given = hf_config.rotary_dim(given, head_dim)
     determined = {
         "d_model": d_model,
         "n_heads": n_heads,
         "n_kv_heads": n_kv_heads,
+        "head_dim": head_dim,
         "n_layers": len(layers),
         "bias": bool(layout.biased(tensors, layers)),
-        "norm": LAYERNORM if has_norm else NO_NORM,
+        "norm": layout.norm_kind(tensors, layers),
+        "qk_norm": RMSNORM if layout.has_qk_norm(tensors, layers) else NO_NORM,
     }
     conflicts = [
         f"{field}: the config gives {given[field]!r}, the weights {value!r}"
@@ -399,6 +504,29 @@ def import_config(
 
 
 # --- the import -------------------------------------------------------------------------------------
+
+
+def left_out_groups(keys: list[str]) -> dict[str, str]:
+    """Keys this model does not serve, by group (a layer's keys counted once per layer): e.g.
+    {"model.layers.{i}.mlp": "3 keys per layer x 2 layers", "lm_head": "1 key"}."""
+    groups: dict[str, set] = {}
+    for key in keys:
+        parts = key.split(".")
+        numbered = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if numbered is not None and numbered + 1 < len(parts) - 1:
+            group = ".".join([*parts[:numbered], "{i}", parts[numbered + 1]])
+            groups.setdefault(group, set()).add((parts[numbered], ".".join(parts[numbered + 2 :])))
+        else:
+            groups.setdefault(".".join(parts[:-1]) or key, set()).add(("", parts[-1]))
+    described = {}
+    for group, members in sorted(groups.items()):
+        layers = {layer for layer, _ in members if layer}
+        names = {name for _, name in members}
+        if layers:
+            described[group] = f"{len(names)} key{'s' * (len(names) != 1)} per layer x {len(layers)} layers"
+        else:
+            described[group] = f"{len(names)} key{'s' * (len(names) != 1)}"
+    return described
 
 
 def key_problems(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
@@ -434,7 +562,8 @@ def import_weights(path: str | Path, layout_name: str, given: dict | None = None
         cfg = import_config(path, layout, tensors, layers, given or {})
         biased = layout.biased(tensors, layers)
         expected = {k: v for layer in layers for k, v in layout.expected(tensors, cfg, layer, biased).items()}
-        problems = key_problems(tensors, expected)
+        left_out = [key for key in tensors if key not in expected and layout.left_out(key, layers)]
+        problems = key_problems({k: v for k, v in tensors.items() if k not in left_out}, expected)
         if problems:
             raise LayoutProblems(problems)
     except LayoutProblems as error:
@@ -448,9 +577,13 @@ def import_weights(path: str | Path, layout_name: str, given: dict | None = None
     model.load_state_dict(state, strict=True)
     model.eval()
     weights = {"file": str(path), "layout": layout.name, "sha256": sha256(path)}
+    if isinstance(tensors, SafetensorsFiles) and len(tensors.shards) > 1:
+        weights["shards"] = {shard.name: sha256(shard) for shard in tensors.shards}
     if cfg.bias and len(biased) < len(PROJECTIONS):
         weights["zero_biases"] = [p for p in PROJECTIONS if p not in biased]
-    return Imported(model, weights, check_against_source(layout, tensors, layers, model))
+    if left_out:
+        weights["left_out"] = left_out_groups(left_out)
+    return Imported(model, weights, check_against_source(layout, tensors, layers, model, path))
 
 
 # --- the proof against the user's own module ------------------------------------------------------
@@ -458,34 +591,37 @@ def import_weights(path: str | Path, layout_name: str, given: dict | None = None
 NOT_REBUILT = {
     "seeds": "the teaching texts' MultiHeadAttention is teaching code, not a library class to rebuild here; "
     "its W_q, W_k, W_v, W_o Linear modules are this model's one to one",
-    "hf": "a Hugging Face attention class needs the transformers library, which this product does not depend on",
     "native": "the weights are this product's own: they load unchanged",
 }
 
 
 def check_against_source(
-    layout: Layout, tensors: dict[str, Tensor], layers: list[SourceLayer], model: AttentionModel
+    layout: Layout, tensors: dict[str, Tensor], layers: list[SourceLayer], model: AttentionModel, path: Path
 ) -> dict:
-    """Where the user's module can be rebuilt (torch.nn.MultiheadAttention), both over a causal prefill
-    and decode steps; raises SourceMismatchError when they differ."""
-    if layout.name != "torch-mha":
-        return {"checked": False, "reason": NOT_REBUILT[layout.name]}
+    """Where the user's module can be rebuilt (torch.nn.MultiheadAttention; a Hugging Face family's
+    attention with transformers installed), both over a causal prefill and decode steps; raises
+    SourceMismatchError when they differ."""
     cfg = model.cfg
-    modules = [rebuild_torch_mha(tensors, layer, cfg) for layer in layers]
     prefill = min(SOURCE_PREFILL, cfg.max_seq_len)
     total = min(prefill + SOURCE_STEPS, cfg.max_seq_len)
-    x = torch.randn(SOURCE_BATCH, total, cfg.d_model, generator=torch.Generator().manual_seed(0))  # (B, T, d)
-    with torch.no_grad():
-        expected = torch_mha_forward(modules, x, cfg.residual)
-        actual = prefill_and_decode(model, x, prefill)
+    scenario = (SOURCE_BATCH, prefill, total)
+    if layout.name == "hf":
+        norms = [f"{layer.block}{layout.norm}.weight" for layer in layers]
+        ours = lambda x: prefill_and_decode(model, x, prefill)  # noqa: E731  (the imported model, stepwise)
+        checked = hf_source.check(path.parent, tensors, [layer.attention for layer in layers], norms, ours, scenario)
+    elif layout.name == "torch-mha":
+        checked = check_torch_mha(tensors, layers, model, scenario)
+    else:
+        return {"checked": False, "reason": NOT_REBUILT[layout.name]}
+    if not checked["checked"]:
+        return checked
+    expected, actual = checked.pop("expected"), checked.pop("actual")
     error = (actual - expected).abs()
     passed = bool((error <= SOURCE_TOLERANCE + SOURCE_TOLERANCE * expected.abs()).all())
     result = {
-        "checked": True,
-        "module": f"torch.nn.MultiheadAttention(embed_dim={cfg.d_model}, num_heads={cfg.n_heads}, bias={cfg.bias}, "
-        f"batch_first=True) x {len(modules)}" + (", each with a residual" if cfg.residual else ""),
+        **checked,
         "scenario": f"batch {SOURCE_BATCH}: a causal prefill of {prefill} tokens then {total - prefill} decode steps, "
-        f"against the module over all {total} tokens with a causal attn_mask",
+        f"against the module over all {total} tokens with a causal mask",
         "max_abs": float(error.max()),
         "tolerance": f"{SOURCE_TOLERANCE} absolute + {SOURCE_TOLERANCE} relative",
         "passed": passed,
@@ -493,6 +629,23 @@ def check_against_source(
     if not passed:
         raise SourceMismatchError(f"the imported model differs from {result['module']}: {result}")
     return result
+
+
+def check_torch_mha(
+    tensors: dict[str, Tensor], layers: list[SourceLayer], model: AttentionModel, scenario: tuple[int, int, int]
+) -> dict:
+    cfg = model.cfg
+    batch, prefill, total = scenario
+    modules = [rebuild_torch_mha(tensors, layer, cfg) for layer in layers]
+    x = torch.randn(batch, total, cfg.d_model, generator=torch.Generator().manual_seed(0))  # (B, T, d)
+    with torch.no_grad():
+        expected = torch_mha_forward(modules, x, cfg.residual)
+        actual = prefill_and_decode(model, x, prefill)
+    module = (
+        f"torch.nn.MultiheadAttention(embed_dim={cfg.d_model}, num_heads={cfg.n_heads}, bias={cfg.bias}, "
+        f"batch_first=True) x {len(modules)}" + (", each with a residual" if cfg.residual else "")
+    )
+    return {"checked": True, "module": module, "expected": expected, "actual": actual}
 
 
 def rebuild_torch_mha(tensors: dict[str, Tensor], layer: SourceLayer, cfg: ModelConfig) -> nn.MultiheadAttention:

@@ -56,6 +56,9 @@ def origin_summary(report: dict) -> str:
     """Where an imported model's weights came from and how it compared with the module they came from."""
     weights, check = report["weights"], report["source_check"]
     lines = [f"weights: {weights['file']} (layout {weights['layout']}, sha256 {weights['sha256'][:12]}...)"]
+    if weights.get("left_out"):  # a whole checkpoint: what this model does not serve, by key group
+        groups = ", ".join(f"{group} ({count})" for group, count in weights["left_out"].items())
+        lines.append(f"left out (not attention): {groups}")
     if check["checked"]:
         result = "pass" if check["passed"] else "FAIL"
         lines.append(f"checked against {check['module']}: max abs error {check['max_abs']:.2e} ({result})")

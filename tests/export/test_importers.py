@@ -232,26 +232,59 @@ def test_hf_with_input_layernorm_and_qwen_style_biases(tmp_path):
     ("change", "message"),
     [
         (
-            lambda s, d: s.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}),
-            "inv_freq: the checkpoint uses rotary position embeddings",
+            lambda s, d: d.write_text(
+                json.dumps({"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 4.0}})
+            ),
+            "rope scaling 'yarn': this model scales rotary frequencies as",
         ),
         (
-            lambda s, d: d.write_text(json.dumps({"model_type": "llama", "rope_theta": 10000.0})),
-            r"\['rope_theta'\]: the checkpoint uses rotary",
+            lambda s, d: d.write_text(
+                json.dumps({"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]})
+            ),
+            "layer_types .*: this model windows all layers but every N-th",
         ),
-        (lambda s, d: s.pop("model.layers.1.input_layernorm.bias"), "a weight without a bias is an RMSNorm"),
         (
-            lambda s, d: s.update({"model.layers.0.mlp.up_proj.weight": torch.ones(64, D)}),
-            "serves attention layers only",
+            lambda s, d: s.pop("model.layers.1.input_layernorm.bias"),
+            r"missing: model.layers.1.input_layernorm.bias \(expected shape \[32\]\)",
+        ),
+        (
+            lambda s, d: s.update({"model.layers.0.self_attn.q_prj.weight": torch.ones(D, D)}),
+            r"unexpected: model.layers.0.self_attn.q_prj.weight \(shape \[32, 32\]\)",
         ),
     ],
-    ids=["rotary-buffer", "rotary-config", "rmsnorm", "mlp"],
+    ids=["rope-yarn", "window-pattern", "norm-mixed", "typo"],
 )
 def test_hf_what_this_model_cannot_express_is_refused_with_the_reason(tmp_path, change, message):
     state = hf_checkpoint(norm=True)
     change(state, tmp_path / "config.json")
     with pytest.raises(WeightsError, match=message):
         import_weights(save(tmp_path / "model.safetensors", state), "hf", {"n_heads": HEADS})
+
+
+def test_hf_a_whole_checkpoint_is_taken_for_its_attention_and_the_rest_listed(tmp_path):
+    """Embeddings, MLPs, other norms, the head and old rotary buffers are left out by group, not refused."""
+    state = hf_checkpoint(norm=True)
+    state |= {
+        "model.embed_tokens.weight": torch.ones(10, D),
+        "model.norm.weight": torch.ones(D),
+        "lm_head.weight": torch.ones(10, D),
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+    }
+    for i in range(2):
+        state |= {
+            f"model.layers.{i}.mlp.{name}.weight": torch.ones(8, D) for name in ("gate_proj", "up_proj", "down_proj")
+        }
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(D)
+    imported = import_weights(save(tmp_path / "model.safetensors", state), "hf", {"n_heads": HEADS})
+    assert imported.weights["left_out"] == {
+        "lm_head": "1 key",
+        "model.embed_tokens": "1 key",
+        "model.layers.{i}.mlp": "3 keys per layer x 2 layers",
+        "model.layers.{i}.post_attention_layernorm": "1 key per layer x 2 layers",
+        "model.layers.{i}.self_attn": "1 key per layer x 1 layers",
+        "model.norm": "1 key",
+    }
+    assert imported.model.cfg.n_layers == 2
 
 
 # --- native and the config ----------------------------------------------------------------------
@@ -274,7 +307,8 @@ def test_native_round_trips_an_artifact(tmp_path):
 def test_the_heads_and_conflicting_fields_are_named(tmp_path):
     path = save(tmp_path / "gqa.pt", user_modules.GroupedQueryAttention(D, HEADS, 2).state_dict())
     with pytest.raises(
-        WeightsError, match=r"do not tell the number of heads: give n_heads \(d_model 32: one of \[2, 4, 8, 16, 32\]\)"
+        WeightsError,
+        match=r"do not tell the number of heads: give --n-heads \(the query width 32: one of \[2, 4, 8, 16, 32\]\)",
     ):
         import_weights(path, "seeds")
     with pytest.raises(WeightsError, match="d_model: the config gives 64, the weights 32"):

@@ -1,0 +1,107 @@
+"""A Hugging Face `config.json` read into this model's config fields: Llama, Mistral, Qwen2, Qwen3 and
+Phi-3 attention (and any decoder whose attention is theirs), with a reason for each thing this model
+cannot represent.
+
+Both spellings of the rotary settings are read: transformers 5's `rope_parameters` ({rope_theta,
+rope_type, factor, ...}) and the older top-level `rope_theta` with `rope_scaling` ({type or
+rope_type, factor, ...}). Windows: Mistral's `sliding_window` (every layer), Qwen2/Qwen3's
+`use_sliding_window` with `max_window_layers`, and transformers 5's `layer_types` list, mapped onto
+`sliding_window` with `sliding_window_pattern` where they fit it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the families whose attention is proven against transformers' own classes (tests/export/test_hf_families.py);
+# another model_type with the same keys imports too, and its proof runs where transformers has its classes
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}
+FULL, SLIDING = "full_attention", "sliding_attention"
+
+
+class ConfigRefusal(ValueError):
+    """The config asks for something this model cannot represent; the message says what and why."""
+
+
+def fields_from(data: dict[str, Any]) -> dict[str, Any]:
+    """This model's config fields a Hugging Face config determines (the weights determine the rest)."""
+    fields: dict[str, Any] = {}
+    for theirs, ours in (
+        ("num_attention_heads", "n_heads"),
+        ("num_key_value_heads", "n_kv_heads"),
+        ("max_position_embeddings", "max_seq_len"),
+        ("head_dim", "head_dim"),
+    ):
+        if data.get(theirs) is not None:
+            fields[ours] = data[theirs]
+    eps = data.get("rms_norm_eps", data.get("layer_norm_eps"))
+    if eps is not None:
+        fields["norm_eps"] = eps
+    return fields | rotary_fields(data) | window_fields(data)
+
+
+def rotary_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """rope_theta, the rotated width and the scaling, from either spelling; none when the model has no
+    rotary embeddings."""
+    parameters = dict(data.get("rope_parameters") or {})
+    legacy = dict(data.get("rope_scaling") or {})
+    theta = parameters.get("rope_theta", data.get("rope_theta"))
+    if theta is None:
+        return {}
+    kind = parameters.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if kind not in SCALINGS:
+        raise ConfigRefusal(
+            f"rope scaling {kind!r}: this model scales rotary frequencies as {sorted(SCALINGS)} only "
+            "(a checkpoint extended with another scheme would attend differently at every position)"
+        )
+    scaling = {**legacy, **parameters}
+    fields: dict[str, Any] = {"rope_theta": float(theta), "rope_scaling": SCALINGS[kind]}
+    if kind != "default":
+        fields["rope_scaling_factor"] = float(scaling["factor"])
+    if kind == "llama3":
+        fields |= {
+            "rope_low_freq_factor": float(scaling["low_freq_factor"]),
+            "rope_high_freq_factor": float(scaling["high_freq_factor"]),
+            "rope_original_max_position": int(scaling["original_max_position_embeddings"]),
+        }
+    partial = scaling.get("partial_rotary_factor", data.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        fields["partial_rotary_factor"] = float(partial)  # made a rotary_dim once head_dim is known
+    return fields
+
+
+def window_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and its pattern, or nothing when every layer attends everything."""
+    window = data.get("sliding_window")
+    types = data.get("layer_types")
+    if types is None and data.get("use_sliding_window") is not None:  # Qwen2/Qwen3 before layer_types
+        layers, first = data.get("num_hidden_layers", 0), data.get("max_window_layers", 0)
+        types = [SLIDING if data["use_sliding_window"] and i >= first else FULL for i in range(layers)]
+    if window is None or (types is not None and SLIDING not in types):
+        return {}
+    if types is None:  # Mistral: every layer
+        return {"sliding_window": int(window)}
+    return {"sliding_window": int(window), "sliding_window_pattern": pattern_of(types)}
+
+
+def pattern_of(types: list[str]) -> int:
+    """N such that every N-th layer (counting from 1) is global and the others windowed; refused when
+    the layers follow no such pattern."""
+    for every in range(1, len(types) + 2):
+        expected = [FULL if every > 1 and (i + 1) % every == 0 else SLIDING for i in range(len(types))]
+        if expected == list(types):
+            return every
+    raise ConfigRefusal(
+        f"layer_types {types}: this model windows all layers but every N-th; a window on other layers "
+        "(e.g. the first ones global) is not one it represents"
+    )
+
+
+def rotary_dim(fields: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """`partial_rotary_factor` as this model's rotary_dim (the rotated width of a head)."""
+    fields = dict(fields)
+    partial = fields.pop("partial_rotary_factor", None)
+    if partial is not None:
+        fields["rotary_dim"] = int(head_dim * partial)
+    return fields
