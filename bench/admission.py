@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
+from bench.plot import save
 from bench.serving import percentiles
 from contract import files
 from contract.config import ModelConfig, preset
@@ -246,10 +247,7 @@ def plot(results: dict, path: Path) -> Path:
     axis.set_ylabel("ms to its answer")
     axis.set_title("Opening more sessions than the KV budget holds")
     axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save(figure, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
+from bench.plot import save
 from contract import files
 
 MODES = ("gateway/json", "gateway/b64", "grpc/client")
@@ -332,21 +333,15 @@ def plot(results: dict, path: Path) -> Path:
         bottom += values
     cpu.set(title="CPU per step", ylabel="microseconds")
     cpu.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save(figure, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from serving.triton.cli import DEFAULT_PRESET
-
-    parser.add_argument("--preset", default=DEFAULT_PRESET, help="the served model (default: %(default)s)")
     parser.add_argument("--sessions", type=int, default=16, help="concurrent sessions (default 16)")
     parser.add_argument("--steps", type=int, default=100, help="steps per session per mode and round (default 100)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (default 1)")
-    output.output_arguments(parser)
+    output.output_arguments(parser, served_preset=True)
 
 
 def run(args: argparse.Namespace) -> int:

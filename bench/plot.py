@@ -20,6 +20,13 @@ def decode_plot(results: dict, path: Path) -> Path:
     for axis, (preset, batch, rows) in zip(axes[0], panels, strict=True):
         _panel(axis, rows, f"{preset}, batch {batch}")
     figure.suptitle(f"decode step latency (median; {results['bandwidth']['gbps']:.0f} GB/s memory bandwidth)")
+    return save(figure, path)
+
+
+def save(figure, path: Path) -> Path:
+    """Laid out, written as a PNG, and closed (matplotlib keeps every open figure)."""
+    import matplotlib.pyplot as plt
+
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

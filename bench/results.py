@@ -13,7 +13,12 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 
 
-def output_arguments(parser: argparse.ArgumentParser) -> None:
+def output_arguments(parser: argparse.ArgumentParser, served_preset: bool = False) -> None:
+    """--out and --work; with `served_preset`, --preset (the served model) too."""
+    if served_preset:
+        from contract.config import DEFAULT_PRESET
+
+        parser.add_argument("--preset", default=DEFAULT_PRESET, help="the served model (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
     parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
 

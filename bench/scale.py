@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
+from bench.plot import save
 from bench.serving import NOOP, percentiles, write_noop_model
 
 MODES = ("envoy/mha_session", "direct/mha_session", "envoy/noop", "direct/noop")
@@ -173,21 +174,15 @@ def plot(results: dict, path: Path) -> Path:
     spread_axis.set_xticks(range(len(s["per_replica"])), [f"replica {i}" for i in range(len(s["per_replica"]))])
     spread_axis.set_title(f"{s['sessions']} sessions through Envoy")
     spread_axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save(figure, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from serving.triton.cli import DEFAULT_PRESET
-
-    parser.add_argument("--preset", default=DEFAULT_PRESET, help="the served model (default: %(default)s)")
     parser.add_argument("--past", type=int, default=256, help="tokens in each timed session's past (default 256)")
     parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
     parser.add_argument("--steps", type=int, default=25, help="timed steps per mode and round (default 25)")
     parser.add_argument("--sessions", type=int, default=64, help="sessions spread over the replicas (default 64)")
-    output.output_arguments(parser)
+    output.output_arguments(parser, served_preset=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
+from bench.plot import save
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from export.progress import Progress
@@ -659,10 +660,7 @@ def plot(results: dict, path: Path) -> Path:
     rate.minorticks_off()
     for axis in (latency, rate):
         axis.grid(True, alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return save(figure, path)
 
 
 def _machine(threads: int) -> dict:
