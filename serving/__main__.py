@@ -92,12 +92,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def ensure_repository(repository: Path) -> None:
-    """Export the default model into `repository` unless it already holds the served models."""
+    """The default repository is filled with the default model when it lacks it; a repository the
+    user named is never filled behind their back: it must hold the served models already."""
     from serving.host.launcher import TritonStartError
-    from serving.triton.repository import is_complete
+    from serving.triton.repository import is_complete, lacks
 
     if is_complete(repository):
         return
+    if repository.resolve() != files.DEFAULT_REPOSITORY.resolve():
+        what = "; ".join(lacks(repository)) if repository.is_dir() else "no such folder"
+        raise TritonStartError(
+            f"{repository} does not hold the served models ({what}); fill it with "
+            f"`python -m serving ensure --repository {repository} [--preset NAME | --config FILE]` or "
+            f"`python -m serving repository --artifacts DIR --repository {repository}`"
+        )
     try:
         from export.build import BuildError
         from serving.triton.cli import export_default
@@ -106,7 +114,7 @@ def ensure_repository(repository: Path) -> None:
             f"{repository} lacks the models and this environment cannot build them ({error}); "
             "fill it first with `python -m serving ensure --repository ...` where the export extra is installed"
         ) from None
-    print(f"{repository} lacks the models; exporting the default preset first (about a minute)", flush=True)
+    print(f"{repository} lacks the models; exporting the default preset first (about 30 s)", flush=True)
 
     try:
         export_default(repository)

@@ -176,19 +176,29 @@ def _fresh_version_dir(model_dir: Path) -> Path:
 def is_complete(repository_dir: str | Path, models: tuple[str, ...] = triton_config.PYTHON_MODELS) -> bool:
     """Whether each of `models` has its config, its config.json, every ONNX file its config names and
     their digests (what serving needs). Reads the configs only: no torch, no onnx, no hashing."""
+    return not lacks(repository_dir, models)
+
+
+def lacks(repository_dir: str | Path, models: tuple[str, ...] = triton_config.PYTHON_MODELS) -> list[str]:
+    """What `repository_dir` lacks to serve `models`, one line a model (empty when nothing)."""
     repository = Path(repository_dir)
+    found = []
     for name in models:
         version = repository / name / VERSION
         config_path = repository / name / triton_config.TRITON_CONFIG_FILENAME
         if not config_path.is_file() or not (version / MODEL_CONFIG_FILENAME).is_file():
-            return False
+            found.append(f"{name}: no {triton_config.TRITON_CONFIG_FILENAME} or {VERSION}/{MODEL_CONFIG_FILENAME}")
+            continue
         config = triton_config.parse(config_path.read_text())
         needed = [value.string_value for key, value in config.parameters.items() if key.startswith(P_CPU)]
-        if not needed or not all((version / name).is_file() for name in [*needed, SHIM_FILENAME]):
-            return False
+        absent = [file for file in [*needed, SHIM_FILENAME] if not (version / file).is_file()]
+        if not needed or absent:
+            found.append(f"{name}: missing {', '.join(absent) or 'its ONNX file parameter'}")
+            continue
         try:
-            if not set(needed) <= set(digests.read(version)):
-                return False
+            unrecorded = sorted(set(needed) - set(digests.read(version)))
         except digests.IntegrityError:  # none recorded: written before digests were
-            return False
-    return True
+            unrecorded = needed
+        if unrecorded:
+            found.append(f"{name}: no digest recorded for {', '.join(unrecorded)} ({DIGESTS_FILENAME})")
+    return found

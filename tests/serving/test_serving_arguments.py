@@ -20,3 +20,23 @@ def test_replicas_must_be_at_least_one(capsys):
     with pytest.raises(SystemExit):
         parser().parse_args(["--replicas", "0"])
     assert "must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "incomplete"])
+def test_a_named_repository_without_the_models_is_an_error_and_stays_as_it_was(tmp_path, kind, capsys):
+    """Only the default repository is filled with the default model; a mistyped or empty path the user
+    named is refused naming what it lacks and the commands that fill it."""
+    from serving.__main__ import main
+
+    repository = tmp_path / "repo"
+    if kind != "missing":
+        repository.mkdir()
+    if kind == "incomplete":
+        (repository / "mha").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert main(["--no-gateway", "--model-repository", str(repository)]) == 1
+    err = capsys.readouterr().err
+    assert f"error: {repository} does not hold the served models" in err
+    assert "no such folder" in err if kind == "missing" else "mha: no config.pbtxt" in err
+    assert f"python -m serving ensure --repository {repository}" in err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
