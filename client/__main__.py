@@ -12,6 +12,7 @@ from client import _wire
 from client.bench import MODES, random_hidden, run_bench
 from client.errors import ClientError
 from client.sync import Client
+from contract.arguments import DefaultsHelp
 
 MAX_STEPS = 10_000
 MAX_SECONDS = 600.0
@@ -27,33 +28,47 @@ def _bounded(kind, low, high):
     return parse
 
 
+HELP = DefaultsHelp  # every --help shows the defaults
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help="host:port (default 127.0.0.1 and the protocol's port: gRPC 8001, HTTP 8000)")
-    common.add_argument("--protocol", choices=_wire.PROTOCOLS, default="grpc")
+    common.add_argument("--protocol", choices=_wire.PROTOCOLS, default="grpc", help="(default: %(default)s)")
     common.add_argument("--model", default="mha", help="the stateless model")
     common.add_argument("--session-model", default="mha_session", help="the stateful model")
-    common.add_argument("--timeout", type=_bounded(float, 0.001, 3600), default=30.0, help="seconds per call")
-    common.add_argument("--retries", type=_bounded(int, 0, 20), default=3, help="retries of safe calls")
+    seconds = _bounded(float, 0.001, 3600)
+    common.add_argument("--timeout", type=seconds, default=30.0, help="seconds per call")
+    retries = _bounded(int, 0, 20)
+    common.add_argument("--retries", type=retries, default=3, help="retries of safe calls")
 
-    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__, formatter_class=HELP)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
         "health",
+        formatter_class=HELP,
         parents=[common],
         help="server and model readiness, and a one-token request to each model (exit 1 unless both answer)",
     )
+    commands.add_parser(
+        "info",
+        formatter_class=HELP,
+        parents=[common],
+        help="what each model is: its sizes, limits, engine and KV budget",
+    )
 
-    infer = commands.add_parser("infer", parents=[common], help="send one request and summarize the answer")
+    infer = commands.add_parser(
+        "infer", formatter_class=HELP, parents=[common], help="send one request and summarize the answer"
+    )
     infer.add_argument("--hidden", help="hidden states .npy (default: random)")
     infer.add_argument("--mask", help="attention mask .npy (int64)")
-    infer.add_argument("--batch", type=_bounded(int, 1, 1024), default=1)
-    infer.add_argument("--tokens", type=_bounded(int, 1, 65536), default=8)
-    infer.add_argument("--seed", type=int, default=0)
+    infer.add_argument("--batch", type=_bounded(int, 1, 1024), default=1, help="rows of random hidden states")
+    infer.add_argument("--tokens", type=_bounded(int, 1, 65536), default=8, help="new tokens per row")
+    infer.add_argument("--seed", type=int, default=0, help="the random hidden states' seed")
     infer.add_argument("--session", action="store_true", help="one step of a new session instead")
 
-    bench = commands.add_parser("bench", parents=[common], help="decode-step latency p50/p99")
-    bench.add_argument("--mode", choices=MODES, default="session")
+    bench = commands.add_parser("bench", formatter_class=HELP, parents=[common], help="decode-step latency p50/p99")
+    bench.add_argument("--mode", choices=MODES, default="session", help="a session's steps, or stateless calls")
     bench.add_argument("--steps", type=_bounded(int, 1, MAX_STEPS), default=64, help="timed decode steps (cap)")
     bench.add_argument("--prompt", type=_bounded(int, 1, 65536), default=16, help="prompt tokens before decoding")
     bench.add_argument("--time-limit", type=_bounded(float, 0.1, MAX_SECONDS), default=30.0, help="seconds (cap)")
@@ -74,6 +89,15 @@ def health(client: Client) -> int:
         verdict = f"NOT SERVING: {state.failures[model]}" if model in state.failures else "serving"
         print(f"model {model}: {verdict if ready else 'NOT READY'}")
     return 0 if state.ok else 1
+
+
+def info(client: Client) -> int:
+    """Each model's facts as its config publishes them (GET /v1/models answers the same)."""
+    for model in (client.model, client.session_model):
+        described = client.metadata(model)
+        facts = ", ".join(f"{key} {value}" for key, value in sorted(described.facts.items()))
+        print(f"model {model}: d_model {described.d_model}, dtype {described.float_dtype}; {facts}")
+    return 0
 
 
 def infer(client: Client, args: argparse.Namespace) -> int:
@@ -113,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _client(args) as client:
             if args.command == "health":
                 return health(client)
+            if args.command == "info":
+                return info(client)
             if args.command == "infer":
                 return infer(client, args)
             return bench(client, args)

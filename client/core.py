@@ -30,7 +30,7 @@ from client.errors import (
     SessionLostError,
     UnknownSessionError,
 )
-from client.metadata import ModelInfo, parse_metadata
+from client.metadata import ModelInfo, parse_facts, parse_metadata
 from client.retry import Call, Operation, RetryPolicy, Sleep, retried
 from contract import errors as kinds
 from contract import names
@@ -146,7 +146,8 @@ class ClientCore:
         if model not in self._infos:
             kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
             raw = yield from self._call(f"metadata of '{model}'", lambda s: s.get_model_metadata(model, **kw))
-            self._infos[model] = parse_metadata(raw)
+            config = yield from self._call(f"config of '{model}'", lambda s: s.get_model_config(model, **kw))
+            self._infos[model] = dataclasses.replace(parse_metadata(raw), facts=parse_facts(config))
         return self._infos[model]
 
     def _infer(

@@ -40,6 +40,9 @@ class ModelInfo:
     n_kv_heads: int | None = None
     head_dim: int | None = None
     rotary: bool = False  # the model takes position_ids (it rotates q and k by position)
+    # what the model's config publishes (serving/triton/config.py): its sizes and max_seq_len for any
+    # model, the token cap of the stateless one, the engine and KV budget of the session one
+    facts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def sizes(self) -> names.GraphSizes:
@@ -80,3 +83,30 @@ def parse_metadata(metadata: Mapping[str, Any]) -> ModelInfo:
 def _tensors(entries) -> dict[str, TensorInfo]:
     # gRPC's JSON renders int64 dims as strings; HTTP gives numbers
     return {e["name"]: TensorInfo(e["name"], e["datatype"], tuple(int(d) for d in e.get("shape", ()))) for e in entries}
+
+
+# parameters of a served model's config that say what it is (serving/triton/config.py writes them)
+FACT_PREFIX = "model."
+SETTING_FACTS = ("max_request_tokens", "engine", "kv_cache_bytes", "idle_timeout_seconds")
+
+
+def parse_facts(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The facts a model's config publishes, from Triton's model config as HTTP or gRPC (as_json, under
+    "config") returns it: numbers as numbers."""
+    parameters = (config.get("config", config) or {}).get("parameters", {})
+    facts = {}
+    for key, value in parameters.items():
+        name = key.removeprefix(FACT_PREFIX)
+        if key.startswith(FACT_PREFIX) or key in SETTING_FACTS:
+            text = value.get("string_value", "")
+            facts[name] = _number(text)
+    return facts
+
+
+def _number(text: str) -> int | float | str:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

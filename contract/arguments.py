@@ -9,6 +9,18 @@ from pathlib import Path
 from contract.config import DEFAULT_PRESET, PRESETS, ModelConfig, preset
 
 
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, where it has one the help does not already name."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return help_text
+        if "(default" in help_text or "default:" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
 def comma_list(choices: Collection[str], what: str) -> Callable[[str], tuple[str, ...]]:
     """An argparse `type`: comma-separated names, each one of `choices` (`what` names them in the error)."""
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from contract import files
-from contract.arguments import comma_list, config_arguments, config_from
+from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET
 from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build_model
 from export.importers import LAYOUTS, SourceMismatchError, import_weights
@@ -32,9 +32,15 @@ DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
 
 
 def parser() -> argparse.ArgumentParser:
-    root = argparse.ArgumentParser(prog="python -m export", description=__doc__.splitlines()[0])
+    root = argparse.ArgumentParser(
+        prog="python -m export", description=__doc__.splitlines()[0], formatter_class=DefaultsHelp
+    )
     commands = root.add_subparsers(dest="command")
-    b = commands.add_parser("build", help="export the ONNX variants of a config and check them against PyTorch")
+    b = commands.add_parser(
+        "build",
+        formatter_class=DefaultsHelp,
+        help="export the ONNX variants of a config and check them against PyTorch",
+    )
     config_arguments(b)
     b.add_argument("--out", type=Path, required=True, help="the artifact directory to write")
     b.add_argument(

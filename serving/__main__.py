@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from contract import files
+from contract.arguments import DefaultsHelp
 
 
 class Shutdown(Exception):
@@ -33,9 +34,14 @@ class Shutdown(Exception):
 
 def triton_arguments(parser: argparse.ArgumentParser) -> None:
     triton = parser.add_argument_group("Triton")
-    triton.add_argument("--model-repository", type=Path, default=files.DEFAULT_REPOSITORY, help="default: %(default)s")
-    triton.add_argument("--http-port", type=int, default=8000)
-    triton.add_argument("--grpc-port", type=int, default=8001)
+    triton.add_argument(
+        "--model-repository",
+        type=Path,
+        default=files.DEFAULT_REPOSITORY,
+        help="the repository to serve (only the default one is filled with the default model when it lacks it)",
+    )
+    triton.add_argument("--http-port", type=int, default=8000, help="Triton's HTTP port (Envoy's with --replicas)")
+    triton.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC port (Envoy's with --replicas)")
     triton.add_argument(
         "--metrics-port", type=int, default=8002, help="with --replicas, each replica takes a free port (printed)"
     )
@@ -72,7 +78,7 @@ def positive_int(text: str) -> int:
 def gateway_arguments(parser: argparse.ArgumentParser) -> None:
     gateway = parser.add_argument_group("gateway")
     gateway.add_argument("--no-gateway", action="store_true", help="run Triton alone")
-    gateway.add_argument("--gateway-port", type=int, default=8080)
+    gateway.add_argument("--gateway-port", type=int, default=8080, help="the gateway's HTTP port")
     gateway.add_argument(
         "--host", help="the address the gateway listens on (default: SERVING_HOST or 127.0.0.1; loopback without keys)"
     )
@@ -82,7 +88,9 @@ def parser() -> argparse.ArgumentParser:
     from serving.host.envoy import cli as envoy_cli
     from serving.triton import cli
 
-    root = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
+    root = argparse.ArgumentParser(
+        prog="python -m serving", description=__doc__.splitlines()[0], formatter_class=DefaultsHelp
+    )
     triton_arguments(root)
     gateway_arguments(root)
     commands = root.add_subparsers(dest="command")

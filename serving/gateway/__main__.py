@@ -10,10 +10,14 @@ import sys
 from pydantic import ValidationError
 
 from serving.gateway.server import serve
-from serving.gateway.settings import Settings
+from serving.gateway.settings import Settings, settings_help
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv:  # every setting is a SERVING_* variable; the only argument is --help
+        print(f"usage: python -m serving.gateway\n\n{__doc__}\nsettings (environment variables):\n{settings_help()}")
+        return 0 if argv in (["-h"], ["--help"]) else 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = Settings()

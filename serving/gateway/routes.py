@@ -140,7 +140,9 @@ def _describe(info: ModelInfo) -> dict:
     sizes = {"d_model": info.d_model, "dtype": info.float_dtype, "inputs": tensors[0], "outputs": tensors[1]}
     if info.n_layers:
         sizes |= {"n_layers": info.n_layers, "n_kv_heads": info.n_kv_heads, "head_dim": info.head_dim}
-    return sizes
+    # what the model's config publishes: its sizes and limits for both models (the session model's IO has no
+    # cache to read them from), the engine and the KV budget of the session model
+    return sizes | {key: value for key, value in info.facts.items() if key in schemas.ModelDescription.model_fields}
 
 
 # --- stateless attention --------------------------------------------------------------------
@@ -159,7 +161,7 @@ async def attend(request: Request, encoding: ResponseEncoding = "json") -> Respo
         raw = await request.body()
         body = await gw.offload(len(raw), validated.parse, raw, schemas.AttendRequest)
         info = await gw.model_info(gw.settings.model)
-        valid = await gw.offload(len(raw), validated.attend, body, info, gw.settings.max_request_tokens)
+        valid = await gw.offload(len(raw), validated.attend, body, info, gw.request_tokens)
         del raw, body  # megabytes, perhaps: not kept while Triton works
         call = gw.client.infer(valid.hidden_states, valid.attention_mask, valid.past or None, valid.position_ids)
         result = await gw.call(call, "stateless attention")

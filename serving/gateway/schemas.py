@@ -95,9 +95,14 @@ class ModelDescription(BaseModel):
     kind: Literal["stateless", "session"]
     ready: bool
     d_model: int | None = None
-    n_layers: int | None = Field(default=None, description="layers (stateless model only)")
+    n_heads: int | None = None
+    n_layers: int | None = None
     n_kv_heads: int | None = None
     head_dim: int | None = None
+    max_seq_len: int | None = Field(default=None, description="the longest past + new a sequence may hold")
+    max_request_tokens: int | None = Field(default=None, description="stateless: batch x new tokens per request")
+    engine: str | None = Field(default=None, description="session: `static` (a KV pool) or `concat`")
+    kv_cache_bytes: int | None = Field(default=None, description="session: the KV cache budget of all sessions")
     dtype: str | None = None
     inputs: list[TensorDescription] = []
     outputs: list[TensorDescription] = []

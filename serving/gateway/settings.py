@@ -30,7 +30,7 @@ class Settings(BaseSettings):
     model: str = Field(default="mha", description="the stateless Triton model")
     session_model: str = Field(default="mha_session", description="the stateful (sequence batching) Triton model")
     host: str = Field(default=LOOPBACK, description="address to bind; loopback unless told")
-    port: int = Field(default=8080, ge=0, le=65535)
+    port: int = Field(default=8080, ge=0, le=65535, description="the HTTP port (0: one the system picks)")
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="larger request bodies get 413")
     request_timeout_s: float = Field(default=30.0, gt=0, description="per request, upstream included; past it 504")
     sessions_per_key: int = Field(default=16, ge=1, description="open sessions one API key may hold; past it 429")
@@ -55,14 +55,14 @@ class Settings(BaseSettings):
     max_seq_len: int | None = Field(
         default=None,
         ge=1,
-        description="the served model's max_seq_len, for the largest body a valid request can need (unset: "
-        "max_request_tokens); larger bodies get 413 before they are read",
+        description="the served model's max_seq_len, for the largest body a valid request can need (unset: what "
+        "the model's config publishes); larger bodies get 413 before they are read",
     )
-    max_request_tokens: int = Field(
-        default=4096,
+    max_request_tokens: int | None = Field(
+        default=None,
         ge=1,
-        description="/v1/attend: batch x new tokens one request may carry; past it 400 (Triton's own cap, the "
-        "repository's max_request_tokens, may be lower)",
+        description="/v1/attend: batch x new tokens one request may carry; past it 400 (unset: the served "
+        "model's own cap, from its config; a value above the model's is lowered to it)",
     )
     workers: int = Field(
         default=1,
@@ -71,7 +71,7 @@ class Settings(BaseSettings):
         "they share a session secret, so any of them steps any session, but each counts sessions per key and "
         "busy steps on its own",
     )
-    log_level: str = Field(default="info")
+    log_level: str = Field(default="info", description="uvicorn's log level: critical, error, warning, info, debug")
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -104,3 +104,12 @@ def read_keys_file(path: Path) -> list[str]:
     except OSError as error:
         raise ValueError(f"SERVING_API_KEYS_FILE {path}: cannot read it ({error.strerror})") from error
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def settings_help() -> str:
+    """Every setting as an environment variable with its default and meaning (`--help`, the guide)."""
+    lines = []
+    for name, field in Settings.model_fields.items():
+        default = field.default if field.default not in ((), None) else "(none)"
+        lines.append(f"  SERVING_{name.upper()}  default {default}: {field.description}")
+    return "\n".join(lines)

@@ -24,8 +24,21 @@ from serving.gateway.validated import body_bound
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLOSE_TIMEOUT_S = 5.0  # ending a session upstream is best effort: Triton's own idle timeout is the backstop
+# until the stateless model's config is known (a Triton that does not answer yet): the old default cap
+DEFAULT_REQUEST_TOKENS = 4096
 LEARN_INTERVAL_S, LEARN_INTERVAL_MAX_S = 2.0, 60.0  # how often the models' metadata is asked for until Triton answers
 OFFLOAD_BYTES = 1 << 20  # bodies (and answers) over this are decoded (encoded) on a worker thread
+
+
+def limit_tokens(setting: int | None, info: ModelInfo) -> int:
+    """The gateway's cap on a stateless request's tokens: the model's own (its config publishes it),
+    or the setting when that is lower; a setting above the model's cannot be honoured and says so."""
+    model = info.facts.get("max_request_tokens")
+    if model is None:
+        return setting or DEFAULT_REQUEST_TOKENS
+    if setting is not None and setting > model:
+        log.warning("SERVING_MAX_REQUEST_TOKENS=%d is above the model's own cap of %d tokens: using it", setting, model)
+    return min(setting or model, model)
 
 
 class GatewayState:
@@ -46,6 +59,7 @@ class GatewayState:
         # the largest body taken: the configured limit, lowered to what the served model can need once
         # its sizes are known (validated.body_bound)
         self.body_limit = settings.max_body_bytes
+        self.request_tokens = settings.max_request_tokens or DEFAULT_REQUEST_TOKENS  # the model's once learned
         self.large_bodies = 0  # requests with a body over LARGE_BODY_BYTES in flight
         self._infos: dict[str, ModelInfo] = {}
         self._owners: dict[str, str] = {}  # accepted key -> owner_of(key): only configured keys get here
@@ -110,8 +124,9 @@ class GatewayState:
         self._infos[model] = info
         if model == self.settings.model:
             s = self.settings
-            bound = body_bound(info, s.max_request_tokens, s.max_seq_len or s.max_request_tokens)
-            self.body_limit = min(s.max_body_bytes, bound)
+            self.request_tokens = limit_tokens(s.max_request_tokens, info)
+            max_seq_len = s.max_seq_len or info.facts.get("max_seq_len") or self.request_tokens
+            self.body_limit = min(s.max_body_bytes, body_bound(info, self.request_tokens, max_seq_len))
 
     async def _learn_models(self) -> None:
         """Both models' metadata as soon as Triton answers, so that the body bound holds from the first

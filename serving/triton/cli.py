@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from contract import files
-from contract.arguments import comma_list, config_arguments, config_from
+from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from serving.engine.settings import ENGINES
 from serving.triton.config import MHA_ONNX, MODELS, PYTHON_MODELS, TRITON_CONFIG_FILENAME, ServingSettings, to_text
@@ -29,11 +29,15 @@ DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
 
 
 def add_commands(commands) -> None:
-    r = commands.add_parser("repository", help="fill a Triton model repository from an artifact directory")
+    r = commands.add_parser(
+        "repository", formatter_class=DefaultsHelp, help="fill a Triton model repository from an artifact directory"
+    )
     r.add_argument("--artifacts", type=Path, required=True, help="an artifact directory (python -m export build)")
     r.add_argument("--repository", type=Path, required=True, help="the model repository to (over)write")
     _settings_arguments(r)
-    e = commands.add_parser("ensure", help="build and fill a repository unless it already holds this model")
+    e = commands.add_parser(
+        "ensure", formatter_class=DefaultsHelp, help="build and fill a repository unless it already holds this model"
+    )
     config_arguments(e, json_text=True)
     e.add_argument("--repository", type=Path, default=files.DEFAULT_REPOSITORY, help="default: %(default)s")
     e.add_argument("--artifacts", type=Path, help="where to build and keep the artifacts (default: a temporary dir)")
@@ -47,7 +51,7 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--models",
         type=comma_list(MODELS, "model"),
         default=MODELS,
-        help=f"comma-separated, default {','.join(MODELS)}",
+        help=f"comma-separated (default: {','.join(MODELS)})",
     )
     add("--threads", type=int, default=defaults.threads, help="ONNX Runtime threads (0 = its default)")
     add(

@@ -49,6 +49,10 @@ P_KV_CACHE_BYTES = "kv_cache_bytes"
 P_IDLE_TIMEOUT = "idle_timeout_seconds"
 P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
 P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
+# The model's sizes and limits, published in both python models' configs so that any caller reads the
+# facts from Triton's model-config API (the session model's IO does not show its layers or cache)
+MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_seq_len")
+FACT_PREFIX = "model."
 
 _FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
 
@@ -109,12 +113,13 @@ def _add_stateless_io(config: pb.ModelConfig, cfg: ModelConfig, float_dtype: str
         config.output.add(name=spec.name, data_type=_data_type(spec, float_dtype), dims=_dims(spec.shape))
 
 
-def _python_model(name: str, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
+def _python_model(name: str, cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
     """`onnx_files`: file parameter (P_ONNX_FILE, P_ONNX_FILE_CUDA, P_ONNX_FILE_TENSORRT) -> file name."""
     config = pb.ModelConfig(name=name, backend="python")
     # KIND_CPU: the runner picks the GPU itself when one exists; KIND_GPU would not load on a CPU host
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
     _set_parameters(config, {P_IMPLEMENTATION: IMPLEMENTATIONS[name], P_THREADS: settings.threads, **onnx_files})
+    _set_parameters(config, {FACT_PREFIX + fact: getattr(cfg, fact) for fact in MODEL_FACTS})
     return config
 
 
@@ -124,7 +129,7 @@ def _set_parameters(config: pb.ModelConfig, values: dict[str, object]) -> None:
 
 
 def mha_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
-    config = _python_model(MHA, onnx_files, settings)
+    config = _python_model(MHA, cfg, onnx_files, settings)
     config.max_batch_size = 0  # the batch axis is the graph's own, in dims as -1
     _add_stateless_io(config, cfg, "float32", optional=True)
     _set_parameters(config, {P_MAX_REQUEST_TOKENS: settings.request_tokens(cfg)})
@@ -136,7 +141,7 @@ def mha_session_config(
 ) -> pb.ModelConfig:
     """`engine` overrides `settings.engine` (the repository falls back to `concat` when the static
     graph could not be built for the config)."""
-    config = _python_model(MHA_SESSION, onnx_files, settings)
+    config = _python_model(MHA_SESSION, cfg, onnx_files, settings)
     config.max_batch_size = settings.max_batch_size  # Triton's batch axis = one row per sequence
     ragged = {"allow_ragged_batch": True}  # steps with different T share one execute()
     config.input.add(name=names.HIDDEN_STATES, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model], **ragged)

@@ -106,3 +106,13 @@ def test_nested_lists_that_are_not_numbers_are_named_errors(lists, dtype, messag
     with pytest.raises(InputError, match=r"^input 'x': ") as error:
         decode(lists, "x", dtype)
     assert message in str(error.value)
+
+
+def test_the_gateway_command_prints_every_setting_for_help_and_starts_nothing():
+    done = subprocess.run(
+        [sys.executable, "-m", "serving.gateway", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    for name in Settings.model_fields:
+        assert f"SERVING_{name.upper()}  default" in done.stdout
+    assert ": None" not in done.stdout  # every setting explained

@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from contract.arguments import DefaultsHelp
 from serving.host.envoy.config import DnsName, EndpointFiles, ProxySettings, Replica, bootstrap, render, write_endpoints
 
 COMMAND = "envoy-config"
@@ -23,7 +24,11 @@ DO_NOT_EDIT = "Do not edit: change the command or serving/host/envoy/config.py, 
 
 
 def add_commands(commands) -> None:
-    _arguments(commands.add_parser(COMMAND, help="print or write the Envoy config in front of N Triton replicas"))
+    _arguments(
+        commands.add_parser(
+            COMMAND, formatter_class=DefaultsHelp, help="print or write the Envoy config in front of N Triton replicas"
+        )
+    )
 
 
 def _arguments(e: argparse.ArgumentParser) -> None:
