@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from serving.host.envoy import Envoy, ProxySettings, Replica, start_envoy
+from serving.host.launcher import serving_lines
 from serving.host.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class Fleet:
                 f"replica {index}       HTTP {server.http_url}  gRPC {server.grpc_url}  metrics {server.metrics_url}"
             )
         lines.append(f"Envoy's log     {self.envoy.work_dir} (access.log: which replica served each request)")
-        return lines
+        lines.append("each replica:")
+        return lines + serving_lines(self.supervisors[0].server.log_text())
 
     def stop(self) -> None:
         """Envoy first (no new requests), then every replica at once."""

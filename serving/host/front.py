@@ -11,7 +11,7 @@ from pathlib import Path
 
 from serving.host.envoy import ProxySettings
 from serving.host.fleet import Fleet, start_fleet
-from serving.host.launcher import check_ports_free, free_port, start_triton
+from serving.host.launcher import check_ports_free, free_port, serving_lines, start_triton
 from serving.host.process import reap_leftovers
 from serving.host.supervisor import Supervisor
 
@@ -112,6 +112,7 @@ class OneTriton:
             f"Triton gRPC     {server.grpc_url}",
             f"Triton metrics  {server.metrics_url}",
             f"models          {', '.join(server.models)}",
+            *serving_lines(server.log_text()),
         ]
 
     def stop(self) -> None:

@@ -27,6 +27,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -48,6 +49,31 @@ log = logging.getLogger(__name__)
 SHM_PREFIX = "triton_python_backend_shm_region_"
 # Backends the NGC image has and the wheel does not: models using them load only there.
 _PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "pytorch_libtorch": "pytorch"}
+
+
+# What each python model says once loaded (serving/triton/models): its runner and its capacity.
+_MODEL_SAYS = re.compile(r'\] "?(?P<model>[\w.-]+): runner (?P<said>.*?)"?$')
+_CAPACITY = re.compile(r"= (?P<sequences>\d+) sequences of up to")
+# Fewer sequences than this at once is worth a line: the next user queues (429) behind them.
+FEW_SESSIONS = 4
+
+
+def serving_lines(log_text: str) -> list[str]:
+    """The console lines telling what each model runs on and how many sessions it holds, read from
+    the lines the models log at load; a warning when the KV budget holds only a few sessions."""
+    lines = []
+    for match in map(_MODEL_SAYS.search, log_text.splitlines()):
+        if match is None:
+            continue
+        first, *rest = match["said"].split("; ")
+        lines += [f"{match['model']:<15} {first}", *(f"{'':<15} {part}" for part in rest)]
+        capacity = _CAPACITY.search(match["said"])
+        if capacity and int(capacity["sequences"]) < FEW_SESSIONS:
+            lines.append(
+                f"{'':<15} warning: only {capacity['sequences']} sessions fit at once; "
+                "raise --kv-cache-mib to hold more"
+            )
+    return lines
 
 
 class TritonStartError(ProcessStartError):

@@ -147,10 +147,13 @@ class ManagedProcess:
     def is_running(self) -> bool:
         return self.process.poll() is None
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_text(self) -> str:
         with contextlib.suppress(OSError):
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return self.log_path.read_text(errors="replace")
         return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
 
     def wait_ready(self, ready: Callable[[], bool], timeout: float, error: type[Exception], poll_s: float) -> None:
         """Until `ready()`; `error` naming the exit code or the timeout, with the log's tail."""

@@ -74,3 +74,16 @@ def test_a_second_serving_on_the_same_ports_names_the_holder_and_reads_nothing(s
     assert "tritonserver" in second.stderr and "--http-port" in second.stderr
     assert "models" not in second.stdout and "curl" not in second.stdout
     assert httpx.get(f"{served.gateway_url}/readyz", timeout=30).status_code == 200  # the first one is untouched
+
+
+def test_the_console_tells_each_models_runner_and_how_many_sessions_fit(served_unseen):
+    """Read from what the models log once loaded: the stateless model's file and placement, the
+    session model's capacity (the budget over one sequence's fp32 keys and values on the CPU)."""
+    artifact, served = served_unseen
+    cfg = ModelConfig.load(artifact)
+    one_sequence = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * cfg.max_seq_len * 4
+    sessions = ServingSettings(threads=1).kv_cache_bytes // one_sequence
+    lines = served.output().splitlines()
+    assert any(line.startswith("mha ") and ".onnx on CPUExecutionProvider" in line for line in lines), lines
+    assert any(line.startswith("mha_session ") and "engine" in line for line in lines), lines
+    assert any(f"= {sessions} sequences of up to {cfg.max_seq_len} positions" in line for line in lines), lines

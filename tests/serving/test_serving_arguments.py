@@ -40,3 +40,16 @@ def test_a_named_repository_without_the_models_is_an_error_and_stays_as_it_was(t
     assert "no such folder" in err if kind == "missing" else "mha: no config.pbtxt" in err
     assert f"python -m serving ensure --repository {repository}" in err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_budget_holding_few_sessions_is_a_console_warning_naming_the_option():
+    from serving.host.launcher import serving_lines
+
+    said = (
+        'I1124 mha_session.py:38] "s: runner static engine; KV cache budget 8 MiB = 2 sequences of up to 512 positions"'
+    )
+    lines = serving_lines(said + "\nI1124 other.cc:1] unrelated")
+    assert lines[0].split() == ["s", "static", "engine"]
+    assert "only 2 sessions fit at once" in lines[-1] and "--kv-cache-mib" in lines[-1]
+    roomy = said.replace("= 2 sequences", "= 64 sequences")
+    assert not any("warning" in line for line in serving_lines(roomy))

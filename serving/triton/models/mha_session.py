@@ -34,9 +34,9 @@ class TritonPythonModel:
         idle = float(parameters[triton_config.P_IDLE_TIMEOUT])
         self.metrics = SessionGauges(self.model.name)
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
-        stats = self.engine.stats()
+        budget_mib = self.engine.stats().budget_bytes / (1 << 20)
         pb_utils.Logger.log_info(
-            f"{self.model.name}: runner {factory.describe(self.engine)}; KV cache budget {stats.budget_bytes} bytes = "
+            f"{self.model.name}: runner {factory.describe(self.engine)}; KV cache budget {budget_mib:.0f} MiB = "
             f"{self.engine.capacity} sequences of up to {cfg.max_seq_len} positions; idle timeout {idle:g} s"
         )
 
