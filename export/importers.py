@@ -546,6 +546,24 @@ def key_problems(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]
     return problems
 
 
+def layers_or_the_layout_that_fits(layout: Layout, tensors: dict[str, Tensor]) -> list[SourceLayer]:
+    """The layout's layers in `tensors`; where it finds none, the error names the layouts that do."""
+    try:
+        return layout.layers(tensors)
+    except LayoutProblems as error:
+        fits = [name for name, other in LAYOUTS.items() if other is not layout and _finds_layers(other, tensors)]
+        if fits:
+            error.problems.append(f"these keys are the `{fits[0]}` layout: give --layout {fits[0]}")
+        raise
+
+
+def _finds_layers(layout: Layout, tensors: dict[str, Tensor]) -> bool:
+    try:
+        return bool(layout.layers(tensors))
+    except LayoutProblems:
+        return False
+
+
 def import_weights(path: str | Path, layout_name: str, given: dict | None = None) -> Imported:
     """Read `path` in layout `layout_name`, check every key, build the model and prove it against the
     module the weights came from where that can be rebuilt; raises WeightsError (bad input) or
@@ -555,7 +573,7 @@ def import_weights(path: str | Path, layout_name: str, given: dict | None = None
         raise WeightsError(path, [f"unknown layout {layout_name!r}; choose one of {sorted(LAYOUTS)}"])
     layout, tensors = LAYOUTS[layout_name], read_state_dict(path)
     try:
-        layers = layout.layers(tensors)
+        layers = layers_or_the_layout_that_fits(layout, tensors)
         refused = layout.refusals(tensors, layers)
         if refused:
             raise LayoutProblems(refused)

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from contract import files
 from serving.host.process import ManagedProcess, ProcessStartError, remove_unmapped_shm
+from serving.triton.config import FEW_SESSIONS
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +55,6 @@ _PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tenso
 # What each python model says once loaded (serving/triton/models): its runner and its capacity.
 _MODEL_SAYS = re.compile(r'\] "?(?P<model>[\w.-]+): runner (?P<said>.*?)"?$')
 _CAPACITY = re.compile(r"= (?P<sequences>\d+) sequences of up to")
-# Fewer sequences than this at once is worth a line: the next user queues (429) behind them.
-FEW_SESSIONS = 4
 
 
 def serving_lines(log_text: str) -> list[str]:

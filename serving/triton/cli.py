@@ -16,7 +16,16 @@ from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from serving.engine.settings import ENGINES
-from serving.triton.config import MHA_ONNX, MODELS, PYTHON_MODELS, TRITON_CONFIG_FILENAME, ServingSettings, to_text
+from serving.triton.config import (
+    MHA_ONNX,
+    MHA_SESSION,
+    MODELS,
+    PYTHON_MODELS,
+    TRITON_CONFIG_FILENAME,
+    ServingSettings,
+    capacity_lines,
+    to_text,
+)
 from serving.triton.repository import (
     ONNX_BACKEND_VARIANT,
     RepositoryError,
@@ -114,6 +123,7 @@ def export_to(
         raise
     write_repository(artifacts, repository, settings, models)
     print(f"model repository: {repository}")
+    _print_capacity(cfg, settings, models)
     return repository
 
 
@@ -148,7 +158,14 @@ def run_repository(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"model repository: {args.repository} ({', '.join(args.models)})")
+    _print_capacity(ModelConfig.load(args.artifacts), settings_from(args), args.models)
     return 0
+
+
+def _print_capacity(cfg: ModelConfig, settings: ServingSettings | None, models: tuple[str, ...]) -> None:
+    if MHA_SESSION in models:
+        for line in capacity_lines(cfg, settings or ServingSettings()):
+            print(line)
 
 
 def run_ensure(args: argparse.Namespace) -> int:

@@ -164,6 +164,24 @@ def mha_session_config(
 
 
 # Candidate slots when the budget holds few sequences (what mha_session had before the budget set them)
+# Fewer sessions than this at once is worth a warning: the next caller is refused (503) behind them.
+FEW_SESSIONS = 4
+
+
+def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
+    """What `mha_session`'s KV budget holds, as the repository commands print it: sequences of
+    max_seq_len in an fp32 cache (the CPU) and an fp16 one (a GPU), and a warning when few fit."""
+    budget_mib = settings.kv_cache_bytes / (1 << 20)
+    on_cpu = settings.kv_cache_bytes // cfg.kv_cache_bytes(1, cfg.max_seq_len, 4)
+    lines = [
+        f"{MHA_SESSION}: KV cache budget {budget_mib:.0f} MiB = {on_cpu} sequences of up to {cfg.max_seq_len} "
+        f"positions on the CPU (fp32), {most_sequences(cfg, settings.kv_cache_bytes)} on a GPU (fp16)"
+    ]
+    if on_cpu < FEW_SESSIONS:
+        lines.append(f"warning: only {on_cpu} sessions fit at once on the CPU; raise --kv-cache-mib to hold more")
+    return lines
+
+
 MIN_CANDIDATE_SEQUENCES = 1024
 
 

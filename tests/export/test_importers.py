@@ -290,6 +290,23 @@ def test_hf_a_whole_checkpoint_is_taken_for_its_attention_and_the_rest_listed(tm
 # --- native and the config ----------------------------------------------------------------------
 
 
+def test_a_file_in_another_layout_is_told_which_layout_it_is(tmp_path):
+    hf_file = save(tmp_path / "model.safetensors", hf_checkpoint())
+    mha_file = save(tmp_path / "mha.pt", torch.nn.MultiheadAttention(D, HEADS).state_dict())
+    for path, given, fits in (
+        (hf_file, "torch-mha", "hf"),
+        (hf_file, "native", "hf"),
+        (mha_file, "seeds", "torch-mha"),
+    ):
+        with pytest.raises(WeightsError) as raised:
+            import_weights(path, given, {"n_heads": HEADS})
+        message = str(raised.value)
+        assert f"not the `{given}` layout" in message and f"give --layout {fits}" in message, message
+    with pytest.raises(WeightsError) as raised:  # keys no layout knows: no layout is suggested
+        import_weights(save(tmp_path / "other.pt", {"encoder.weight": torch.zeros(4, 4)}), "hf", {"n_heads": 2})
+    assert "not the `hf` layout" in str(raised.value) and "give --layout" not in str(raised.value)
+
+
 def test_native_round_trips_an_artifact(tmp_path):
     cfg = ModelConfig(d_model=48, n_heads=6, n_kv_heads=2, n_layers=2, max_seq_len=300, norm_eps=1e-6)
     model = AttentionModel(cfg, seed=9)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from contract.config import preset
 from serving import __main__ as serving_cli
 
 pytestmark = pytest.mark.slow  # each test builds artifacts
@@ -22,7 +23,16 @@ def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_pat
     assert "already holds this model; nothing to build" in capsys.readouterr().out
     assert (repository / "mha_session" / "config.pbtxt").stat().st_mtime_ns == built
     assert serving_cli.main([*command, "--kv-cache-mib", "8"]) == 0  # other settings: the configs are rewritten
-    assert "model repository:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model repository:" in out
+    tiny = preset("tiny")  # k and v, per layer, per kv head: max_seq_len positions of head_dim floats
+    row_fp32 = 2 * tiny.n_layers * tiny.n_kv_heads * tiny.max_seq_len * (tiny.d_model // tiny.n_heads) * 4
+    fit = (8 << 20) // row_fp32
+    assert (
+        f"mha_session: KV cache budget 8 MiB = {fit} sequences of up to {tiny.max_seq_len} positions on the CPU "
+        f"(fp32), {(8 << 20) // (row_fp32 // 2)} on a GPU (fp16)"
+    ) in out, out
+    assert ("warning: only" in out) == (fit < 4)
     as_json = ["--config-json", '{"d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1, "max_seq_len": 64}']
     assert serving_cli.main([*command[:3], *as_json, "--models", "mha,mha_session"]) == 0  # another model
     assert json.loads((repository / "mha" / "1" / "config.json").read_text())["n_kv_heads"] == 2
@@ -37,3 +47,13 @@ def test_ensure_refuses_a_config_that_is_not_one(tmp_path, capsys):
     assert serving_cli.main(bad) == 2
     assert "n_heads (5) must divide d_model (64)" in capsys.readouterr().err
     assert not (tmp_path / "m").exists()
+
+
+def test_a_budget_holding_few_sessions_is_a_warning_naming_the_option(tmp_path, capsys):
+    # 16 MiB a sequence in fp32: 2 (k, v) x 4 heads x 32768 positions x 16 floats x 4 bytes
+    long = '{"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 1, "max_seq_len": 32768}'
+    command = ["ensure", "--repository", str(tmp_path / "m"), "--config-json", long, "--models", "mha,mha_session"]
+    assert serving_cli.main([*command, "--kv-cache-mib", "48"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache budget 48 MiB = 3 sequences of up to 32768 positions on the CPU (fp32), 6 on a GPU" in out
+    assert "warning: only 3 sessions fit at once on the CPU; raise --kv-cache-mib to hold more" in out
