@@ -2,7 +2,12 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# ONNX Runtime's build: `gpu` (onnxruntime-gpu) where an NVIDIA GPU answers `nvidia-smi -L`, else `cpu`;
+# `make serve ORT=cpu` overrides. The two packages are never installed together: switching removes the other.
+ORT ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+$(if $(filter $(ORT),cpu gpu),,$(error ORT must be cpu or gpu, got '$(ORT)'))
+OTHER_ORT := $(if $(filter $(ORT),gpu),onnxruntime,onnxruntime-gpu)
+STAMP := $(VENV)/.installed-$(ORT)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 GPU_VENV := .venv-gpu
@@ -13,8 +18,11 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) with ONNX Runtime's $(ORT) build (a minute or more the first time; pip's progress follows)"
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
-	$(BIN)/python -m pip install --quiet -e ".[all]"
+	$(BIN)/python -m pip uninstall --yes --quiet $(OTHER_ORT) 2>/dev/null || true
+	$(BIN)/python -m pip install --progress-bar on -e ".[export,serving,dev,$(ORT)]"
+	@rm -f $(VENV)/.installed*
 	@touch $(STAMP)
 
 test: install
