@@ -43,7 +43,7 @@ from pathlib import Path
 
 from contract import files
 from serving.host.process import ManagedProcess, ProcessStartError, remove_unmapped_shm
-from serving.triton.config import FEW_SESSIONS
+from serving.triton.config import FEW_SESSIONS, MHA_SESSION
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ SHM_PREFIX = "triton_python_backend_shm_region_"
 _PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "pytorch_libtorch": "pytorch"}
 
 
+# Triton's count while its exit timeout runs: "Model 'mha_session' (version 1) has 1 in-flight inferences"
+_IN_FLIGHT = re.compile(r"Model '([\w.-]+)' \(version \d+\) has (\d+) in-flight")
 # What each python model says once loaded (serving/triton/models): its runner and its capacity.
 _MODEL_SAYS = re.compile(r'\] "?(?P<model>[\w.-]+): runner (?P<said>.*?)"?$')
 _CAPACITY = re.compile(r"= (?P<sequences>\d+) sequences of up to")
@@ -281,7 +283,14 @@ class TritonServer(ManagedProcess):
         if not self.claim_stop():
             return self.process.returncode
         graceful = self.end(((signal.SIGINT, timeout), (signal.SIGTERM, 10.0)))
-        clean = graceful and (self.process.returncode == 0 or self._held_a_replaced_model())
+        open_sequences = self._open_sequences_at_exit()
+        if open_sequences:
+            log.warning(
+                "Triton stopped with %d session(s) still open (a client that never sent their end); "
+                "their KV caches were dropped",
+                open_sequences,
+            )
+        clean = graceful and (self.process.returncode == 0 or self._held_a_replaced_model() or open_sequences > 0)
         remove_unmapped_shm(self.shm_prefix)  # Triton removes them only on a clean exit
         self._cleanup(keep_log=keep_log or not clean)
         return self.process.returncode
@@ -291,6 +300,17 @@ class TritonServer(ManagedProcess):
         ends with its exit timeout and exit code 1 (measured: the replaced model still live 60 s
         after the reload, while a healthy model's reload unloads the old one at once)."""
         return self.reloads > 0 and self.process.returncode == 1 and "Exit timeout expired" in self.log_tail(5)
+
+    def _open_sequences_at_exit(self) -> int:
+        """Sequences a client left open when Triton was stopped: its sequence batcher counts each as an
+        in-flight inference of the session model, so the stop waits its exit timeout and exits 1
+        (measured with one session of a direct gRPC client; the gateway ends its own sessions first).
+        0 unless that, and only that, kept Triton from a clean exit."""
+        if self.process.returncode != 1 or "Exit timeout expired" not in self.log_tail(5):
+            return 0
+        last_count = self.log_text().rpartition("] \"Timeout ")[2]  # from the last count on
+        held = dict(_IN_FLIGHT.findall(last_count))
+        return sum(map(int, held.values())) if held and set(held) == {MHA_SESSION} else 0
 
     def _cleanup(self, keep_log: bool) -> None:
         if keep_log:

@@ -87,3 +87,23 @@ def test_the_console_tells_each_models_runner_and_how_many_sessions_fit(served_u
     assert any(line.startswith("mha ") and ".onnx on CPUExecutionProvider" in line for line in lines), lines
     assert any(line.startswith("mha_session ") and "engine" in line for line in lines), lines
     assert any(f"= {sessions} sequences of up to {cfg.max_seq_len} positions" in line for line in lines), lines
+
+
+def test_ctrl_c_with_a_direct_clients_session_open_is_a_clean_stop(served_unseen, tmp_path):
+    """Triton counts an open sequence as an in-flight inference: a stop once waited its exit timeout,
+    exited 1 and kept its temporary folder as if it had failed. Now: exit 0, a line saying what was
+    dropped, nothing left in the temporary folder, no process left (serving_process checks)."""
+    from client import Client
+
+    artifact, _ = served_unseen
+    repository = write_repository(artifact, tmp_path / "repository", ServingSettings(threads=1))
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    with serving_process(repository, tmp_path, env={"TMPDIR": str(temporary)}) as served:
+        with Client(f"127.0.0.1:{served.grpc_port}") as triton:
+            session = triton.session()
+            session.step(np.zeros((1, 2, triton.metadata().d_model), np.float32))  # never ended
+    output = served.output()
+    assert "Triton stopped with 1 session(s) still open" in output, output
+    assert "its log is kept" not in output
+    assert not [p.name for p in temporary.iterdir() if p.name.startswith("triton-")]
