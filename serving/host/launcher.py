@@ -308,7 +308,7 @@ class TritonServer(ManagedProcess):
         0 unless that, and only that, kept Triton from a clean exit."""
         if self.process.returncode != 1 or "Exit timeout expired" not in self.log_tail(5):
             return 0
-        last_count = self.log_text().rpartition("] \"Timeout ")[2]  # from the last count on
+        last_count = self.log_text().rpartition('] "Timeout ')[2]  # from the last count on
         held = dict(_IN_FLIGHT.findall(last_count))
         return sum(map(int, held.values())) if held and set(held) == {MHA_SESSION} else 0
 

@@ -100,9 +100,9 @@ def test_ctrl_c_with_a_direct_clients_session_open_is_a_clean_stop(served_unseen
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     with serving_process(repository, tmp_path, env={"TMPDIR": str(temporary)}) as served:
-        with Client(f"127.0.0.1:{served.grpc_port}") as triton:
-            session = triton.session()
-            session.step(np.zeros((1, 2, triton.metadata().d_model), np.float32))  # never ended
+        triton = Client(f"127.0.0.1:{served.grpc_port}")
+        triton.session().step(np.zeros((1, 2, triton.metadata().d_model), np.float32))  # never ended
+        triton.close()
     output = served.output()
     assert "Triton stopped with 1 session(s) still open" in output, output
     assert "its log is kept" not in output
