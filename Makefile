@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 GPU_VENV := .venv-gpu
 
-.PHONY: install test lint format serve bench export clean gpu-install gpu-proof
+.PHONY: install test lint format serve bench export reference clean gpu-install gpu-proof
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ serve: install
 
 bench: install
 	$(BIN)/python -m bench
+
+# docs/reference.md from the code (tests/test_guide.py fails when it is stale)
+reference: install
+	$(BIN)/python docs/reference.py
 
 # The GPU proof (docs/gpu.md) on a CUDA host: its own environment with onnxruntime-gpu instead of the
 # CPU build, then parity, decode latency against the HBM floor and the models served on the GPU.

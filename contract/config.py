@@ -209,6 +209,30 @@ def _check_positive_number(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
 
 
+# What each field means, for users (the guide's reference is generated from this: docs/reference.md).
+FIELD_HELP = {
+    "d_model": "width of the hidden states in and out of every layer",
+    "n_heads": "query heads per layer",
+    "n_kv_heads": "key/value heads per layer: n_heads for MHA, fewer for GQA, 1 for MQA; divides n_heads",
+    "n_layers": "attention layers, each fed the previous one's output",
+    "max_seq_len": "the longest past + new tokens a sequence may hold; sizes the KV pool and the limits",
+    "bias": "biases on the q, k, v and output projections",
+    "norm_eps": "epsilon of the block's norm and of the q/k norms",
+    "norm": f"the block's norm before attention: one of {list(NORMS)}",
+    "residual": "add the block's input to the attention's output (x + Attention(Norm(x)))",
+    "head_dim": "width of one head (unset: d_model // n_heads); Qwen3 and Gemma give their own",
+    "rope_theta": "rotary position embeddings of q and k with this base (unset: no rotation)",
+    "rotary_dim": "the rotated width of a head (unset: all of it; less for Phi's partial rotary)",
+    "rope_pairing": f"which elements rotate together: one of {list(ROPE_PAIRINGS)} (half: Llama; interleaved: GPT-J)",
+    "rope_scaling": f"rotary frequency scaling: one of {list(ROPE_SCALINGS)}",
+    "rope_scaling_factor": "linear and llama3 scaling: the factor",
+    "rope_low_freq_factor": "llama3: wavelengths above rope_original_max_position / this are scaled",
+    "rope_high_freq_factor": "llama3: wavelengths below rope_original_max_position / this are kept",
+    "rope_original_max_position": "llama3: the context the frequencies were trained for",
+    "qk_norm": f"a per-head norm of q and k before the rotation: one of {list(QK_NORMS)} (Qwen3: rmsnorm)",
+    "sliding_window": "a query attends at most this many last positions, itself included (unset: all)",
+    "sliding_window_pattern": "with sliding_window: every N-th layer attends globally (1: every layer is local)",
+}
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
 ROPE_ONLY_FIELDS = tuple(name for name in _DEFAULTS if name.startswith(("rope_", "rotary_")) and name != "rope_theta")
 

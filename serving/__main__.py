@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             ensure_repository(args.model_repository)
             front = start_front(args)
-            for line in front.layout():
+            for line in [f"repository      {args.model_repository.resolve()}", *front.layout()]:
                 print(line, flush=True)
             serve(args, front, stop)
         except Shutdown as received:
