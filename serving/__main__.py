@@ -122,7 +122,7 @@ def ensure_repository(repository: Path) -> None:
             f"{repository} lacks the models and this environment cannot build them ({error}); "
             "fill it first with `python -m serving ensure --repository ...` where the export extra is installed"
         ) from None
-    print(f"{repository} lacks the models; exporting the default preset first (about 30 s)", flush=True)
+    print(f"{repository} lacks the models; exporting the default preset first (about 15 s)", flush=True)
 
     try:
         export_default(repository)
