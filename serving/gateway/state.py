@@ -38,6 +38,12 @@ def limit_tokens(setting: int | None, info: ModelInfo) -> int:
         return setting or DEFAULT_REQUEST_TOKENS
     if setting is not None and setting > model:
         log.warning("SERVING_MAX_REQUEST_TOKENS=%d is above the model's own cap of %d tokens: using it", setting, model)
+    elif setting is not None and setting < model:
+        log.warning(
+            "SERVING_MAX_REQUEST_TOKENS=%d is below the model's own cap of %d tokens: longer requests get 400 here",
+            setting,
+            model,
+        )
     return min(setting or model, model)
 
 

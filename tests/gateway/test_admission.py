@@ -6,6 +6,7 @@ served without a CDN."""
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 
 import httpx
@@ -49,13 +50,15 @@ def test_attend_past_the_concurrency_cap_gets_429_at_once_and_the_rest_are_right
         assert httpx.post(url, json=bodies[0], timeout=60).status_code == 200  # the cap frees up
 
 
-def test_attend_with_more_tokens_than_the_gateway_lets_through_gets_400(triton, served_cfg):
-    with running(triton_url=triton.grpc_url, max_request_tokens=16) as gateway:
+def test_attend_with_more_tokens_than_the_gateway_lets_through_gets_400(triton, served_cfg, caplog):
+    """A cap below the model's own is honoured, and said once in the log (the model takes more)."""
+    with caplog.at_level(logging.WARNING), running(triton_url=triton.grpc_url, max_request_tokens=16) as gateway:
         hidden = np.zeros((3, 6, served_cfg.d_model), np.float32)
         answer = httpx.post(f"{gateway.url}/v1/attend", json={"hidden_states": b64_tensor(hidden)}, timeout=60)
         assert answer.status_code == 400, answer.text
         message = answer.json()["error"]["message"]
         assert "hidden_states" in message and "3 x 6 = 18 tokens" in message and "16 per request" in message
+    assert "SERVING_MAX_REQUEST_TOKENS=16 is below the model's own cap of" in caplog.text
 
 
 def test_a_session_is_refused_at_creation_when_the_kv_budget_is_full(triton):
