@@ -6,6 +6,7 @@ python -m bench serving          # in-process vs Triton stateless vs stateful, g
 python -m bench scale            # Envoy in front of 3 Triton replicas vs straight to one; 64 sessions' spread
 python -m bench admission        # 2,000 opens on a 1,500-row KV budget: sequence slots from the budget vs 1,024
 python -m bench gateway          # 16 sessions stepping through the gateway (JSON, b64) vs the gRPC client direct
+python -m bench sessions         # snapshot, restore, fork, rewind vs prefilling again, against the session's length
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -15,7 +16,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import admission, gateway, gpu, model, scale, serving
+from bench import admission, gateway, gpu, model, scale, serving, sessions
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
@@ -25,9 +26,10 @@ COMMANDS: dict[str, ModuleType] = {
     "scale": scale,
     "admission": admission,
     "gateway": gateway,
+    "sessions": sessions,
     "gpu": gpu,
 }
-DEFAULT_COMMANDS = ("model", "serving", "scale", "admission", "gateway")
+DEFAULT_COMMANDS = ("model", "serving", "scale", "admission", "gateway", "sessions")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -23,7 +23,8 @@ ALLOWED = {
 }
 # what runs inside Triton's Python backend never needs the export's or the gateway's packages
 FORBIDDEN_THIRD_PARTY = {
-    "serving.engine": {"torch", "onnxscript", "onnx_ir", "safetensors", "triton_python_backend_utils", "tritonclient"},
+    # safetensors is allowed: a session snapshot is a safetensors file (serving/engine/snapshots.py)
+    "serving.engine": {"torch", "onnxscript", "onnx_ir", "triton_python_backend_utils", "tritonclient"},
     "serving.gateway": {"torch", "onnxruntime", "onnx", "triton_python_backend_utils"},
     "serving.host": {"torch", "onnxruntime", "triton_python_backend_utils"},
     "client": {"torch", "onnxruntime", "onnx", "fastapi"},

@@ -28,7 +28,7 @@ COPY contract /tmp/src/contract
 COPY export /tmp/src/export
 COPY serving /tmp/src/serving
 COPY client /tmp/src/client
-RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" "psutil==7.2.2" /tmp/src && rm -rf /tmp/src
+RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" "safetensors==0.8.0" "psutil==7.2.2" /tmp/src && rm -rf /tmp/src
 
 # Not root. The TensorRT engine caches (serving/triton/config.py and serving/engine/runner.py)
 # are created here so that volumes mounted on them start owned by this user.

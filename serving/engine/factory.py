@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from contract.config import ModelConfig
-from serving.engine import tensorrt
+from contract.files import sha256
+from serving.engine import snapshots, tensorrt
 from serving.engine.concat_engine import ConcatSessionEngine
 from serving.engine.errors import EngineError
 from serving.engine.kv_cache import KVCacheStore
@@ -78,6 +79,7 @@ def _pool(files: Mapping[str, Path], cfg: ModelConfig, budget: int, threads: int
     session = open_session(path, placement, threads)
     pool = KVPool(session, cfg, rows=pool_rows(cfg, budget, session), capacity=cfg.max_seq_len)
     pool.description = f"{path.name} on {session.get_providers()[0]} (caches on {pool.device})"
+    pool.identity = snapshots.fingerprint(cfg, pool.dtype, path.name, sha256(path))
     return pool
 
 

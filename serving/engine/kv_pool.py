@@ -18,12 +18,14 @@ length is unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
+from serving.engine import snapshots
 from serving.engine.ort import CPU, CUDA, run_options, session_device, session_float_dtype, uses_cuda_graphs
 
 # Prefill chunk: a longer prompt runs as several runs of this many tokens (the op's subsequent-prompt
@@ -68,6 +70,8 @@ class KVPool:
         self.row_bytes = int(np.prod(self.row_shape)) * np.dtype(self.dtype).itemsize
         self.lengths = np.zeros(rows, np.int64)
         self.description = f"{rows} rows of {capacity} positions on {self.device}"
+        # what a snapshot of a row carries and what a restored one must (the factory adds the graph's name and sha256)
+        self.identity = snapshots.fingerprint(cfg, self.dtype)
         # a prefill's scores are chunk x length: the CPU arena gives that memory back after it (decode runs
         # need little). The GPU arena is left alone: captured graphs keep using what they were given.
         self._prefill_options = run_options(
@@ -182,13 +186,107 @@ class KVPool:
             binding.bind_output(present, self.device, self.device_id, self.dtype, window, address)
 
     def read(self, row: int) -> dict[str, np.ndarray]:
-        """Row `row`'s cache as host arrays (1, n_kv, length, head_dim), by past name (for checks)."""
-        length = int(self.lengths[row])
-        arrays = self._host or [buffer.numpy() for buffer in self.buffers]
-        return {
-            name: np.array(array[row : row + 1, :, :length])
-            for name, array in zip(self.past_names, arrays, strict=True)
-        }
+        """Row `row`'s cache as host arrays (1, n_kv, length, head_dim), by past name."""
+        return {name: used[None] for name, used in self._row_copy.to_host(row, int(self.lengths[row])).items()}
+
+    # --- a row as a whole: the session operations (snapshot, restore, fork, rewind) -------------------
+
+    def write(self, row: int, cache: Mapping[str, np.ndarray], length: int) -> None:
+        """Row `row` holds `cache` (past name -> (n_kv, length, head_dim)) from now on."""
+        assert 0 <= length <= self.capacity, f"{length} positions do not fit a row of {self.capacity}"
+        rows = {}
+        for name in self.past_names:
+            whole = np.zeros(self.row_shape, self.dtype)
+            whole[:, :length] = cache[name]
+            rows[name] = whole
+        self._row_copy.from_host(rows, row)
+        self.lengths[row] = length
+
+    def copy_row(self, source: int, target: int) -> None:
+        """Row `target` holds what row `source` holds (on the pool's device: no bytes leave it)."""
+        self._row_copy.within(source, target)
+        self.lengths[target] = self.lengths[source]
+
+    def rewind(self, row: int, length: int) -> None:
+        """Row `row` keeps its first `length` positions: the next token is written at `length`, and
+        what lay past it is never read again (GroupQueryAttention reads `seqlens_k + 1` positions)."""
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} positions: cannot rewind to {length}")
+        self.lengths[row] = length
+
+    @functools.cached_property
+    def _row_copy(self) -> _RowCopy:
+        return _RowCopy(self)
+
+
+class _RowCopy:
+    """Rows of every cache buffer copied by two small graphs on the pool's device, bound by address
+    like the decode windows: a row's first positions to the host (Slice), and a whole row from the
+    host or from another row (Identity). A row's first positions are strided inside it (n_kv,
+    capacity + 1, head_dim): what comes from the host is padded to the whole row first."""
+
+    def __init__(self, pool: KVPool) -> None:
+        import onnxruntime as ort
+        from onnx import helper
+
+        from serving.engine.ort import session_options
+        from serving.engine.runner import _kernel_model
+
+        self.pool = pool
+        element = helper.np_dtype_to_tensor_dtype(np.dtype(pool.dtype))
+        shape = [1, *pool.row_shape]
+        inputs = [helper.make_tensor_value_info(f"in.{name}", element, shape) for name in pool.past_names]
+        outputs = [helper.make_tensor_value_info(f"out.{name}", element, shape) for name in pool.past_names]
+        copy = [helper.make_node("Identity", [f"in.{n}"], [f"out.{n}"]) for n in pool.past_names]
+        # the used positions: axis 2 from 0 to `length` (an input: one graph for every length)
+        bounds = [helper.make_tensor_value_info(name, helper.TensorProto.INT64, [1]) for name in ("zero", "length")]
+        axis = helper.make_tensor("axis", helper.TensorProto.INT64, [1], [2])
+        cut = [helper.make_node("Slice", [f"in.{n}", "zero", "length", "axis"], [f"out.{n}"]) for n in pool.past_names]
+        used_shape = [1, shape[1], "length", shape[3]]
+        used = [helper.make_tensor_value_info(f"out.{n}", element, used_shape) for n in pool.past_names]
+        providers = pool.session.get_providers()[:1]
+        if providers[0] != "CPUExecutionProvider":
+            providers = [(providers[0], {"device_id": str(pool.device_id)}), "CPUExecutionProvider"]
+        options = session_options(threads=1, arena=False, spinning=False)
+
+        def open_graph(model):
+            return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
+
+        self.copy = open_graph(_kernel_model(copy, inputs, outputs))
+        self.cut = open_graph(_kernel_model(cut, [*inputs, *bounds], used, [axis]))
+
+    def _bind(self, binding, prefix: str, row: int) -> None:
+        pool, shape = self.pool, (1, *self.pool.row_shape)
+        for name, buffer in zip(pool.past_names, pool.buffers, strict=True):
+            address = buffer.data_ptr() + row * pool.row_bytes
+            bind = binding.bind_input if prefix == "in" else binding.bind_output
+            bind(f"{prefix}.{name}", pool.device, pool.device_id, pool.dtype, shape, address)
+
+    def to_host(self, row: int, length: int) -> dict[str, np.ndarray]:
+        """The first `length` positions of row `row` of every buffer: past name -> (n_kv, length,
+        head_dim) on the host."""
+        binding = self.cut.io_binding()
+        self._bind(binding, "in", row)
+        binding.bind_cpu_input("zero", np.zeros(1, np.int64))
+        binding.bind_cpu_input("length", np.array([length], np.int64))
+        for name in self.pool.past_names:
+            binding.bind_output(f"out.{name}", CPU)
+        self.cut.run_with_iobinding(binding)
+        return {name: value.numpy()[0] for name, value in zip(self.pool.past_names, binding.get_outputs(), strict=True)}
+
+    def from_host(self, rows: Mapping[str, np.ndarray], row: int) -> None:
+        binding = self.copy.io_binding()
+        for name in self.pool.past_names:
+            binding.bind_cpu_input(f"in.{name}", np.ascontiguousarray(rows[name][None], self.pool.dtype))
+        self._bind(binding, "out", row)
+        self.copy.run_with_iobinding(binding)
+
+    def within(self, source: int, target: int) -> None:
+        assert source != target
+        binding = self.copy.io_binding()
+        self._bind(binding, "in", source)
+        self._bind(binding, "out", target)
+        self.copy.run_with_iobinding(binding)
 
 
 class _DecodeWindow:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from serving.engine import errors
+from serving.engine import errors, snapshots
 from serving.engine.kv_cache import CacheStats
 from serving.engine.kv_pool import KVPool
 from serving.engine.sequences import LiveSequences, SequenceId
@@ -122,6 +122,50 @@ class StaticSessionEngine(StepEngine):
             row = heapq.heappop(self._free)
             self.pool.reset(row)
             return self._slots.add(sequence_id, Slot(row, self._clock())).row
+
+    # --- session operations: snapshot, restore, fork, rewind ------------------------------------------
+
+    def snapshot(self, sequence_id: SequenceId) -> bytes:
+        """The live sequence's cache as a blob (snapshots.py); the sequence goes on unchanged."""
+        with self._lock:
+            row = self._slots.touch(sequence_id).row
+            length = int(self.pool.lengths[row])
+            cache = {name: array[0] for name, array in self.pool.read(row).items()}
+        return snapshots.encode(cache, self.pool.identity, length)
+
+    def restore(self, sequence_id: SequenceId, blob: bytes) -> int:
+        """Start `sequence_id` holding the cache of `blob` (a START: a live sequence of that id
+        restarts); its length. A blob of another model, graph or dtype changes nothing."""
+        cache, length = snapshots.decode(blob, self.pool.identity)
+        if length > self.max_positions:
+            raise errors.SequenceTooLong(sequence_id, length, self.max_positions)
+        row = self._start(sequence_id)
+        with self._lock:
+            self.pool.write(row, cache, length)
+        return length
+
+    def fork(self, sequence_id: SequenceId, into: SequenceId) -> int:
+        """Start `into` holding a copy of the live sequence's cache (a row copy on the pool's device);
+        both go on independently. Its length."""
+        if into == sequence_id:
+            raise errors.InvalidRequest(f"sequence {sequence_id!r} cannot be forked into itself: give a new id")
+        source = self._row(sequence_id)
+        row = self._start(into)
+        with self._lock:
+            self.pool.copy_row(source, row)
+            return int(self.pool.lengths[row])
+
+    def rewind(self, sequence_id: SequenceId, length: int) -> int:
+        """The live sequence keeps its first `length` positions; the next step continues from there."""
+        with self._lock:
+            row = self._slots.touch(sequence_id).row
+            held = int(self.pool.lengths[row])
+            if not 0 <= length <= held:
+                raise errors.InvalidRequest(
+                    f"sequence {sequence_id!r} holds {held} positions: a rewind goes to 0 to {held}, got {length}"
+                )
+            self.pool.rewind(row, length)
+            return length
 
     def _give_back(self, slot: Slot) -> None:
         heapq.heappush(self._free, slot.row)

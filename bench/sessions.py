@@ -1,0 +1,178 @@
+"""Session operations on the static engine, in process: snapshot, restore, fork and rewind of a
+session against its length, next to what a server without them does instead (prefill the same
+tokens again: the served ONNX graph, and the PyTorch original) and the memory-bandwidth floor.
+
+Writes `sessions.json` and `sessions.png` and prints a table.
+
+- per length: the blob's bytes; the median and p90 of each operation; the floor (the session's
+  used positions read once and written once, the blob's bytes twice, at the copy bandwidth
+  measured in the same run); the ratios prefill / restore, snapshot / floor and restore / floor (a
+  restore writes the whole row, as kv_pool._RowCopy does: its distance from the floor at short
+  lengths is that).
+- Conditions: the preset's fp32-static graph on ONNX Runtime's CPU provider with `--threads`
+  threads, a pool of 4 rows of max_seq_len positions, one session at a time; `--rounds` rounds, the
+  operations taking turns within each round (the machines are shared and noisy).
+Not measured here yet: the operations through Triton, and what each costs the other sessions' steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from bench import results as output
+from bench.plot import save
+from bench.timing import Budget, Timing, copy_bandwidth, measure
+from contract import files
+from contract.config import preset
+
+VARIANT = "fp32-static"
+OPERATIONS = ("prefill_torch", "prefill_onnx", "snapshot", "restore", "fork", "rewind")
+
+
+def artifact(root: Path, preset_name: str) -> Path:
+    from export.build import build
+
+    directory = root / f"artifact-{preset_name}"
+    if not (directory / files.model_filename(VARIANT)).is_file():
+        build(preset(preset_name), directory, (VARIANT,))
+    return directory
+
+
+def engine(directory: Path, threads: int):
+    from contract.config import ModelConfig
+    from serving.engine.kv_pool import KVPool
+    from serving.engine.ort import ort_session
+    from serving.engine.static_engine import StaticSessionEngine
+
+    cfg = ModelConfig.load(directory)
+    session = ort_session(directory / files.model_filename(VARIANT), threads=threads)
+    return StaticSessionEngine(KVPool(session, cfg, rows=4, capacity=cfg.max_seq_len), idle_timeout=3600.0)
+
+
+def operations(served, original, length: int) -> dict:
+    """Each operation as a call; the session `base` holds `length` positions throughout."""
+    from contract import names
+    from export.runners import torch_runner
+    from serving.engine.steps import StepRequest
+
+    d = served.cfg.d_model
+    prompt = np.random.default_rng(0).standard_normal((1, length, d)).astype(np.float32)
+    served.execute([StepRequest("base", True, False, prompt)])
+    blob = served.snapshot("base")
+    torch_forward = torch_runner(original)
+
+    def rewind() -> None:  # a step's worth of tokens dropped again: the session keeps its length
+        served.execute([StepRequest("base", False, False, prompt[:, :1])])
+        served.rewind("base", length)
+
+    return {
+        "calls": {
+            "prefill_torch": lambda: torch_forward({names.HIDDEN_STATES: prompt}),
+            "prefill_onnx": lambda: served.execute([StepRequest("cold", True, False, prompt)]),
+            "snapshot": lambda: served.snapshot("base"),
+            "restore": lambda: served.restore("restored", blob),
+            "fork": lambda: served.fork("base", "forked"),
+            "rewind": rewind,
+        },
+        "blob_bytes": len(blob),
+        "row_bytes": served.pool.row_bytes * len(served.pool.buffers),
+    }
+
+
+def benchmark(root: Path, preset_name: str, lengths: list[int], rounds: int, seconds: float, threads: int) -> dict:
+    import torch
+
+    from export.artifacts import load_model
+
+    directory = artifact(root, preset_name)
+    original = load_model(directory)
+    torch.set_num_threads(threads)  # the PyTorch original on as many threads as ONNX Runtime
+    bandwidth = copy_bandwidth(threads)
+    rows = []
+    for length in lengths:
+        served = engine(directory, threads)
+        measured = operations(served, original, length)
+        timings = {name: Timing() for name in OPERATIONS}
+        for _ in range(rounds):
+            for name in OPERATIONS:
+                measure(measured["calls"][name], Budget(seconds=seconds, min_runs=3), into=timings[name])
+        floor_ms = 2 * measured["blob_bytes"] / (bandwidth["gbps"] * 1e9) * 1e3  # the used positions read, written
+        rows.append(
+            {
+                "length": length,
+                "blob_bytes": measured["blob_bytes"],
+                "row_bytes": measured["row_bytes"],
+                "floor_ms": floor_ms,
+                "operations": {name: timing.to_dict() for name, timing in timings.items()},
+                "prefill_onnx_over_restore": timings["prefill_onnx"].median_ms / timings["restore"].median_ms,
+                "prefill_torch_over_restore": timings["prefill_torch"].median_ms / timings["restore"].median_ms,
+                "snapshot_over_floor": timings["snapshot"].median_ms / floor_ms,
+                "restore_over_floor": timings["restore"].median_ms / floor_ms,
+            }
+        )
+    return {
+        "preset": preset_name,
+        "variant": VARIANT,
+        "threads": threads,
+        "rounds": rounds,
+        "bandwidth": bandwidth,
+        "lengths": rows,
+    }
+
+
+def table(results: dict) -> str:
+    lines = [
+        f"session operations, {results['preset']} {results['variant']} on the CPU, {results['threads']} thread(s), "
+        f"{results['bandwidth']['gbps']:.1f} GB/s copy bandwidth (medians, ms)",
+        f"{'length':>7} {'blob MB':>8} " + " ".join(f"{name:>13}" for name in OPERATIONS) + f" {'floor':>7}"
+        f" {'prefill/restore':>16} {'snapshot/floor':>15} {'restore/floor':>14}",
+    ]
+    for row in results["lengths"]:
+        ops = " ".join(f"{row['operations'][name]['median_ms']:>13.3f}" for name in OPERATIONS)
+        lines.append(
+            f"{row['length']:>7} {row['blob_bytes'] / 1e6:>8.2f} {ops} {row['floor_ms']:>7.3f}"
+            f" {row['prefill_onnx_over_restore']:>15.1f}x {row['snapshot_over_floor']:>14.1f}x"
+            f" {row['restore_over_floor']:>13.1f}x"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    lengths = [row["length"] for row in results["lengths"]]
+    for name in OPERATIONS:
+        axis.plot(lengths, [row["operations"][name]["median_ms"] for row in results["lengths"]], marker="o", label=name)
+    axis.plot(lengths, [row["floor_ms"] for row in results["lengths"]], "k--", label="floor (blob read + written)")
+    axis.set(xscale="log", yscale="log", xlabel="session length (positions)", ylabel="median ms")
+    axis.set_title(f"session operations, {results['preset']} {results['variant']} (CPU)")
+    axis.legend(fontsize=8)
+    return save(figure, path)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="seed", help="the model (default: %(default)s)")
+    parser.add_argument(
+        "--lengths", default="256,1024,4096", help="session lengths, comma-separated (default: %(default)s)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    parser.add_argument("--seconds", type=float, default=0.5, help="per operation per round (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default: %(default)s)")
+    output.output_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    lengths = [int(text) for text in args.lengths.split(",")]
+    with output.work_folder(args.work, "bench-sessions-") as root:
+        results = benchmark(root, args.preset, lengths, args.rounds, args.seconds, args.threads)
+    wrote = output.write(results, args.out, "sessions", plot)
+    print(table(results))
+    print(wrote)
+    return 0

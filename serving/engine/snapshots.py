@@ -1,0 +1,110 @@
+"""A session's KV cache as bytes: a safetensors file of the sequence's keys and values up to its
+length, with what it was made by in the file's metadata, so that it is only ever restored into the
+same computation.
+
+Tensors: one per past name (`past_key_values.{i}.key` / `.value`), each (n_kv_heads, length,
+head_dim) in the cache's dtype. Metadata (safetensors keeps str -> str):
+
+| key | what |
+|---|---|
+| `format` | `SNAPSHOT_FORMAT`; another one is refused |
+| `config` | the model's config as JSON (contract/config.py, sorted keys) |
+| `graph` | the file name of the graph the cache was made by (`model.fp32-static.onnx`) |
+| `graph_sha256` | its sha256 (the weights are inside the graph): the build's, from `SHA256SUMS` |
+| `dtype` | the cache's float type (`float32`, `float16`) |
+| `length` | the positions held |
+
+A blob is refused (`SnapshotError`, naming what differs, expected and actual) when it is not a
+safetensors file, when its metadata is not this model's, graph or dtype, or when its tensors do not
+have the shapes its length and config say.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from contract import names
+from contract.config import ModelConfig
+from serving.engine.errors import InvalidRequest
+
+SNAPSHOT_FORMAT = "1"
+# what must be the same for a cache to be restored into a pool (the length is the blob's own)
+IDENTITY = ("format", "config", "graph", "graph_sha256", "dtype")
+
+
+class SnapshotError(InvalidRequest):
+    """A blob that cannot be restored here (INVALID_ARG); the message names what differs."""
+
+
+def fingerprint(cfg: ModelConfig, dtype: str, graph: str = "", graph_sha256: str = "") -> dict[str, str]:
+    """What a pool's snapshots carry and what a blob must carry to be restored into it."""
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "config": json.dumps(cfg.to_dict(), sort_keys=True),
+        "graph": graph,
+        "graph_sha256": graph_sha256,
+        "dtype": str(np.dtype(dtype)),
+    }
+
+
+def encode(cache: Mapping[str, np.ndarray], identity: Mapping[str, str], length: int) -> bytes:
+    """`cache`: past name -> (n_kv_heads, length, head_dim)."""
+    tensors = {name: np.ascontiguousarray(array[:, :length]) for name, array in cache.items()}
+    return safetensors.numpy.save(tensors, metadata={**identity, "length": str(length)})
+
+
+def decode(blob: bytes, identity: Mapping[str, str]) -> tuple[dict[str, np.ndarray], int]:
+    """The cache (past name -> (n_kv_heads, length, head_dim)) and its length, from a blob made by the
+    pool `identity` describes; SnapshotError otherwise."""
+    try:
+        tensors = safetensors.numpy.load(bytes(blob))
+    except (safetensors.SafetensorError, ValueError) as error:
+        raise SnapshotError(f"not a session snapshot (a safetensors file): {error}") from None
+    metadata = _metadata(blob)
+    for key in IDENTITY:
+        if metadata.get(key) != identity[key]:
+            raise SnapshotError(_differs(key, identity[key], metadata.get(key)))
+    length = _length(metadata.get("length"))
+    cfg = ModelConfig.from_dict(json.loads(identity["config"]))
+    expected = (cfg.n_kv_heads, length, cfg.head_dim)
+    wanted = names.past_names(cfg.n_layers)
+    if sorted(tensors) != sorted(wanted):
+        raise SnapshotError(f"snapshot tensors: expected {wanted}, got {sorted(tensors)}")
+    for name in wanted:
+        if tensors[name].shape != expected or tensors[name].dtype != np.dtype(identity["dtype"]):
+            raise SnapshotError(
+                f"snapshot tensor {name}: expected {identity['dtype']} {list(expected)} (length {length}), got "
+                f"{tensors[name].dtype} {list(tensors[name].shape)}"
+            )
+    return tensors, length
+
+
+def _metadata(blob: bytes) -> dict[str, str]:
+    # The safetensors header (8 bytes of little-endian length, then JSON) as its format defines it:
+    # the library reads metadata only from a file on disk. safetensors.numpy.load has checked the header.
+    (size,) = struct.unpack("<Q", bytes(blob[:8]))
+    return json.loads(bytes(blob[8 : 8 + size])).get("__metadata__") or {}
+
+
+def _length(text: str | None) -> int:
+    if text is None or not text.isdigit():
+        raise SnapshotError(f"snapshot metadata 'length': expected a whole number of positions, got {text!r}")
+    return int(text)
+
+
+def _differs(key: str, here: str, blob: str | None) -> str:
+    if blob is None:
+        return f"not a session snapshot: its metadata has no '{key}' (expected {here!r})"
+    if key == "config":
+        ours, theirs = json.loads(here), json.loads(blob)
+        fields = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        changes = ", ".join(f"{k} {theirs.get(k)!r} (here {ours.get(k)!r})" for k in fields)
+        return f"the snapshot is of another model: {changes}"
+    what = {"format": "snapshot format", "graph": "graph", "graph_sha256": "graph (sha256)", "dtype": "cache dtype"}
+    return f"the snapshot was made with {what[key]} {blob!r}, this model serves {here!r}"

@@ -1,0 +1,29 @@
+"""`python -m bench sessions` end to end, bounded: the tiny model at two short lengths, one round;
+it writes its JSON, its plot and its table, and what it measured is coherent (timings are not
+asserted: this is a smoke test)."""
+
+import json
+
+import pytest
+
+from bench.__main__ import main
+from contract.config import preset
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(tmp_path, capsys):
+    out = tmp_path / "results"
+    args = ["sessions", "--preset", "tiny", "--lengths", "16,64", "--rounds", "1", "--seconds", "0.05"]
+    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "sessions.json").read_text())
+    assert (out / "sessions.png").read_bytes().startswith(b"\x89PNG")
+    cfg = preset("tiny")
+    for row in results["lengths"]:
+        raw = 2 * cfg.n_layers * cfg.n_kv_heads * row["length"] * cfg.head_dim * 4  # fp32 keys and values
+        assert raw < row["blob_bytes"] < raw + 4096, row  # the tensors and a header of metadata
+        for name in ("prefill_torch", "prefill_onnx", "snapshot", "restore", "fork", "rewind"):
+            assert row["operations"][name]["runs"] >= 3 and row["operations"][name]["median_ms"] > 0, name
+        assert row["prefill_onnx_over_restore"] > 0 and row["floor_ms"] > 0
+    assert [row["length"] for row in results["lengths"]] == [16, 64]
+    assert "prefill/restore" in capsys.readouterr().out

@@ -1,0 +1,171 @@
+"""The static engine's session operations, without Triton: snapshot and restore, fork and rewind over
+the fp32-static graph on the CPU. What a sequence computes after each is held to the PyTorch
+original (within 1e-5) and to the same graph's uninterrupted run (bit for bit); a blob that is not
+this model's is refused naming what differs, and changes nothing."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from contract.config import ModelConfig
+from contract.files import model_filename
+from export.artifacts import load_model
+from serving.engine import errors, snapshots
+from serving.engine.kv_pool import KVPool
+from serving.engine.ort import ort_session
+from serving.engine.static_engine import StaticSessionEngine
+from serving.engine.steps import StepRequest
+from tests.serving.test_static_engine import Reference, tokens
+
+STEPS = 32
+
+
+@pytest.fixture(scope="module")
+def original(artifact_dir):
+    return load_model(artifact_dir("gqa"))
+
+
+def new_engine(artifact_dir, cfg: ModelConfig, rows: int = 4) -> StaticSessionEngine:
+    session = ort_session(artifact_dir("gqa") / model_filename("fp32-static"))
+    return StaticSessionEngine(KVPool(session, cfg, rows=rows, capacity=128), idle_timeout=60.0)
+
+
+@pytest.fixture
+def engine(artifact_dir, original):
+    return new_engine(artifact_dir, original.cfg)
+
+
+def step(engine, sequence_id, hidden: np.ndarray, start: bool = False) -> np.ndarray:
+    (result,) = engine.execute([StepRequest(sequence_id, start, False, hidden)])
+    assert isinstance(result, np.ndarray), result
+    return result
+
+
+def continue_both(engine, first, second, reference: Reference, rng) -> None:
+    """STEPS decode steps of the same tokens through `first` and `second`: equal bit for bit, and to
+    the PyTorch original (which has had the same past) within 1e-5."""
+    d = engine.cfg.d_model
+    for _ in range(STEPS):
+        token = tokens(rng, 1, d)
+        ours, theirs = step(engine, first, token), step(engine, second, token)
+        np.testing.assert_array_equal(ours, theirs)
+        np.testing.assert_allclose(ours, reference.step(token), atol=1e-5, rtol=1e-5)
+
+
+def test_a_restored_session_continues_exactly_as_the_original(artifact_dir, engine, original):
+    rng, d = np.random.default_rng(0), original.cfg.d_model
+    reference = Reference(original)
+    prompt = tokens(rng, 11, d)
+    reference.step(prompt)
+    step(engine, "a", prompt, start=True)
+    for _ in range(3):
+        token = tokens(rng, 1, d)
+        step(engine, "a", token), reference.step(token)
+    blob = engine.snapshot("a")
+    assert engine.length("a") == 14  # a snapshot leaves the sequence as it was
+
+    elsewhere = new_engine(artifact_dir, original.cfg)  # another process's pool, the same graph
+    assert elsewhere.restore("b", blob) == 14 and elsewhere.length("b") == 14
+    assert snapshots.decode(elsewhere.snapshot("b"), elsewhere.pool.identity)[1] == 14
+    np.testing.assert_array_equal(_cache(elsewhere, "b"), _cache(engine, "a"))
+    d_rng = np.random.default_rng(1)
+    for _ in range(STEPS):
+        token = tokens(d_rng, 1, d)
+        ours = step(elsewhere, "b", token)
+        np.testing.assert_array_equal(ours, step(engine, "a", token))
+        np.testing.assert_allclose(ours, reference.step(token), atol=1e-5, rtol=1e-5)
+
+
+def _cache(engine, sequence_id) -> np.ndarray:
+    row = engine._slots.entries[sequence_id].row
+    return np.concatenate([array.ravel() for array in engine.pool.read(row).values()])
+
+
+def test_a_fork_gives_two_branches_that_each_continue_as_the_original(engine, original):
+    rng, d = np.random.default_rng(2), original.cfg.d_model
+    reference = Reference(original)
+    prompt = tokens(rng, 7, d)
+    reference.step(prompt)
+    step(engine, "trunk", prompt, start=True)
+    assert engine.fork("trunk", "branch") == 7
+    branch_reference = Reference(original)
+    branch_reference.past = dict(reference.past)
+    # the two go different ways: each against the original with its own past
+    for _ in range(8):
+        left, right = tokens(rng, 1, d), tokens(rng, 1, d)
+        np.testing.assert_allclose(step(engine, "trunk", left), reference.step(left), atol=1e-5, rtol=1e-5)
+        right_out = step(engine, "branch", right)
+        np.testing.assert_allclose(right_out, branch_reference.step(right), atol=1e-5, rtol=1e-5)
+    assert engine.length("trunk") == engine.length("branch") == 15
+    with pytest.raises(errors.InvalidRequest, match="cannot be forked into itself"):
+        engine.fork("trunk", "trunk")
+
+
+def test_a_rewind_then_new_tokens_equals_a_session_that_never_had_the_dropped_ones(engine, original):
+    rng, d = np.random.default_rng(3), original.cfg.d_model
+    prompt, dropped = tokens(rng, 9, d), [tokens(rng, 1, d) for _ in range(4)]
+    step(engine, "rewound", prompt, start=True)
+    for token in dropped:
+        step(engine, "rewound", token)
+    assert engine.rewind("rewound", 9) == 9 and engine.length("rewound") == 9
+    step(engine, "never", prompt, start=True)
+    reference = Reference(original)
+    reference.step(prompt)
+    continue_both(engine, "rewound", "never", reference, rng)
+    with pytest.raises(errors.InvalidRequest, match="holds 41 positions: a rewind goes to 0 to 41, got 42"):
+        engine.rewind("rewound", 42)
+    with pytest.raises(errors.UnknownSequence):
+        engine.rewind("nobody", 0)
+
+
+def _edited(blob: bytes, **changes: str) -> bytes:
+    """The blob with metadata entries replaced, the tensors as they were (what a hand edit does)."""
+    (size,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + size])
+    header["__metadata__"].update(changes)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + blob[8 + size :]
+
+
+def test_a_blob_that_is_not_this_models_is_refused_naming_what_differs_and_changes_nothing(
+    artifact_dir, engine, original
+):
+    rng, d = np.random.default_rng(4), original.cfg.d_model
+    step(engine, "a", tokens(rng, 5, d), start=True)
+    blob = engine.snapshot("a")
+    other_cfg = json.loads(engine.pool.identity["config"]) | {"norm_eps": 1e-6}
+    kv, hd = original.cfg.n_kv_heads, original.cfg.head_dim
+    cases = {
+        "truncated": (blob[: len(blob) // 2], "not a session snapshot (a safetensors file)"),
+        "not a snapshot": (b"hello, world", "not a session snapshot (a safetensors file)"),
+        "another model": (_edited(blob, config=json.dumps(other_cfg, sort_keys=True)), "another model: norm_eps 1e-06"),
+        "another graph": (_edited(blob, graph_sha256="0" * 64), "graph (sha256) '0000"),
+        "another dtype": (_edited(blob, dtype="float16"), "cache dtype 'float16', this model serves 'float32'"),
+        "a longer length": (
+            _edited(blob, length="6"),
+            f"expected float32 [{kv}, 6, {hd}] (length 6), got float32 [{kv}, 5, {hd}]",
+        ),
+        "no length": (_edited(blob, length="five"), "'length': expected a whole number of positions, got 'five'"),
+        "another format": (_edited(blob, format="0"), "snapshot format '0'"),
+    }
+    before = engine.stats()
+    for name, (bad, message) in cases.items():
+        with pytest.raises(snapshots.SnapshotError, match=None) as refused:
+            engine.restore("b", bad)
+        assert message in str(refused.value), (name, str(refused.value))
+        assert refused.value.code == errors.INVALID_ARG
+    assert engine.stats() == before and engine.length("b") == -1  # no row taken, nothing started
+    assert engine.restore("b", blob) == 5  # the unedited blob restores
+
+
+def test_a_snapshot_of_a_sequence_the_engine_does_not_hold_names_why(engine, original):
+    with pytest.raises(errors.UnknownSequence, match="'ghost' is unknown"):
+        engine.snapshot("ghost")
+    with pytest.raises(errors.UnknownSequence):
+        engine.fork("ghost", "child")
+    assert engine.stats().sequences == 0
