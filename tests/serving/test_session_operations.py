@@ -19,7 +19,7 @@ from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_session
 from serving.engine.static_engine import StaticSessionEngine
 from serving.engine.steps import StepRequest
-from tests.serving.test_static_engine import Reference, tokens
+from tests.serving.test_static_engine import Reference, _cuda_missing, tokens
 
 STEPS = 32
 
@@ -169,3 +169,33 @@ def test_a_snapshot_of_a_sequence_the_engine_does_not_hold_names_why(engine, ori
     with pytest.raises(errors.UnknownSequence):
         engine.fork("ghost", "child")
     assert engine.stats().sequences == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_missing() is not None, reason=_cuda_missing() or "")
+def test_on_a_gpu_the_operations_copy_rows_on_the_device_and_restore_exactly(artifact_dir, original, tmp_path):
+    """The fp16 pool on CUDA (with CUDA graphs) as mha_session builds it: the row copies are bound to
+    device addresses; a restored and a forked session step bit for bit as the original does."""
+    from serving.triton import engines
+    from serving.triton.config import P_ENGINE, P_IDLE_TIMEOUT, P_KV_CACHE_BYTES, P_ONNX_FILE, P_ONNX_FILE_CUDA
+    from serving.triton.repository import VERSION, write_repository
+
+    parameters = {
+        P_ENGINE: "static",
+        P_ONNX_FILE: model_filename("fp32-static"),
+        P_ONNX_FILE_CUDA: model_filename("fp16-static"),
+        P_KV_CACHE_BYTES: str(original.cfg.kv_cache_bytes(4, original.cfg.max_seq_len)),
+        P_IDLE_TIMEOUT: "60",
+    }
+    repository = write_repository(artifact_dir("gqa"), tmp_path, models=("mha_session",))
+    engine = engines.session_engine(repository / "mha_session" / VERSION, original.cfg, parameters, 8, "test")
+    assert engine.pool.device == "cuda" and engine.pool.identity["dtype"] == "float16"
+    rng, d = np.random.default_rng(5), original.cfg.d_model
+    step(engine, "a", tokens(rng, 9, d), start=True)
+    engine.restore("b", engine.snapshot("a"))
+    engine.fork("a", "c")
+    for _ in range(8):
+        token = tokens(rng, 1, d)
+        first = step(engine, "a", token)
+        np.testing.assert_array_equal(step(engine, "b", token), first)
+        np.testing.assert_array_equal(step(engine, "c", token), first)
