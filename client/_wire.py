@@ -186,6 +186,12 @@ def read_held_length(result) -> int | None:
     return None if held is None else int(held.reshape(-1)[0])
 
 
+def read_snapshot(result) -> bytes | None:
+    """A snapshot's blob; None in the answer of anything else."""
+    blob = result.as_numpy(names.SNAPSHOT)
+    return None if blob is None else bytes(blob.reshape(-1)[0])
+
+
 def _output(result, name: str) -> np.ndarray:
     array = result.as_numpy(name)
     if array is None:

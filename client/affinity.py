@@ -53,8 +53,9 @@ def infer(stub: Any, model_name: str, inputs: list, *, headers: Mapping[str, str
     """`stub.infer(model_name, inputs, headers=headers, **options)` that returns (InferResult,
     {header: value} of the answer); for the asyncio clients, an awaitable of that pair.
 
-    `options`: sequence_id, sequence_start, sequence_end, and client_timeout (gRPC only, as for
-    tritonclient). Errors are tritonclient's InferenceServerException, as from `stub.infer`.
+    `options`: sequence_id, sequence_start, sequence_end, parameters (the request's), and
+    client_timeout (gRPC only, as for tritonclient). Errors are tritonclient's
+    InferenceServerException, as from `stub.infer`.
     """
     module = type(stub).__module__
     protocol = "grpc" if module.startswith("tritonclient.grpc") else "http"
@@ -82,7 +83,7 @@ def _grpc_request(model_name: str, inputs: list, options: dict[str, Any]):
         outputs=None,
         priority=0,
         timeout=None,
-        parameters=None,
+        parameters=options.get("parameters"),
         **_sequence(options),
     )
 
@@ -132,7 +133,7 @@ def _http_request(model_name: str, inputs: list, headers: dict[str, str], option
         outputs=None,
         priority=0,
         timeout=None,
-        custom_parameters=None,
+        custom_parameters=options.get("parameters"),
         **_sequence(options),
     )
     if json_size is not None:

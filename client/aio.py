@@ -87,10 +87,11 @@ class AsyncClient(ClientCore):
         server counts them from the mask)."""
         return await self._run(self._infer(hidden_states, attention_mask, past, position_ids))
 
-    def session(self, sequence_id: int | None = None, replica: str | None = None) -> AsyncSession:
-        """A new server-side session (nothing is sent until its first step); with `replica`, one
-        opened elsewhere, resumed (client/core.py's SessionCore)."""
-        return AsyncSession(self, sequence_id, replica)
+    def session(
+        self, sequence_id: int | None = None, replica: str | None = None, *, restore: bytes | None = None
+    ) -> AsyncSession:
+        """As `Client.session`."""
+        return AsyncSession(self, sequence_id, replica, restore=restore)
 
 
 class AsyncSession(SessionCore):
@@ -110,6 +111,20 @@ class AsyncSession(SessionCore):
     async def close(self) -> None:
         """End the session on the server (idempotent; a session the server already forgot is fine)."""
         await self.client._run(self._close())
+
+    async def snapshot(self) -> bytes:
+        """As `Session.snapshot`."""
+        return await self.client._run(self._snapshot())
+
+    async def fork(self, sequence_id: int | None = None) -> AsyncSession:
+        """As `Session.fork`."""
+        child = AsyncSession(self.client, sequence_id)
+        await self.client._run(child._open(fork_of=self))
+        return child
+
+    async def rewind(self, length: int) -> int:
+        """As `Session.rewind`."""
+        return await self.client._run(self._rewind(length))
 
     async def __aenter__(self) -> AsyncSession:
         return self

@@ -24,6 +24,7 @@ from client import _wire, affinity
 from client._wire import Health, InferResult
 from client.errors import (
     ClientError,
+    InvalidInputError,
     RequestTimeoutError,
     ServerBusyError,
     ServerUnavailableError,
@@ -41,6 +42,7 @@ class StepAnswer:
     output: np.ndarray
     replica: str | None  # the replica holding the session, as the proxy named it (None: no proxy)
     held_length: int | None  # positions the server holds after the step (None: it does not say)
+    snapshot: bytes | None = None  # a snapshot's blob
 
 
 class ClientCore:
@@ -162,15 +164,25 @@ class ClientCore:
         return _wire.read_stateless(result)
 
     def _send_step(
-        self, sequence_id: int, tensors: dict, start: bool, end: bool, replica: str | None = None
+        self,
+        sequence_id: int,
+        tensors: dict,
+        start: bool,
+        end: bool,
+        replica: str | None = None,
+        parameters: dict | None = None,
+        route_as: int | None = None,
     ) -> Operation[StepAnswer]:
         """The step carries the session's routing headers (contract/routing.py), and `replica` (from
         an earlier answer) pins it there when a proxy stands in front of several Triton replicas; a
-        direct Triton ignores both."""
+        direct Triton ignores both. `parameters`: a session operation's (contract/names.py);
+        `route_as`: the session whose replica the request must reach (a fork: the one forked)."""
         # never retried: the server may have appended to the session's cache before the failure
         inputs = _wire.make_inputs(self._module, tensors)
         kw = {**_wire.sequence_kwargs(sequence_id, start, end), **self._timeout_kw}
-        headers = affinity.step_headers(sequence_id, replica)
+        if parameters:
+            kw["parameters"] = parameters
+        headers = affinity.step_headers(sequence_id if route_as is None else route_as, replica)
         result, headers = yield from self._call(
             f"step of session {sequence_id}",
             lambda s: affinity.infer(s, self.session_model, inputs, headers=headers, **kw),
@@ -178,17 +190,30 @@ class ClientCore:
             session=True,
         )
         return StepAnswer(
-            _wire.read_step(result), affinity.replica_from(headers) or replica, _wire.read_held_length(result)
+            _wire.read_step(result),
+            affinity.replica_from(headers) or replica,
+            _wire.read_held_length(result),
+            _wire.read_snapshot(result),
         )
 
 
 class SessionCore:
     """A session's bookkeeping and operations, shared by the blocking and the asyncio session."""
 
-    def __init__(self, client: ClientCore, sequence_id: int | None = None, replica: str | None = None) -> None:
+    def __init__(
+        self,
+        client: ClientCore,
+        sequence_id: int | None = None,
+        replica: str | None = None,
+        restore: bytes | None = None,
+    ) -> None:
         """`replica` resumes a session opened elsewhere (another process, another gateway replica):
         `sequence_id` is then the server's, already started, and `replica` the pin its answers named
-        ("" when they named none)."""
+        ("" when they named none). `restore`: a snapshot the session starts from (sent with its
+        START: at `open()` or before its first step)."""
+        if restore is not None and replica is not None:
+            raise ValueError("a session either resumes one open elsewhere (replica) or starts from a snapshot")
+        self._restore = restore
         self.client = client  # the Client or AsyncClient that runs this session's steps
         self.id = _wire.check_sequence_id(sequence_id)
         self.started = replica is not None  # the server has answered a step (START went through)
@@ -202,6 +227,8 @@ class SessionCore:
         if self.closed:
             raise UnknownSessionError(f"session {self.id} is closed", status=None)
         client = self.client
+        if self._restore is not None and not self.started:
+            yield from self._open()
         info = (yield from client._metadata(client.session_model)) if client.validate else None
         tensors = _wire.step_tensors(info, hidden_states, attention_mask)
         self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
@@ -223,26 +250,68 @@ class SessionCore:
         self.length = held if held is not None and held >= 0 else self.length + answer.output.shape[1]
         return answer.output
 
-    def _open(self) -> Operation[None]:
+    def _open(self, fork_of: SessionCore | None = None) -> Operation[None]:
         """START the session without tokens: the server reserves its KV cache now, so a full budget
-        (ServerBusyError) or a server that is down answers here rather than at the first step."""
+        (ServerBusyError) or a server that is down answers here rather than at the first step. With
+        `restore`, the session starts holding that snapshot's cache; with `fork_of`, a copy of that
+        live session's (on its replica)."""
         if self.started or self.closed:
             raise UnknownSessionError(f"session {self.id} is already {'closed' if self.closed else 'open'}")
         info = yield from self.client._metadata(self.client.session_model)
         self._sent = np.zeros((1, 0, info.d_model), info.float_dtype)
+        tensors, parameters, route_as, replica = {names.HIDDEN_STATES: self._sent}, None, None, None
+        if self._restore is not None:
+            tensors[names.SNAPSHOT] = np.array([[bytes(self._restore)]], dtype=np.object_)
+            parameters = {names.OPERATION: names.RESTORE}
+        if fork_of is not None:
+            fork_of._check_open()
+            parameters = {names.OPERATION: names.FORK, names.FORK_OF: fork_of.id}
+            route_as, replica = fork_of.id, fork_of.replica
         try:
             answer = yield from self.client._send_step(
-                self.id, {names.HIDDEN_STATES: self._sent}, start=True, end=False
+                self.id, tensors, start=True, end=False, replica=replica, parameters=parameters, route_as=route_as
             )
-        except ServerBusyError:
-            # a refused START still holds a slot in Triton's sequence batcher until END (or its idle
-            # timeout): give it back now, so that refusals cannot fill the slots; open() may be tried again
+        except (ServerBusyError, InvalidInputError) as error:
+            if isinstance(error, InvalidInputError) and parameters is None:
+                raise
+            # a refused START (a full budget, a blob or fork refused) still holds a slot in Triton's
+            # sequence batcher until END (or its idle timeout): give it back now, so that refusals
+            # cannot fill the slots; open() may be tried again
             with contextlib.suppress(ClientError):
                 yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=False, end=True)
             self._sent = None
             raise
-        self.replica = answer.replica
+        self.replica, self._restore = answer.replica, None
         self.started = True
+        self.length = answer.held_length if answer.held_length is not None and answer.held_length >= 0 else 0
+
+    def _snapshot(self) -> Operation[bytes]:
+        """The session's KV cache as a blob; the session goes on unchanged."""
+        answer = yield from self._operate({names.OPERATION: names.SNAPSHOT_OPERATION})
+        if answer.snapshot is None:
+            raise ClientError(f"the server's answer to the snapshot of session {self.id} has no '{names.SNAPSHOT}'")
+        return answer.snapshot
+
+    def _rewind(self, length: int) -> Operation[int]:
+        """Keep the first `length` positions; the next step continues from there. The new length."""
+        yield from self._operate({names.OPERATION: names.REWIND, names.REWIND_TO: int(length)})
+        return self.length
+
+    def _operate(self, parameters: dict) -> Operation[StepAnswer]:
+        self._check_open()
+        info = yield from self.client._metadata(self.client.session_model)
+        empty = {names.HIDDEN_STATES: np.zeros((1, 0, info.d_model), info.float_dtype)}
+        answer = yield from self.client._send_step(
+            self.id, empty, start=False, end=False, replica=self.replica, parameters=parameters
+        )
+        if answer.held_length is not None and answer.held_length >= 0:
+            self.length = answer.held_length
+        return answer
+
+    def _check_open(self) -> None:
+        if self.closed or not self.started:
+            state = "closed" if self.closed else "not open yet"
+            raise UnknownSessionError(f"session {self.id} is {state}", status=None)
 
     def _close(self) -> Operation[None]:
         """Mark closed and, once a step went out, END it on the server. A failed first step may have

@@ -105,10 +105,13 @@ class Client(ClientCore):
         server counts them from the mask)."""
         return self._run(self._infer(hidden_states, attention_mask, past, position_ids))
 
-    def session(self, sequence_id: int | None = None, replica: str | None = None) -> Session:
+    def session(
+        self, sequence_id: int | None = None, replica: str | None = None, *, restore: bytes | None = None
+    ) -> Session:
         """A new server-side session (nothing is sent until its first step); with `replica`, one
-        opened elsewhere, resumed (client/core.py's SessionCore)."""
-        return Session(self, sequence_id, replica)
+        opened elsewhere, resumed (client/core.py's SessionCore); with `restore`, one that starts
+        holding that snapshot's cache (`Session.snapshot()`) and goes on as the original would."""
+        return Session(self, sequence_id, replica, restore=restore)
 
 
 class Session(SessionCore):
@@ -130,6 +133,22 @@ class Session(SessionCore):
     def close(self) -> None:
         """End the session on the server (idempotent; a session the server already forgot is fine)."""
         self.client._run(self._close())
+
+    def snapshot(self) -> bytes:
+        """The session's KV cache as bytes (a safetensors file with the model's fingerprint): give it
+        to `client.session(restore=...)`, here or on another server of the same model."""
+        return self.client._run(self._snapshot())
+
+    def fork(self, sequence_id: int | None = None) -> Session:
+        """A new open session holding a copy of this one's cache (copied inside the server); the two
+        go on independently."""
+        child = Session(self.client, sequence_id)
+        self.client._run(child._open(fork_of=self))
+        return child
+
+    def rewind(self, length: int) -> int:
+        """Keep the first `length` positions and drop the rest; the next step continues from there."""
+        return self.client._run(self._rewind(length))
 
     def __enter__(self) -> Session:
         return self

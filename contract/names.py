@@ -19,6 +19,15 @@ OUTPUT = "output"
 # the session model's second output: positions the sequence holds after the step (-1 once it ended),
 # so that whoever steps a session learns its length from the server, not from its own count
 HELD_LENGTH = "held_length"
+# The session model's operations on a whole session (docs/design.md, "Session operations"): asked by
+# a request parameter on the session's sequence; `SNAPSHOT` is the blob, a BYTES input to restore at
+# START and a BYTES output of a snapshot.
+SNAPSHOT = "snapshot"
+OPERATION = "session_operation"  # request parameter: one of OPERATIONS
+SNAPSHOT_OPERATION, RESTORE, FORK, REWIND = "snapshot", "restore", "fork", "rewind"
+OPERATIONS = (SNAPSHOT_OPERATION, RESTORE, FORK, REWIND)
+FORK_OF = "fork_of"  # request parameter of a fork: the sequence id forked (the request STARTs the new one)
+REWIND_TO = "rewind_to"  # request parameter of a rewind: the positions the session keeps
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"

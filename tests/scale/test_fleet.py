@@ -283,3 +283,29 @@ def test_a_retired_replica_serves_its_sessions_until_they_end_and_takes_no_new_o
     finally:
         client.close()
         fleet.stop()
+
+
+def test_a_snapshot_restores_on_another_replica_and_a_fork_stays_on_its_sessions(fleet, original):
+    """Through Envoy: a restored session starts wherever its id hashes (until one lands on another
+    replica than the original) and goes on bit for bit as the original; a fork reaches the replica
+    holding the session it copies, and its branch equals the original's forward."""
+    with Client(f"127.0.0.1:{fleet.grpc_port}") as client:
+        d_model = client.metadata("mha_session").d_model
+        parts = chunks(40, d_model)
+        with client.session() as source:
+            source.step(parts[0])
+            blob = source.snapshot()
+            for _ in range(20):
+                restored = client.session(restore=blob)
+                restored.open()
+                if replica_index(fleet, restored.replica) != replica_index(fleet, source.replica):
+                    break
+                restored.close()
+            assert replica_index(fleet, restored.replica) != replica_index(fleet, source.replica)
+            with restored, source.fork() as branch:
+                assert branch.replica == source.replica
+                for part in parts[1:]:
+                    ours = restored.step(part)
+                    np.testing.assert_array_equal(ours, source.step(part))
+                    np.testing.assert_array_equal(branch.step(part), ours)
+                np.testing.assert_allclose(ours, expected(original, parts)[:, -1:], rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import sys
-    BLOCKED = {"torch", "onnxscript", "onnx_ir", "safetensors"}
+    BLOCKED = {"torch", "onnxscript", "onnx_ir"}  # safetensors is the serving side's too: a snapshot is one
 
     class Blocker:
         def find_spec(self, name, path=None, target=None):

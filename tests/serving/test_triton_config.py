@@ -98,18 +98,21 @@ def test_session_config_takes_new_tokens_only_and_fits_the_graph(artifact_dir, t
     config = read_config(repo, MHA_SESSION)
     assert triton_config.parameter(config, triton_config.P_ENGINE) == engine
     graph = graph_io(loaded_onnx(repo, config))
-    assert [t.name for t in config.input] == [names.HIDDEN_STATES, names.ATTENTION_MASK]
-    assert [t.name for t in config.output] == [names.OUTPUT, names.HELD_LENGTH]  # the model's, not the graph's
+    assert [t.name for t in config.input] == [names.HIDDEN_STATES, names.ATTENTION_MASK, names.SNAPSHOT]
+    # the model's, not the graph's: the length it holds, and a snapshot's blob (session operations)
+    assert [t.name for t in config.output] == [names.OUTPUT, names.HELD_LENGTH, names.SNAPSHOT]
     assert list(config.output[1].dims) == [1]
-    assert all(t.allow_ragged_batch for t in config.input)
-    assert [t.optional for t in config.input] == [False, True]
+    assert [t.allow_ragged_batch for t in config.input] == [True, True, False]
+    assert [t.optional for t in config.input] == [False, True, True]
+    blob_in, blob_out = config.input[2], config.output[2]
+    assert (blob_in.data_type, list(blob_in.dims), blob_out.data_type) == (pb.TYPE_STRING, [1], pb.TYPE_STRING)
     assert config.max_batch_size > 0
     if engine == ENGINE_STATIC:
         # the step's mask is the engine's (padded tokens never enter the cache); the graph takes lengths
         assert names.ATTENTION_MASK not in graph and names.SEQLENS_K in graph
         assert_fits([config.input[0], config.output[0]], graph, batch_axis_added=True)
     else:
-        assert_fits([*config.input, config.output[0]], graph, batch_axis_added=True)
+        assert_fits([*config.input[:2], config.output[0]], graph, batch_axis_added=True)
 
 
 def test_each_python_model_gets_a_graph_per_placement(built):

@@ -8,6 +8,7 @@ the positions the sequence holds after the step."""
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import ClassVar
 
@@ -18,7 +19,7 @@ from contract import names
 from serving.engine import factory
 from serving.engine.steps import StepRequest, Sweeper
 from serving.triton import config as triton_config
-from serving.triton import engines
+from serving.triton import engines, operations
 from serving.triton.models import common
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -42,17 +43,37 @@ class TritonPythonModel:
 
     def execute(self, requests: list) -> list:
         steps = [_step_request(request) for request in requests]
-        results = self.engine.execute(steps)
+        asked = {i: _operation(request) for i, request in enumerate(requests)}
+        answers: list = [None] * len(requests)
+        for i, operation in asked.items():  # before the steps: a fork copies the state they start from
+            if operation is not None:
+                answers[i] = self._operate(steps[i], operation)
+        plain = [i for i, operation in asked.items() if operation is None]
+        for i, result in zip(plain, self.engine.execute([steps[i] for i in plain]), strict=True):
+            answers[i] = (
+                common.error_response(self.model.name, result)
+                if isinstance(result, Exception)
+                else common.response({names.OUTPUT: result, names.HELD_LENGTH: self._held(steps[i].sequence_id)})
+            )
         self._publish(every_value=False)
-        return [
-            common.error_response(self.model.name, result)
-            if isinstance(result, Exception)
-            else common.response({names.OUTPUT: result, names.HELD_LENGTH: self._held(step)})
-            for step, result in zip(steps, results, strict=True)
-        ]
+        return answers
 
-    def _held(self, step: StepRequest) -> np.ndarray:
-        return np.array([[self.engine.length(step.sequence_id)]], np.int64)
+    def _held(self, sequence_id) -> np.ndarray:
+        return np.array([[self.engine.length(sequence_id)]], np.int64)
+
+    def _operate(self, step: StepRequest, operation: dict):
+        """A session operation (names.OPERATIONS) on the request's sequence: its answer, or its error."""
+        try:
+            blob = operations.run(self.engine, step, operation)
+        except Exception as error:  # the request's own answer; the others go on
+            return common.error_response(self.model.name, error)
+        outputs = {
+            names.OUTPUT: np.zeros((1, 0, self.model.cfg.d_model), np.float32),
+            names.HELD_LENGTH: self._held(step.sequence_id),
+        }
+        if blob is not None:
+            outputs[names.SNAPSHOT] = np.array([[blob]], dtype=np.object_)
+        return common.response(outputs)
 
     def _publish(self, every_value: bool = True) -> None:
         """Gauges to Triton. After a request only what START and END change (each update is a round
@@ -71,6 +92,15 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.sweeper.stop()
+
+
+def _operation(request) -> dict | None:
+    """The request's parameters when they ask for a session operation, else None."""
+    parameters = json.loads(request.parameters() or "{}")
+    if names.OPERATION not in parameters:
+        return None
+    snapshot = pb_utils.get_input_tensor_by_name(request, names.SNAPSHOT)
+    return {**parameters, names.SNAPSHOT: None if snapshot is None else snapshot.as_numpy()}
 
 
 def _step_request(request) -> StepRequest:
