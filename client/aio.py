@@ -14,6 +14,7 @@ from client.core import ClientCore, SessionCore
 from client.errors import ClientError
 from client.metadata import ModelInfo
 from client.retry import Operation, run_async
+from contract import names
 
 T = TypeVar("T")
 
@@ -88,10 +89,15 @@ class AsyncClient(ClientCore):
         return await self._run(self._infer(hidden_states, attention_mask, past, position_ids))
 
     def session(
-        self, sequence_id: int | None = None, replica: str | None = None, *, restore: bytes | None = None
+        self,
+        sequence_id: int | None = None,
+        replica: str | None = None,
+        *,
+        restore: bytes | None = None,
+        owner: str | None = None,
     ) -> AsyncSession:
         """As `Client.session`."""
-        return AsyncSession(self, sequence_id, replica, restore=restore)
+        return AsyncSession(self, sequence_id, replica, restore=restore, owner=owner)
 
 
 class AsyncSession(SessionCore):
@@ -99,9 +105,9 @@ class AsyncSession(SessionCore):
 
     client: AsyncClient
 
-    async def open(self) -> AsyncSession:
+    async def open(self, *, fork_of: AsyncSession | None = None) -> AsyncSession:
         """`Session.open` for asyncio: START now, without tokens, so admission fails here."""
-        await self.client._run(self._open())
+        await self.client._run(self._open(fork_of))
         return self
 
     async def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
@@ -118,9 +124,8 @@ class AsyncSession(SessionCore):
 
     async def fork(self, sequence_id: int | None = None) -> AsyncSession:
         """As `Session.fork`."""
-        child = AsyncSession(self.client, sequence_id)
-        await self.client._run(child._open(fork_of=self))
-        return child
+        child = AsyncSession(self.client, sequence_id, owner=self._owner.get(names.OWNER))
+        return await child.open(fork_of=self)
 
     async def rewind(self, length: int) -> int:
         """As `Session.rewind`."""

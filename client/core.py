@@ -206,14 +206,20 @@ class SessionCore:
         sequence_id: int | None = None,
         replica: str | None = None,
         restore: bytes | None = None,
+        owner: str | None = None,
     ) -> None:
         """`replica` resumes a session opened elsewhere (another process, another gateway replica):
         `sequence_id` is then the server's, already started, and `replica` the pin its answers named
         ("" when they named none). `restore`: a snapshot the session starts from (sent with its
-        START: at `open()` or before its first step)."""
+        START: at `open()` or before its first step). `owner`: a tag the server writes into this
+        session's snapshots and requires to restore one (the gateway passes its caller's key
+        fingerprint); None: anyone holding the blob may restore it."""
         if restore is not None and replica is not None:
             raise ValueError("a session either resumes one open elsewhere (replica) or starts from a snapshot")
         self._restore = restore
+        # who may restore this session's snapshots, and who restores one (the gateway sets its caller's
+        # key fingerprint; empty: anyone holding the blob)
+        self._owner: dict[str, str] = {} if owner is None else {names.OWNER: owner}
         self.client = client  # the Client or AsyncClient that runs this session's steps
         self.id = _wire.check_sequence_id(sequence_id)
         self.started = replica is not None  # the server has answered a step (START went through)
@@ -262,7 +268,7 @@ class SessionCore:
         tensors, parameters, route_as, replica = {names.HIDDEN_STATES: self._sent}, None, None, None
         if self._restore is not None:
             tensors[names.SNAPSHOT] = np.array([[bytes(self._restore)]], dtype=np.object_)
-            parameters = {names.OPERATION: names.RESTORE}
+            parameters = {names.OPERATION: names.RESTORE, **self._owner}
         if fork_of is not None:
             fork_of._check_open()
             parameters = {names.OPERATION: names.FORK, names.FORK_OF: fork_of.id}
@@ -287,7 +293,7 @@ class SessionCore:
 
     def _snapshot(self) -> Operation[bytes]:
         """The session's KV cache as a blob; the session goes on unchanged."""
-        answer = yield from self._operate({names.OPERATION: names.SNAPSHOT_OPERATION})
+        answer = yield from self._operate({names.OPERATION: names.SNAPSHOT_OPERATION, **self._owner})
         if answer.snapshot is None:
             raise ClientError(f"the server's answer to the snapshot of session {self.id} has no '{names.SNAPSHOT}'")
         return answer.snapshot

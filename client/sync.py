@@ -14,6 +14,7 @@ from client.core import ClientCore, SessionCore
 from client.errors import ClientError
 from client.metadata import ModelInfo
 from client.retry import Operation, run_blocking
+from contract import names
 
 T = TypeVar("T")
 
@@ -106,12 +107,18 @@ class Client(ClientCore):
         return self._run(self._infer(hidden_states, attention_mask, past, position_ids))
 
     def session(
-        self, sequence_id: int | None = None, replica: str | None = None, *, restore: bytes | None = None
+        self,
+        sequence_id: int | None = None,
+        replica: str | None = None,
+        *,
+        restore: bytes | None = None,
+        owner: str | None = None,
     ) -> Session:
         """A new server-side session (nothing is sent until its first step); with `replica`, one
         opened elsewhere, resumed (client/core.py's SessionCore); with `restore`, one that starts
-        holding that snapshot's cache (`Session.snapshot()`) and goes on as the original would."""
-        return Session(self, sequence_id, replica, restore=restore)
+        holding that snapshot's cache (`Session.snapshot()`) and goes on as the original would.
+        `owner`: a tag kept in the session's snapshots and required to restore them."""
+        return Session(self, sequence_id, replica, restore=restore, owner=owner)
 
 
 class Session(SessionCore):
@@ -120,10 +127,11 @@ class Session(SessionCore):
 
     client: Client
 
-    def open(self) -> Session:
+    def open(self, *, fork_of: Session | None = None) -> Session:
         """Start the session now, without tokens: the server reserves its KV cache, so a full budget
-        (ServerBusyError) or an unready server fails here instead of at the first step. Optional."""
-        self.client._run(self._open())
+        (ServerBusyError) or an unready server fails here instead of at the first step. Optional.
+        `fork_of`: start as a copy of that open session (as `fork_of.fork()`)."""
+        self.client._run(self._open(fork_of))
         return self
 
     def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
@@ -142,9 +150,8 @@ class Session(SessionCore):
     def fork(self, sequence_id: int | None = None) -> Session:
         """A new open session holding a copy of this one's cache (copied inside the server); the two
         go on independently."""
-        child = Session(self.client, sequence_id)
-        self.client._run(child._open(fork_of=self))
-        return child
+        child = Session(self.client, sequence_id, owner=self._owner.get(names.OWNER))
+        return child.open(fork_of=self)
 
     def rewind(self, length: int) -> int:
         """Keep the first `length` positions and drop the rest; the next step continues from there."""

@@ -28,6 +28,7 @@ SNAPSHOT_OPERATION, RESTORE, FORK, REWIND = "snapshot", "restore", "fork", "rewi
 OPERATIONS = (SNAPSHOT_OPERATION, RESTORE, FORK, REWIND)
 FORK_OF = "fork_of"  # request parameter of a fork: the sequence id forked (the request STARTs the new one)
 REWIND_TO = "rewind_to"  # request parameter of a rewind: the positions the session keeps
+OWNER = "owner"  # request parameter of a snapshot and a restore: who may restore the blob (the gateway's)
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"

@@ -13,6 +13,7 @@ head_dim) in the cache's dtype. Metadata (safetensors keeps str -> str):
 | `graph_sha256` | its sha256 (the weights are inside the graph): the build's, from `SHA256SUMS` |
 | `dtype` | the cache's float type (`float32`, `float16`) |
 | `length` | the positions held |
+| `owner` | who may restore it (the gateway's keyed fingerprint of the caller's API key; empty: anyone) |
 
 A blob is refused (`SnapshotError`, naming what differs, expected and actual) when it is not a
 safetensors file, when its metadata is not this model's, graph or dtype, or when its tensors do not
@@ -53,15 +54,15 @@ def fingerprint(cfg: ModelConfig, dtype: str, graph: str = "", graph_sha256: str
     }
 
 
-def encode(cache: Mapping[str, np.ndarray], identity: Mapping[str, str], length: int) -> bytes:
+def encode(cache: Mapping[str, np.ndarray], identity: Mapping[str, str], length: int, owner: str = "") -> bytes:
     """`cache`: past name -> (n_kv_heads, length, head_dim)."""
     tensors = {name: np.ascontiguousarray(array[:, :length]) for name, array in cache.items()}
-    return safetensors.numpy.save(tensors, metadata={**identity, "length": str(length)})
+    return safetensors.numpy.save(tensors, metadata={**identity, "length": str(length), "owner": owner})
 
 
-def decode(blob: bytes, identity: Mapping[str, str]) -> tuple[dict[str, np.ndarray], int]:
+def decode(blob: bytes, identity: Mapping[str, str], owner: str = "") -> tuple[dict[str, np.ndarray], int]:
     """The cache (past name -> (n_kv_heads, length, head_dim)) and its length, from a blob made by the
-    pool `identity` describes; SnapshotError otherwise."""
+    pool `identity` describes for `owner`; SnapshotError otherwise."""
     try:
         tensors = safetensors.numpy.load(bytes(blob))
     except (safetensors.SafetensorError, ValueError) as error:
@@ -70,6 +71,8 @@ def decode(blob: bytes, identity: Mapping[str, str]) -> tuple[dict[str, np.ndarr
     for key in IDENTITY:
         if metadata.get(key) != identity[key]:
             raise SnapshotError(_differs(key, identity[key], metadata.get(key)))
+    if metadata.get("owner", "") != owner:  # which owner it is stays unsaid
+        raise SnapshotError("the snapshot belongs to another owner (API key): it is not restored here")
     length = _length(metadata.get("length"))
     cfg = ModelConfig.from_dict(json.loads(identity["config"]))
     expected = (cfg.n_kv_heads, length, cfg.head_dim)

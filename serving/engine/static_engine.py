@@ -125,18 +125,19 @@ class StaticSessionEngine(StepEngine):
 
     # --- session operations: snapshot, restore, fork, rewind ------------------------------------------
 
-    def snapshot(self, sequence_id: SequenceId) -> bytes:
-        """The live sequence's cache as a blob (snapshots.py); the sequence goes on unchanged."""
+    def snapshot(self, sequence_id: SequenceId, owner: str = "") -> bytes:
+        """The live sequence's cache as a blob (snapshots.py) only `owner` restores; the sequence goes
+        on unchanged."""
         with self._lock:
             row = self._slots.touch(sequence_id).row
             length = int(self.pool.lengths[row])
             cache = {name: array[0] for name, array in self.pool.read(row).items()}
-        return snapshots.encode(cache, self.pool.identity, length)
+        return snapshots.encode(cache, self.pool.identity, length, owner)
 
-    def restore(self, sequence_id: SequenceId, blob: bytes) -> int:
+    def restore(self, sequence_id: SequenceId, blob: bytes, owner: str = "") -> int:
         """Start `sequence_id` holding the cache of `blob` (a START: a live sequence of that id
-        restarts); its length. A blob of another model, graph or dtype changes nothing."""
-        cache, length = snapshots.decode(blob, self.pool.identity)
+        restarts); its length. A blob of another model, graph, dtype or owner changes nothing."""
+        cache, length = snapshots.decode(blob, self.pool.identity, owner)
         if length > self.max_positions:
             raise errors.SequenceTooLong(sequence_id, length, self.max_positions)
         row = self._start(sequence_id)

@@ -192,19 +192,50 @@ def _encoded(value: Any, encoding: Encoding) -> Any:
 # --- sessions -------------------------------------------------------------------------------
 
 
+SNAPSHOT_TYPE = "application/octet-stream"
+SNAPSHOT_BODY = {
+    "requestBody": {
+        "required": False,
+        "description": "a snapshot (GET /v1/sessions/{id}/snapshot) the session starts from; none: an empty one",
+        "content": {SNAPSHOT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
 @v1.post(
     "/sessions",
     status_code=201,
     response_model=schemas.SessionCreated,
-    responses=responses(401, 413, 429, 502, 503, 504),
-    summary="Open a session: the server keeps its KV cache between steps",
+    responses=responses(400, 401, 413, 429, 502, 503, 504),
+    summary="Open a session (empty, or from a snapshot): the server keeps its KV cache between steps",
+    openapi_extra=SNAPSHOT_BODY,
 )
-async def create_session(gw: State, owner: Caller, response: Response) -> dict:
-    session = gw.sessions.reserve(owner, gw.client.session())
+async def create_session(request: Request, gw: State, owner: Caller, response: Response) -> dict:
+    # a body is a snapshot only as application/octet-stream: any other (none, `{}`) opens an empty session
+    is_snapshot = request.headers.get("content-type", "").split(";")[0].strip() == SNAPSHOT_TYPE
+    blob = await request.body() if is_snapshot else b""
+    upstream = gw.client.session(restore=blob or None, owner=owner)
+    return await _open(gw, gw.sessions.reserve(owner, upstream), response, upstream.open())
+
+
+@v1.post(
+    SESSION_PATH + "/fork",
+    status_code=201,
+    response_model=schemas.SessionCreated,
+    responses=responses(401, 404, 409, 429, 502, 503, 504),
+    summary="Open a new session holding a copy of this one's KV cache (copied inside the server)",
+)
+async def fork_session(session_id: str, gw: State, owner: Caller, response: Response) -> dict:
+    async with gw.sessions.using(session_id, owner) as parent:
+        child = gw.sessions.reserve(owner, gw.client.session(owner=owner))
+        return await _open(gw, child, response, child.upstream.open(fork_of=parent.upstream))
+
+
+async def _open(gw: State, session: GatewaySession, response: Response, opening) -> dict:
     try:  # START now: a full KV budget or a Triton that cannot serve answers here, not at the first step
-        await gw.call(session.upstream.open(), "opening a session")
+        await gw.call(opening, "opening a session")
     except ApiError as error:
-        gw.sessions.remove(session.id, owner, "refused when opened")
+        gw.sessions.remove(session.id, session.owner, "refused when opened")
         gw.end_later(session)  # Triton's batcher may hold the sequence; the answer does not wait for it
         if isinstance(error, SessionLost):  # nothing was held, so nothing is lost: the model cannot serve now
             raise UpstreamUnavailable(error.message) from None
@@ -242,6 +273,33 @@ async def _step(gw: State, session: GatewaySession, valid: validated.ValidStep) 
     except UpstreamTimeout:
         gw.sessions.break_(session, "a step timed out, so whether Triton applied it is unknown")
         raise
+
+
+@v1.get(
+    SESSION_PATH + "/snapshot",
+    response_class=Response,
+    responses={
+        200: {"content": {SNAPSHOT_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+        **responses(401, 404, 409, 502, 503, 504),
+    },
+    summary="The session's KV cache as bytes (safetensors): POST it to /v1/sessions to go on from here",
+)
+async def snapshot(session_id: str, gw: State, owner: Caller) -> Response:
+    async with gw.sessions.using(session_id, owner) as session:
+        blob = await gw.call(session.upstream.snapshot(), f"snapshot of session '{session.id}'")
+    return Response(blob, media_type=SNAPSHOT_TYPE)
+
+
+@v1.post(
+    SESSION_PATH + "/rewind",
+    response_model=schemas.Rewound,
+    responses=responses(400, 401, 404, 409, 422, 502, 503, 504),
+    summary="Keep the session's first `length` positions; the next step continues after them",
+)
+async def rewind(session_id: str, body: schemas.RewindBody, gw: State, owner: Caller) -> dict:
+    async with gw.sessions.using(session_id, owner) as session:
+        length = await gw.call(session.upstream.rewind(body.length), f"rewind of session '{session.id}'")
+    return {"length": length}
 
 
 @v1.delete(

@@ -84,6 +84,14 @@ class SessionCreated(BaseModel):
     idle_timeout_s: float = Field(description="the session is closed after this long without a step")
 
 
+class RewindBody(BaseModel):
+    length: int = Field(ge=0, description="the positions the session keeps; the next step continues after them")
+
+
+class Rewound(BaseModel):
+    length: int = Field(description="the positions the session holds now")
+
+
 class TensorDescription(BaseModel):
     name: str
     datatype: str = Field(description="Triton datatype, e.g. FP32, INT64")

@@ -58,7 +58,7 @@ class GatewayState:
             settings.sessions_per_key,
             settings.session_idle_s,
             SessionIds(self.secret),
-            lambda claim: self.client.session(claim.sequence_id, claim.replica),
+            lambda claim: self.client.session(claim.sequence_id, claim.replica, owner=claim.owner),
             shared=given is not None,
         )
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))

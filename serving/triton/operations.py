@@ -4,8 +4,8 @@ request on a session's sequence whose parameter `session_operation` names one of
 
 | operation | flags | parameters, inputs | answer |
 |---|---|---|---|
-| `snapshot` | none | | `snapshot`: the blob (serving/engine/snapshots.py) |
-| `restore` | START | input `snapshot`: a blob | the restored length in `held_length` |
+| `snapshot` | none | `owner` (optional): who may restore it | `snapshot`: the blob (serving/engine/snapshots.py) |
+| `restore` | START | input `snapshot`: a blob; `owner` (optional): the caller | the restored length in `held_length` |
 | `fork` | START (of the new sequence) | `fork_of`: the sequence forked | its length |
 | `rewind` | none | `rewind_to`: the positions kept | the length |
 
@@ -30,10 +30,11 @@ def run(engine: Any, step: StepRequest, operation: dict) -> bytes | None:
     the snapshot's blob for a snapshot, else None."""
     name = _check(engine, step, operation)
     sequence = step.sequence_id
+    owner = _parameter(operation, names.OWNER, (str,)) if names.OWNER in operation else ""
     if name == names.SNAPSHOT_OPERATION:
-        return engine.snapshot(sequence)
+        return engine.snapshot(sequence, owner)
     if name == names.RESTORE:
-        engine.restore(sequence, _blob(operation.get(names.SNAPSHOT)))
+        engine.restore(sequence, _blob(operation.get(names.SNAPSHOT)), owner)
     elif name == names.FORK:
         engine.fork(_parameter(operation, names.FORK_OF, (int, str)), sequence)
     else:

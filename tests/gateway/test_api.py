@@ -236,6 +236,55 @@ def test_session_lifecycle(api, gateway):
     assert_error(api.delete("/v1/sessions/never-was"), 404, "session_not_found", "never-was")
 
 
+def test_snapshot_restore_fork_and_rewind_through_the_gateway(api, gateway):
+    """A snapshot (bytes) POSTed as application/octet-stream opens a session that goes on bit for
+    bit as the original; a fork copies it; a rewind drops positions; another key can neither read
+    the session nor restore its snapshot, and a bad blob is a 400 that opens nothing."""
+    session = api.post("/v1/sessions").json()["id"]
+    prompt, tokens = states(new=5), [states(new=1) for _ in range(4)]
+    api.post(f"/v1/sessions/{session}/step", json={"hidden_states": b64_tensor(prompt)})
+    snapshot = api.get(f"/v1/sessions/{session}/snapshot")
+    assert snapshot.status_code == 200 and snapshot.headers["content-type"] == "application/octet-stream"
+    blob = snapshot.content
+    restored = api.post("/v1/sessions", content=blob, headers={"Content-Type": "application/octet-stream"})
+    assert restored.status_code == 201, restored.text
+    forked = api.post(f"/v1/sessions/{session}/fork")
+    assert forked.status_code == 201, forked.text
+    ids = [session, restored.json()["id"], forked.json()["id"]]
+    firsts = []
+    for token in tokens:
+        answers = [
+            api.post(f"/v1/sessions/{i}/step?encoding=b64", json={"hidden_states": b64_tensor(token)}).json()
+            for i in ids
+        ]
+        outputs = [from_b64(answer["output"]) for answer in answers]
+        np.testing.assert_array_equal(outputs[1], outputs[0])
+        np.testing.assert_array_equal(outputs[2], outputs[0])
+        firsts = firsts or outputs
+    assert [answer["length"] for answer in answers] == [9, 9, 9]
+    rewound = api.post(f"/v1/sessions/{ids[2]}/rewind", json={"length": 5})
+    assert rewound.status_code == 200 and rewound.json() == {"length": 5}
+    # back at the prompt: the first token again gives the first token's answer again
+    again = api.post(f"/v1/sessions/{ids[2]}/step?encoding=b64", json={"hidden_states": b64_tensor(tokens[0])})
+    np.testing.assert_array_equal(from_b64(again.json()["output"]), firsts[0])
+    assert_error(api.post(f"/v1/sessions/{ids[2]}/rewind", json={"length": 99}), 400, "invalid_input", "got 99")
+    assert_error(api.post(f"/v1/sessions/{ids[2]}/rewind", json={"length": -1}), 422, "validation_error")
+    other = {"X-API-Key": KEYS[1]}
+    assert_error(httpx.get(f"{gateway.url}/v1/sessions/{session}/snapshot", headers=other), 404, "session_not_found")
+    assert_error(httpx.post(f"{gateway.url}/v1/sessions/{session}/fork", headers=other), 404, "session_not_found")
+    for i in ids:
+        assert api.delete(f"/v1/sessions/{i}").status_code == 204
+    octet = {"Content-Type": "application/octet-stream"}
+    foreign = httpx.post(f"{gateway.url}/v1/sessions", content=blob, headers={**other, **octet})
+    assert_error(foreign, 400, "invalid_input", "belongs to another owner")
+    assert_error(api.post("/v1/sessions", content=blob[:64], headers=octet), 400, "invalid_input", "not a session")
+    with httpx.Client(base_url=gateway.url, headers=other) as client:  # the refusals left no session open
+        opened = [client.post("/v1/sessions") for _ in range(SESSIONS_PER_KEY)]
+        assert [answer.status_code for answer in opened] == [201] * SESSIONS_PER_KEY
+        for answer in opened:
+            client.delete(f"/v1/sessions/{answer.json()['id']}")
+
+
 def test_sessions_per_key_are_limited_to_429(gateway):
     with httpx.Client(base_url=gateway.url, headers={"X-API-Key": KEYS[1]}) as client:
         opened = [client.post("/v1/sessions").json()["id"] for _ in range(SESSIONS_PER_KEY)]
