@@ -12,7 +12,12 @@ Writes `sessions.json` and `sessions.png` and prints a table.
 - Conditions: the preset's fp32-static graph on ONNX Runtime's CPU provider with `--threads`
   threads, a pool of 4 rows of max_seq_len positions, one session at a time; `--rounds` rounds, the
   operations taking turns within each round (the machines are shared and noisy).
-Not measured here yet: the operations through Triton, and what each costs the other sessions' steps.
+- Served (`--served-lengths`): the same model as `mha_session` in a real Triton (the bundled
+  binary, the static engine on the CPU), called with the gRPC client: the time to the first token
+  of a session whose prompt is `length` tokens, prefilled (`cold`: START with the prompt) against
+  started from that prompt's snapshot (`restore`, the blob sent with the START, then one token);
+  and a snapshot's time and bytes. Rounds interleaved as above.
+Not measured here yet: what each operation costs the other sessions' steps.
 """
 
 from __future__ import annotations
@@ -123,6 +128,51 @@ def benchmark(root: Path, preset_name: str, lengths: list[int], rounds: int, sec
     }
 
 
+def served(root: Path, preset_name: str, lengths: list[int], rounds: int, threads: int) -> list[dict]:
+    """Time to first token, cold against restored, and snapshots, through Triton (see the module's doc)."""
+    from client import Client
+    from serving.host.launcher import start_triton
+    from serving.triton.config import MHA_SESSION, ServingSettings
+    from serving.triton.repository import write_repository
+
+    directory = artifact(root, preset_name)
+    settings = ServingSettings(threads=threads, kv_cache_bytes=8 * preset(preset_name).kv_cache_bytes(1, 4096))
+    repository = write_repository(directory, root / "repository", settings, models=(MHA_SESSION,))
+    server = start_triton(repository)
+    try:
+        with Client(server.grpc_url, timeout=300) as client:
+            return [_served_length(client, length, rounds) for length in lengths]
+    finally:
+        server.stop()
+
+
+def _served_length(client, length: int, rounds: int) -> dict:
+    d = client.metadata("mha_session").d_model
+    rng = np.random.default_rng(length)
+    prompt = rng.standard_normal((1, length, d)).astype(np.float32)
+    token = rng.standard_normal((1, 1, d)).astype(np.float32)
+    with client.session() as source:
+        source.step(prompt)
+        blob = source.snapshot()
+        timings = {name: Timing() for name in ("cold", "restore", "snapshot")}
+
+        def cold() -> None:
+            with client.session() as session:
+                session.step(prompt)  # its answer holds the prompt's last token: the first token out
+
+        def restored() -> None:
+            with client.session(restore=blob) as session:
+                session.step(token)
+
+        calls = {"cold": cold, "restore": restored, "snapshot": source.snapshot}
+        for _ in range(rounds):
+            for name, call in calls.items():
+                measure(call, Budget(seconds=0.0, min_runs=3, slow_runs=3), into=timings[name])
+    row = {"length": length, "blob_bytes": len(blob), **{name: t.to_dict() for name, t in timings.items()}}
+    row["cold_over_restore"] = timings["cold"].median_ms / timings["restore"].median_ms
+    return row
+
+
 def table(results: dict) -> str:
     lines = [
         f"session operations, {results['preset']} {results['variant']} on the CPU, {results['threads']} thread(s), "
@@ -137,6 +187,17 @@ def table(results: dict) -> str:
             f" {row['prefill_onnx_over_restore']:>15.1f}x {row['snapshot_over_floor']:>14.1f}x"
             f" {row['restore_over_floor']:>13.1f}x"
         )
+    if results.get("served"):
+        lines += [
+            "served (Triton, gRPC): time to first token, cold prefill vs from the prompt's snapshot (medians, ms)",
+            f"{'length':>7} {'blob MB':>8} {'cold':>10} {'restore':>10} {'cold/restore':>13} {'snapshot':>10}",
+        ]
+        for row in results["served"]:
+            lines.append(
+                f"{row['length']:>7} {row['blob_bytes'] / 1e6:>8.2f} {row['cold']['median_ms']:>10.1f}"
+                f" {row['restore']['median_ms']:>10.1f} {row['cold_over_restore']:>12.1f}x"
+                f" {row['snapshot']['median_ms']:>10.1f}"
+            )
     return "\n".join(lines)
 
 
@@ -165,13 +226,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=0.5, help="per operation per round (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default: %(default)s)")
+    parser.add_argument(
+        "--served-lengths",
+        default="1024,4096",
+        help="prompt lengths through Triton, comma-separated; empty: none (default: %(default)s)",
+    )
     output.output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     lengths = [int(text) for text in args.lengths.split(",")]
+    served_lengths = [int(text) for text in args.served_lengths.split(",") if text]
     with output.work_folder(args.work, "bench-sessions-") as root:
         results = benchmark(root, args.preset, lengths, args.rounds, args.seconds, args.threads)
+        results["served"] = (
+            served(root, args.preset, served_lengths, args.rounds, args.threads) if served_lengths else []
+        )
     wrote = output.write(results, args.out, "sessions", plot)
     print(table(results))
     print(wrote)

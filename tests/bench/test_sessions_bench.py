@@ -1,4 +1,5 @@
-"""`python -m bench sessions` end to end, bounded: the tiny model at two short lengths, one round;
+"""`python -m bench sessions` end to end, bounded: the tiny model at two short lengths in process
+and one through a real Triton, one round;
 it writes its JSON, its plot and its table, and what it measured is coherent (timings are not
 asserted: this is a smoke test)."""
 
@@ -9,12 +10,13 @@ import pytest
 from bench.__main__ import main
 from contract.config import preset
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(tmp_path, capsys):
     out = tmp_path / "results"
     args = ["sessions", "--preset", "tiny", "--lengths", "16,64", "--rounds", "1", "--seconds", "0.05"]
+    args += ["--served-lengths", "32"]
     assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     results = json.loads((out / "sessions.json").read_text())
     assert (out / "sessions.png").read_bytes().startswith(b"\x89PNG")
@@ -26,4 +28,7 @@ def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(tmp_pa
             assert row["operations"][name]["runs"] >= 3 and row["operations"][name]["median_ms"] > 0, name
         assert row["prefill_onnx_over_restore"] > 0 and row["floor_ms"] > 0
     assert [row["length"] for row in results["lengths"]] == [16, 64]
+    (through_triton,) = results["served"]  # a real Triton: cold prefill against a restored snapshot
+    assert through_triton["length"] == 32 and through_triton["cold_over_restore"] > 0
+    assert all(through_triton[name]["runs"] >= 3 for name in ("cold", "restore", "snapshot"))
     assert "prefill/restore" in capsys.readouterr().out
