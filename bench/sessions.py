@@ -15,8 +15,9 @@ Writes `sessions.json` and `sessions.png` and prints a table.
 - Served (`--served-lengths`): the same model as `mha_session` in a real Triton (the bundled
   binary, the static engine on the CPU), called with the gRPC client: the time to the first token
   of a session whose prompt is `length` tokens, prefilled (`cold`: START with the prompt) against
-  started from that prompt's snapshot (`restore`, the blob sent with the START, then one token);
-  and a snapshot's time and bytes. Rounds interleaved as above.
+  started from that prompt's snapshot (`restore`, the blob sent with the START, then one token)
+  and forked from a live session holding it (`fork`: a row copy inside the server, what a prefix
+  kept there costs); and a snapshot's time and bytes. Rounds interleaved as above.
 Not measured here yet: what each operation costs the other sessions' steps.
 """
 
@@ -65,12 +66,12 @@ def operations(served, original, length: int) -> dict:
 
     d = served.cfg.d_model
     prompt = np.random.default_rng(0).standard_normal((1, length, d)).astype(np.float32)
-    served.execute([StepRequest("base", True, False, prompt)])
+    (answer,) = served.execute([StepRequest("base", True, False, prompt)])
+    assert not isinstance(answer, Exception), answer
     blob = served.snapshot("base")
     torch_forward = torch_runner(original)
 
-    def rewind() -> None:  # a step's worth of tokens dropped again: the session keeps its length
-        served.execute([StepRequest("base", False, False, prompt[:, :1])])
+    def rewind() -> None:  # what a rewind costs does not depend on how far: it sets the row's length
         served.rewind("base", length)
 
     return {
@@ -150,26 +151,30 @@ def _served_length(client, length: int, rounds: int) -> dict:
     d = client.metadata("mha_session").d_model
     rng = np.random.default_rng(length)
     prompt = rng.standard_normal((1, length, d)).astype(np.float32)
-    token = rng.standard_normal((1, 1, d)).astype(np.float32)
     with client.session() as source:
-        source.step(prompt)
+        source.step(prompt[:, :-1])
         blob = source.snapshot()
-        timings = {name: Timing() for name in ("cold", "restore", "snapshot")}
+        timings = {name: Timing() for name in ("cold", "restore", "fork", "snapshot")}
 
         def cold() -> None:
             with client.session() as session:
                 session.step(prompt)  # its answer holds the prompt's last token: the first token out
 
-        def restored() -> None:
+        def restored() -> None:  # the snapshot holds all but the prompt's last token, which gives the first out
             with client.session(restore=blob) as session:
-                session.step(token)
+                session.step(prompt[:, -1:])
 
-        calls = {"cold": cold, "restore": restored, "snapshot": source.snapshot}
+        def forked() -> None:  # what a prefix kept in the server gives: a row copy, no bytes sent
+            with source.fork() as session:
+                session.step(prompt[:, -1:])
+
+        calls = {"cold": cold, "restore": restored, "fork": forked, "snapshot": source.snapshot}
         for _ in range(rounds):
             for name, call in calls.items():
                 measure(call, Budget(seconds=0.0, min_runs=3, slow_runs=3), into=timings[name])
     row = {"length": length, "blob_bytes": len(blob), **{name: t.to_dict() for name, t in timings.items()}}
     row["cold_over_restore"] = timings["cold"].median_ms / timings["restore"].median_ms
+    row["cold_over_fork"] = timings["cold"].median_ms / timings["fork"].median_ms
     return row
 
 
@@ -190,12 +195,14 @@ def table(results: dict) -> str:
     if results.get("served"):
         lines += [
             "served (Triton, gRPC): time to first token, cold prefill vs from the prompt's snapshot (medians, ms)",
-            f"{'length':>7} {'blob MB':>8} {'cold':>10} {'restore':>10} {'cold/restore':>13} {'snapshot':>10}",
+            f"{'length':>7} {'blob MB':>8} {'cold':>10} {'restore':>10} {'cold/restore':>13} {'fork':>8}"
+            f" {'cold/fork':>10} {'snapshot':>10}",
         ]
         for row in results["served"]:
             lines.append(
                 f"{row['length']:>7} {row['blob_bytes'] / 1e6:>8.2f} {row['cold']['median_ms']:>10.1f}"
                 f" {row['restore']['median_ms']:>10.1f} {row['cold_over_restore']:>12.1f}x"
+                f" {row['fork']['median_ms']:>8.1f} {row['cold_over_fork']:>9.1f}x"
                 f" {row['snapshot']['median_ms']:>10.1f}"
             )
     return "\n".join(lines)
