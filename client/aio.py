@@ -95,9 +95,22 @@ class AsyncClient(ClientCore):
         *,
         restore: bytes | None = None,
         owner: str | None = None,
+        prefix: str | None = None,
     ) -> AsyncSession:
         """As `Client.session`."""
-        return AsyncSession(self, sequence_id, replica, restore=restore, owner=owner)
+        return AsyncSession(self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix)
+
+    async def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
+        """As `Client.put_prefix`."""
+        return await self._run(self._put_prefix(name, tokens, owner))
+
+    async def delete_prefix(self, name: str, owner: str | None = None) -> None:
+        """As `Client.delete_prefix`."""
+        await self._run(self._delete_prefix(name, owner))
+
+    def prefixes(self, owner: str | None = None) -> dict[str, int]:
+        """As `Client.prefixes`."""
+        return self._prefixes(owner)
 
 
 class AsyncSession(SessionCore):

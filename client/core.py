@@ -70,6 +70,10 @@ class ClientCore:
         self._module = importlib.import_module(f"tritonclient.{protocol}{self._module_suffix}")
         self._timeout_kw = _wire.timeout_kwargs(protocol, timeout)
         self._infos: dict[str, ModelInfo] = {}
+        # named prefixes put through this client: (owner, name) -> their tokens, to put one again on a
+        # replica that lacks it, and the replicas that hold it ("" for a direct Triton)
+        self._prefix_tokens: dict[tuple[str, str], np.ndarray] = {}
+        self._prefix_replicas: dict[tuple[str, str], set[str]] = {}
         self._init_connections()
 
     def _init_connections(self) -> None:
@@ -196,6 +200,43 @@ class ClientCore:
             _wire.read_snapshot(result),
         )
 
+    def _put_prefix(self, name: str, tokens: Any, owner: str | None = None) -> Operation[int]:
+        """Prefill `tokens` (1, T, d_model) once as the prefix `name` (immutable; scoped to `owner`);
+        sessions then start from it without a prefill (`session(prefix=name)`). Its length."""
+        info = (yield from self._metadata(self.session_model)) if self.validate else None
+        tokens = _wire.step_tensors(info, tokens, None)[names.HIDDEN_STATES]
+        key = (owner or "", name)
+        yield from self._send_prefix(key, names.PUT_PREFIX, tokens, _wire.new_sequence_id(), None)
+        self._prefix_tokens[key] = tokens
+        return tokens.shape[1]
+
+    def _send_prefix(
+        self, key: tuple[str, str], operation: str, tokens: np.ndarray, sequence_id: int, replica: str | None
+    ) -> Operation[StepAnswer]:
+        """One prefix operation as a sequence of its own (START and END in one request)."""
+        parameters = {names.OPERATION: operation, names.PREFIX: key[1], **({names.OWNER: key[0]} if key[0] else {})}
+        answer = yield from self._send_step(
+            sequence_id, {names.HIDDEN_STATES: tokens}, True, True, replica=replica, parameters=parameters
+        )
+        if operation == names.PUT_PREFIX:
+            self._prefix_replicas.setdefault(key, set()).add(answer.replica or "")
+        return answer
+
+    def _delete_prefix(self, name: str, owner: str | None = None) -> Operation[None]:
+        """Delete the prefix on every replica this client put it on (sessions started from it keep
+        their own copies)."""
+        key = (owner or "", name)
+        info = yield from self._metadata(self.session_model)
+        empty = np.zeros((1, 0, info.d_model), info.float_dtype)
+        replicas = self._prefix_replicas.pop(key, {""})
+        self._prefix_tokens.pop(key, None)
+        for replica in sorted(replicas):
+            yield from self._send_prefix(key, names.DELETE_PREFIX, empty, _wire.new_sequence_id(), replica or None)
+
+    def _prefixes(self, owner: str | None = None) -> dict[str, int]:
+        """The prefixes put through this client for `owner`: name -> positions."""
+        return {name: t.shape[1] for (who, name), t in self._prefix_tokens.items() if who == (owner or "")}
+
 
 class SessionCore:
     """A session's bookkeeping and operations, shared by the blocking and the asyncio session."""
@@ -207,16 +248,18 @@ class SessionCore:
         replica: str | None = None,
         restore: bytes | None = None,
         owner: str | None = None,
+        prefix: str | None = None,
     ) -> None:
         """`replica` resumes a session opened elsewhere (another process, another gateway replica):
         `sequence_id` is then the server's, already started, and `replica` the pin its answers named
         ("" when they named none). `restore`: a snapshot the session starts from (sent with its
         START: at `open()` or before its first step). `owner`: a tag the server writes into this
         session's snapshots and requires to restore one (the gateway passes its caller's key
-        fingerprint); None: anyone holding the blob may restore it."""
-        if restore is not None and replica is not None:
-            raise ValueError("a session either resumes one open elsewhere (replica) or starts from a snapshot")
-        self._restore = restore
+        fingerprint); None: anyone holding the blob may restore it. `prefix`: a named prefix the
+        session starts from (`put_prefix`), sent with its START."""
+        if sum(x is not None for x in (restore, replica, prefix)) > 1:
+            raise ValueError("a session resumes one open elsewhere (replica), or starts from a snapshot or a prefix")
+        self._restore, self._prefix = restore, prefix
         # who may restore this session's snapshots, and who restores one (the gateway sets its caller's
         # key fingerprint; empty: anyone holding the blob)
         self._owner: dict[str, str] = {} if owner is None else {names.OWNER: owner}
@@ -233,7 +276,7 @@ class SessionCore:
         if self.closed:
             raise UnknownSessionError(f"session {self.id} is closed", status=None)
         client = self.client
-        if self._restore is not None and not self.started:
+        if (self._restore is not None or self._prefix is not None) and not self.started:
             yield from self._open()
         info = (yield from client._metadata(client.session_model)) if client.validate else None
         tensors = _wire.step_tensors(info, hidden_states, attention_mask)
@@ -273,9 +316,31 @@ class SessionCore:
             fork_of._check_open()
             parameters = {names.OPERATION: names.FORK, names.FORK_OF: fork_of.id}
             route_as, replica = fork_of.id, fork_of.replica
+        if self._prefix is not None:
+            parameters = {names.OPERATION: names.FROM_PREFIX, names.PREFIX: self._prefix, **self._owner}
         try:
-            answer = yield from self.client._send_step(
-                self.id, tensors, start=True, end=False, replica=replica, parameters=parameters, route_as=route_as
+            answer = yield from self._start(tensors, parameters, route_as, replica)
+        except InvalidInputError as error:
+            key = (self._owner.get(names.OWNER, ""), self._prefix or "")
+            if error.kind != kinds.PREFIX_UNKNOWN or key not in self.client._prefix_tokens:
+                raise
+            # put here, then start from it: this session's id routes both to the replica it hashes to
+            tokens = self.client._prefix_tokens[key]
+            yield from self.client._send_prefix(key, names.PUT_PREFIX, tokens, self.id, None)
+            answer = yield from self._start(tensors, parameters, route_as, replica)
+        self.replica, self._restore, self._prefix = answer.replica, None, None
+        self.started = True
+        self.length = answer.held_length if answer.held_length is not None and answer.held_length >= 0 else 0
+
+    def _start(
+        self, tensors: dict, parameters: dict | None, route_as: int | None, replica: str | None
+    ) -> Operation[StepAnswer]:
+        """The session's START (with an operation's parameters); a refused one is ENDed again."""
+        try:
+            return (
+                yield from self.client._send_step(
+                    self.id, tensors, start=True, end=False, replica=replica, parameters=parameters, route_as=route_as
+                )
             )
         except (ServerBusyError, InvalidInputError) as error:
             if isinstance(error, InvalidInputError) and parameters is None:
@@ -285,11 +350,9 @@ class SessionCore:
             # cannot fill the slots; open() may be tried again
             with contextlib.suppress(ClientError):
                 yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=False, end=True)
-            self._sent = None
+            if not isinstance(error, InvalidInputError) or error.kind != kinds.PREFIX_UNKNOWN:
+                self._sent = None
             raise
-        self.replica, self._restore = answer.replica, None
-        self.started = True
-        self.length = answer.held_length if answer.held_length is not None and answer.held_length >= 0 else 0
 
     def _snapshot(self) -> Operation[bytes]:
         """The session's KV cache as a blob; the session goes on unchanged."""

@@ -89,6 +89,7 @@ _BY_CODE: dict[str, type[ClientError]] = {
 _BY_KIND: dict[str, type[ClientError]] = {
     kinds.INVALID_INPUT: InvalidInputError,
     kinds.SEQUENCE_TOO_LONG: InvalidInputError,
+    kinds.PREFIX_UNKNOWN: InvalidInputError,
     kinds.CACHE_FULL: ServerBusyError,
     **dict.fromkeys(kinds.GONE_SEQUENCE, UnknownSessionError),
     kinds.SEQUENCE_LOST: SessionLostError,

@@ -113,12 +113,28 @@ class Client(ClientCore):
         *,
         restore: bytes | None = None,
         owner: str | None = None,
+        prefix: str | None = None,
     ) -> Session:
         """A new server-side session (nothing is sent until its first step); with `replica`, one
         opened elsewhere, resumed (client/core.py's SessionCore); with `restore`, one that starts
         holding that snapshot's cache (`Session.snapshot()`) and goes on as the original would.
-        `owner`: a tag kept in the session's snapshots and required to restore them."""
-        return Session(self, sequence_id, replica, restore=restore, owner=owner)
+        `owner`: a tag kept in the session's snapshots and required to restore them. `prefix`: a named
+        prefix (`put_prefix`) the session starts from, without a prefill."""
+        return Session(self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix)
+
+    def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
+        """Prefill `tokens` (1, T, d_model) once as the immutable prefix `name`; sessions then start
+        from it (`session(prefix=name)`) with a copy of its cache instead of a prefill. Behind a proxy,
+        a replica that lacks it gets it from this client when a session needs it there. Its length."""
+        return self._run(self._put_prefix(name, tokens, owner))
+
+    def delete_prefix(self, name: str, owner: str | None = None) -> None:
+        """Delete the prefix wherever this client put it; sessions started from it go on."""
+        self._run(self._delete_prefix(name, owner))
+
+    def prefixes(self, owner: str | None = None) -> dict[str, int]:
+        """The prefixes this client put: name -> positions."""
+        return self._prefixes(owner)
 
 
 class Session(SessionCore):

@@ -17,8 +17,18 @@ SEQUENCE_EVICTED = "sequence_evicted"  # idle past the timeout, its cache freed
 SEQUENCE_LOST = "sequence_lost"  # its cache died with the process that held it
 SEQUENCE_TOO_LONG = "sequence_too_long"  # the step would pass max_seq_len
 CACHE_FULL = "cache_full"  # no room for another sequence now: retry later
+PREFIX_UNKNOWN = "prefix_unknown"  # a session started from a prefix this server does not hold
 KINDS = frozenset(
-    {INVALID_INPUT, SEQUENCE_UNKNOWN, SEQUENCE_ENDED, SEQUENCE_EVICTED, SEQUENCE_LOST, SEQUENCE_TOO_LONG, CACHE_FULL}
+    {
+        INVALID_INPUT,
+        SEQUENCE_UNKNOWN,
+        SEQUENCE_ENDED,
+        SEQUENCE_EVICTED,
+        SEQUENCE_LOST,
+        SEQUENCE_TOO_LONG,
+        CACHE_FULL,
+        PREFIX_UNKNOWN,
+    }
 )
 GONE_SEQUENCE = frozenset({SEQUENCE_UNKNOWN, SEQUENCE_ENDED, SEQUENCE_EVICTED, SEQUENCE_LOST})
 

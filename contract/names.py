@@ -25,7 +25,10 @@ HELD_LENGTH = "held_length"
 SNAPSHOT = "snapshot"
 OPERATION = "session_operation"  # request parameter: one of OPERATIONS
 SNAPSHOT_OPERATION, RESTORE, FORK, REWIND = "snapshot", "restore", "fork", "rewind"
-OPERATIONS = (SNAPSHOT_OPERATION, RESTORE, FORK, REWIND)
+# named prefixes: put (its tokens prefilled once), a session started from one, delete
+PUT_PREFIX, FROM_PREFIX, DELETE_PREFIX = "put_prefix", "from_prefix", "delete_prefix"
+OPERATIONS = (SNAPSHOT_OPERATION, RESTORE, FORK, REWIND, PUT_PREFIX, FROM_PREFIX, DELETE_PREFIX)
+PREFIX = "prefix"  # request parameter of the prefix operations: its name
 FORK_OF = "fork_of"  # request parameter of a fork: the sequence id forked (the request STARTs the new one)
 REWIND_TO = "rewind_to"  # request parameter of a rewind: the positions the session keeps
 OWNER = "owner"  # request parameter of a snapshot and a restore: who may restore the blob (the gateway's)

@@ -73,6 +73,16 @@ class SequenceTooLong(SequenceError):
         super().__init__(sequence_id, f"would hold {length} positions, more than max_seq_len {limit}")
 
 
+class UnknownPrefix(InvalidRequest):
+    """A session started from a prefix this server does not hold (never put here, or deleted)."""
+
+    kind = kinds.PREFIX_UNKNOWN
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"prefix {name!r} is unknown here: put it first")
+        self.name = name
+
+
 class CacheFull(ServingError):
     """The KV cache budget cannot take a new sequence now: retry later (UNAVAILABLE)."""
 

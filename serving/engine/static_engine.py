@@ -61,6 +61,9 @@ class StaticSessionEngine(StepEngine):
         self._slots: LiveSequences[Slot] = LiveSequences(idle_timeout, clock, remember, self._give_back)
         self._lock = threading.Lock()  # execute() and the idle sweeper both change the slots
         self.largest_batch = 0  # most decode steps one graph run has taken
+        # named prefixes: (owner, name) -> the row holding its cache, never evicted; a session starts
+        # from one as a copy of that row, so a prefix can go whenever it is deleted
+        self._prefixes: dict[tuple[str, str], int] = {}
 
     @property
     def capacity(self) -> int:
@@ -167,6 +170,57 @@ class StaticSessionEngine(StepEngine):
                 )
             self.pool.rewind(row, length)
             return length
+
+    # --- named prefixes ------------------------------------------------------------------------------
+
+    def put_prefix(self, owner: str, name: str, tokens: np.ndarray) -> int:
+        """Prefill `tokens` (T, d_model) once into a row of its own, kept as the prefix `name` of
+        `owner` until deleted (it takes a row of the budget); its length. A prefix is immutable: an
+        existing name is refused."""
+        if len(tokens) == 0 or len(tokens) > self.max_positions:
+            raise errors.InvalidRequest(
+                f"prefix {name!r}: expected 1 to {self.max_positions} tokens (max_seq_len), got {len(tokens)}"
+            )
+        with self._lock:
+            if (owner, name) in self._prefixes:
+                raise errors.InvalidRequest(f"prefix {name!r} exists and is immutable: delete it first")
+            if not self._free:
+                raise errors.CacheFull(name, self._full_message())
+            row = heapq.heappop(self._free)
+            self.pool.reset(row)
+            self._prefixes[owner, name] = row
+        output = self.pool.run({row: tokens.astype(self.pool.dtype, copy=False)})[row]
+        if isinstance(output, Exception):
+            self.delete_prefix(owner, name)
+            raise output
+        return int(self.pool.lengths[row])
+
+    def start_from_prefix(self, sequence_id: SequenceId, owner: str, name: str) -> int:
+        """START `sequence_id` holding a copy of the prefix's cache; its length."""
+        source = self._prefix_row(owner, name)
+        row = self._start(sequence_id)
+        with self._lock:
+            self.pool.copy_row(source, row)
+            return int(self.pool.lengths[row])
+
+    def delete_prefix(self, owner: str, name: str) -> None:
+        """Free the prefix's row; sessions started from it keep their own copies."""
+        row = self._prefix_row(owner, name)
+        with self._lock:
+            del self._prefixes[owner, name]
+            heapq.heappush(self._free, row)
+
+    def prefixes(self, owner: str) -> dict[str, int]:
+        """The owner's prefixes: name -> positions."""
+        with self._lock:
+            return {name: int(self.pool.lengths[row]) for (who, name), row in self._prefixes.items() if who == owner}
+
+    def _prefix_row(self, owner: str, name: str) -> int:
+        with self._lock:
+            row = self._prefixes.get((owner, name))
+        if row is None:
+            raise errors.UnknownPrefix(name)
+        return row
 
     def _give_back(self, slot: Slot) -> None:
         heapq.heappush(self._free, slot.row)

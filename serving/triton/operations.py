@@ -1,13 +1,18 @@
 """The session operations as `mha_session` takes them (docs/design.md, "Session operations"): a
 request on a session's sequence whose parameter `session_operation` names one of
-`contract.names.OPERATIONS`, carrying no tokens:
+`contract.names.OPERATIONS`:
 
-| operation | flags | parameters, inputs | answer |
-|---|---|---|---|
-| `snapshot` | none | `owner` (optional): who may restore it | `snapshot`: the blob (serving/engine/snapshots.py) |
-| `restore` | START | input `snapshot`: a blob; `owner` (optional): the caller | the restored length in `held_length` |
-| `fork` | START (of the new sequence) | `fork_of`: the sequence forked | its length |
-| `rewind` | none | `rewind_to`: the positions kept | the length |
+| operation | flags | tokens | parameters, inputs | answer |
+|---|---|---|---|---|
+| `snapshot` | none | none | `owner`: who may restore it | output `snapshot`: the blob |
+| `restore` | START | none | input `snapshot`: a blob; `owner`: the caller | the length |
+| `fork` | START (of the new sequence) | none | `fork_of`: the sequence forked | its length |
+| `rewind` | none | none | `rewind_to`: the positions kept | the length |
+| `put_prefix` | START and END (its own sequence) | the prefix's | `prefix`: its name; `owner` | -1 |
+| `from_prefix` | START | none | `prefix`; `owner` | the session's length |
+| `delete_prefix` | START and END | none | `prefix`; `owner` | -1 |
+
+`owner` is optional (empty: anyone); the blob is serving/engine/snapshots.py's.
 
 Each is checked here and refused (INVALID_ARG, naming the parameter, expected and actual) before the
 engine is touched. Only the static engine has them."""
@@ -22,7 +27,16 @@ from contract import names
 from serving.engine.errors import InvalidRequest
 from serving.engine.steps import StepRequest
 
-NEEDS_START = (names.RESTORE, names.FORK)
+# operation -> (START, END, tokens) it is sent with
+FLAGS = {
+    names.SNAPSHOT_OPERATION: (False, False, False),
+    names.RESTORE: (True, False, False),
+    names.FORK: (True, False, False),
+    names.REWIND: (False, False, False),
+    names.PUT_PREFIX: (True, True, True),
+    names.FROM_PREFIX: (True, False, False),
+    names.DELETE_PREFIX: (True, True, False),
+}
 
 
 def run(engine: Any, step: StepRequest, operation: dict) -> bytes | None:
@@ -35,6 +49,8 @@ def run(engine: Any, step: StepRequest, operation: dict) -> bytes | None:
         return engine.snapshot(sequence, owner)
     if name == names.RESTORE:
         engine.restore(sequence, _blob(operation.get(names.SNAPSHOT)), owner)
+    elif name in (names.PUT_PREFIX, names.FROM_PREFIX, names.DELETE_PREFIX):
+        _prefix(engine, step, name, owner, _parameter(operation, names.PREFIX, (str,)))
     elif name == names.FORK:
         engine.fork(_parameter(operation, names.FORK_OF, (int, str)), sequence)
     else:
@@ -48,17 +64,28 @@ def _check(engine: Any, step: StepRequest, operation: dict) -> str:
         raise InvalidRequest(f"parameter '{names.OPERATION}': expected one of {list(names.OPERATIONS)}, got {name!r}")
     if not hasattr(engine, "snapshot"):
         raise InvalidRequest(f"'{name}' needs the static engine; this model runs the concat engine")
-    if step.end:
-        raise InvalidRequest(f"'{name}' cannot END the sequence: send END in a request of its own")
-    if step.start != (name in NEEDS_START):
-        wanted = "with" if name in NEEDS_START else "without"
-        raise InvalidRequest(f"'{name}' is sent {wanted} the START flag (sequence_start)")
+    start, end, carries_tokens = FLAGS[name]
+    for flag, wanted, given in (("START", start, step.start), ("END", end, step.end)):
+        if given != wanted:
+            raise InvalidRequest(f"'{name}' is sent {'with' if wanted else 'without'} the {flag} flag")
     tokens = 0 if step.hidden is None else step.hidden.shape[1]
-    if tokens:
+    if tokens and not carries_tokens:
         raise InvalidRequest(f"'{name}' carries no tokens: expected hidden_states of 0 tokens, got {tokens}")
+    if carries_tokens and not tokens:
+        raise InvalidRequest(f"'{name}' carries the prefix's tokens: expected hidden_states of 1 or more, got 0")
     if name != names.RESTORE and operation.get(names.SNAPSHOT) is not None:
         raise InvalidRequest(f"input '{names.SNAPSHOT}' goes with '{names.RESTORE}' only, not with '{name}'")
     return name
+
+
+def _prefix(engine: Any, step: StepRequest, name: str, owner: str, prefix: str) -> None:
+    if name == names.PUT_PREFIX:
+        tokens = step.hidden[0] if step.mask is None else step.hidden[0][step.mask[0].astype(bool)]
+        engine.put_prefix(owner, prefix, tokens)
+    elif name == names.FROM_PREFIX:
+        engine.start_from_prefix(step.sequence_id, owner, prefix)
+    else:
+        engine.delete_prefix(owner, prefix)
 
 
 def _blob(array: np.ndarray | None) -> bytes:

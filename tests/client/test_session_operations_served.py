@@ -121,3 +121,47 @@ def test_async_snapshot_restore_and_fork(triton, served_cfg, served_reference):
     forked, restored = asyncio.run(run())
     np.testing.assert_array_equal(forked, restored)
     np.testing.assert_allclose(restored, full_forward(served_reference, pieces)[:, 6:], atol=1e-5)
+
+
+def test_sixteen_sessions_from_one_prefix_each_equal_a_session_that_prefilled_it(triton, served_cfg, served_reference):
+    """The prefix is prefilled once; each session starts from a copy and goes its own way."""
+    prefix = hidden(served_cfg, 1, 12, seed=100)
+    with Client(triton.grpc_url) as client:
+        assert client.put_prefix("system", prefix) == 12 and client.prefixes() == {"system": 12}
+        with pytest.raises(InvalidInputError, match="exists and is immutable"):
+            client.put_prefix("system", prefix)
+        sessions = [client.session(prefix="system") for _ in range(16)]
+        tokens = [hidden(served_cfg, 1, 1, seed=101 + i) for i in range(16)]
+        outputs = [session.step(token) for session, token in zip(sessions, tokens, strict=True)]
+        for session, token, output in zip(sessions, tokens, outputs, strict=True):
+            assert session.length == 13
+            np.testing.assert_allclose(output, full_forward(served_reference, [prefix, token])[:, 12:], atol=1e-5)
+            session.close()
+        with client.session() as prefilled:  # the same tokens the long way: bit for bit the same
+            prefilled.step(prefix)
+            np.testing.assert_array_equal(prefilled.step(tokens[0]), outputs[0])
+        client.delete_prefix("system")
+        assert client.prefixes() == {}
+        with pytest.raises(InvalidInputError, match="prefix 'system' is unknown here"):
+            client.session(prefix="system").open()
+        # another owner's prefix of the same name is another prefix
+        client.put_prefix("system", prefix, owner="a")
+        with pytest.raises(InvalidInputError, match="unknown here"):
+            Client(triton.grpc_url).session(prefix="system", owner="b").open()
+        with client.session(prefix="system", owner="a") as session:
+            assert session.step(tokens[1]).shape == (1, 1, served_cfg.d_model)
+        client.delete_prefix("system", owner="a")
+
+
+def test_a_prefix_a_server_lost_is_put_again_from_the_clients_copy(triton, served_cfg, served_reference):
+    """What a replica that never saw the prefix (or restarted) does: it answers prefix_unknown, and
+    the client puts the prefix there from its own copy, then starts the session."""
+    prefix = hidden(served_cfg, 1, 6, seed=120)
+    token = hidden(served_cfg, 1, 1, seed=121)
+    with Client(triton.grpc_url) as owner_client, Client(triton.grpc_url) as other:
+        owner_client.put_prefix("doc", prefix)
+        other.delete_prefix("doc")  # the server forgets it behind owner_client's back
+        with owner_client.session(prefix="doc") as session:
+            output = session.step(token)
+        np.testing.assert_allclose(output, full_forward(served_reference, [prefix, token])[:, 6:], atol=1e-5)
+        owner_client.delete_prefix("doc")

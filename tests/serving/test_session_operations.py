@@ -199,3 +199,27 @@ def test_on_a_gpu_the_operations_copy_rows_on_the_device_and_restore_exactly(art
         first = step(engine, "a", token)
         np.testing.assert_array_equal(step(engine, "b", token), first)
         np.testing.assert_array_equal(step(engine, "c", token), first)
+
+
+def test_a_prefix_takes_a_row_until_deleted_and_sessions_start_from_copies(engine, original):
+    rng, d = np.random.default_rng(6), original.cfg.d_model
+    prefix = tokens(rng, 10, d)
+    assert engine.put_prefix("key", "doc", prefix[0]) == 10
+    assert engine.prefixes("key") == {"doc": 10} and engine.prefixes("other") == {}
+    with pytest.raises(errors.InvalidRequest, match="exists and is immutable"):
+        engine.put_prefix("key", "doc", prefix[0])
+    with pytest.raises(errors.UnknownPrefix, match="'doc' is unknown here"):
+        engine.start_from_prefix("x", "other", "doc")  # scoped to its owner
+    reference = Reference(original)
+    reference.step(prefix)
+    assert engine.start_from_prefix("s", "key", "doc") == 10
+    engine.delete_prefix("key", "doc")  # the session holds its own copy
+    token = tokens(rng, 1, d)
+    np.testing.assert_allclose(step(engine, "s", token), reference.step(token), atol=1e-5, rtol=1e-5)
+    # 4 rows: the prefix's row is back; three prefixes and the session fill the pool
+    for name in ("a", "b", "c"):
+        engine.put_prefix("key", name, prefix[0, :2])
+    with pytest.raises(errors.CacheFull):
+        engine.put_prefix("key", "d", prefix[0, :2])
+    with pytest.raises(errors.InvalidRequest, match="expected 1 to 128 tokens"):
+        engine.put_prefix("key", "e", prefix[0, :0])
