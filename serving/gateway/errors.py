@@ -58,6 +58,10 @@ class SessionNotFound(ApiError):
     status, code = 404, "session_not_found"
 
 
+class PrefixNotFound(ApiError):
+    status, code = 404, "prefix_not_found"
+
+
 class SessionConflict(ApiError):
     status, code = 409, "session_conflict"
 
@@ -107,7 +111,7 @@ class UpstreamTimeout(ApiError):
 DESCRIPTIONS = {
     400: "invalid input: the message names the input with the expected and actual shape, dtype or value",
     401: "missing or wrong API key (`Authorization: Bearer <key>` or `X-API-Key: <key>`)",
-    404: "no such session (or it belongs to another key)",
+    404: "no such session or prefix (or it belongs to another key)",
     409: "the session cannot go on: lost with a Triton process (`session_lost`), evicted, or a step in flight",
     413: "request body larger than any valid request for the served model can be, or than the configured limit",
     422: "the body does not match the schema",

@@ -21,6 +21,7 @@ from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, ident
 from serving.gateway.encoding import Encoding, encode, tensor_json
 from serving.gateway.errors import (
     ApiError,
+    PrefixNotFound,
     SessionConflict,
     SessionLost,
     UpstreamTimeout,
@@ -64,7 +65,7 @@ SECURITY_SCHEMES = (bearer_scheme, api_key_scheme)  # either one: app.py puts th
 
 health = APIRouter(tags=["health"])
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(caller)])
-BODY_MODELS = (schemas.AttendRequest, schemas.StepBody)  # bodies read by hand: app.py documents them
+BODY_MODELS = (schemas.AttendRequest, schemas.StepBody, schemas.FromPrefix)  # read by hand: app.py documents them
 
 
 def body_documented(model: type) -> dict[str, Any]:
@@ -196,8 +197,12 @@ SNAPSHOT_TYPE = "application/octet-stream"
 SNAPSHOT_BODY = {
     "requestBody": {
         "required": False,
-        "description": "a snapshot (GET /v1/sessions/{id}/snapshot) the session starts from; none: an empty one",
-        "content": {SNAPSHOT_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+        "description": "none: an empty session; a snapshot (GET /v1/sessions/{id}/snapshot) as "
+        "application/octet-stream, or a prefix of this key as JSON, for a session that starts from it",
+        "content": {
+            SNAPSHOT_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            "application/json": {"schema": {"$ref": "#/components/schemas/FromPrefix"}},
+        },
     }
 }
 
@@ -206,15 +211,21 @@ SNAPSHOT_BODY = {
     "/sessions",
     status_code=201,
     response_model=schemas.SessionCreated,
-    responses=responses(400, 401, 413, 429, 502, 503, 504),
-    summary="Open a session (empty, or from a snapshot): the server keeps its KV cache between steps",
+    responses=responses(400, 401, 404, 413, 422, 429, 502, 503, 504),
+    summary="Open a session (empty, from a snapshot or from a prefix): the server keeps its KV cache between steps",
     openapi_extra=SNAPSHOT_BODY,
 )
 async def create_session(request: Request, gw: State, owner: Caller, response: Response) -> dict:
     # a body is a snapshot only as application/octet-stream: any other (none, `{}`) opens an empty session
-    is_snapshot = request.headers.get("content-type", "").split(";")[0].strip() == SNAPSHOT_TYPE
-    blob = await request.body() if is_snapshot else b""
-    upstream = gw.client.session(restore=blob or None, owner=owner)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    raw = await request.body()
+    blob = raw if content_type == SNAPSHOT_TYPE else b""
+    prefix = None
+    if content_type == "application/json" and raw.strip():
+        prefix = validated.parse(raw, schemas.FromPrefix).fields.prefix
+        if prefix is not None and prefix not in gw.client.prefixes(owner):
+            raise PrefixNotFound(f"no prefix {prefix!r} (PUT /v1/prefixes/{{name}} first)")
+    upstream = gw.client.session(restore=blob or None, owner=owner, prefix=prefix)
     return await _open(gw, gw.sessions.reserve(owner, upstream), response, upstream.open())
 
 
@@ -300,6 +311,49 @@ async def rewind(session_id: str, body: schemas.RewindBody, gw: State, owner: Ca
     async with gw.sessions.using(session_id, owner) as session:
         length = await gw.call(session.upstream.rewind(body.length), f"rewind of session '{session.id}'")
     return {"length": length}
+
+
+# --- prefixes -------------------------------------------------------------------------------
+
+
+@v1.put(
+    "/prefixes/{name}",
+    status_code=201,
+    response_model=schemas.Prefix,
+    responses=responses(400, 401, 413, 422, 502, 503, 504),
+    summary="Prefill tokens once as a named prefix of this key; sessions then start from it without a prefill",
+    openapi_extra=body_documented(schemas.StepBody),
+)
+async def put_prefix(name: str, request: Request, owner: Caller) -> dict:
+    gw = the_gateway(request)
+    raw = await request.body()
+    body = await gw.offload(len(raw), validated.parse, raw, schemas.StepBody)
+    info = await gw.model_info(gw.settings.session_model)
+    valid = await gw.offload(len(raw), validated.step, body, info)
+    tokens = (
+        valid.hidden_states if valid.attention_mask is None else valid.hidden_states[:, valid.attention_mask[0] == 1]
+    )
+    length = await gw.call(gw.client.put_prefix(name, tokens, owner=owner), f"prefix '{name}'")
+    return {"name": name, "length": length}
+
+
+@v1.get("/prefixes", response_model=schemas.PrefixList, responses=responses(401), summary="This key's prefixes")
+async def list_prefixes(gw: State, owner: Caller) -> dict:
+    return {"prefixes": [{"name": n, "length": length} for n, length in sorted(gw.client.prefixes(owner).items())]}
+
+
+@v1.delete(
+    "/prefixes/{name}",
+    status_code=204,
+    response_class=Response,
+    responses=responses(401, 404, 502, 503, 504),
+    summary="Delete a prefix; sessions started from it go on with their own copies",
+)
+async def delete_prefix(name: str, gw: State, owner: Caller) -> Response:
+    if name not in gw.client.prefixes(owner):
+        raise PrefixNotFound(f"no prefix {name!r}")
+    await gw.call(gw.client.delete_prefix(name, owner=owner), f"deleting prefix '{name}'")
+    return Response(status_code=204)
 
 
 @v1.delete(

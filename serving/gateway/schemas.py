@@ -84,6 +84,21 @@ class SessionCreated(BaseModel):
     idle_timeout_s: float = Field(description="the session is closed after this long without a step")
 
 
+class FromPrefix(Strict):
+    prefix: str | None = Field(
+        default=None, description="a prefix of this key (PUT /v1/prefixes/{name}) the session starts from; none: empty"
+    )
+
+
+class Prefix(BaseModel):
+    name: str
+    length: int = Field(description="the positions it holds")
+
+
+class PrefixList(BaseModel):
+    prefixes: list[Prefix]
+
+
 class RewindBody(BaseModel):
     length: int = Field(ge=0, description="the positions the session keeps; the next step continues after them")
 

@@ -285,6 +285,36 @@ def test_snapshot_restore_fork_and_rewind_through_the_gateway(api, gateway):
             client.delete(f"/v1/sessions/{answer.json()['id']}")
 
 
+def test_prefixes_through_the_gateway_are_the_keys_own(api, gateway):
+    """PUT a prefix once; sessions opened from it (a JSON body naming it) step as a session that
+    prefilled the same tokens; it is listed for its key only, and deleted (404 after)."""
+    prefix, token = states(new=6), states(new=1)
+    put = api.put("/v1/prefixes/system", json={"hidden_states": b64_tensor(prefix)})
+    assert put.status_code == 201 and put.json() == {"name": "system", "length": 6}, put.text
+    assert api.get("/v1/prefixes").json() == {"prefixes": [{"name": "system", "length": 6}]}
+    other = {"X-API-Key": KEYS[1]}
+    assert httpx.get(f"{gateway.url}/v1/prefixes", headers=other).json() == {"prefixes": []}
+    refused = httpx.post(f"{gateway.url}/v1/sessions", json={"prefix": "system"}, headers=other)
+    assert_error(refused, 404, "prefix_not_found", "'system'")
+    from_prefix = api.post("/v1/sessions", json={"prefix": "system"})
+    assert from_prefix.status_code == 201, from_prefix.text
+    prefilled = api.post("/v1/sessions").json()["id"]
+    api.post(f"/v1/sessions/{prefilled}/step", json={"hidden_states": b64_tensor(prefix)})
+    answers = [
+        api.post(f"/v1/sessions/{i}/step?encoding=b64", json={"hidden_states": b64_tensor(token)}).json()
+        for i in (from_prefix.json()["id"], prefilled)
+    ]
+    np.testing.assert_array_equal(from_b64(answers[0]["output"]), from_b64(answers[1]["output"]))
+    assert answers[0]["length"] == answers[1]["length"] == 7
+    again = api.put("/v1/prefixes/system", json={"hidden_states": b64_tensor(prefix)})
+    assert_error(again, 400, "invalid_input", "immutable")
+    assert api.delete("/v1/prefixes/system").status_code == 204
+    assert_error(api.delete("/v1/prefixes/system"), 404, "prefix_not_found")
+    assert_error(api.post("/v1/sessions", json={"prefix": 7}), 422, "validation_error")
+    for i in (from_prefix.json()["id"], prefilled):
+        assert api.delete(f"/v1/sessions/{i}").status_code == 204
+
+
 def test_sessions_per_key_are_limited_to_429(gateway):
     with httpx.Client(base_url=gateway.url, headers={"X-API-Key": KEYS[1]}) as client:
         opened = [client.post("/v1/sessions").json()["id"] for _ in range(SESSIONS_PER_KEY)]
