@@ -16,8 +16,9 @@ Writes `sessions.json` and `sessions.png` and prints a table.
   binary, the static engine on the CPU), called with the gRPC client: the time to the first token
   of a session whose prompt is `length` tokens, prefilled (`cold`: START with the prompt) against
   started from that prompt's snapshot (`restore`, the blob sent with the START, then one token)
-  and forked from a live session holding it (`fork`: a row copy inside the server, what a prefix
-  kept there costs); and a snapshot's time and bytes. Rounds interleaved as above.
+  forked from a live session holding it (`fork`: a row copy inside the server), and started from
+  it as a named prefix (`prefix`: put once, each session a copy of its row); and a snapshot's time
+  and bytes. Rounds interleaved as above.
 Not measured here yet: what each operation costs the other sessions' steps.
 """
 
@@ -154,7 +155,8 @@ def _served_length(client, length: int, rounds: int) -> dict:
     with client.session() as source:
         source.step(prompt[:, :-1])
         blob = source.snapshot()
-        timings = {name: Timing() for name in ("cold", "restore", "fork", "snapshot")}
+        timings = {name: Timing() for name in ("cold", "restore", "fork", "prefix", "snapshot")}
+        client.put_prefix("bench", prompt[:, :-1])
 
         def cold() -> None:
             with client.session() as session:
@@ -168,13 +170,19 @@ def _served_length(client, length: int, rounds: int) -> dict:
             with source.fork() as session:
                 session.step(prompt[:, -1:])
 
-        calls = {"cold": cold, "restore": restored, "fork": forked, "snapshot": source.snapshot}
+        def from_prefix() -> None:  # the named prefix: prefilled once, each session a copy of its row
+            with client.session(prefix="bench") as session:
+                session.step(prompt[:, -1:])
+
+        calls = {"cold": cold, "restore": restored, "fork": forked, "prefix": from_prefix, "snapshot": source.snapshot}
         for _ in range(rounds):
             for name, call in calls.items():
                 measure(call, Budget(seconds=0.0, min_runs=3, slow_runs=3), into=timings[name])
+        client.delete_prefix("bench")
     row = {"length": length, "blob_bytes": len(blob), **{name: t.to_dict() for name, t in timings.items()}}
     row["cold_over_restore"] = timings["cold"].median_ms / timings["restore"].median_ms
     row["cold_over_fork"] = timings["cold"].median_ms / timings["fork"].median_ms
+    row["cold_over_prefix"] = timings["cold"].median_ms / timings["prefix"].median_ms
     return row
 
 
@@ -196,13 +204,14 @@ def table(results: dict) -> str:
         lines += [
             "served (Triton, gRPC): time to first token, cold prefill vs from the prompt's snapshot (medians, ms)",
             f"{'length':>7} {'blob MB':>8} {'cold':>10} {'restore':>10} {'cold/restore':>13} {'fork':>8}"
-            f" {'cold/fork':>10} {'snapshot':>10}",
+            f" {'cold/fork':>10} {'prefix':>8} {'cold/prefix':>12} {'snapshot':>10}",
         ]
         for row in results["served"]:
             lines.append(
                 f"{row['length']:>7} {row['blob_bytes'] / 1e6:>8.2f} {row['cold']['median_ms']:>10.1f}"
                 f" {row['restore']['median_ms']:>10.1f} {row['cold_over_restore']:>12.1f}x"
                 f" {row['fork']['median_ms']:>8.1f} {row['cold_over_fork']:>9.1f}x"
+                f" {row['prefix']['median_ms']:>8.1f} {row['cold_over_prefix']:>11.1f}x"
                 f" {row['snapshot']['median_ms']:>10.1f}"
             )
     return "\n".join(lines)

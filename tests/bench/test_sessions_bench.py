@@ -30,5 +30,5 @@ def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(tmp_pa
     assert [row["length"] for row in results["lengths"]] == [16, 64]
     (through_triton,) = results["served"]  # a real Triton: cold prefill against a restored snapshot
     assert through_triton["length"] == 32 and through_triton["cold_over_restore"] > 0
-    assert all(through_triton[name]["runs"] >= 3 for name in ("cold", "restore", "fork", "snapshot"))
+    assert all(through_triton[name]["runs"] >= 3 for name in ("cold", "restore", "fork", "prefix", "snapshot"))
     assert "prefill/restore" in capsys.readouterr().out
