@@ -309,3 +309,31 @@ def test_a_snapshot_restores_on_another_replica_and_a_fork_stays_on_its_sessions
                     np.testing.assert_array_equal(ours, source.step(part))
                     np.testing.assert_array_equal(branch.step(part), ours)
                 np.testing.assert_allclose(ours, expected(original, parts)[:, -1:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_prefix_reaches_each_replica_a_session_needs_it_on_and_is_deleted_from_all(fleet, original):
+    """Put once through Envoy (one replica); sessions that hash elsewhere get it put there from the
+    client's copy; every session equals the original over prefix + its token; a delete reaches every
+    replica that got it."""
+    from client import InvalidInputError
+
+    with Client(f"127.0.0.1:{fleet.grpc_port}") as client:
+        d_model = client.metadata("mha_session").d_model
+        rng = np.random.default_rng(50)
+        prefix = rng.standard_normal((1, 6, d_model)).astype(np.float32)
+        client.put_prefix("shared", prefix)
+        sessions = [client.session(prefix="shared") for _ in range(9)]
+        for i, session in enumerate(sessions):
+            token = np.random.default_rng(60 + i).standard_normal((1, 1, d_model)).astype(np.float32)
+            np.testing.assert_allclose(
+                session.step(token), expected(original, [prefix, token])[:, -1:], rtol=1e-5, atol=1e-5
+            )
+            session.close()
+        holders = {replica_index(fleet, pin) for pin in client._prefix_replicas[("", "shared")]}
+        used = {replica_index(fleet, s.replica) for s in sessions}
+        assert used <= holders and len(used) >= 2, (used, holders)
+        client.delete_prefix("shared")
+        with Client(f"127.0.0.1:{fleet.grpc_port}") as stranger:  # holds no copy to put again
+            for _ in range(6):
+                with pytest.raises(InvalidInputError, match="unknown here"):
+                    stranger.session(prefix="shared").open()
