@@ -19,7 +19,9 @@ Writes `sessions.json` and `sessions.png` and prints a table.
   forked from a live session holding it (`fork`: a row copy inside the server), and started from
   it as a named prefix (`prefix`: put once, each session a copy of its row); and a snapshot's time
   and bytes. Rounds interleaved as above.
-Not measured here yet: what each operation costs the other sessions' steps.
+- What an operation costs the other sessions: 8 sessions of `--others-past` positions decode one
+  token each in one execute(), alone, and after an operation on a session of the longest length
+  (mha_session runs a batch's operations before its steps, so the steps wait for it).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def artifact(root: Path, preset_name: str) -> Path:
     return directory
 
 
-def engine(directory: Path, threads: int):
+def engine(directory: Path, threads: int, rows: int = 4):
     from contract.config import ModelConfig
     from serving.engine.kv_pool import KVPool
     from serving.engine.ort import ort_session
@@ -56,7 +58,7 @@ def engine(directory: Path, threads: int):
 
     cfg = ModelConfig.load(directory)
     session = ort_session(directory / files.model_filename(VARIANT), threads=threads)
-    return StaticSessionEngine(KVPool(session, cfg, rows=4, capacity=cfg.max_seq_len), idle_timeout=3600.0)
+    return StaticSessionEngine(KVPool(session, cfg, rows=rows, capacity=cfg.max_seq_len), idle_timeout=3600.0)
 
 
 def operations(served, original, length: int) -> dict:
@@ -89,7 +91,9 @@ def operations(served, original, length: int) -> dict:
     }
 
 
-def benchmark(root: Path, preset_name: str, lengths: list[int], rounds: int, seconds: float, threads: int) -> dict:
+def benchmark(
+    root: Path, preset_name: str, lengths: list[int], rounds: int, seconds: float, threads: int, others_past: int
+) -> dict:
     import torch
 
     from export.artifacts import load_model
@@ -127,6 +131,54 @@ def benchmark(root: Path, preset_name: str, lengths: list[int], rounds: int, sec
         "rounds": rounds,
         "bandwidth": bandwidth,
         "lengths": rows,
+        "cost_to_others": cost_to_others(directory, threads, rounds, others_past, max(lengths)),
+    }
+
+
+OTHERS = 8
+
+
+def cost_to_others(directory: Path, threads: int, rounds: int, past: int, length: int) -> dict:
+    """The decode step of OTHERS sessions alone and after each operation on a `length`-position one."""
+    from serving.engine.steps import StepRequest
+
+    served = engine(directory, threads, rows=OTHERS + 4)
+    d, past = served.cfg.d_model, min(past, served.cfg.max_seq_len - 1)
+    rng = np.random.default_rng(7)
+    for i in range(OTHERS):
+        served.execute([StepRequest(i, True, False, rng.standard_normal((1, past, d)).astype(np.float32))])
+    served.execute([StepRequest("big", True, False, rng.standard_normal((1, length, d)).astype(np.float32))])
+    blob = served.snapshot("big")
+    tokens = [StepRequest(i, False, False, rng.standard_normal((1, 1, d)).astype(np.float32)) for i in range(OTHERS)]
+
+    def steps() -> None:
+        served.execute(tokens)
+        for i in range(OTHERS):  # back to `past`: every run steps the same lengths
+            served.rewind(i, past)
+
+    before = {
+        "alone": lambda: None,
+        "snapshot": lambda: served.snapshot("big"),
+        "restore": lambda: served.restore("restored", blob),
+        "fork": lambda: served.fork("big", "forked"),
+        "rewind": lambda: served.rewind("big", length),
+    }
+    timings = {name: Timing() for name in before}
+    for _ in range(rounds):
+        for name, operation in before.items():
+
+            def call(operation=operation) -> None:
+                operation()
+                steps()
+
+            measure(call, Budget(seconds=0.3, min_runs=5), into=timings[name])
+    alone = timings["alone"].median_ms
+    return {
+        "others": OTHERS,
+        "past": past,
+        "length": length,
+        "steps_ms": {name: t.to_dict() for name, t in timings.items()},
+        "added_ms": {name: t.median_ms - alone for name, t in timings.items() if name != "alone"},
     }
 
 
@@ -200,6 +252,12 @@ def table(results: dict) -> str:
             f" {row['prefill_onnx_over_restore']:>15.1f}x {row['snapshot_over_floor']:>14.1f}x"
             f" {row['restore_over_floor']:>13.1f}x"
         )
+    cost = results["cost_to_others"]
+    lines.append(
+        f"the decode step of {cost['others']} other sessions at past {cost['past']}: "
+        f"{cost['steps_ms']['alone']['median_ms']:.2f} ms alone; added by an operation on a {cost['length']}-position "
+        "session before it: " + ", ".join(f"{name} {ms:+.2f} ms" for name, ms in cost["added_ms"].items())
+    )
     if results.get("served"):
         lines += [
             "served (Triton, gRPC): time to first token, cold prefill vs from the prompt's snapshot (medians, ms)",
@@ -242,6 +300,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=0.5, help="per operation per round (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default: %(default)s)")
+    parser.add_argument("--others-past", type=int, default=1024, help="the other sessions' past (default: %(default)s)")
     parser.add_argument(
         "--served-lengths",
         default="1024,4096",
@@ -254,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(text) for text in args.lengths.split(",")]
     served_lengths = [int(text) for text in args.served_lengths.split(",") if text]
     with output.work_folder(args.work, "bench-sessions-") as root:
-        results = benchmark(root, args.preset, lengths, args.rounds, args.seconds, args.threads)
+        results = benchmark(root, args.preset, lengths, args.rounds, args.seconds, args.threads, args.others_past)
         results["served"] = (
             served(root, args.preset, served_lengths, args.rounds, args.threads) if served_lengths else []
         )

@@ -28,6 +28,13 @@ def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(tmp_pa
             assert row["operations"][name]["runs"] >= 3 and row["operations"][name]["median_ms"] > 0, name
         assert row["prefill_onnx_over_restore"] > 0 and row["floor_ms"] > 0
     assert [row["length"] for row in results["lengths"]] == [16, 64]
+    cost = results["cost_to_others"]
+    assert (
+        cost["others"] == 8
+        and cost["length"] == 64
+        and set(cost["added_ms"]) == {"snapshot", "restore", "fork", "rewind"}
+    )
+    assert all(timing["runs"] >= 5 for timing in cost["steps_ms"].values())
     (through_triton,) = results["served"]  # a real Triton: cold prefill against a restored snapshot
     assert through_triton["length"] == 32 and through_triton["cold_over_restore"] > 0
     assert all(through_triton[name]["runs"] >= 3 for name in ("cold", "restore", "fork", "prefix", "snapshot"))
