@@ -7,6 +7,7 @@ python -m bench scale            # Envoy in front of 3 Triton replicas vs straig
 python -m bench admission        # 2,000 opens on a 1,500-row KV budget: sequence slots from the budget vs 1,024
 python -m bench gateway          # 16 sessions stepping through the gateway (JSON, b64) vs the gRPC client direct
 python -m bench sessions         # snapshot, restore, fork, rewind vs prefilling again, against the session's length
+python -m bench durable          # a decode step with the session store (directory, Redis) vs without; a recovering step
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -16,7 +17,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import admission, gateway, gpu, model, scale, serving, sessions
+from bench import admission, durable, gateway, gpu, model, scale, serving, sessions
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
@@ -27,9 +28,10 @@ COMMANDS: dict[str, ModuleType] = {
     "admission": admission,
     "gateway": gateway,
     "sessions": sessions,
+    "durable": durable,
     "gpu": gpu,
 }
-DEFAULT_COMMANDS = ("model", "serving", "scale", "admission", "gateway", "sessions")
+DEFAULT_COMMANDS = ("model", "serving", "scale", "admission", "gateway", "sessions", "durable")
 
 
 def parser() -> argparse.ArgumentParser:

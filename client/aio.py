@@ -96,9 +96,12 @@ class AsyncClient(ClientCore):
         restore: bytes | None = None,
         owner: str | None = None,
         prefix: str | None = None,
+        store_key: str | None = None,
     ) -> AsyncSession:
         """As `Client.session`."""
-        return AsyncSession(self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix)
+        return AsyncSession(
+            self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix, store_key=store_key
+        )
 
     async def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
         """As `Client.put_prefix`."""

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import logging
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,9 +34,12 @@ from client.errors import (
     UnknownSessionError,
 )
 from client.metadata import ModelInfo, parse_facts, parse_metadata
-from client.retry import Call, Operation, RetryPolicy, Sleep, retried
+from client.retry import Call, Local, Operation, RetryPolicy, Sleep, retried
+from client.store import SessionStore, StoreError, StoreKey, open_store
 from contract import errors as kinds
 from contract import names
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +66,21 @@ class ClientCore:
         retries: int = 3,
         backoff: float = 0.1,
         validate: bool = True,
+        session_store: SessionStore | str | None = None,
+        checkpoint_every: int = 256,
+        recovery_timeout: float = 30.0,
     ) -> None:
+        """`session_store` (a SessionStore, a directory, a `redis://` URL): sessions become durable:
+        every `checkpoint_every` positions a session writes what it added since the last checkpoint
+        there, and a session whose server lost it (a replica, a server or its model process died) is
+        rebuilt on a server that answers, for up to `recovery_timeout` s, from the store and the steps
+        since its last checkpoint (client/store.py; docs/design.md, "Durable sessions")."""
+        if checkpoint_every < 1 or recovery_timeout < 0:
+            raise ValueError(
+                f"need checkpoint_every >= 1 and recovery_timeout >= 0, got {checkpoint_every}, {recovery_timeout}"
+            )
+        self.store = session_store if isinstance(session_store, SessionStore | None) else open_store(session_store)
+        self.checkpoint_every, self.recovery_timeout = checkpoint_every, recovery_timeout
         self.protocol = _wire.check_protocol(protocol)
         self.url = _wire.normalize_url(url, protocol)
         self.model, self.session_model = model, session_model
@@ -249,6 +268,7 @@ class SessionCore:
         restore: bytes | None = None,
         owner: str | None = None,
         prefix: str | None = None,
+        store_key: str | None = None,
     ) -> None:
         """`replica` resumes a session opened elsewhere (another process, another gateway replica):
         `sequence_id` is then the server's, already started, and `replica` the pin its answers named
@@ -256,7 +276,9 @@ class SessionCore:
         START: at `open()` or before its first step). `owner`: a tag the server writes into this
         session's snapshots and requires to restore one (the gateway passes its caller's key
         fingerprint); None: anyone holding the blob may restore it. `prefix`: a named prefix the
-        session starts from (`put_prefix`), sent with its START."""
+        session starts from (`put_prefix`), sent with its START. `store_key`: a resumed session's key in
+        the session store (its `store_key` where it was opened): its close marks it ended there, so that
+        the process that opened it does not rebuild it."""
         if sum(x is not None for x in (restore, replica, prefix)) > 1:
             raise ValueError("a session resumes one open elsewhere (replica), or starts from a snapshot or a prefix")
         self._restore, self._prefix = restore, prefix
@@ -271,6 +293,21 @@ class SessionCore:
         self.replica = replica or None  # the replica holding it, as the proxy named it (None: no proxy)
         # the last step sent: once one went out, the server may hold the sequence even if it failed
         self._sent: np.ndarray | None = None
+        # durable (a client with a session store; not a session resumed from elsewhere, whose past
+        # this process never saw): positions [0, _checkpointed) are in the store, the tokens of the
+        # steps since are in _since; _replayable is False while they are not (a restored, forked or
+        # prefixed start, or a rewind, until its checkpoint is written)
+        self._key = StoreKey(owner or "", uuid.uuid4().hex) if client.store is not None and replica is None else None
+        # a resumed session: ended through this process, it is marked ended in the store
+        self._ends = StoreKey(owner or "", store_key) if client.store is not None and store_key else None
+        self._checkpointed, self._since, self._replayable = 0, [], True
+        self._next_checkpoint = client.checkpoint_every
+        self.recoveries = 0  # times this session was rebuilt after its server lost it
+
+    @property
+    def store_key(self) -> str | None:
+        """This session's key in the session store (None: not durable)."""
+        return self._key.session if self._key is not None else None
 
     def _step(self, hidden_states: Any, attention_mask: Any = None, end: bool = False) -> Operation[np.ndarray]:
         if self.closed:
@@ -282,8 +319,26 @@ class SessionCore:
         tensors = _wire.step_tensors(info, hidden_states, attention_mask)
         self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
         try:
-            answer = yield from client._send_step(
-                self.id, tensors, start=not self.started, end=end, replica=self.replica
+            answer = yield from self._send(tensors, end)
+        except (SessionLostError, ServerUnavailableError) as error:
+            if self._key is None or not self.started:
+                raise
+            yield from self._recover(error)
+            answer = yield from self._send(tensors, end)
+        self.started, self.closed, self.replica = True, end, answer.replica
+        held = answer.held_length
+        self.length = held if held is not None and held >= 0 else self.length + answer.output.shape[1]
+        if self._key is not None:
+            yield from self._keep(tensors, end)
+        return answer.output
+
+    def _send(self, tensors: dict, end: bool) -> Operation[StepAnswer]:
+        """One step on the server; SessionLostError when the server held the session and lost it."""
+        try:
+            return (
+                yield from self.client._send_step(
+                    self.id, tensors, start=not self.started, end=end, replica=self.replica
+                )
             )
         except UnknownSessionError as error:
             self.closed = True  # the server does not know it: there is nothing left to end
@@ -294,10 +349,144 @@ class SessionCore:
                     kind=kinds.SEQUENCE_LOST,
                 ) from None
             raise
-        self.started, self.closed, self.replica = True, end, answer.replica
-        held = answer.held_length
-        self.length = held if held is not None and held >= 0 else self.length + answer.output.shape[1]
-        return answer.output
+
+    # --- durable sessions: checkpoints in the store, recovery from them --------------------------------
+
+    def _keep(self, tensors: dict, end: bool) -> Operation[None]:
+        """After a step: its kept tokens join the replay log; past the checkpoint interval, a
+        checkpoint; at the end, the session's entry is forgotten."""
+        if end:
+            yield from self._forget()
+            return
+        hidden, mask = tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK)
+        kept = hidden if mask is None else hidden[:, np.asarray(mask)[0].astype(bool)]
+        if kept.shape[1]:
+            self._since.append(kept)
+        if self.length >= self._next_checkpoint:
+            yield from self._checkpoint()
+
+    def _checkpoint(self) -> Operation[None]:
+        """Write the positions added since the last checkpoint to the store (a snapshot of them,
+        taken by the server); the replay log starts afresh. A failure keeps the log and waits
+        `checkpoint_every` positions to try again: the session goes on either way."""
+        client, since, length = self.client, self._checkpointed, self.length
+        self._next_checkpoint = length + client.checkpoint_every
+        if length == since:
+            return
+        try:
+            blob = yield from self._snapshot(since)
+            yield Local(lambda: client.store.append(self._key, since, length, blob))
+        except ClientError as error:
+            log.warning(
+                "session %s: checkpoint of positions %d to %d not written (%s); until one is, a loss replays "
+                "%d positions%s",
+                self.id,
+                since,
+                length,
+                error.message,
+                length - since,
+                "" if self._replayable else " it does not hold: the session could not be recovered",
+            )
+            return
+        self._checkpointed, self._since, self._replayable = length, [], True
+
+    def _recover(self, error: ClientError) -> Operation[None]:
+        """Rebuild the lost session where a server answers: a START of a new sequence id (a proxy
+        routes it to a live replica) restoring the store's increments, then the steps since the last
+        checkpoint as one prefill. SessionLostError when the store cannot give the session back."""
+        client, lost, began = self.client, self.id, time.monotonic()
+
+        def gone(why: str) -> SessionLostError:
+            return SessionLostError(
+                f"session {lost} is lost ({error.message}) and cannot be recovered: {why}", kind=kinds.SEQUENCE_LOST
+            )
+
+        if not self._replayable:
+            raise gone("the positions since its last checkpoint were never written to the store")
+        try:
+            ended, chunks = yield Local(lambda: (client.store.ended(self._key), client.store.chunks(self._key)))
+        except StoreError as failure:
+            raise gone(failure.message) from None
+        if ended:
+            self.closed, self._key = True, None
+            raise UnknownSessionError(
+                f"session {lost} was ended through another process (gateway); it is not rebuilt",
+                kind=kinds.SEQUENCE_ENDED,
+            )
+        held = chunks[-1].end if chunks else 0
+        if held != self._checkpointed:
+            raise gone(f"the store holds positions 0 to {held} of the {self._checkpointed} checkpointed")
+        info = yield from client._metadata(client.session_model)
+        yield from self._restart([chunk.blob for chunk in chunks], info, began + client.recovery_timeout, gone)
+        replayed = sum(tokens.shape[1] for tokens in self._since)
+        for piece in _pieces(self._since, int(info.facts.get("max_request_tokens") or 0) or replayed):
+            try:
+                answer = yield from self._send({names.HIDDEN_STATES: piece}, end=False)
+            except ClientError as failure:
+                raise gone(f"replaying the steps since its last checkpoint failed: {failure.message}") from None
+            self.replica = answer.replica
+            if answer.held_length is not None and answer.held_length >= 0:
+                self.length = answer.held_length
+        self.recoveries += 1
+        log.warning(
+            "session %s was lost (%s); recovered as session %s%s in %.0f ms: %d positions from the store, %d replayed",
+            lost,
+            error.message,
+            self.id,
+            f" on {self.replica}" if self.replica else "",
+            1000 * (time.monotonic() - began),
+            held,
+            replayed,
+        )
+
+    def _restart(self, blobs: list[bytes], info: ModelInfo, deadline: float, gone) -> Operation[None]:
+        """START a new sequence holding `blobs` (none: empty), trying until `deadline` while no
+        server can take it (a restarting replica, a model being reloaded)."""
+        empty = np.zeros((1, 0, info.d_model), info.float_dtype)
+        while True:
+            self.id, self.replica, self.started, self.closed = _wire.new_sequence_id(), None, False, False
+            self._sent, tensors, parameters = empty, {names.HIDDEN_STATES: empty}, None
+            if blobs:
+                tensors[names.SNAPSHOT] = np.array([blobs], dtype=np.object_)
+                parameters = {names.OPERATION: names.RESTORE, **self._owner}
+            try:
+                answer = yield from self._start(tensors, parameters, None, None)
+                break
+            except (ServerUnavailableError, ServerBusyError, SessionLostError, RequestTimeoutError) as failure:
+                if time.monotonic() >= deadline:
+                    raise gone(
+                        f"no server took it within {self.client.recovery_timeout:g} s: {failure.message}"
+                    ) from None
+                yield Sleep(0.25)
+            except ClientError as failure:  # a refused restore: the store's entry is not this model's
+                raise gone(failure.message) from None
+        self.started, self.replica = True, answer.replica
+        self.length = answer.held_length if answer.held_length is not None and answer.held_length >= 0 else 0
+
+    def _after_rewind(self, length: int) -> Operation[None]:
+        """The store and the replay log keep what the session keeps: the first `length` positions."""
+        if length >= self._checkpointed:
+            kept = np.concatenate(self._since, axis=1)[:, : length - self._checkpointed] if self._since else None
+            self._since = [kept] if kept is not None and kept.shape[1] else []
+            return
+        try:
+            self._checkpointed = yield Local(lambda: self.client.store.truncate(self._key, length))
+        except StoreError as error:
+            log.warning("session %s: its store entry could not follow a rewind (%s)", self.id, error.message)
+            self._replayable = False
+            return
+        self._since, self._replayable = [], False  # [checkpointed, length) is only on the server now
+        yield from self._checkpoint()
+
+    def _forget(self) -> Operation[None]:
+        """The session ended: its checkpoints go; a resumed one's are marked ended for its opener."""
+        key, ends, self._key, self._ends = self._key, self._ends, None, None
+        store = self.client.store
+        with contextlib.suppress(StoreError):
+            if key is not None:
+                yield Local(lambda: store.delete(key))
+            if ends is not None:
+                yield Local(lambda: store.end(ends))
 
     def _open(self, fork_of: SessionCore | None = None) -> Operation[None]:
         """START the session without tokens: the server reserves its KV cache now, so a full budget
@@ -331,6 +520,9 @@ class SessionCore:
         self.replica, self._restore, self._prefix = answer.replica, None, None
         self.started = True
         self.length = answer.held_length if answer.held_length is not None and answer.held_length >= 0 else 0
+        if self._key is not None and self.length:  # its start is in no log: only a checkpoint keeps it
+            self._replayable = False
+            yield from self._checkpoint()
 
     def _start(
         self, tensors: dict, parameters: dict | None, route_as: int | None, replica: str | None
@@ -354,9 +546,12 @@ class SessionCore:
                 self._sent = None
             raise
 
-    def _snapshot(self) -> Operation[bytes]:
-        """The session's KV cache as a blob; the session goes on unchanged."""
-        answer = yield from self._operate({names.OPERATION: names.SNAPSHOT_OPERATION, **self._owner})
+    def _snapshot(self, since: int = 0) -> Operation[bytes]:
+        """The session's KV cache (from position `since`) as a blob; the session goes on unchanged."""
+        parameters = {names.OPERATION: names.SNAPSHOT_OPERATION, **self._owner}
+        if since:
+            parameters[names.SNAPSHOT_SINCE] = since
+        answer = yield from self._operate(parameters)
         if answer.snapshot is None:
             raise ClientError(f"the server's answer to the snapshot of session {self.id} has no '{names.SNAPSHOT}'")
         return answer.snapshot
@@ -364,6 +559,8 @@ class SessionCore:
     def _rewind(self, length: int) -> Operation[int]:
         """Keep the first `length` positions; the next step continues from there. The new length."""
         yield from self._operate({names.OPERATION: names.REWIND, names.REWIND_TO: int(length)})
+        if self._key is not None:
+            yield from self._after_rewind(self.length)
         return self.length
 
     def _operate(self, parameters: dict) -> Operation[StepAnswer]:
@@ -388,6 +585,7 @@ class SessionCore:
         is fine."""
         needs_end = (self._sent is not None or self.started) and not self.closed
         self.closed = True
+        yield from self._forget()
         if needs_end:
             if self._sent is None:  # resumed: the model says the width
                 info = yield from self.client._metadata(self.client.session_model)
@@ -399,3 +597,11 @@ class SessionCore:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open" if self.started else "new"
         return f"<{type(self).__name__} {self.id} {state}, {self.length} tokens>"
+
+
+def _pieces(steps: list[np.ndarray], cap: int) -> list[np.ndarray]:
+    """The tokens of `steps` (each (1, T, d)) as one sequence, in pieces of at most `cap` tokens."""
+    if not steps:
+        return []
+    tokens = np.concatenate(steps, axis=1)
+    return [tokens[:, begin : begin + cap] for begin in range(0, tokens.shape[1], cap)]

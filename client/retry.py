@@ -56,7 +56,15 @@ class Sleep:
     seconds: float
 
 
-Action = Call | Sleep
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """Blocking work of our own (a session store's read or write): run in this thread by the
+    blocking client, on a worker thread by the asyncio one, so the event loop never waits on it."""
+
+    fn: Callable[[], Any]
+
+
+Action = Call | Sleep | Local
 # An operation yields actions; the driver sends back a Call's answer or throws in what it raised.
 Operation = Generator[Action, Any, T]
 
@@ -110,6 +118,11 @@ def run_blocking(operation: Operation[T], stub: Callable[[], Any], sleep: Callab
         answer, raised = None, None
         if isinstance(action, Sleep):
             sleep(action.seconds)
+        elif isinstance(action, Local):
+            try:
+                answer = action.fn()
+            except Exception as error:  # handed to the operation, which decides
+                raised = error
         else:
             try:
                 answer = action.fn(stub())
@@ -128,6 +141,11 @@ async def run_async(operation: Operation[T], stub: Callable[[], Any]) -> T:
         answer, raised = None, None
         if isinstance(action, Sleep):
             await asyncio.sleep(action.seconds)
+        elif isinstance(action, Local):
+            try:
+                answer = await asyncio.to_thread(action.fn)
+            except Exception as error:  # handed to the operation, which decides
+                raised = error
         else:
             try:
                 answer = await action.fn(stub())

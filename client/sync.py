@@ -114,13 +114,15 @@ class Client(ClientCore):
         restore: bytes | None = None,
         owner: str | None = None,
         prefix: str | None = None,
+        store_key: str | None = None,
     ) -> Session:
         """A new server-side session (nothing is sent until its first step); with `replica`, one
         opened elsewhere, resumed (client/core.py's SessionCore); with `restore`, one that starts
         holding that snapshot's cache (`Session.snapshot()`) and goes on as the original would.
         `owner`: a tag kept in the session's snapshots and required to restore them. `prefix`: a named
-        prefix (`put_prefix`) the session starts from, without a prefill."""
-        return Session(self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix)
+        prefix (`put_prefix`) the session starts from, without a prefill. `store_key`: a resumed
+        session's key in this client's session store (`Session.store_key` where it was opened)."""
+        return Session(self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix, store_key=store_key)
 
     def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
         """Prefill `tokens` (1, T, d_model) once as the immutable prefix `name`; sessions then start

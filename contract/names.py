@@ -21,7 +21,7 @@ OUTPUT = "output"
 HELD_LENGTH = "held_length"
 # The session model's operations on a whole session (docs/design.md, "Session operations"): asked by
 # a request parameter on the session's sequence; `SNAPSHOT` is the blob, a BYTES input to restore at
-# START and a BYTES output of a snapshot.
+# START (one blob, or a checkpoint's increments in order) and a BYTES output of a snapshot.
 SNAPSHOT = "snapshot"
 OPERATION = "session_operation"  # request parameter: one of OPERATIONS
 SNAPSHOT_OPERATION, RESTORE, FORK, REWIND = "snapshot", "restore", "fork", "rewind"
@@ -31,6 +31,9 @@ OPERATIONS = (SNAPSHOT_OPERATION, RESTORE, FORK, REWIND, PUT_PREFIX, FROM_PREFIX
 PREFIX = "prefix"  # request parameter of the prefix operations: its name
 FORK_OF = "fork_of"  # request parameter of a fork: the sequence id forked (the request STARTs the new one)
 REWIND_TO = "rewind_to"  # request parameter of a rewind: the positions the session keeps
+# request parameter of a snapshot: its first position (a durable session's checkpoint writes only the
+# positions added since the one before; 0 or absent: the whole cache)
+SNAPSHOT_SINCE = "snapshot_since"
 OWNER = "owner"  # request parameter of a snapshot and a restore: who may restore the blob (the gateway's)
 
 BATCH = "batch_size"

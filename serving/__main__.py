@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,6 +84,12 @@ def gateway_arguments(parser: argparse.ArgumentParser) -> None:
     gateway.add_argument("--gateway-port", type=int, default=8080, help="the gateway's HTTP port")
     gateway.add_argument(
         "--host", help="the address the gateway listens on (default: SERVING_HOST or 127.0.0.1; loopback without keys)"
+    )
+    gateway.add_argument(
+        "--session-store",
+        help="where the gateway's sessions write checkpoints, so that a session whose replica dies goes on: a "
+        "directory, a redis:// URL, or none (default: SERVING_SESSION_STORE, else a folder of this run's, removed "
+        "at its end)",
     )
 
 
@@ -204,12 +213,19 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     overrides = {"triton_url": front.grpc_url, "port": args.gateway_port}
     if args.host is not None:
         overrides["host"] = args.host
-    gateway = run_gateway(Settings(**overrides))
+    store = args.session_store if args.session_store is not None else os.environ.get("SERVING_SESSION_STORE")
+    own_store = tempfile.mkdtemp(prefix="serving-sessions-") if store is None else None
+    overrides["session_store"] = own_store or ("" if store == "none" else store)
     try:
-        print(banner(gateway), flush=True)
-        watch(front, stop)
+        gateway = run_gateway(Settings(**overrides))
+        try:
+            print(banner(gateway), flush=True)
+            watch(front, stop)
+        finally:
+            gateway.stop()
     finally:
-        gateway.stop()
+        if own_store:
+            shutil.rmtree(own_store, ignore_errors=True)
 
 
 def watch(front, stop: threading.Event) -> None:

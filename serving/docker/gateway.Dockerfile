@@ -24,6 +24,7 @@ RUN python -m pip install /tmp/src \
         "orjson==3.13.0" \
         "uvloop==0.23.0" \
         "httptools==0.9.0" \
+        "redis==8.1.0" \
     && rm -rf /tmp/src
 
 RUN useradd --uid 10001 --no-log-init --create-home --shell /usr/sbin/nologin serving

@@ -185,9 +185,11 @@ class KVPool:
             binding.bind_input(past, self.device, self.device_id, self.dtype, window, address)
             binding.bind_output(present, self.device, self.device_id, self.dtype, window, address)
 
-    def read(self, row: int) -> dict[str, np.ndarray]:
-        """Row `row`'s cache as host arrays (1, n_kv, length, head_dim), by past name."""
-        return {name: used[None] for name, used in self._row_copy.to_host(row, int(self.lengths[row])).items()}
+    def read(self, row: int, start: int = 0) -> dict[str, np.ndarray]:
+        """Row `row`'s cache from position `start` to its length as host arrays (1, n_kv, length -
+        start, head_dim), by past name."""
+        used = self._row_copy.to_host(row, int(self.lengths[row]), start)
+        return {name: array[None] for name, array in used.items()}
 
     # --- a row as a whole: the session operations (snapshot, restore, fork, rewind) -------------------
 
@@ -238,11 +240,11 @@ class _RowCopy:
         inputs = [helper.make_tensor_value_info(f"in.{name}", element, shape) for name in pool.past_names]
         outputs = [helper.make_tensor_value_info(f"out.{name}", element, shape) for name in pool.past_names]
         copy = [helper.make_node("Identity", [f"in.{n}"], [f"out.{n}"]) for n in pool.past_names]
-        # the used positions: axis 2 from 0 to `length` (an input: one graph for every length)
-        bounds = [helper.make_tensor_value_info(name, helper.TensorProto.INT64, [1]) for name in ("zero", "length")]
+        # the used positions: axis 2 from `start` to `length` (inputs: one graph for every range)
+        bounds = [helper.make_tensor_value_info(name, helper.TensorProto.INT64, [1]) for name in ("start", "length")]
         axis = helper.make_tensor("axis", helper.TensorProto.INT64, [1], [2])
-        cut = [helper.make_node("Slice", [f"in.{n}", "zero", "length", "axis"], [f"out.{n}"]) for n in pool.past_names]
-        used_shape = [1, shape[1], "length", shape[3]]
+        cut = [helper.make_node("Slice", [f"in.{n}", "start", "length", "axis"], [f"out.{n}"]) for n in pool.past_names]
+        used_shape = [1, shape[1], "positions", shape[3]]
         used = [helper.make_tensor_value_info(f"out.{n}", element, used_shape) for n in pool.past_names]
         providers = pool.session.get_providers()[:1]
         if providers[0] != "CPUExecutionProvider":
@@ -262,12 +264,12 @@ class _RowCopy:
             bind = binding.bind_input if prefix == "in" else binding.bind_output
             bind(f"{prefix}.{name}", pool.device, pool.device_id, pool.dtype, shape, address)
 
-    def to_host(self, row: int, length: int) -> dict[str, np.ndarray]:
-        """The first `length` positions of row `row` of every buffer: past name -> (n_kv, length,
-        head_dim) on the host."""
+    def to_host(self, row: int, length: int, start: int = 0) -> dict[str, np.ndarray]:
+        """Positions `start` to `length` of row `row` of every buffer: past name -> (n_kv, length -
+        start, head_dim) on the host."""
         binding = self.cut.io_binding()
         self._bind(binding, "in", row)
-        binding.bind_cpu_input("zero", np.zeros(1, np.int64))
+        binding.bind_cpu_input("start", np.array([start], np.int64))
         binding.bind_cpu_input("length", np.array([length], np.int64))
         for name in self.pool.past_names:
             binding.bind_output(f"out.{name}", CPU)

@@ -2,8 +2,10 @@
 length, with what it was made by in the file's metadata, so that it is only ever restored into the
 same computation.
 
-Tensors: one per past name (`past_key_values.{i}.key` / `.value`), each (n_kv_heads, length,
-head_dim) in the cache's dtype. Metadata (safetensors keeps str -> str):
+Tensors: one per past name (`past_key_values.{i}.key` / `.value`), each (n_kv_heads, length - start,
+head_dim) in the cache's dtype: positions `start` to `length` (a whole cache from 0; an increment,
+as a durable session's checkpoints write them, from where the one before ended). Metadata
+(safetensors keeps str -> str):
 
 | key | what |
 |---|---|
@@ -13,18 +15,20 @@ head_dim) in the cache's dtype. Metadata (safetensors keeps str -> str):
 | `graph_sha256` | its sha256 (the weights are inside the graph): the build's, from `SHA256SUMS` |
 | `dtype` | the cache's float type (`float32`, `float16`) |
 | `length` | the positions held |
+| `start` | the first position the blob holds (0: the whole cache; more: a checkpoint's increment) |
 | `owner` | who may restore it (the gateway's keyed fingerprint of the caller's API key; empty: anyone) |
 
 A blob is refused (`SnapshotError`, naming what differs, expected and actual) when it is not a
 safetensors file, when its metadata is not this model's, graph or dtype, or when its tensors do not
-have the shapes its length and config say.
+have the shapes its length and config say; increments are restored together (`decode_chunks`), each
+starting where the one before ended.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import safetensors
@@ -54,15 +58,43 @@ def fingerprint(cfg: ModelConfig, dtype: str, graph: str = "", graph_sha256: str
     }
 
 
-def encode(cache: Mapping[str, np.ndarray], identity: Mapping[str, str], length: int, owner: str = "") -> bytes:
-    """`cache`: past name -> (n_kv_heads, length, head_dim)."""
-    tensors = {name: np.ascontiguousarray(array[:, :length]) for name, array in cache.items()}
-    return safetensors.numpy.save(tensors, metadata={**identity, "length": str(length), "owner": owner})
+def encode(
+    cache: Mapping[str, np.ndarray], identity: Mapping[str, str], length: int, owner: str = "", start: int = 0
+) -> bytes:
+    """`cache`: past name -> (n_kv_heads, length - start, head_dim), positions `start` to `length`."""
+    tensors = {name: np.ascontiguousarray(array[:, : length - start]) for name, array in cache.items()}
+    metadata = {**identity, "length": str(length), "start": str(start), "owner": owner}
+    return safetensors.numpy.save(tensors, metadata=metadata)
+
+
+def decode_chunks(
+    blobs: Sequence[bytes], identity: Mapping[str, str], owner: str = ""
+) -> tuple[dict[str, np.ndarray], int]:
+    """`decode` of a whole cache given as increments, in order: the first from position 0, each
+    next one from where the one before ended."""
+    if not blobs:
+        raise SnapshotError("no snapshot given: expected 1 or more blobs, got 0")
+    parts, length = [], 0
+    for index, blob in enumerate(blobs):
+        cache, start, end = _decode_part(blob, identity, owner)
+        if start != length:
+            where = "position 0" if index == 0 else f"position {length}, where blob {index - 1} ends"
+            raise SnapshotError(f"snapshot blob {index} starts at position {start}: expected {where}")
+        parts.append(cache)
+        length = end
+    if len(parts) == 1:
+        return parts[0], length
+    return {name: np.concatenate([part[name] for part in parts], axis=1) for name in parts[0]}, length
 
 
 def decode(blob: bytes, identity: Mapping[str, str], owner: str = "") -> tuple[dict[str, np.ndarray], int]:
     """The cache (past name -> (n_kv_heads, length, head_dim)) and its length, from a blob made by the
     pool `identity` describes for `owner`; SnapshotError otherwise."""
+    return decode_chunks([blob], identity, owner)
+
+
+def _decode_part(blob: bytes, identity: Mapping[str, str], owner: str) -> tuple[dict[str, np.ndarray], int, int]:
+    """One blob's positions (past name -> (n_kv_heads, length - start, head_dim)), start and length."""
     try:
         tensors = safetensors.numpy.load(bytes(blob))
     except (safetensors.SafetensorError, ValueError) as error:
@@ -73,19 +105,23 @@ def decode(blob: bytes, identity: Mapping[str, str], owner: str = "") -> tuple[d
             raise SnapshotError(_differs(key, identity[key], metadata.get(key)))
     if metadata.get("owner", "") != owner:  # which owner it is stays unsaid
         raise SnapshotError("the snapshot belongs to another owner (API key): it is not restored here")
-    length = _length(metadata.get("length"))
+    length = _length(metadata.get("length"), "length")
+    start = _length(metadata.get("start", "0"), "start")
+    if start > length:
+        raise SnapshotError(f"snapshot metadata: 'start' {start} is past 'length' {length}")
     cfg = ModelConfig.from_dict(json.loads(identity["config"]))
-    expected = (cfg.n_kv_heads, length, cfg.head_dim)
+    expected = (cfg.n_kv_heads, length - start, cfg.head_dim)
     wanted = names.past_names(cfg.n_layers)
     if sorted(tensors) != sorted(wanted):
         raise SnapshotError(f"snapshot tensors: expected {wanted}, got {sorted(tensors)}")
     for name in wanted:
         if tensors[name].shape != expected or tensors[name].dtype != np.dtype(identity["dtype"]):
             raise SnapshotError(
-                f"snapshot tensor {name}: expected {identity['dtype']} {list(expected)} (length {length}), got "
+                f"snapshot tensor {name}: expected {identity['dtype']} {list(expected)} (positions {start} to "
+                f"{length}), got "
                 f"{tensors[name].dtype} {list(tensors[name].shape)}"
             )
-    return tensors, length
+    return tensors, start, length
 
 
 def _metadata(blob: bytes) -> dict[str, str]:
@@ -95,9 +131,9 @@ def _metadata(blob: bytes) -> dict[str, str]:
     return json.loads(bytes(blob[8 : 8 + size])).get("__metadata__") or {}
 
 
-def _length(text: str | None) -> int:
+def _length(text: str | None, key: str) -> int:
     if text is None or not text.isdigit():
-        raise SnapshotError(f"snapshot metadata 'length': expected a whole number of positions, got {text!r}")
+        raise SnapshotError(f"snapshot metadata '{key}': expected a whole number of positions, got {text!r}")
     return int(text)
 
 

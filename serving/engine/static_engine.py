@@ -19,7 +19,7 @@ import dataclasses
 import heapq
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -128,19 +128,24 @@ class StaticSessionEngine(StepEngine):
 
     # --- session operations: snapshot, restore, fork, rewind ------------------------------------------
 
-    def snapshot(self, sequence_id: SequenceId, owner: str = "") -> bytes:
-        """The live sequence's cache as a blob (snapshots.py) only `owner` restores; the sequence goes
-        on unchanged."""
+    def snapshot(self, sequence_id: SequenceId, owner: str = "", since: int = 0) -> bytes:
+        """The live sequence's cache from position `since` (0: all of it; more: the increment since a
+        checkpoint) as a blob (snapshots.py) only `owner` restores; the sequence goes on unchanged."""
         with self._lock:
             row = self._slots.touch(sequence_id).row
             length = int(self.pool.lengths[row])
-            cache = {name: array[0] for name, array in self.pool.read(row).items()}
-        return snapshots.encode(cache, self.pool.identity, length, owner)
+            if not 0 <= since <= length:
+                held = f"sequence {sequence_id!r} holds {length} positions"
+                raise errors.InvalidRequest(f"{held}: a snapshot starts at 0 to {length}, got {since}")
+            cache = {name: array[0] for name, array in self.pool.read(row, since).items()}
+        return snapshots.encode(cache, self.pool.identity, length, owner, since)
 
-    def restore(self, sequence_id: SequenceId, blob: bytes, owner: str = "") -> int:
-        """Start `sequence_id` holding the cache of `blob` (a START: a live sequence of that id
-        restarts); its length. A blob of another model, graph, dtype or owner changes nothing."""
-        cache, length = snapshots.decode(blob, self.pool.identity, owner)
+    def restore(self, sequence_id: SequenceId, blob: bytes | Sequence[bytes], owner: str = "") -> int:
+        """Start `sequence_id` holding the cache of `blob` (or of several: a snapshot's increments, in
+        order) (a START: a live sequence of that id restarts); its length. A blob of another model,
+        graph, dtype or owner, or increments that leave a gap, change nothing."""
+        blobs = [blob] if isinstance(blob, bytes | bytearray | memoryview) else list(blob)
+        cache, length = snapshots.decode_chunks(blobs, self.pool.identity, owner)
         if length > self.max_positions:
             raise errors.SequenceTooLong(sequence_id, length, self.max_positions)
         row = self._start(sequence_id)

@@ -110,6 +110,17 @@ class RunningGateway:
         self.stop()
 
 
+def _durability(settings) -> str:
+    if not settings.session_store:
+        return "not durable: a session whose Triton replica dies is lost (no session store)"
+    from client.store import open_store
+
+    return (
+        f"durable: checkpoints every {settings.checkpoint_every} positions in {open_store(settings.session_store)!r}; "
+        "a session whose replica dies is rebuilt at its next step"
+    )
+
+
 def banner(gateway: RunningGateway) -> str:
     """What `python -m serving` prints once the gateway is up: its URLs and a curl line that works."""
     settings, url = gateway.settings, gateway.url
@@ -125,6 +136,7 @@ def banner(gateway: RunningGateway) -> str:
         [
             f"gateway         {url}   (API docs: {url}/docs, OpenAPI: {url}/openapi.json)",
             f"gateway auth    {state}",
+            f"sessions        {_durability(settings)}",
             "try             "
             f"python3 -c 'import json; print(json.dumps({hidden}))' | "
             f"curl -s {url}/v1/attend -H 'Content-Type: application/json'{auth} -d @- | head -c 300; echo",

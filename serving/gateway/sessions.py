@@ -67,11 +67,13 @@ class Gone:
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What a session id says, signed: the Triton sequence, who owns it, the replica holding it."""
+    """What a session id says, signed: the Triton sequence, who owns it, the replica holding it, its
+    key in the session store."""
 
     sequence_id: int
     owner: str
     replica: str  # "" when no proxy named one (a single Triton)
+    store_key: str = ""  # the session's key in the session store ("": not durable)
 
 
 class SessionIds:
@@ -83,15 +85,15 @@ class SessionIds:
         self._serializer = URLSafeSerializer(secret, salt="attention-serving/session", signer_kwargs=signer)
 
     def issue(self, claim: Claim) -> str:
-        return self._serializer.dumps([claim.sequence_id, claim.owner, claim.replica])
+        return self._serializer.dumps([claim.sequence_id, claim.owner, claim.replica, claim.store_key])
 
     def read(self, session_id: str) -> Claim | None:
         """The claim of an id this gateway's secret signed; None for any other string."""
         try:
-            sequence_id, owner, replica = self._serializer.loads(session_id)
+            sequence_id, owner, replica, store_key = self._serializer.loads(session_id)
         except (BadSignature, ValueError, TypeError):
             return None
-        return Claim(int(sequence_id), str(owner), str(replica))
+        return Claim(int(sequence_id), str(owner), str(replica), str(store_key))
 
 
 class SessionStore:
@@ -134,7 +136,7 @@ class SessionStore:
         """Give an opened session its signed id."""
         upstream = session.upstream
         del self._open[session.id]
-        session.id = self.ids.issue(Claim(upstream.id, session.owner, upstream.replica or ""))
+        session.id = self.ids.issue(Claim(upstream.id, session.owner, upstream.replica or "", upstream.store_key or ""))
         self._open[session.id] = session
         return session.id
 

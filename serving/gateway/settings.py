@@ -35,6 +35,18 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=30.0, gt=0, description="per request, upstream included; past it 504")
     sessions_per_key: int = Field(default=16, ge=1, description="open sessions one API key may hold; past it 429")
     session_idle_s: float = Field(default=300.0, gt=0, description="a session unused this long is closed")
+    session_store: str = Field(
+        default="",
+        description="where sessions write checkpoints so that one whose Triton replica dies is rebuilt on another at "
+        "its next step: a directory, or a redis:// URL (empty: sessions are not durable; python -m serving "
+        "gives a folder of its own unless told --session-store none)",
+    )
+    checkpoint_every: int = Field(
+        default=256,
+        ge=1,
+        description="a durable session writes the positions it added to the store every this many positions (the "
+        "steps since are replayed after a loss)",
+    )
     session_secret: SecretStr | None = Field(
         default=None,
         description="signs session ids; give every gateway replica the same one and any of them serves any "

@@ -58,7 +58,9 @@ class GatewayState:
             settings.sessions_per_key,
             settings.session_idle_s,
             SessionIds(self.secret),
-            lambda claim: self.client.session(claim.sequence_id, claim.replica, owner=claim.owner),
+            lambda claim: self.client.session(
+                claim.sequence_id, claim.replica, owner=claim.owner, store_key=claim.store_key or None
+            ),
             shared=given is not None,
         )
         self.metrics.active_sessions.set_function(lambda: len(self.sessions))
@@ -98,6 +100,9 @@ class GatewayState:
             retries=2,
             backoff=0.05,
             validate=False,
+            session_store=s.session_store or None,
+            checkpoint_every=s.checkpoint_every,
+            recovery_timeout=s.request_timeout_s,  # the request's deadline bounds it anyway
         )
         self.spawn(self._sweep())
         self.spawn(self._learn_models())

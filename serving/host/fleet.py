@@ -47,15 +47,20 @@ class Fleet:
             replica_of(s, draining=i in self._draining) for i, s in enumerate(self.supervisors) if i not in self._left
         ]
 
-    def retire(self, index: int, deadline_s: float, poll_s: float = 0.5) -> int:
+    def retire(self, index: int, deadline_s: float, poll_s: float = 0.5, migrate: bool = False) -> int:
         """Drain replica `index`, then stop it: marked draining in Envoy's list (new sessions go to
         the others, its own are still served) until it holds no sequence or `deadline_s` has passed;
-        then out of the list and stopped. Returns how many sequences it still held (lost)."""
+        then out of the list and stopped. Returns how many sequences it still held (lost).
+
+        With `migrate`, its sessions are not waited for: it leaves Envoy's list and stops at once, and
+        each session of a client with a session store (every gateway session) moves at its next step,
+        rebuilt on another replica from its checkpoints (docs/design.md, "Durable sessions"). Returns
+        how many it held: moved, or lost for clients without a store."""
         if index in self._left or len(self._left) + 1 >= len(self.supervisors):
             raise ValueError(f"replica {index} cannot be retired: it is gone or the last one serving")
         self._draining.add(index)
         self.envoy.update(self.replicas())
-        server, deadline = self.supervisors[index].server, time.monotonic() + deadline_s
+        server, deadline = self.supervisors[index].server, time.monotonic() + (0 if migrate else deadline_s)
         while (held := open_sequences(server.metrics_url)) != 0 and time.monotonic() < deadline:
             time.sleep(poll_s)
         self._left.add(index)

@@ -148,8 +148,9 @@ def mha_session_config(
     config.input.add(name=names.ATTENTION_MASK, data_type=pb.TYPE_INT64, dims=[-1], optional=True, **ragged)
     config.output.add(name=names.OUTPUT, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model])
     config.output.add(name=names.HELD_LENGTH, data_type=pb.TYPE_INT64, dims=[1])
-    # the session operations' blob: restored from at START, answered by a snapshot (names.OPERATION)
-    config.input.add(name=names.SNAPSHOT, data_type=pb.TYPE_STRING, dims=[1], optional=True)
+    # the session operations' blob: restored from at START (one, or a checkpoint's increments in order),
+    # answered by a snapshot (names.OPERATION)
+    config.input.add(name=names.SNAPSHOT, data_type=pb.TYPE_STRING, dims=[-1], optional=True)
     config.output.add(name=names.SNAPSHOT, data_type=pb.TYPE_STRING, dims=[1])
     batching = config.sequence_batching
     batching.max_sequence_idle_microseconds = settings.triton_idle_microseconds

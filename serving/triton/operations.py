@@ -4,8 +4,8 @@ request on a session's sequence whose parameter `session_operation` names one of
 
 | operation | flags | tokens | parameters, inputs | answer |
 |---|---|---|---|---|
-| `snapshot` | none | none | `owner`: who may restore it | output `snapshot`: the blob |
-| `restore` | START | none | input `snapshot`: a blob; `owner`: the caller | the length |
+| `snapshot` | none | none | `owner`: who may restore it; `snapshot_since`: its first position | the blob |
+| `restore` | START | none | input `snapshot`: a blob, or increments in order; `owner`: the caller | the length |
 | `fork` | START (of the new sequence) | none | `fork_of`: the sequence forked | its length |
 | `rewind` | none | none | `rewind_to`: the positions kept | the length |
 | `put_prefix` | START and END (its own sequence) | the prefix's | `prefix`: its name; `owner` | -1 |
@@ -46,9 +46,10 @@ def run(engine: Any, step: StepRequest, operation: dict) -> bytes | None:
     sequence = step.sequence_id
     owner = _parameter(operation, names.OWNER, (str,)) if names.OWNER in operation else ""
     if name == names.SNAPSHOT_OPERATION:
-        return engine.snapshot(sequence, owner)
+        since = _parameter(operation, names.SNAPSHOT_SINCE, (int,)) if names.SNAPSHOT_SINCE in operation else 0
+        return engine.snapshot(sequence, owner, since)
     if name == names.RESTORE:
-        engine.restore(sequence, _blob(operation.get(names.SNAPSHOT)), owner)
+        engine.restore(sequence, _blobs(operation.get(names.SNAPSHOT)), owner)
     elif name in (names.PUT_PREFIX, names.FROM_PREFIX, names.DELETE_PREFIX):
         _prefix(engine, step, name, owner, _parameter(operation, names.PREFIX, (str,)))
     elif name == names.FORK:
@@ -88,12 +89,11 @@ def _prefix(engine: Any, step: StepRequest, name: str, owner: str, prefix: str) 
         engine.delete_prefix(owner, prefix)
 
 
-def _blob(array: np.ndarray | None) -> bytes:
-    if array is None or array.size != 1:
-        got = "none" if array is None else f"{array.size} elements"
-        raise InvalidRequest(f"'{names.RESTORE}' needs input '{names.SNAPSHOT}': one blob, got {got}")
-    blob = array.reshape(-1)[0]
-    return blob if isinstance(blob, bytes) else bytes(blob)
+def _blobs(array: np.ndarray | None) -> list[bytes]:
+    if array is None or array.size == 0:
+        got = "none" if array is None else "0 elements"
+        raise InvalidRequest(f"'{names.RESTORE}' needs input '{names.SNAPSHOT}': one blob or more, got {got}")
+    return [blob if isinstance(blob, bytes) else bytes(blob) for blob in array.reshape(-1)]
 
 
 def _parameter(operation: dict, key: str, types: tuple[type, ...]) -> Any:

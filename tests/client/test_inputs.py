@@ -138,6 +138,8 @@ def test_session_steps_hold_one_sequence():
 class Recorder:
     """The core's client side for a session: records what the session sends."""
 
+    store, checkpoint_every = None, 256  # no session store: not durable
+
     def __init__(self) -> None:
         self.sent = []
 

@@ -42,7 +42,7 @@ def stack(artifact_dir, tmp_path_factory):
             repository,
             work,
             env={"SERVING_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S)},
-            args=("--probe-interval", "0.5"),
+            args=("--probe-interval", "0.5", "--session-store", "none"),  # the sessions a fault loses: not durable here
         ) as served,
         httpx.Client(base_url=served.gateway_url, timeout=30) as gateway,
     ):

@@ -60,12 +60,15 @@ def test_the_validator_refuses_a_broken_compose_file(tmp_path, mistake):
 
 def test_the_chain_export_then_triton_then_the_gateway(compose):
     services = compose["services"]
-    assert set(services) == {"export", "triton", "serving"}
+    assert set(services) == {"export", "triton", "redis", "serving"}
     # Compose v2 spells out `required: true`, its default
     assert services["triton"]["depends_on"] == {
         "export": {"condition": "service_completed_successfully", "required": True}
     }
-    assert services["serving"]["depends_on"] == {"triton": {"condition": "service_healthy", "required": True}}
+    assert services["serving"]["depends_on"] == {
+        "triton": {"condition": "service_healthy", "required": True},
+        "redis": {"condition": "service_healthy", "required": True},
+    }
     assert services["serving"]["environment"]["SERVING_TRITON_URL"] == "triton:8001"
     assert services["serving"]["environment"]["SERVING_API_KEYS_FILE"].startswith("/run/secrets/")
     # the probe sends a token through each model: Triton's own readiness misses a dead model process
@@ -97,6 +100,15 @@ def test_only_the_gateway_is_published_triton_only_on_loopback(compose):
     assert [(int(p["published"]), p["target"], p.get("host_ip")) for p in serving] == [(8080, 8080, None)]
     for port in compose["services"]["triton"].get("ports", []):
         assert port["host_ip"] == "127.0.0.1", port  # the client library on this host, nobody else
+
+
+def test_gateway_sessions_are_checkpointed_in_redis_on_a_volume(compose):
+    redis, serving = compose["services"]["redis"], compose["services"]["serving"]
+    assert serving["environment"]["SERVING_SESSION_STORE"] == "redis://redis:6379/0"
+    assert serving["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert "--appendonly" in redis["command"] and redis["command"][redis["command"].index("--appendonly") + 1] == "yes"
+    assert [(v["source"], v["target"]) for v in redis["volumes"]] == [("session-store", "/data")]
+    assert "ports" not in redis  # reached over the compose network only
 
 
 def test_images_are_pinned_and_run_as_a_user():

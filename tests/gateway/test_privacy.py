@@ -44,7 +44,7 @@ def test_session_ids_carry_a_keyed_owner_and_stay_out_of_the_log(triton, served_
         assert session not in log and session.split(".")[0] not in log
     assert "POST /v1/sessions" not in log and "/step" not in log  # no access lines (metrics count requests)
 
-    _, (_, owner, _) = URLSafeSerializer("").loads_unsafe(first)  # signed, not encrypted: anyone can read it
+    _, (_, owner, _, _) = URLSafeSerializer("").loads_unsafe(first)  # signed, not encrypted: anyone can read it
     unsalted = hashlib.sha256(KEY.encode()).hexdigest()
     assert owner and KEY not in first and unsalted[:16] not in owner and owner not in unsalted
     assert owner_of(KEY, "one-secret") != owner_of(KEY, "another")  # keyed: without the secret, no key can be tested

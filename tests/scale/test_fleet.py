@@ -36,7 +36,9 @@ PREFILL, DECODES = 5, 4
 def fleet(tiny_repository, tmp_path_factory):
     work = tmp_path_factory.mktemp("fleet")
     args = ("--replicas", "3", "--probe-interval", "0.5")
-    with serving_process(tiny_repository, work, env={"SERVING_SESSION_SECRET": SECRET}, args=args) as served:
+    # gateways that share a secret share a session store too (second_gateway)
+    env = {"SERVING_SESSION_SECRET": SECRET, "SERVING_SESSION_STORE": str(work / "sessions")}
+    with serving_process(tiny_repository, work, env=env, args=args) as served:
         yield served
 
 
@@ -70,7 +72,8 @@ def upstream_hosts(fleet, session_ids: set[int], wait_for: int) -> dict[int, set
     _, envoy_dir = layout(fleet)
     deadline = time.monotonic() + 10
     while True:
-        lines = (envoy_dir / "access.log").read_text().splitlines()
+        # the last line may be half written (Envoy flushes as it goes): only whole lines count
+        lines = (envoy_dir / "access.log").read_text().split("\n")[:-1]
         entries = [json.loads(line) for line in lines if line.startswith("{")]
         entries = [e for e in entries if e.get("session_id") and int(e["session_id"]) in session_ids]
         if len(entries) >= wait_for or time.monotonic() > deadline:
@@ -120,9 +123,10 @@ def test_24_sessions_over_both_protocols_each_stay_on_one_replica_and_equal_the_
 
 @contextlib.contextmanager
 def second_gateway(fleet):
-    """`python -m serving.gateway` on Envoy, with the first gateway's session secret (and, as it, no keys)."""
-    triton = f"127.0.0.1:{fleet.grpc_port}"
-    with gateway_process(triton, Path(os.devnull), api_keys="", session_secret=SECRET) as (url, _):
+    """`python -m serving.gateway` on Envoy, with the first gateway's session secret and store (and, as it,
+    no keys)."""
+    triton, store = f"127.0.0.1:{fleet.grpc_port}", fleet.output_path.parent / "sessions"
+    with gateway_process(triton, Path(os.devnull), api_keys="", session_secret=SECRET, session_store=store) as (url, _):
         yield url
 
 
@@ -175,7 +179,22 @@ def replica_pid(grpc_port: int) -> int:
     raise AssertionError(f"no tritonserver on gRPC port {grpc_port}")
 
 
-def test_a_killed_replica_loses_only_its_sessions_and_serves_again_once_restarted(fleet, original):
+def durable_sessions(fleet, client: Client, inputs: list, victim: int) -> list:
+    """(session, its inputs) opened through a client with a session store and prefilled, until 2
+    are on `victim`."""
+    opened = []
+    while sum(replica_index(fleet, s.replica) == victim for s, _ in opened) < 2:
+        assert len(opened) < 30, f"30 sessions and fewer than 2 on replica {victim}"
+        session, parts = client.session(), inputs[len(opened) % len(inputs)]
+        session.step(parts[0])
+        opened.append((session, parts))
+    return opened
+
+
+def test_a_killed_replica_loses_only_its_sessions_and_serves_again_once_restarted(fleet, original, tmp_path):
+    """Sessions of a client without a session store on the killed replica are lost (SessionLostError
+    at their next step, at once); those with one (a client's directory, the gateway's own) are
+    rebuilt on a survivor at their next step and go on as the original; the others are untouched."""
     client = Client(f"127.0.0.1:{fleet.grpc_port}", "grpc")
     d_model = client.metadata("mha_session").d_model
     sessions = [client.session() for _ in range(9)]
@@ -186,15 +205,24 @@ def test_a_killed_replica_loses_only_its_sessions_and_serves_again_once_restarte
     victim = max(set(on.values()), key=list(on.values()).count)
     victim_port = next(port for port, index in layout(fleet)[0].items() if index == victim)
     through_gateway = gateway_sessions(fleet, inputs[0][0], victim)
+    durable = Client(f"127.0.0.1:{fleet.grpc_port}", "grpc", session_store=tmp_path / "store", checkpoint_every=4)
+    kept = durable_sessions(fleet, durable, inputs, victim)
     os.kill(replica_pid(victim_port), signal.SIGKILL)
 
-    for session_id, replica in through_gateway.items():  # the gateway's answers: 409 session_lost, or served
+    for session_id in through_gateway:  # the gateway's sessions are durable: all served, the lost ones rebuilt
         answer = step_on(fleet.gateway_url, session_id, inputs[0][1])
-        if replica == victim:
-            assert answer.status_code == 409 and answer.json()["error"]["code"] == "session_lost", answer.text
-        else:
-            assert answer.status_code == 200, answer.text
-            httpx.delete(f"{fleet.gateway_url}/v1/sessions/{session_id}", timeout=30)
+        assert answer.status_code == 200, answer.text
+        reference = expected(original, inputs[0][:2])[:, -1:]
+        np.testing.assert_allclose(np.asarray(answer.json()["output"]), reference, rtol=1e-5, atol=1e-5)
+        httpx.delete(f"{fleet.gateway_url}/v1/sessions/{session_id}", timeout=30)
+    for session, parts in kept:  # and so are the store-keeping client's
+        was_on_victim = replica_index(fleet, session.replica) == victim
+        out = [session.step(part) for part in parts[1:]]
+        reference = expected(original, parts)[:, PREFILL:]
+        np.testing.assert_allclose(np.concatenate(out, axis=1), reference, rtol=1e-5, atol=1e-5)
+        assert session.recoveries == was_on_victim
+        session.close()
+    durable.close()
 
     for session, parts in zip(sessions, inputs, strict=True):
         if on[session.id] == victim:
@@ -280,6 +308,67 @@ def test_a_retired_replica_serves_its_sessions_until_they_end_and_takes_no_new_o
             kept.step(parts[1])
         with pytest.raises(ValueError, match="last one serving"):
             fleet.retire(0, deadline_s=1.0)
+    finally:
+        client.close()
+        fleet.stop()
+
+
+def test_a_drain_by_migration_moves_16_sessions_being_stepped_and_none_waits_for_its_end(
+    tiny_repository, original, tmp_path
+):
+    """`Fleet.retire(migrate=True)` while 16 durable sessions step: the replica stops without waiting
+    for them, each of its sessions moves at its next step (rebuilt from the store on another
+    replica), and every step of every session equals the original."""
+    import threading
+
+    from serving.host.envoy import ProxySettings
+    from serving.host.fleet import start_fleet
+    from serving.host.launcher import start_triton
+    from serving.host.supervisor import Supervisor
+
+    proxy = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
+    fleet = start_fleet(3, lambda _: Supervisor(lambda: start_triton(tiny_repository), interval=0.5), proxy)
+    client = Client(fleet.envoy.grpc_url, "grpc", session_store=tmp_path / "store", checkpoint_every=4)
+    try:
+        d_model = client.metadata("mha_session").d_model
+        ports = {s.server.grpc_url: i for i, s in enumerate(fleet.supervisors)}
+        rng = np.random.default_rng(400)
+        parts = [[rng.standard_normal((1, 5, d_model)).astype(np.float32)] for _ in range(16)]
+        sessions = [client.session() for _ in parts]
+        for session, sequence in zip(sessions, parts, strict=True):
+            session.step(sequence[0])
+        on = [ports[base64.b64decode(s.replica).decode()] for s in sessions]
+        victim = max(set(on), key=on.count)
+        retiring: dict[str, float] = {}
+
+        def retire() -> None:
+            began = time.monotonic()
+            retiring["held"] = fleet.retire(victim, deadline_s=300, migrate=True)
+            retiring["seconds"] = time.monotonic() - began
+
+        thread = threading.Thread(target=retire)
+        for k in range(10):
+            if k == 2:
+                thread.start()  # the drain begins while the sessions are being stepped
+            if k == 8:
+                thread.join(60)  # stopped: the last rounds reach the moved sessions
+                assert not thread.is_alive() and not fleet.supervisors[victim].server.is_running()
+            began = time.monotonic()
+            for session, sequence in zip(sessions, parts, strict=True):
+                sequence.append(rng.standard_normal((1, 1, d_model)).astype(np.float32))
+                out = session.step(sequence[-1])
+                reference = expected(original, sequence)[:, -1:]
+                np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
+            if k == 8:
+                print(
+                    f"drain of replica {victim}: stopped {retiring['seconds']:.1f} s after retire(); the 16 "
+                    f"sessions' next round {1000 * (time.monotonic() - began):.0f} ms"
+                )
+        assert retiring["held"] == on.count(victim)
+        assert [s.recoveries for s in sessions] == [int(i == victim) for i in on]
+        assert all(ports.get(base64.b64decode(s.replica).decode()) != victim for s in sessions)
+        for session in sessions:
+            session.close()
     finally:
         client.close()
         fleet.stop()

@@ -55,7 +55,7 @@ def test_every_object_passes_the_strict_schema(built):
         check=False,
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    assert run.stdout.count("passed") == 13, run.stdout
+    assert run.stdout.count("passed") == 17, run.stdout
 
 
 def test_the_envoy_config_is_generated_and_envoy_accepts_it(objects, tmp_path):
@@ -150,8 +150,25 @@ def test_the_gateway_talks_grpc_to_envoy_and_its_replicas_share_the_session_secr
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
+def test_the_gateway_checkpoints_sessions_in_a_redis_on_a_volume_only_it_reaches(objects):
+    (gateway,) = _pod(objects, "Deployment", "gateway")["containers"]
+    env = {item["name"]: item.get("value") for item in gateway["env"]}
+    assert env["SERVING_SESSION_STORE"] == "redis://session-store:6379/0"
+    store = objects["StatefulSet", "session-store"]["spec"]
+    (redis,) = store["template"]["spec"]["containers"]
+    assert redis["args"][:2] == ["--appendonly", "yes"] and redis["volumeMounts"][0]["mountPath"] == "/data"
+    assert store["volumeClaimTemplates"][0]["spec"]["accessModes"] == ["ReadWriteOnce"]
+    (rule,) = objects["NetworkPolicy", "session-store"]["spec"]["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gateway"}}}]
+
+
 def test_every_workload_runs_as_a_numbered_non_root_user_and_has_a_disruption_budget(objects):
-    workloads = [("StatefulSet", "triton"), ("Deployment", "envoy"), ("Deployment", "gateway")]
+    workloads = [
+        ("StatefulSet", "triton"),
+        ("Deployment", "envoy"),
+        ("Deployment", "gateway"),
+        ("StatefulSet", "session-store"),
+    ]
     for kind, name in workloads:
         pod = _pod(objects, kind, name)
         assert pod["securityContext"]["runAsNonRoot"] is True

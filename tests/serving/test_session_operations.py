@@ -148,7 +148,7 @@ def test_a_blob_that_is_not_this_models_is_refused_naming_what_differs_and_chang
         "another dtype": (_edited(blob, dtype="float16"), "cache dtype 'float16', this model serves 'float32'"),
         "a longer length": (
             _edited(blob, length="6"),
-            f"expected float32 [{kv}, 6, {hd}] (length 6), got float32 [{kv}, 5, {hd}]",
+            f"expected float32 [{kv}, 6, {hd}] (positions 0 to 6), got float32 [{kv}, 5, {hd}]",
         ),
         "no length": (_edited(blob, length="five"), "'length': expected a whole number of positions, got 'five'"),
         "another format": (_edited(blob, format="0"), "snapshot format '0'"),
@@ -223,3 +223,45 @@ def test_a_prefix_takes_a_row_until_deleted_and_sessions_start_from_copies(engin
         engine.put_prefix("key", "d", prefix[0, :2])
     with pytest.raises(errors.InvalidRequest, match="expected 1 to 128 tokens"):
         engine.put_prefix("key", "e", prefix[0, :0])
+
+
+def test_increments_since_each_checkpoint_restore_together_as_the_whole_cache(artifact_dir, engine, original):
+    """A durable session's checkpoints: snapshots of the positions added since the one before, each
+    holding only those, restored together into a cache equal to the whole one bit for bit."""
+    rng, d = np.random.default_rng(7), original.cfg.d_model
+    step(engine, "a", tokens(rng, 9, d), start=True)
+    increments, since = [], 0
+    for size in (1, 5, 1):
+        step(engine, "a", tokens(rng, size, d))
+        increments.append(engine.snapshot("a", since=since))
+        since = engine.length("a")
+    lengths = [snapshots.decode_chunks(increments[: i + 1], engine.pool.identity)[1] for i in range(3)]
+    assert lengths == [10, 15, 16]
+    whole = len(engine.snapshot("a"))
+    assert sum(len(blob) for blob in increments) < whole + 3 * 2048  # each position once (plus headers)
+
+    elsewhere = new_engine(artifact_dir, original.cfg)
+    assert elsewhere.restore("b", increments) == 16
+    np.testing.assert_array_equal(_cache(elsewhere, "b"), _cache(engine, "a"))
+    token = tokens(rng, 1, d)
+    np.testing.assert_array_equal(step(elsewhere, "b", token), step(engine, "a", token))
+
+
+def test_increments_with_a_gap_or_out_of_order_are_refused_naming_the_positions(artifact_dir, engine, original):
+    rng, d = np.random.default_rng(8), original.cfg.d_model
+    step(engine, "a", tokens(rng, 4, d), start=True)
+    first = engine.snapshot("a")
+    step(engine, "a", tokens(rng, 3, d))
+    middle = engine.snapshot("a", since=4)
+    step(engine, "a", tokens(rng, 2, d))
+    last = engine.snapshot("a", since=7)
+    elsewhere = new_engine(artifact_dir, original.cfg)
+    with pytest.raises(
+        snapshots.SnapshotError, match=r"blob 1 starts at position 7: expected position 4, where blob 0"
+    ):
+        elsewhere.restore("b", [first, last])
+    with pytest.raises(snapshots.SnapshotError, match=r"blob 0 starts at position 4: expected position 0"):
+        elsewhere.restore("b", [middle, first])
+    with pytest.raises(errors.InvalidRequest, match=r"holds 9 positions: a snapshot starts at 0 to 9, got 10"):
+        engine.snapshot("a", since=10)
+    assert elsewhere.restore("b", [first, middle, last]) == 9

@@ -1,0 +1,259 @@
+"""Where a durable session's checkpoints live, so that it outlives the replica holding its cache
+(docs/design.md, "Durable sessions").
+
+A checkpoint is an increment: the session's snapshot (serving/engine/snapshots.py) of the positions
+added since the one before, so the store holds each position once and the increments, restored
+together in order, make the whole cache. Entries are scoped to an owner (the gateway's keyed
+fingerprint of the caller's API key; "" for a direct client) and a session key (random, made by the
+session), and each carries the sha256 of its bytes: a changed entry is refused when read, never
+sent to a server (the server checks again that the blobs are its model's and the owner's).
+
+Two backends behind `SessionStore`: a local directory (the default of `python -m serving`: nothing to
+install; one host's replicas share it) and Redis (several hosts). `open_store` picks one from a
+setting: a path, or a `redis://` URL.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from client.errors import ClientError
+
+_DIGEST = 64  # hex characters of a sha256, written before each entry's bytes
+_ENDED = "ended"  # the entry that marks a session ended through another process
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+class StoreError(ClientError):
+    """The store cannot be read or written, or one of its entries is not what was written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreKey:
+    """A session's place in the store: its owner and its own key."""
+
+    owner: str
+    session: str
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.session):
+            raise ValueError(f"store session key: expected 1 to 128 of [A-Za-z0-9_-], got {self.session!r}")
+
+    @property
+    def parts(self) -> tuple[str, str]:
+        """The owner (any text: hashed into a name) and the session key, as the store names them."""
+        return hashlib.sha256(self.owner.encode()).hexdigest()[:32] if self.owner else "_", self.session
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One increment: the snapshot of positions [start, end)."""
+
+    start: int
+    end: int
+    blob: bytes
+
+
+class SessionStore(abc.ABC):
+    """A session's increments: each covers positions [start, end); `chunks` returns them in order."""
+
+    @abc.abstractmethod
+    def append(self, key: StoreKey, start: int, end: int, blob: bytes) -> None:
+        """Keep `blob` (the positions [start, end)) after the increments already kept."""
+
+    @abc.abstractmethod
+    def _entries(self, key: StoreKey) -> dict[tuple[int, int], bytes]:
+        """(start, end) -> the entry as written (digest, then the blob)."""
+
+    @abc.abstractmethod
+    def _drop(self, key: StoreKey, spans: list[tuple[int, int]]) -> None:
+        """Forget the increments of these spans."""
+
+    @abc.abstractmethod
+    def delete(self, key: StoreKey) -> None:
+        """Forget the session (nothing kept is fine)."""
+
+    @abc.abstractmethod
+    def end(self, key: StoreKey) -> None:
+        """Forget the session and leave a mark that it was ended, so that a process still holding it
+        (another gateway) does not rebuild it (`ended`)."""
+
+    @abc.abstractmethod
+    def ended(self, key: StoreKey) -> bool:
+        """Whether the session was ended through another process (`end`)."""
+
+    def chunks(self, key: StoreKey) -> list[Chunk]:
+        """The session's increments in order, each checked against its digest; they cover 0 to the
+        last one's end without a gap. StoreError naming the entry otherwise."""
+        chunks, position = [], 0
+        for (start, end), entry in sorted(self._entries(key).items()):
+            if start != position:
+                raise StoreError(f"session store entry {key.parts[1]}: positions {position} to {start} are missing")
+            chunks.append(Chunk(start, end, _checked(entry, f"session store entry {key.parts[1]} [{start}, {end})")))
+            position = end
+        return chunks
+
+    def truncate(self, key: StoreKey, length: int) -> int:
+        """Forget the increments that end past `length` (a rewound session); where the kept ones end."""
+        spans = sorted(self._entries(key))
+        dropped = [span for span in spans if span[1] > length]
+        if dropped:
+            self._drop(key, dropped)
+        return max((end for start, end in spans if end <= length), default=0)
+
+
+def _entry(blob: bytes) -> bytes:
+    return hashlib.sha256(blob).hexdigest().encode() + bytes(blob)
+
+
+def _checked(entry: bytes, what: str) -> bytes:
+    digest, blob = entry[:_DIGEST].decode(errors="replace"), entry[_DIGEST:]
+    actual = hashlib.sha256(blob).hexdigest()
+    if digest != actual:
+        raise StoreError(f"{what} is corrupt: sha256 expected {digest}, got {actual}; it is not restored")
+    return blob
+
+
+class DirectoryStore(SessionStore):
+    """Increments as files `<root>/<owner>/<session>/<start>-<end>`, each written to a temporary file
+    and renamed into place (a crash leaves no half entry). Folders are 0700."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"DirectoryStore({str(self.root)!r})"
+
+    def _folder(self, key: StoreKey) -> Path:
+        return self.root.joinpath(*key.parts)
+
+    def append(self, key: StoreKey, start: int, end: int, blob: bytes) -> None:
+        folder = self._folder(key)
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=folder, prefix=".incoming-")
+            with os.fdopen(handle, "wb") as file:
+                file.write(_entry(blob))
+            os.replace(temporary, folder / f"{start:012d}-{end:012d}")
+        except OSError as error:
+            raise StoreError(f"session store {self.root}: cannot write {key.parts[1]}: {error}") from None
+
+    def _entries(self, key: StoreKey) -> dict[tuple[int, int], bytes]:
+        folder = self._folder(key)
+        try:
+            files = [p for p in folder.iterdir() if p.name[0] != "." and p.name != _ENDED] if folder.exists() else []
+            return {_span(path.name): path.read_bytes() for path in files}
+        except OSError as error:
+            raise StoreError(f"session store {self.root}: cannot read {key.parts[1]}: {error}") from None
+
+    def _drop(self, key: StoreKey, spans: list[tuple[int, int]]) -> None:
+        for start, end in spans:
+            (self._folder(key) / f"{start:012d}-{end:012d}").unlink(missing_ok=True)
+
+    def delete(self, key: StoreKey) -> None:
+        shutil.rmtree(self._folder(key), ignore_errors=True)
+
+    def end(self, key: StoreKey) -> None:
+        self.delete(key)
+        try:
+            self._folder(key).mkdir(mode=0o700, parents=True, exist_ok=True)
+            (self._folder(key) / _ENDED).touch()
+        except OSError as error:
+            raise StoreError(f"session store {self.root}: cannot mark {key.parts[1]} ended: {error}") from None
+
+    def ended(self, key: StoreKey) -> bool:
+        return (self._folder(key) / _ENDED).exists()
+
+
+class RedisStore(SessionStore):
+    """Increments as fields `<start>-<end>` of one Redis hash per session, `attention-serving:<owner>:
+    <session>`, kept `ttl_s` after the last write (a session nobody closes is forgotten)."""
+
+    def __init__(self, url: str, ttl_s: int = 86_400) -> None:
+        import redis  # the server's optional dependency: only a Redis store needs it
+
+        self.url, self.ttl_s = url, ttl_s
+        self._redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        self._errors = (redis.RedisError, OSError)
+
+    def __repr__(self) -> str:
+        return f"RedisStore({_without_password(self.url)!r})"
+
+    @staticmethod
+    def _name(key: StoreKey) -> str:
+        return "attention-serving:{}:{}".format(*key.parts)
+
+    def _do(self, what: str, key: StoreKey, fn) -> Any:
+        try:
+            return fn(self._redis)
+        except self._errors as error:
+            where = _without_password(self.url)
+            raise StoreError(f"session store {where}: cannot {what} {key.parts[1]}: {error}") from None
+
+    def append(self, key: StoreKey, start: int, end: int, blob: bytes) -> None:
+        name = self._name(key)
+
+        def write(redis):
+            with redis.pipeline() as pipe:  # MULTI/EXEC: the field and the expiry together
+                pipe.hset(name, f"{start:012d}-{end:012d}", _entry(blob))
+                pipe.expire(name, self.ttl_s)
+                pipe.execute()
+
+        self._do("write", key, write)
+
+    def _entries(self, key: StoreKey) -> dict[tuple[int, int], bytes]:
+        fields = self._do("read", key, lambda redis: redis.hgetall(self._name(key)))
+        return {_span(field.decode()): entry for field, entry in fields.items() if field != _ENDED.encode()}
+
+    def _drop(self, key: StoreKey, spans: list[tuple[int, int]]) -> None:
+        fields = [f"{start:012d}-{end:012d}" for start, end in spans]
+        self._do("trim", key, lambda redis: redis.hdel(self._name(key), *fields))
+
+    def delete(self, key: StoreKey) -> None:
+        self._do("delete", key, lambda redis: redis.delete(self._name(key)))
+
+    def end(self, key: StoreKey) -> None:
+        name = self._name(key)
+
+        def mark(redis):
+            with redis.pipeline() as pipe:
+                pipe.delete(name)
+                pipe.hset(name, _ENDED, b"1")
+                pipe.expire(name, self.ttl_s)
+                pipe.execute()
+
+        self._do("mark ended", key, mark)
+
+    def ended(self, key: StoreKey) -> bool:
+        return bool(self._do("read", key, lambda redis: redis.hexists(self._name(key), _ENDED)))
+
+
+def _span(name: str) -> tuple[int, int]:
+    start, _, end = name.partition("-")
+    if not (start.isdigit() and end.isdigit()):
+        raise StoreError(f"session store: an entry named {name!r} is not an increment (<start>-<end>)")
+    return int(start), int(end)
+
+
+def _without_password(url: str) -> str:
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def open_store(setting: str | os.PathLike | None) -> SessionStore | None:
+    """The store a setting names: None or "" or "none": no store (sessions are not durable); a
+    `redis://` or `rediss://` URL: Redis; anything else: a local directory (made if missing)."""
+    text = "" if setting is None else str(setting).strip()
+    if text in ("", "none"):
+        return None
+    if text.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(text)
+    return DirectoryStore(text)

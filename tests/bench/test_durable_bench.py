@@ -1,0 +1,29 @@
+"""`python -m bench durable` end to end, bounded: the tiny model at a short past through a real Triton,
+one round, all three stores (none, a directory, a real redis-server); it writes its JSON, its plot
+and its table, and what it measured is coherent (timings are not asserted: this is a smoke test)."""
+
+import json
+
+import pytest
+
+from bench.__main__ import main
+
+pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_the_durable_benchmark_times_each_store_sizes_what_it_holds_and_times_a_recovery(tmp_path, capsys):
+    out = tmp_path / "results"
+    args = ["durable", "--preset", "tiny", "--past", "64", "--steps", "20", "--rounds", "1", "--every", "8"]
+    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "durable.json").read_text())
+    assert (out / "durable.png").read_bytes().startswith(b"\x89PNG")
+    assert set(results["steps_ms"]) == {"none", "directory", "redis"}
+    assert all(row["runs"] == 20 and row["p50_ms"] > 0 for row in results["steps_ms"].values())
+    # a checkpoint at 64, 72, 80 of 84: the store holds the first 80 (the last 4 are in the replay log),
+    # each once: just under the whole cache's snapshot (84 positions), plus a header per increment
+    cache = results["cache_bytes_at_end"]
+    for name in ("directory", "redis"):
+        assert 0.9 * cache < results["store_bytes"][name] < cache + 11 * 4096, results["store_bytes"]
+    recovery = results["recovery"]
+    assert recovery["recovering_ms"]["runs"] == 1 and recovery["replayed_positions"] == [5]
+    assert "recovering step" in capsys.readouterr().out
