@@ -1,5 +1,6 @@
 """`python -m bench durable` end to end, bounded: the tiny model at a short past through a real Triton,
-one round, all three stores (none, a directory, a real redis-server); it writes its JSON, its plot
+one round, all three stores (none, a directory, a real redis-server), and a drain by migration of 3
+sessions over 3 replicas behind Envoy; it writes its JSON, its plot
 and its table, and what it measured is coherent (timings are not asserted: this is a smoke test)."""
 
 import json
@@ -14,6 +15,7 @@ pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_the_durable_benchmark_times_each_store_sizes_what_it_holds_and_times_a_recovery(tmp_path, capsys):
     out = tmp_path / "results"
     args = ["durable", "--preset", "tiny", "--past", "64", "--steps", "20", "--rounds", "1", "--every", "8"]
+    args += ["--drain-sessions", "3"]
     assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     results = json.loads((out / "durable.json").read_text())
     assert (out / "durable.png").read_bytes().startswith(b"\x89PNG")
@@ -26,4 +28,8 @@ def test_the_durable_benchmark_times_each_store_sizes_what_it_holds_and_times_a_
         assert 0.9 * cache < results["store_bytes"][name] < cache + 11 * 4096, results["store_bytes"]
     recovery = results["recovery"]
     assert recovery["recovering_ms"]["runs"] == 1 and recovery["replayed_positions"] == [5]
-    assert "recovering step" in capsys.readouterr().out
+    drain = results["drain"]  # 3 sessions over 3 replicas: the retired one held at least one, each moved
+    assert drain["sessions"] == 3 and 1 <= drain["moved"] == drain["moved_step_ms"]["runs"] <= 3
+    assert drain["replica_stopped_s"] > 0 and drain["all_served_s"] > 0
+    printed = capsys.readouterr().out
+    assert "recovering step" in printed and "drain by migration" in printed
