@@ -22,7 +22,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -209,13 +208,14 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     if args.no_gateway:
         return watch(front, stop)
     from serving.gateway import Settings, banner, run_gateway
+    from serving.host.process import owned_folder
 
     overrides = {"triton_url": front.grpc_url, "port": args.gateway_port}
     if args.host is not None:
         overrides["host"] = args.host
     store = args.session_store if args.session_store is not None else os.environ.get("SERVING_SESSION_STORE")
-    own_store = tempfile.mkdtemp(prefix="serving-sessions-") if store is None else None
-    overrides["session_store"] = own_store or ("" if store == "none" else store)
+    own_store = owned_folder("serving-sessions-") if store is None else None
+    overrides["session_store"] = str(own_store or ("" if store == "none" else store))
     try:
         gateway = run_gateway(Settings(**overrides))
         try:

@@ -282,6 +282,15 @@ def _write_owner_record(work_dir: Path, pid: int, shm_prefix: str | None, owns_w
     scratch.replace(work_dir / OWNER_FILE)
 
 
+def owned_folder(prefix: str) -> Path:
+    """A temporary folder of this process's (a session store's): the process removes it when it ends;
+    if it is killed first, the next start's `reap_leftovers` does (an owner record without a child)."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    record = {"pid": None, "started": None, "owner": os.getpid(), "owner_started": _start_time(os.getpid())}
+    (folder / OWNER_FILE).write_text(json.dumps({**record, "shm_prefix": None, "owns_work_dir": True}))
+    return folder
+
+
 def _alive(pid: int, started: float | None) -> bool:
     return started is not None and _start_time(pid) == started
 
@@ -315,9 +324,9 @@ def _claim(record_path: Path) -> dict | None:
 def _reap(work_dir: Path, record: dict) -> list[str]:
     removed = []
     pid, owner = record["pid"], record["owner"]
-    leader_started = _start_time(pid)
+    leader_started = _start_time(pid) if pid is not None else None
     # the group is the recorded one while its leader is the recorded process, or gone (its stubs left)
-    if (leader_started is None or leader_started == record["started"]) and group_members(pid):
+    if pid is not None and (leader_started is None or leader_started == record["started"]) and group_members(pid):
         kill_group(pid)
         wait_group_gone(pid)
         removed.append(f"process group {pid} (started by pid {owner}, which is gone)")

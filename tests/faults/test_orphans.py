@@ -32,7 +32,7 @@ def tiny_repository(artifact_dir, tmp_path_factory):
 
 
 def work_dirs_of(pid: int) -> list[Path]:
-    """The work folders whose owner record names `pid` (its Tritons' and Envoy's)."""
+    """The work folders whose owner record names `pid` (its Tritons', Envoy's, its session store's)."""
     return [
         record.parent
         for record in Path("/tmp").glob(f"*/{OWNER_FILE}")
@@ -59,7 +59,9 @@ def test_kill_9_of_python_m_serving_leaves_nothing_running_and_the_same_command_
         assert names.count("bin/tritonserver") == replicas and names.count("triton_python_backend_stub") >= 2 * replicas
         assert ("envoy" in names) == (replicas > 1)
         folders = work_dirs_of(first.process.pid)
-        assert len(folders) == replicas + (replicas > 1)  # a folder per Triton, and Envoy's
+        # a folder per Triton, Envoy's, and the gateway's session store
+        assert len(folders) == replicas + (replicas > 1) + 1
+        assert sum(folder.name.startswith("serving-sessions-") for folder in folders) == 1
         regions = [region for folder in folders for region in SHM_DIR.glob(f"{shm_prefix(folder)}*")]
         assert len(regions) >= 2 * replicas
 
