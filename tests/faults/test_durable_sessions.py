@@ -154,3 +154,28 @@ def test_a_changed_or_foreign_store_entry_is_refused_and_the_session_reported_lo
     for session in (changed, foreign, other):
         session.close()
     client.close()
+
+
+def test_a_rewound_session_is_rebuilt_as_rewound(stack, original, tmp_path):
+    """A rewind below the last checkpoint truncates the store and checkpoints again; one within the
+    replay log trims the log. Rebuilt after a kill, each session goes on as one that never had the
+    dropped positions."""
+    served, gateway = stack
+    wait_ready(gateway, time.monotonic())
+    client = Client(f"127.0.0.1:{served.grpc_port}", session_store=tmp_path / "store", checkpoint_every=EVERY)
+    below, within = (client.session(), Sequence(original, 50)), (client.session(), Sequence(original, 60))
+    for (session, sequence), keep in ((below, 12), (within, 22)):
+        session.step(sequence.next(20))  # a checkpoint at 20
+        for _ in range(5):
+            session.step(sequence.next(1))  # 5 positions in the replay log
+        assert session.rewind(keep) == keep
+        whole = np.concatenate(sequence.parts, axis=1)[:, :keep]
+        sequence.parts = [whole]  # the original never saw the dropped positions
+    assert [c.end for c in client.store.chunks(below[0]._key)] == [12]  # truncated, then checkpointed again
+    assert [c.end for c in client.store.chunks(within[0]._key)] == [20]
+    kill(served, "mha_session_0_0")
+    advance([below, within], gateway, [], steps=3)
+    assert below[0].recoveries == within[0].recoveries == 1
+    for session, _ in (below, within):
+        session.close()
+    client.close()

@@ -239,7 +239,9 @@ def test_a_replica_whose_model_died_is_ejected_for_new_sessions(replicas, start_
                 start(stub, new_session_id(), end=True)
             except InferenceServerException as error:
                 failures.append(error.message())
-        assert len(failures) == 5, "the fifth failure in a row ejects it"
+        # the fifth failure in a row ejects it; Envoy ejects on its main thread, so one request already
+        # routed by a worker may still reach it (seen once under load: 6)
+        assert 5 <= len(failures) <= 6, failures
         assert all("is not healthy" in message for message in failures), failures
         assert envoy.hosts("triton_grpc_sessions")[broken.grpc_url] == "failed_outlier_check"
         assert broken.grpc_url not in new_sessions_go_to(stub, 20)
