@@ -37,8 +37,6 @@ from bench import results as output
 from bench.plot import save
 from bench.sessions import VARIANT
 
-STORES = ("none", "directory", "redis")
-
 
 def benchmark(
     root: Path, preset_name: str, past: int, steps: int, rounds: int, every: int, threads: int, drain_sessions: int

@@ -49,6 +49,10 @@ class StepAnswer:
     held_length: int | None  # positions the server holds after the step (None: it does not say)
     snapshot: bytes | None = None  # a snapshot's blob
 
+    def length_or(self, otherwise: int) -> int:
+        """The positions the server says it holds, or `otherwise` when it says none (-1 once ended)."""
+        return self.held_length if self.held_length is not None and self.held_length >= 0 else otherwise
+
 
 class ClientCore:
     """What `Client` and `AsyncClient` are made of; they differ only in how they run an operation."""
@@ -326,8 +330,7 @@ class SessionCore:
             yield from self._recover(error)
             answer = yield from self._send(tensors, end)
         self.started, self.closed, self.replica = True, end, answer.replica
-        held = answer.held_length
-        self.length = held if held is not None and held >= 0 else self.length + answer.output.shape[1]
+        self.length = answer.length_or(self.length + answer.output.shape[1])
         if self._key is not None:
             yield from self._keep(tensors, end)
         return answer.output
@@ -424,9 +427,7 @@ class SessionCore:
                 answer = yield from self._send({names.HIDDEN_STATES: piece}, end=False)
             except ClientError as failure:
                 raise gone(f"replaying the steps since its last checkpoint failed: {failure.message}") from None
-            self.replica = answer.replica
-            if answer.held_length is not None and answer.held_length >= 0:
-                self.length = answer.held_length
+            self.replica, self.length = answer.replica, answer.length_or(self.length)
         self.recoveries += 1
         log.warning(
             "session %s was lost (%s); recovered as session %s%s in %.0f ms: %d positions from the store, %d replayed",
@@ -461,7 +462,7 @@ class SessionCore:
             except ClientError as failure:  # a refused restore: the store's entry is not this model's
                 raise gone(failure.message) from None
         self.started, self.replica = True, answer.replica
-        self.length = answer.held_length if answer.held_length is not None and answer.held_length >= 0 else 0
+        self.length = answer.length_or(0)
 
     def _after_rewind(self, length: int) -> Operation[None]:
         """The store and the replay log keep what the session keeps: the first `length` positions."""
@@ -519,7 +520,7 @@ class SessionCore:
             answer = yield from self._start(tensors, parameters, route_as, replica)
         self.replica, self._restore, self._prefix = answer.replica, None, None
         self.started = True
-        self.length = answer.held_length if answer.held_length is not None and answer.held_length >= 0 else 0
+        self.length = answer.length_or(0)
         if self._key is not None and self.length:  # its start is in no log: only a checkpoint keeps it
             self._replayable = False
             yield from self._checkpoint()
@@ -570,8 +571,7 @@ class SessionCore:
         answer = yield from self.client._send_step(
             self.id, empty, start=False, end=False, replica=self.replica, parameters=parameters
         )
-        if answer.held_length is not None and answer.held_length >= 0:
-            self.length = answer.held_length
+        self.length = answer.length_or(self.length)
         return answer
 
     def _check_open(self) -> None:

@@ -70,6 +70,10 @@ class SessionStore(abc.ABC):
         """Keep `blob` (the positions [start, end)) after the increments already kept."""
 
     @abc.abstractmethod
+    def _spans(self, key: StoreKey) -> list[tuple[int, int]]:
+        """The increments' (start, end), from their names alone (no blob is read)."""
+
+    @abc.abstractmethod
     def _entries(self, key: StoreKey) -> dict[tuple[int, int], bytes]:
         """(start, end) -> the entry as written (digest, then the blob)."""
 
@@ -103,7 +107,7 @@ class SessionStore(abc.ABC):
 
     def truncate(self, key: StoreKey, length: int) -> int:
         """Forget the increments that end past `length` (a rewound session); where the kept ones end."""
-        spans = sorted(self._entries(key))
+        spans = sorted(self._spans(key))
         dropped = [span for span in spans if span[1] > length]
         if dropped:
             self._drop(key, dropped)
@@ -147,11 +151,19 @@ class DirectoryStore(SessionStore):
         except OSError as error:
             raise StoreError(f"session store {self.root}: cannot write {key.parts[1]}: {error}") from None
 
-    def _entries(self, key: StoreKey) -> dict[tuple[int, int], bytes]:
+    def _files(self, key: StoreKey) -> list[Path]:
         folder = self._folder(key)
         try:
-            files = [p for p in folder.iterdir() if p.name[0] != "." and p.name != _ENDED] if folder.exists() else []
-            return {_span(path.name): path.read_bytes() for path in files}
+            return [p for p in folder.iterdir() if p.name[0] != "." and p.name != _ENDED] if folder.exists() else []
+        except OSError as error:
+            raise StoreError(f"session store {self.root}: cannot read {key.parts[1]}: {error}") from None
+
+    def _spans(self, key: StoreKey) -> list[tuple[int, int]]:
+        return [_span(path.name) for path in self._files(key)]
+
+    def _entries(self, key: StoreKey) -> dict[tuple[int, int], bytes]:
+        try:
+            return {_span(path.name): path.read_bytes() for path in self._files(key)}
         except OSError as error:
             raise StoreError(f"session store {self.root}: cannot read {key.parts[1]}: {error}") from None
 
@@ -209,6 +221,10 @@ class RedisStore(SessionStore):
                 pipe.execute()
 
         self._do("write", key, write)
+
+    def _spans(self, key: StoreKey) -> list[tuple[int, int]]:
+        fields = self._do("read", key, lambda redis: redis.hkeys(self._name(key)))
+        return [_span(field.decode()) for field in fields if field != _ENDED.encode()]
 
     def _entries(self, key: StoreKey) -> dict[tuple[int, int], bytes]:
         fields = self._do("read", key, lambda redis: redis.hgetall(self._name(key)))

@@ -268,10 +268,11 @@ def _start_time(pid: int) -> float | None:
     return None
 
 
-def _write_owner_record(work_dir: Path, pid: int, shm_prefix: str | None, owns_work_dir: bool) -> None:
+def _write_owner_record(work_dir: Path, pid: int | None, shm_prefix: str | None, owns_work_dir: bool) -> None:
+    """`pid`: the child the folder belongs to (None: only the folder, no process of its own)."""
     record = {
         "pid": pid,
-        "started": _start_time(pid),
+        "started": _start_time(pid) if pid is not None else None,
         "owner": os.getpid(),
         "owner_started": _start_time(os.getpid()),
         "shm_prefix": shm_prefix,
@@ -286,8 +287,7 @@ def owned_folder(prefix: str) -> Path:
     """A temporary folder of this process's (a session store's): the process removes it when it ends;
     if it is killed first, the next start's `reap_leftovers` does (an owner record without a child)."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))
-    record = {"pid": None, "started": None, "owner": os.getpid(), "owner_started": _start_time(os.getpid())}
-    (folder / OWNER_FILE).write_text(json.dumps({**record, "shm_prefix": None, "owns_work_dir": True}))
+    _write_owner_record(folder, None, shm_prefix=None, owns_work_dir=True)
     return folder
 
 

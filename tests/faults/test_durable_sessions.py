@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from client import Client, SessionLostError
-from client.store import DirectoryStore, RedisStore
+from client.store import RedisStore
 from contract import names
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
@@ -139,7 +139,6 @@ def test_a_changed_or_foreign_store_entry_is_refused_and_the_session_reported_lo
     entry.write_bytes(entry.read_bytes()[:-1] + b"\0")
     # bob's session's entry replaced by alice's: the right digest, the wrong owner in the blob
     (theirs,) = (store / foreign._key.parts[0] / foreign._key.parts[1]).iterdir()
-    mine = DirectoryStore(store)
     other = client.session(owner="alice")
     other.step(sequence.next(9))
     (good,) = (store / other._key.parts[0] / other._key.parts[1]).iterdir()
@@ -150,7 +149,7 @@ def test_a_changed_or_foreign_store_entry_is_refused_and_the_session_reported_lo
         changed.step(sequence.next(1))
     with pytest.raises(SessionLostError, match="belongs to another owner"):
         foreign.step(sequence.next(1))
-    assert mine.chunks(other._key)  # untouched by the refusals
+    assert client.store.chunks(other._key)  # untouched by the refusals
     for session in (changed, foreign, other):
         session.close()
     client.close()
