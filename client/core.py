@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import itertools
 import logging
 import time
 import uuid
@@ -442,14 +443,18 @@ class SessionCore:
 
     def _restart(self, blobs: list[bytes], info: ModelInfo, deadline: float, gone) -> Operation[None]:
         """START a new sequence holding `blobs` (none: empty), trying until `deadline` while no
-        server can take it (a restarting replica, a model being reloaded)."""
+        server can take it (a restarting replica, a model being reloaded). Every try STARTs the same
+        new id: a START Triton's sequence batcher took holds a slot of the model until its END, and a
+        model being reloaded is not let go while its slots are held (a new id a try kept it reloading
+        past 30 s); a START of a live id restarts that sequence."""
         empty = np.zeros((1, 0, info.d_model), info.float_dtype)
-        while True:
-            self.id, self.replica, self.started, self.closed = _wire.new_sequence_id(), None, False, False
-            self._sent, tensors, parameters = empty, {names.HIDDEN_STATES: empty}, None
-            if blobs:
-                tensors[names.SNAPSHOT] = np.array([blobs], dtype=np.object_)
-                parameters = {names.OPERATION: names.RESTORE, **self._owner}
+        self.id, self.replica, self.started, self.closed = _wire.new_sequence_id(), None, False, False
+        tensors, parameters = {names.HIDDEN_STATES: empty}, None
+        if blobs:
+            tensors[names.SNAPSHOT] = np.array([blobs], dtype=np.object_)
+            parameters = {names.OPERATION: names.RESTORE, **self._owner}
+        for attempt in itertools.count():
+            self._sent = empty
             try:
                 answer = yield from self._start(tensors, parameters, None, None)
                 break
@@ -458,7 +463,7 @@ class SessionCore:
                     raise gone(
                         f"no server took it within {self.client.recovery_timeout:g} s: {failure.message}"
                     ) from None
-                yield Sleep(0.25)
+                yield Sleep(min(0.25 * 2**attempt, 1.0))  # a server coming back is not hurried
             except ClientError as failure:  # a refused restore: the store's entry is not this model's
                 raise gone(failure.message) from None
         self.started, self.replica = True, answer.replica
