@@ -8,6 +8,8 @@ python -m bench admission        # 2,000 opens on a 1,500-row KV budget: sequenc
 python -m bench gateway          # 16 sessions stepping through the gateway (JSON, b64) vs the gRPC client direct
 python -m bench sessions         # snapshot, restore, fork, rewind vs prefilling again, against the session's length
 python -m bench durable          # a decode step with the session store (directory, Redis) vs without; a recovering step
+python -m bench capacity         # 1,000-token sessions per GiB: fp32/int8/int4 caches, full vs sized rows; decode
+python -m bench weights-int8     # int8 weights on ONNX Runtime vs fp32-fused and PyTorch (fp32, quantize_dynamic)
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -17,7 +19,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import admission, durable, gateway, gpu, model, scale, serving, sessions
+from bench import admission, capacity, durable, gateway, gpu, model, scale, serving, sessions, weights_int8
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
@@ -29,9 +31,21 @@ COMMANDS: dict[str, ModuleType] = {
     "gateway": gateway,
     "sessions": sessions,
     "durable": durable,
+    "capacity": capacity,
+    "weights-int8": weights_int8,
     "gpu": gpu,
 }
-DEFAULT_COMMANDS = ("model", "serving", "scale", "admission", "gateway", "sessions", "durable")
+DEFAULT_COMMANDS = (
+    "model",
+    "serving",
+    "scale",
+    "admission",
+    "gateway",
+    "sessions",
+    "durable",
+    "capacity",
+    "weights-int8",
+)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -404,7 +404,7 @@ def benchmark(root: Path, plan: Plan, threads: int, deadline: Deadline, progress
     repository = prepare(root, progress)
     engines = {engine: session_engine(repository, model, cfg) for engine, model in ENGINE_MODELS.items()}
     results = {"config": cfg.to_dict(), "plan": dataclasses.asdict(plan), "machine": _machine(threads)}
-    results["pool_bytes"] = engines["static"].pool.nbytes
+    results["pool_bytes"] = engines["static"].pool.budget_bytes
     results["weight_bytes"] = cfg.n_params() * 4
     with progress.stage("start Triton"):
         server = start_triton(repository, log_path=root / "triton.log")

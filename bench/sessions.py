@@ -72,6 +72,7 @@ def operations(served, original, length: int) -> dict:
     (answer,) = served.execute([StepRequest("base", True, False, prompt)])
     assert not isinstance(answer, Exception), answer
     blob = served.snapshot("base")
+    row_bytes = served.stats().reserved_bytes  # the one live session's row, all of max_seq_len
     torch_forward = torch_runner(original)
 
     def rewind() -> None:  # what a rewind costs does not depend on how far: it sets the row's length
@@ -87,7 +88,7 @@ def operations(served, original, length: int) -> dict:
             "rewind": rewind,
         },
         "blob_bytes": len(blob),
-        "row_bytes": served.pool.row_bytes * len(served.pool.buffers),
+        "row_bytes": row_bytes,
     }
 
 

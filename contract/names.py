@@ -54,6 +54,13 @@ KEY = "key"
 VALUE = "value"
 KV_KINDS = (KEY, VALUE)
 
+# A static form's caches may be quantized (`fp32-static-int8kv`, `fp32-static-int4kv`): GroupQueryAttention
+# stores int8 codes, or int4 codes two a byte in uint8 (so a position is head_dim / 2 bytes wide), and
+# reads each layer's scales from the graph's initializers `kv_scale.{i}.key` / `.value`.
+INT8_CACHE, INT4_CACHE = "int8", "int4"
+CACHE_BITS = {INT8_CACHE: 8, INT4_CACHE: 4}
+CACHE_ELEMENT = {INT8_CACHE: "int8", INT4_CACHE: "uint8"}  # the element type a quantized cache is stored in
+
 
 def past_name(layer: int, kind: str) -> str:
     """`past_key_values.{i}.key` / `.value`: the cache a caller passes in."""
@@ -73,6 +80,17 @@ def past_names(n_layers: int) -> list[str]:
 
 def present_names(n_layers: int) -> list[str]:
     return [present_name(i, kind) for i in range(n_layers) for kind in KV_KINDS]
+
+
+def cache_scale_name(layer: int, kind: str) -> str:
+    """`kv_scale.{i}.key` / `.value`: the scales of a quantized static cache, initializers of its graph."""
+    assert kind in KV_KINDS, kind
+    return f"kv_scale.{layer}.{kind}"
+
+
+def cache_width(head_dim: int, quantized: str | None = None) -> int:
+    """The last axis of a static cache: head_dim values, or head_dim / 2 bytes of two int4 codes each."""
+    return head_dim // 2 if quantized == INT4_CACHE else head_dim
 
 
 def input_names(n_layers: int, rotary: bool = False) -> list[str]:
@@ -111,6 +129,7 @@ class TensorSpec:
     is_mask: bool = False
     is_length: bool = False  # an int32 length of the static-cache graphs
     is_position: bool = False  # int64 positions
+    quantized: str | None = None  # a static cache stored as INT8_CACHE or INT4_CACHE codes, not the model's float
 
     @property
     def is_int64(self) -> bool:
@@ -142,23 +161,24 @@ def output_specs(cfg: Sizes) -> list[TensorSpec]:
     ]
 
 
-def static_input_specs(cfg: ModelConfig) -> list[TensorSpec]:
-    """Static-cache graph inputs, in graph order: the new tokens, the lengths, the cache buffers."""
-    cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cfg.head_dim)
+def static_input_specs(cfg: ModelConfig, quantized: str | None = None) -> list[TensorSpec]:
+    """Static-cache graph inputs, in graph order: the new tokens, the lengths, the cache buffers (in the
+    model's float, or `quantized` codes)."""
+    cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cache_width(cfg.head_dim, quantized))
     return [
         TensorSpec(HIDDEN_STATES, (BATCH, SEQUENCE, cfg.d_model)),
         TensorSpec(SEQLENS_K, (BATCH,), is_length=True),
         TensorSpec(TOTAL_SEQUENCE_LENGTH, (), is_length=True),
-        *(TensorSpec(name, cache_shape) for name in past_names(cfg.n_layers)),
+        *(TensorSpec(name, cache_shape, quantized=quantized) for name in past_names(cfg.n_layers)),
     ]
 
 
-def static_output_specs(cfg: ModelConfig) -> list[TensorSpec]:
+def static_output_specs(cfg: ModelConfig, quantized: str | None = None) -> list[TensorSpec]:
     """Static-cache graph outputs: each present is its past's buffer, updated in place."""
-    cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cfg.head_dim)
+    cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cache_width(cfg.head_dim, quantized))
     return [
         TensorSpec(OUTPUT, (BATCH, SEQUENCE, cfg.d_model)),
-        *(TensorSpec(name, cache_shape) for name in present_names(cfg.n_layers)),
+        *(TensorSpec(name, cache_shape, quantized=quantized) for name in present_names(cfg.n_layers)),
     ]
 
 

@@ -4,10 +4,12 @@ python -m export                      build the default preset into build/artifa
 python -m export build --preset seed --out artifacts/seed
 python -m export build --config my_config.json --out artifacts/mine
 python -m export build --weights mha.pt --layout torch-mha --n-heads 8 --out artifacts/trained
+python -m export build --preset seed --out artifacts/seed --calibration hidden.npy
 
 With --weights the weights are a trained model's state dict in one of the layouts of
 export/importers.py (seeds, torch-mha, hf, native); --config then gives only the fields the weights
-do not determine (max_seq_len, norm_eps, residual). See docs/importing.md.
+do not determine (max_seq_len, norm_eps, residual). See docs/importing.md. With --calibration the
+quantized KV caches' scales are calibrated on your hidden states (N, T, d_model) instead of generated ones.
 
 A Triton model repository is filled from an artifact by `python -m serving repository` (or built and
 filled in one go by `python -m serving ensure`).
@@ -23,9 +25,10 @@ from pathlib import Path
 
 from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
-from contract.config import DEFAULT_PRESET
+from contract.config import DEFAULT_PRESET, ModelConfig
 from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build_model
 from export.importers import LAYOUTS, SourceMismatchError, import_weights
+from export.kv_quant import CalibrationData, CalibrationError, from_file
 from export.report import build_and_report, origin_summary, printing
 
 DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
@@ -49,6 +52,12 @@ def parser() -> argparse.ArgumentParser:
         help=f"comma-separated (default: every variant the config can have, of {','.join(DEFAULT_VARIANTS)})",
     )
     b.add_argument("--seed", type=int, help="weight initialization seed for random weights (default 0)")
+    b.add_argument(
+        "--calibration",
+        type=Path,
+        help="a .npy of hidden states (N, T, d_model) to calibrate the quantized KV caches' scales on "
+        "(default: generated ones, export/kv_quant.py)",
+    )
     own = b.add_argument_group("a trained model's weights (docs/importing.md)")
     own.add_argument("--weights", type=Path, help="its state dict: .safetensors, or a torch.save'd state_dict")
     own.add_argument("--layout", choices=sorted(LAYOUTS), help="how its keys are named (export/importers.py)")
@@ -96,7 +105,15 @@ def import_and_report(args: argparse.Namespace) -> int:
         return 1
     origin = {"weights": imported.weights, "source_check": imported.source_check}
     try:
-        report = printing(lambda: build_model(imported.model, args.out, args.variants, origin=origin), args.out)
+        calibration = calibration_from(args, imported.model.cfg)
+    except CalibrationError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        report = printing(
+            lambda: build_model(imported.model, args.out, args.variants, origin=origin, calibration=calibration),
+            args.out,
+        )
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -105,6 +122,12 @@ def import_and_report(args: argparse.Namespace) -> int:
         return 1
     print(origin_summary(report))
     return 0
+
+
+def calibration_from(args: argparse.Namespace, cfg: ModelConfig) -> CalibrationData | None:
+    """The user's calibration file, checked against the config (CalibrationError names what is wrong)."""
+    path = getattr(args, "calibration", None)
+    return from_file(path, cfg) if path else None
 
 
 def cannot_write(out: Path, error: OSError) -> str:
@@ -125,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return import_and_report(args)
     try:
         cfg = config_from(args)
+        calibration = calibration_from(args, cfg)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     out = args.out if args.command == "build" else DEFAULT_ARTIFACTS
     try:
-        build_and_report(cfg, out, getattr(args, "variants", None), seed=getattr(args, "seed", None) or 0)
+        seed = getattr(args, "seed", None) or 0
+        build_and_report(cfg, out, getattr(args, "variants", None), seed=seed, calibration=calibration)
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

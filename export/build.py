@@ -19,7 +19,7 @@ import onnx
 
 from contract import files
 from contract.config import RMSNORM, ModelConfig
-from export import artifacts, forms, graph_stats, targets
+from export import artifacts, forms, graph_stats, kv_quant, targets, weights_int8
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
 from export.model import AttentionModel
@@ -35,9 +35,9 @@ from export.parity import (
     pool_schedule,
 )
 from export.progress import Progress
-from export.runners import rounded_runner, torch_runner
+from export.runners import quantized_cache_runner, rounded_runner, torch_runner
 from serving.engine.kv_pool import KVPool
-from serving.engine.ort import ort_runner, ort_session
+from serving.engine.ort import Forward, ort_runner, ort_session
 
 
 class BuildError(RuntimeError):
@@ -50,7 +50,8 @@ STATELESS, POOL = "stateless", "pool"  # the ladder a variant climbs (export/par
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str
-    make: Callable[[AttentionModel, Path], Path]  # (the PyTorch original, the path to write) -> the path
+    # (the PyTorch original, the path to write[, its cache's quantization when kv_bits]) -> the path
+    make: Callable[..., Path]
     tolerance: Tolerance
     float_dtype: type = np.float32
     fused: bool = False  # must hold one fused attention op per layer
@@ -59,6 +60,9 @@ class Variant:
     target: str | None = None
     # why a config cannot have this variant (None: it can); such a variant is skipped by default
     unsupported: Callable[[ModelConfig], str | None] = lambda cfg: None
+    kv_bits: int = 0  # a static cache quantized to this many bits (8, 4), its scales calibrated by the build
+    # what a tolerance's floor is measured against: (the original, the graph's float dtype) -> a runner
+    precision_floor: Callable[..., Forward] = rounded_runner
 
     def cast(self, array: np.ndarray) -> np.ndarray:
         return array.astype(self.float_dtype)
@@ -91,12 +95,38 @@ VARIANTS: dict[str, Variant] = {
         target=targets.STATIC_CUDA,
         unsupported=forms.static_problem,
     ),
+    **{
+        name: Variant(
+            name,
+            forms.make_fp32_static_quantized,
+            TOLERANCES[name],
+            fused=True,
+            ladder=POOL,
+            target=targets.STATIC,
+            unsupported=forms.static_problem,
+            kv_bits=bits,
+        )
+        for name, bits in (("fp32-static-int8kv", 8), ("fp32-static-int4kv", 4))
+    },
+    weights_int8.NAME: Variant(
+        weights_int8.NAME,
+        weights_int8.make_fp32_fused_int8w,
+        weights_int8.INT8_WEIGHTS_TOLERANCE,
+        fused=True,
+        precision_floor=weights_int8.int8_weights_floor,
+    ),
     "fp32-trt": Variant("fp32-trt", forms.make_fp32_trt, TOLERANCES["fp32-trt"], fused=True, target=targets.TENSORRT),
     "fp16-trt": Variant(
         "fp16-trt", forms.make_fp16_trt, TOLERANCES["fp16-trt"], np.float16, fused=True, target=targets.TENSORRT
     ),
 }
-DEFAULT_VARIANTS = tuple(VARIANTS)
+# Every variant but the int4 cache and the int8 weights, which are built when asked for by name: each
+# static variant's pool rung costs a full build about as much as `fp32-static` does (measured on
+# TEST_CONFIGS["tiny"], see the report's build_seconds), int4's codes move the output by 14-20% of its
+# scale (export/parity.py), and no served model loads the int8 weights. The int8 cache stays: a
+# session on an int8 cache must be possible from the default artifact.
+ASKED_FOR_BY_NAME = ("fp32-static-int4kv", weights_int8.NAME)
+DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name not in ASKED_FOR_BY_NAME)
 
 # The ladder each stateless variant climbs: a left-padded prefill from an empty past then decode
 # steps, and a prefill onto an existing cache (batch 3, rows padded by 0, 2 and 5 tokens). The
@@ -108,9 +138,17 @@ SCENARIOS = {
 POOL_SCENARIO = "pool"
 
 
-def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict[str, RungResult]:
+def _climb(
+    model: AttentionModel,
+    path: Path,
+    variant: Variant,
+    progress: Progress,
+    quantization: kv_quant.CacheQuantization | None = None,
+) -> dict[str, RungResult]:
     reference = torch_runner(model)
-    floor = rounded_runner(model, variant.float_dtype) if variant.tolerance.floor else None
+    floor = variant.precision_floor(model, variant.float_dtype) if variant.tolerance.floor else None
+    if quantization is not None:
+        floor = quantized_cache_runner(model, quantization)
     if variant.ladder == POOL:
         schedule = pool_schedule(model.cfg.max_seq_len)
         pool = KVPool(ort_session(path), model.cfg, rows=POOL_ROWS, capacity=model.cfg.max_seq_len)
@@ -124,6 +162,7 @@ def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progre
                 variant.tolerance,
                 on_step=lambda step: progress.update(f"parity {POOL_SCENARIO} step {step + 1}/{total}"),
                 floor=floor,
+                dequantize=quantization.dequantize if quantization else None,
             )
         }
     candidate = ort_runner(ort_session(path))
@@ -143,10 +182,17 @@ def _climb(model: AttentionModel, path: Path, variant: Variant, progress: Progre
     return results
 
 
-def check_variant(model: AttentionModel, path: Path, variant: Variant, progress: Progress) -> dict:
-    """Climb the ladder with the ONNX file at `path` and check its fit; return its report entry."""
+def check_variant(
+    model: AttentionModel,
+    path: Path,
+    variant: Variant,
+    progress: Progress,
+    quantization: kv_quant.CacheQuantization | None = None,
+) -> dict:
+    """Climb the ladder with the ONNX file at `path` (its cache quantized as `quantization` says, for a
+    variant with kv_bits) and check its fit; return its report entry."""
     model_proto = onnx.load(str(path), load_external_data=False)
-    results = _climb(model, path, variant, progress)
+    results = _climb(model, path, variant, progress, quantization)
     fused = graph_stats.fused_attention_count(model_proto)
     problems = [f"parity failed in scenario '{n}'" for n, r in results.items() if not r.passed]
     if variant.fused:
@@ -205,9 +251,11 @@ def build(
     variants: tuple[str, ...] | None = None,
     seed: int = 0,
     progress: Progress | None = None,
+    calibration: kv_quant.CalibrationData | None = None,
 ) -> dict:
     """`build_model` for the weights `seed` initializes."""
-    return build_model(AttentionModel(cfg, seed=seed).eval(), out, variants, progress, origin={"seed": seed})
+    model = AttentionModel(cfg, seed=seed).eval()
+    return build_model(model, out, variants, progress, origin={"seed": seed}, calibration=calibration)
 
 
 def build_model(
@@ -216,14 +264,16 @@ def build_model(
     variants: tuple[str, ...] | None = None,
     progress: Progress | None = None,
     origin: dict | None = None,
+    calibration: kv_quant.CalibrationData | None = None,
 ) -> dict:
     """Write config, weights, every passing variant and `report.json` to `out`; return the report.
 
     `origin` says where the weights came from (a seed, or an imported file and its check against the
-    module it came from) and goes into the report. `variants=None` builds every variant the config can
-    have (the others are reported as skipped, with the reason); a variant asked for by name that the
-    config cannot have fails the build. Raises BuildError (after writing the report) when any variant
-    fails. Everything is written into a directory beside `out` and put in place at the end
+    module it came from) and goes into the report; the quantized caches' scales are calibrated on
+    `calibration` (default: the hidden states `kv_quant.generated` makes). `variants=None` builds every
+    variant the config can have (the others are reported as skipped, with the reason); a variant
+    asked for by name that the config cannot have fails the build. Raises BuildError (after writing
+    the report) when any variant fails. Everything is written into a directory beside `out` and put in place at the end
     (`artifacts.staged`): an error (OSError: a full disk, a directory that cannot be written) leaves
     `out` as it was.
     """
@@ -235,7 +285,7 @@ def build_model(
     progress = progress or Progress()
     out = Path(out)
     with artifacts.staged(out, owned=[files.model_filename(name) for name in variants]) as staging:
-        report = _build_into(model, staging, variants, asked, progress, origin, shown=out)
+        report = _build_into(model, staging, variants, asked, progress, origin, shown=out, calibration=calibration)
     if not report["passed"]:
         failed = {n: e["problems"] for n, e in report["variants"].items() if not e["passed"]}
         raise BuildError(f"variant(s) failed: {failed}; see {out / files.REPORT_FILENAME}")
@@ -250,15 +300,22 @@ def _build_into(
     progress: Progress,
     origin: dict | None,
     shown: Path,
+    calibration: kv_quant.CalibrationData | None = None,
 ) -> dict:
     """Every file of the build into `out`; `shown` is the directory the user asked for."""
     with progress.stage(f"config and weights -> {shown}"):
         artifacts.save_artifact(model, out)
     report = {"config": model.cfg.to_dict(), **(origin or {}), "variants": {}}
+    calibrated: kv_quant.Calibration | None = None  # the original's keys and values, once a build
     for name in variants:
         variant = VARIANTS[name]
         reason = variant.unsupported(model.cfg)
-        if reason is None:
+        if reason is None and variant.kv_bits:
+            if calibrated is None:
+                with progress.stage("calibration of the quantized caches"):
+                    calibrated = kv_quant.calibrate(model, calibration or kv_quant.generated(model.cfg))
+            report["variants"][name] = _build_variant(model, out, variant, progress, calibrated)
+        elif reason is None:
             report["variants"][name] = _build_variant(model, out, variant, progress)
         else:
             report["variants"][name] = _not_built(reason, failed=asked)
@@ -271,15 +328,25 @@ def _not_built(reason: str, failed: bool) -> dict:
     return {"file": None, "skipped": reason, "passed": not failed, "problems": [reason] if failed else []}
 
 
-def _build_variant(model: AttentionModel, out: Path, variant: Variant, progress: Progress) -> dict:
+def _build_variant(
+    model: AttentionModel,
+    out: Path,
+    variant: Variant,
+    progress: Progress,
+    calibrated: kv_quant.Calibration | None = None,
+) -> dict:
     """The variant's file in `out` (a staging directory) if it passes, with its sha256 in the entry
-    (the repository records it and the served models check it before loading), else no file."""
+    (the repository records it and the served models check it before loading), else no file. A
+    quantized cache's scales come from `calibrated`, and its entry says how (`kv_cache`)."""
     path = out / files.model_filename(variant.name)
     started = time.perf_counter()
+    quantization = calibrated.quantization(variant.kv_bits) if variant.kv_bits else None
     with progress.stage(f"{variant.name}: export"):
-        variant.make(model, path)
+        variant.make(model, path, *([quantization] if quantization else []))
     with progress.stage(f"{variant.name}: parity"):
-        entry = check_variant(model, path, variant, progress)
+        entry = check_variant(model, path, variant, progress, quantization)
+    if quantization:  # the layouts' errors on the calibration data: why the default layout is the default
+        entry["kv_cache"] = quantization.to_report() | {"calibration_errors": calibrated.errors(variant.kv_bits)}
     entry["build_seconds"] = round(time.perf_counter() - started, 2)
     if entry["passed"]:
         entry["file"], entry["sha256"] = path.name, files.sha256(path)

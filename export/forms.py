@@ -13,6 +13,12 @@ padding is its length (right padding only), so `attention_mask` leaves the graph
 `total_sequence_length` come in. ONNX Runtime runs the op on the CPU (fp32 and fp16) and on CUDA
 (fp16/bf16, flash and XQA decode kernels); see docs/gpu.md for what the GPU measured.
 
+**Quantized static cache** (`fp32-static-int8kv`, `fp32-static-int4kv`): the fp32 static form with
+its buffers holding int8 codes, or int4 codes two a byte (uint8), which GroupQueryAttention quantizes
+as it stores the new keys and values and dequantizes as it attends (`kv_cache_bit_width`,
+`k_quant_type`/`v_quant_type`); each layer's scales are initializers of the graph (`k_scale`,
+`v_scale`), calibrated at build time (export/kv_quant.py), so the artifact carries them.
+
 **TensorRT** (`fp32-trt`, `fp16-trt`): TensorRT's ONNX parser takes `Attention` only with one output
 and no past inputs, so the cache Concat moves out of the node and attention becomes the 4D
 single-output `Attention(q, K, V, allowed)` (heads split by Reshape/Transpose, GQA from the head
@@ -32,10 +38,14 @@ from onnxscript.rewriter import pattern
 from contract import names
 from contract.config import ModelConfig
 from export.fusion import clean_up, fused_proto
+from export.kv_quant import CacheQuantization
 from export.model import AttentionModel
 from export.onnx_export import IR_VERSION, name_axes, plain_graph, save_onnx
 
 MICROSOFT_DOMAIN = "com.microsoft"
+# GroupQueryAttention's inputs before its scales (0-based): ..., cos_cache 7, sin_cache 8, position_ids 9,
+# attention_bias 10, head_sink 11, k_scale 12, v_scale 13
+GQA_K_SCALE_INPUT = 12
 # GroupQueryAttention's kernels need head_dim % 8 == 0 (onnxruntime group_query_attention_helper.h)
 GQA_HEAD_DIM_MULTIPLE = 8
 
@@ -329,6 +339,42 @@ def static_proto(model: AttentionModel) -> onnx.ModelProto:
     return proto
 
 
+def quantized_static_proto(model: AttentionModel, quantization: CacheQuantization) -> onnx.ModelProto:
+    """The static-cache graph of `model` in fp32 with its caches quantized as `quantization` says: the
+    buffers int8 (or uint8, two int4 codes a byte, head_dim / 2 wide), the scales initializers."""
+    cfg = model.cfg
+    graph_model = ir.from_proto(static_proto(model))
+    graph = graph_model.graph
+    element = ir.DataType.INT8 if quantization.kind == names.INT8_CACHE else ir.DataType.UINT8
+    width = names.cache_width(cfg.head_dim, quantization.kind)
+    for value in [*graph.inputs, *graph.outputs]:
+        if value.name in names.past_names(cfg.n_layers) + names.present_names(cfg.n_layers):
+            value.type = ir.TensorType(element)
+            value.shape = ir.Shape([*value.shape[:-1], width])
+    attention = [node for node in graph if (node.domain, node.op_type) == (MICROSOFT_DOMAIN, "GroupQueryAttention")]
+    for node in attention:
+        layer = layer_of(node.outputs[1])
+        scales = []
+        for kind in names.KV_KINDS:
+            scale = ir.Value(
+                name=names.cache_scale_name(layer, kind),
+                const_value=ir.tensor(quantization.scales[names.past_name(layer, kind)]),
+            )
+            graph.register_initializer(scale)
+            scales.append(scale)
+        node.resize_inputs(GQA_K_SCALE_INPUT + 2)  # the inputs between the tables and the scales stay empty
+        for offset, scale in enumerate(scales):
+            node.replace_input_with(GQA_K_SCALE_INPUT + offset, scale)
+        for kind in ("k_quant_type", "v_quant_type"):
+            node.attributes[kind] = ir.AttrString(kind, quantization.layout)
+        node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", quantization.bits)
+    proto = ir.to_proto(graph_model)
+    proto.ir_version = IR_VERSION
+    specs = names.static_input_specs(cfg, quantization.kind) + names.static_output_specs(cfg, quantization.kind)
+    name_axes(proto, cfg, specs)
+    return proto
+
+
 def _batch_from(hidden: ir.Value, mask: ir.Value) -> None:
     """The exporter may read the batch size off the mask's shape (`Shape(mask, end=1)`, both share the
     axis); where the mask leaves the graph, read it off the hidden states' instead."""
@@ -356,6 +402,10 @@ def make_fp16_static(model: AttentionModel, path) -> object:
     from export.fp16 import to_fp16
 
     return save_onnx(to_fp16(static_proto(model), model.cfg), path)
+
+
+def make_fp32_static_quantized(model: AttentionModel, path, quantization: CacheQuantization) -> object:
+    return save_onnx(quantized_static_proto(model, quantization), path)
 
 
 def make_fp32_trt(model: AttentionModel, path) -> object:

@@ -19,28 +19,49 @@ SHARP_FOR_FP16 = 1e-2
 
 def summary_table(report: dict) -> str:
     columns = ("variant", "size MB", "fused", "output abs", "output rel", "present abs", "result")
-    header = "{:<12} {:>8} {:>5}  {:>10} {:>10}  {:>11}  {}".format(*columns)
+    width = max([12, *map(len, report["variants"])])  # the quantized caches' names are longer
+    header = f"{{:<{width}}} {{:>8}} {{:>5}}  {{:>10}} {{:>10}}  {{:>11}}  {{}}".format(*columns)
     lines = [header, "-" * len(header)]
     for name, entry in report["variants"].items():
         if "skipped" in entry:
-            lines.append(f"{name:<12} {'-':>8} {'-':>5}  {'-':>10} {'-':>10}  {'-':>11}  " + _skipped(entry))
+            lines.append(f"{name:<{width}} {'-':>8} {'-':>5}  {'-':>10} {'-':>10}  {'-':>11}  " + _skipped(entry))
             continue
         worst = entry["worst"]
         present_abs = max((e["max_abs"] for n, e in worst.items() if n != names.OUTPUT), default=0.0)
         result = "pass" if entry["passed"] else "FAIL: " + "; ".join(entry["problems"])
         output = worst[names.OUTPUT]
         lines.append(
-            f"{name:<12} {entry['file_bytes'] / 1e6:>8.2f} {entry['fused_attention_ops']:>5}  "
+            f"{name:<{width}} {entry['file_bytes'] / 1e6:>8.2f} {entry['fused_attention_ops']:>5}  "
             f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}  {present_abs:>11.2e}  {result}"
         )
-    return "\n".join(lines + _precision_notes(report))
+    return "\n".join(lines + _precision_notes(report) + _cache_notes(report))
+
+
+def _cache_notes(report: dict) -> list[str]:
+    """What each quantized cache is and where its scales came from: its errors are that quantization's."""
+    notes = []
+    for name, entry in report["variants"].items():
+        cache = entry.get("kv_cache")
+        if cache:
+            source = cache["calibration"]
+            if "file" in source:
+                origin = f"{source['file']} (sha256 {source['sha256'][:12]}...)"
+            else:
+                origin = f"generated hidden states (seed {source['generated']['seed']})"
+            floor = entry.get("worst", {}).get(names.OUTPUT, {}).get("floor_rel") or 0.0
+            notes.append(
+                f"note: {name}: {cache['bits']}-bit cache ({cache['cache_dtype']}), {cache['layout'].lower()} "
+                f"scales calibrated on {origin}; its codes alone move the output by {floor:.2e} of its scale"
+            )
+    return notes
 
 
 def _precision_notes(report: dict) -> list[str]:
     notes = []
     for name, entry in report["variants"].items():
         floor = entry.get("worst", {}).get(names.OUTPUT, {}).get("floor_rel")
-        if floor is not None and floor > SHARP_FOR_FP16:
+        # a quantized cache's floor is what its codes cost, not fp16's rounding (_cache_notes says so)
+        if floor is not None and floor > SHARP_FOR_FP16 and "kv_cache" not in entry:
             notes.append(
                 f"note: {name}: rounding to fp16 alone moves this model's output by {floor:.2e} of its scale "
                 "(its attention logits are large); where that matters, serve an fp32 variant"
@@ -67,12 +88,14 @@ def origin_summary(report: dict) -> str:
     return "\n".join(lines)
 
 
-def build_and_report(cfg: ModelConfig, out: Path, variants: tuple[str, ...] | None = None, seed: int = 0) -> dict:
+def build_and_report(
+    cfg: ModelConfig, out: Path, variants: tuple[str, ...] | None = None, seed: int = 0, calibration=None
+) -> dict:
     """Build `cfg` into `out` and print the variants' table; raises BuildError (after printing the
-    table) when a variant failed."""
+    table) when a variant failed. `calibration`: the quantized caches' (export/kv_quant.py)."""
     from export.build import build
 
-    return printing(lambda: build(cfg, out, variants, seed=seed), out)
+    return printing(lambda: build(cfg, out, variants, seed=seed, calibration=calibration), out)
 
 
 def printing(run: Callable[[], dict], out: Path) -> dict:

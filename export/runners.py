@@ -7,15 +7,17 @@ callable (`serving.engine.ort.Forward`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from serving.engine.ort import Arrays, Forward
 
 
-def torch_runner(model, device: str = "cpu") -> Forward:
-    """The PyTorch original as a runner (the reference rung), on `device` ("cuda" on a GPU host)."""
+def torch_runner(model, device: str = "cpu", caches: Sequence[type] | None = None) -> Forward:
+    """The PyTorch original as a runner (the reference rung), on `device` ("cuda" on a GPU host).
+    `caches`: per layer the `KVCache` class its past is made of (`KVCache` itself unless given; an
+    empty past is made of it too when the inputs have none)."""
     import torch
 
     from contract import names
@@ -23,17 +25,21 @@ def torch_runner(model, device: str = "cpu") -> Forward:
 
     n_layers = model.cfg.n_layers
     model = model.to(device)
+    caches = caches or [KVCache] * n_layers
 
     @torch.no_grad()
     def run(inputs: Mapping[str, np.ndarray]) -> Arrays:
         tensor = {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in inputs.items()}
+        hidden = tensor[names.HIDDEN_STATES]
         past = None
         if names.past_name(0, names.KEY) in tensor:
             past = [
-                KVCache(tensor[names.past_name(i, names.KEY)], tensor[names.past_name(i, names.VALUE)])
-                for i in range(n_layers)
+                cache(tensor[names.past_name(i, names.KEY)], tensor[names.past_name(i, names.VALUE)])
+                for i, cache in enumerate(caches)
             ]
-        result = model(tensor[names.HIDDEN_STATES], tensor.get(names.ATTENTION_MASK), past)
+        elif any(cache is not KVCache for cache in caches):
+            past = [cache(*KVCache.empty(model.cfg, hidden.shape[0], hidden)) for cache in caches]
+        result = model(hidden, tensor.get(names.ATTENTION_MASK), past)
         arrays = {names.OUTPUT: result.output.cpu().numpy()}
         for i, cache in enumerate(result.present):
             arrays[names.present_name(i, names.KEY)] = cache.key.cpu().numpy()
@@ -67,3 +73,29 @@ def rounded_runner(model, dtype: type = np.float16) -> Forward:
         return {name: array.astype(dtype) for name, array in run(widened).items()}
 
     return forward
+
+
+def quantized_cache_runner(model, quantization) -> Forward:
+    """The precision floor of a graph whose cache `quantization` (export/kv_quant.py) quantizes: the
+    PyTorch original with every key and value it appends to a layer's cache fake-quantized with that
+    layer's scales (quantize, clip, dequantize, as GroupQueryAttention stores them and reads them
+    back; the new tokens attend over them too). Its difference from the original is what the
+    quantization alone costs this model (export/parity.py). In fp32, as the kernel quantizes: fp32's
+    own rounding (1e-6) is four orders below the codes' (1e-2), and an fp64 floor would round some
+    values on the other side of a half step from the kernel."""
+    from contract import names
+    from export.model import KVCache
+
+    def quantizing(layer: int) -> type:
+        key, value = names.past_name(layer, names.KEY), names.past_name(layer, names.VALUE)
+
+        class QuantizingCache(KVCache):
+            __slots__ = ()
+
+            def append(self, k, v):
+                longer = KVCache.append(self, quantization.fake_quantize(key, k), quantization.fake_quantize(value, v))
+                return QuantizingCache(*longer)
+
+        return QuantizingCache
+
+    return torch_runner(model, caches=[quantizing(layer) for layer in range(model.cfg.n_layers)])

@@ -113,6 +113,7 @@ def _static_problems(proto: onnx.ModelProto, cfg: ModelConfig) -> list[str]:
             found.append(f"{node.name}: its past and present are not graph inputs and outputs")
             continue
         found += _gqa_attribute_problems(node, cfg, int(present[0].split(".")[1]))
+        found += _quantized_cache_problems(proto, node, int(present[0].split(".")[1]))
     expected = [spec.name for spec in names.static_input_specs(cfg)]
     actual = [value.name for value in proto.graph.input]
     if actual != expected:
@@ -143,6 +144,38 @@ def _gqa_attribute_problems(node: onnx.NodeProto, cfg: ModelConfig, layer: int) 
             f"the layer's window is {cfg.window(layer)}"
         )
     return found
+
+
+# a static cache's element type -> GroupQueryAttention's kv_cache_bit_width for it (0: not quantized)
+_CACHE_BITS = {
+    onnx.TensorProto.FLOAT: 0,
+    onnx.TensorProto.FLOAT16: 0,
+    onnx.TensorProto.INT8: names.CACHE_BITS[names.INT8_CACHE],
+    onnx.TensorProto.UINT8: names.CACHE_BITS[names.INT4_CACHE],
+}
+
+
+def _quantized_cache_problems(proto: onnx.ModelProto, node: onnx.NodeProto, layer: int) -> list[str]:
+    """A quantized cache (export/kv_quant.py) is one the op quantizes: int8 codes at 8 bits, or int4
+    codes two a byte (uint8, head_dim / 2 wide) at 4, with the layer's scales as initializers."""
+    types = {v.name: v.type.tensor_type for v in proto.graph.input}
+    caches = [types[name] for name in node.input[3:5]]
+    element = caches[0].elem_type
+    if element not in _CACHE_BITS or any(cache.elem_type != element for cache in caches):
+        return [f"layer {layer}: caches of {[onnx.TensorProto.DataType.Name(c.elem_type) for c in caches]}"]
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    bits = attributes.get("kv_cache_bit_width", 0) if attributes.get("k_quant_type", b"NONE") != b"NONE" else 0
+    if bits != _CACHE_BITS[element]:
+        kind = onnx.TensorProto.DataType.Name(element)
+        return [f"layer {layer}: a {kind} cache with GroupQueryAttention quantizing to {bits or 'no'} bits"]
+    if not bits:
+        return []
+    initializers = {i.name for i in proto.graph.initializer}
+    scales = list(node.input[12:14])
+    wanted = [names.cache_scale_name(layer, kind) for kind in names.KV_KINDS]
+    if scales != wanted or not set(wanted) <= initializers:
+        return [f"layer {layer}: GroupQueryAttention's k_scale, v_scale are {scales}, expected initializers {wanted}"]
+    return []
 
 
 def _fp16_cache_problems(proto: onnx.ModelProto) -> list[str]:

@@ -24,7 +24,15 @@ class ConcatSessionEngine(StepEngine):
         self.largest_batch = 0  # most steps one graph run has taken (proof that batching happens)
 
     @property
+    def cache_kind(self) -> str:
+        return "float32"
+
+    @property
     def capacity(self) -> int:
+        return self.store.capacity
+
+    @property
+    def full_length_capacity(self) -> int:  # every sequence reserves max_seq_len
         return self.store.capacity
 
     def stats(self):

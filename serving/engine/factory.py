@@ -21,10 +21,11 @@ from serving.engine.concat_engine import ConcatSessionEngine
 from serving.engine.errors import EngineError
 from serving.engine.kv_cache import KVCacheStore
 from serving.engine.kv_pool import KVPool
-from serving.engine.ort import CUDA, session_float_dtype
+from serving.engine.ort import CUDA
 from serving.engine.placement import Placement, choose_placement, model_file, open_session
 from serving.engine.runner import Runner
-from serving.engine.settings import ENGINE_STATIC, SessionSettings, most_sequences
+from serving.engine.settings import ENGINE_STATIC, MAX_LIVE_SEQUENCES, SessionSettings
+from serving.engine.sized_pool import SizedPool, row_sizes
 from serving.engine.static_engine import StaticSessionEngine
 
 SessionEngines = StaticSessionEngine | ConcatSessionEngine
@@ -45,7 +46,7 @@ def session_engine(
     """`mha_session`'s engine as `settings` ask."""
     idle, budget, threads = settings.idle_timeout_seconds, settings.kv_cache_bytes, settings.threads
     if settings.engine == ENGINE_STATIC:
-        pool, notes = static_pool(files, cfg, budget, threads, model_name)
+        pool, notes = static_pool(files, cfg, settings, model_name)
         description = "; ".join([f"static engine, {pool.description}", *notes])
         return StaticSessionEngine(pool, idle_timeout=idle, description=description)
     placement = choose_placement(cfg, tensorrt.Limits(max_batch=settings.max_batch), trt_cache(model_name))
@@ -60,24 +61,55 @@ def session_engine(
 
 
 def static_pool(
-    files: Mapping[str, Path], cfg: ModelConfig, budget: int, threads: int, model_name: str
-) -> tuple[KVPool, list[str]]:
-    """The slot pool on the best device; on CUDA with ONNX Runtime's CUDA graphs when a probe of them
-    works (decode steps are launch-bound on a GPU), else without (the reason goes to the log)."""
+    files: Mapping[str, Path], cfg: ModelConfig, settings: SessionSettings, model_name: str
+) -> tuple[SizedPool, list[str]]:
+    """The rows on the best device; on CUDA with ONNX Runtime's CUDA graphs when a probe of them works
+    (decode steps are launch-bound on a GPU; the pool is then one slab of full rows), else without
+    (the reason goes to the log) and sized to the session as on the CPU."""
     placement = choose_placement(cfg, tensorrt.Limits(), trt_cache(model_name), allow_tensorrt=False, cuda_graphs=True)
     if placement.kind == CUDA:
         try:
-            return _probed(_pool(files, cfg, budget, threads, placement)), placement.notes
+            whole = _probed(_whole_pool(files, cfg, settings, placement))
+            return SizedPool.whole(whole), placement.notes
         except Exception as error:  # the plain CUDA session still serves
             placement = choose_placement(cfg, tensorrt.Limits(), trt_cache(model_name), allow_tensorrt=False)
             placement.notes.append(f"CUDA graphs off: their probe failed ({type(error).__name__}: {error})")
-    return _pool(files, cfg, budget, threads, placement), placement.notes
+    return _sized_pool(files, cfg, settings, placement), placement.notes
 
 
-def _pool(files: Mapping[str, Path], cfg: ModelConfig, budget: int, threads: int, placement: Placement) -> KVPool:
+def _sized_pool(
+    files: Mapping[str, Path], cfg: ModelConfig, settings: SessionSettings, placement: Placement
+) -> SizedPool:
     path = model_file(files, placement)
-    session = open_session(path, placement, threads)
-    pool = KVPool(session, cfg, rows=pool_rows(cfg, budget, session), capacity=cfg.max_seq_len)
+    session = open_session(path, placement, settings.threads)
+    sizes = row_sizes(cfg.max_seq_len, min(settings.min_row_positions, cfg.max_seq_len))
+    _check_budget(
+        cfg, settings.kv_cache_bytes, settings.kv_cache_bytes // KVPool.row_bytes_for(session, cfg, sizes[0]), sizes[0]
+    )
+    pool = SizedPool(
+        cfg,
+        settings.kv_cache_bytes,
+        sizes,
+        open_slab=lambda rows, size: KVPool(session, cfg, rows=rows, capacity=size),
+        row_bytes=lambda size: KVPool.row_bytes_for(session, cfg, size),
+        max_rows=MAX_LIVE_SEQUENCES,
+    )
+    mib = settings.kv_cache_bytes / (1 << 20)
+    sizes_text = ", ".join(map(str, sizes))
+    pool.description = (
+        f"{path.name} on {session.get_providers()[0]} (caches on {pool.device}, {pool.cache_kind}): "
+        f"rows of {sizes_text} positions from a {mib:.0f} MiB budget"
+    )
+    pool.identity = snapshots.fingerprint(cfg, pool.cache_dtype, path.name, sha256(path))
+    return pool
+
+
+def _whole_pool(files: Mapping[str, Path], cfg: ModelConfig, settings: SessionSettings, placement: Placement) -> KVPool:
+    path = model_file(files, placement)
+    session = open_session(path, placement, settings.threads)
+    rows = settings.kv_cache_bytes // KVPool.row_bytes_for(session, cfg, cfg.max_seq_len)
+    _check_budget(cfg, settings.kv_cache_bytes, rows, cfg.max_seq_len)
+    pool = KVPool(session, cfg, rows=min(rows, MAX_LIVE_SEQUENCES), capacity=cfg.max_seq_len)
     pool.description = f"{path.name} on {session.get_providers()[0]} (caches on {pool.device})"
     pool.identity = snapshots.fingerprint(cfg, pool.dtype, path.name, sha256(path))
     return pool
@@ -103,16 +135,9 @@ def describe(engine: SessionEngines) -> str:
     return f"concat engine, {engine.runner.description}"
 
 
-def pool_rows(cfg: ModelConfig, budget_bytes: int, session) -> int:
-    """Slots the KV budget holds: rows of max_seq_len positions in the graph's dtype (each row also
-    has one scratch position, kv_pool.py, outside the budget's count)."""
-    row = cfg.kv_cache_bytes(1, cfg.max_seq_len, np.dtype(session_float_dtype(session)).itemsize)
-    rows = budget_bytes // row
-    # Triton's sequence slots were sized from this bound before the placement was known (serving/triton/config.py)
-    assert rows <= most_sequences(cfg, budget_bytes), f"a {row}-byte row is narrower than the bound assumes"
+def _check_budget(cfg: ModelConfig, budget_bytes: int, rows: int, positions: int) -> None:
     if rows < 1:
         raise EngineError(
-            f"the KV cache budget of {budget_bytes} bytes holds no sequence of max_seq_len {cfg.max_seq_len} "
-            f"({row} bytes each); raise kv_cache_bytes"
+            f"the KV cache budget of {budget_bytes} bytes holds no row of {positions} positions of this "
+            f"model's cache; raise kv_cache_bytes"
         )
-    return rows

@@ -43,6 +43,7 @@ class CacheStats:
     reserved_bytes: int  # what the budget counts: one reservation per live sequence
     budget_bytes: int
     evictions: int
+    allocated_bytes: int  # of the budget, what memory is taken now (static: its open slabs)
 
 
 class KVCacheStore:
@@ -125,4 +126,5 @@ class KVCacheStore:
                 reserved_bytes=len(self._live) * self.reservation,
                 budget_bytes=self.budget,
                 evictions=self._live.evictions,
+                allocated_bytes=sum(entry.nbytes for entry in self._live.entries.values()),
             )

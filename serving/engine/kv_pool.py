@@ -1,10 +1,14 @@
-"""Driving a static-cache graph (`fp32-static`, `fp16-static`): a pool of cache rows on the session's
-device, each row one sequence's keys and values, appended in place.
+"""Driving a static-cache graph (`fp32-static`, `fp16-static`, the quantized `fp32-static-int8kv` and
+`fp32-static-int4kv`): a pool of cache rows on the session's device, each row one sequence's keys and
+values, appended in place.
 
-Per past tensor the pool holds one buffer (rows, n_kv, capacity + 1, head_dim), allocated once and
+Per past tensor the pool holds one buffer (rows, n_kv, capacity + 1, width), allocated once and
 bound (by address, through IOBinding) as both the graph's past and its present, so a step moves no
 cache: GroupQueryAttention reads each row's first `seqlens_k + 1` positions and writes the new keys
-and values at the row's length.
+and values at the row's length. The buffers hold what the graph's past inputs declare (`cache_dtype`,
+and `width` values a position: head_dim floats, head_dim int8 codes, or head_dim / 2 bytes of two
+int4 codes each); hidden states and outputs stay in the graph's float (`dtype`). A quantized cache's
+scales are inside the graph: the pool only moves its codes.
 
 A step of several rows runs as few graph runs as the op allows (onnxruntime's
 group_query_attention_helper.h): every row that adds one token shares one run over the window of
@@ -56,27 +60,46 @@ class KVPool:
         self._windows: dict[tuple[int, int], _DecodeWindow] = {}
         self.session, self.cfg, self.rows, self.capacity = session, cfg, rows, capacity
         self.device, self.device_id = session_device(session), device_id
-        self.dtype = session_float_dtype(session)
+        self.dtype = session_float_dtype(session)  # of hidden states and outputs
+        self.cache_dtype, width = cache_layout(session)
         self.past_names = names.past_names(cfg.n_layers)
         self.present_names = names.present_names(cfg.n_layers)
-        self.row_shape = (cfg.n_kv_heads, capacity + 1, cfg.head_dim)
+        self.row_shape = (cfg.n_kv_heads, capacity + 1, width)
         shape = (rows, *self.row_shape)
         # zeros, not garbage: no kernel should read past a row's length, and if one did it must
         # not read NaN. On the CPU the pages of np.zeros are only touched as rows fill up.
-        self._host = [np.zeros(shape, self.dtype) for _ in self.past_names] if self.device == CPU else []
+        self._host = [np.zeros(shape, self.cache_dtype) for _ in self.past_names] if self.device == CPU else []
         self.buffers = [ort.OrtValue.ortvalue_from_numpy(array) for array in self._host] or [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.dtype), CUDA, device_id) for _ in self.past_names
+            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.cache_dtype), CUDA, device_id)
+            for _ in self.past_names
         ]
-        self.row_bytes = int(np.prod(self.row_shape)) * np.dtype(self.dtype).itemsize
+        self.row_bytes = int(np.prod(self.row_shape)) * np.dtype(self.cache_dtype).itemsize
         self.lengths = np.zeros(rows, np.int64)
         self.description = f"{rows} rows of {capacity} positions on {self.device}"
         # what a snapshot of a row carries and what a restored one must (the factory adds the graph's name and sha256)
-        self.identity = snapshots.fingerprint(cfg, self.dtype)
+        self.identity = snapshots.fingerprint(cfg, self.cache_dtype)
         # a prefill's scores are chunk x length: the CPU arena gives that memory back after it (decode runs
         # need little). The GPU arena is left alone: captured graphs keep using what they were given.
         self._prefill_options = run_options(
             {"memory.enable_memory_arena_shrinkage": "cpu:0"} | ({"gpu_graph_id": "-1"} if self.cuda_graphs else {})
         )
+
+    @property
+    def identity(self) -> dict[str, str]:
+        return self._identity
+
+    @identity.setter
+    def identity(self, identity: Mapping[str, str]) -> None:
+        """What a snapshot carries; its `dtype` is always this pool's cache's (the caller says which graph
+        made it): an int8 row's codes are never restored into a float pool, nor the other way."""
+        self._identity = {**identity, "dtype": str(np.dtype(self.cache_dtype))}
+
+    @classmethod
+    def row_bytes_for(cls, session, cfg: ModelConfig, capacity: int) -> int:
+        """Bytes `capacity` positions of one row take in all the cache buffers of `session`'s graph (the
+        scratch position a pool adds to each row is not counted, as a KV budget does not count it)."""
+        cache_dtype, width = cache_layout(session)
+        return 2 * cfg.n_layers * cfg.n_kv_heads * capacity * width * np.dtype(cache_dtype).itemsize
 
     @property
     def nbytes(self) -> int:
@@ -182,23 +205,23 @@ class KVPool:
         window = (count, *self.row_shape)
         for past, present, buffer in zip(self.past_names, self.present_names, self.buffers, strict=True):
             address = buffer.data_ptr() + low * self.row_bytes
-            binding.bind_input(past, self.device, self.device_id, self.dtype, window, address)
-            binding.bind_output(present, self.device, self.device_id, self.dtype, window, address)
+            binding.bind_input(past, self.device, self.device_id, self.cache_dtype, window, address)
+            binding.bind_output(present, self.device, self.device_id, self.cache_dtype, window, address)
 
     def read(self, row: int, start: int = 0) -> dict[str, np.ndarray]:
         """Row `row`'s cache from position `start` to its length as host arrays (1, n_kv, length -
-        start, head_dim), by past name."""
+        start, width) in the cache dtype (a quantized cache's codes), by past name."""
         used = self._row_copy.to_host(row, int(self.lengths[row]), start)
         return {name: array[None] for name, array in used.items()}
 
     # --- a row as a whole: the session operations (snapshot, restore, fork, rewind) -------------------
 
     def write(self, row: int, cache: Mapping[str, np.ndarray], length: int) -> None:
-        """Row `row` holds `cache` (past name -> (n_kv, length, head_dim)) from now on."""
+        """Row `row` holds `cache` (past name -> (n_kv, length, width) in the cache dtype) from now on."""
         assert 0 <= length <= self.capacity, f"{length} positions do not fit a row of {self.capacity}"
         rows = {}
         for name in self.past_names:
-            whole = np.zeros(self.row_shape, self.dtype)
+            whole = np.zeros(self.row_shape, self.cache_dtype)
             whole[:, :length] = cache[name]
             rows[name] = whole
         self._row_copy.from_host(rows, row)
@@ -221,6 +244,19 @@ class KVPool:
         return _RowCopy(self)
 
 
+# the element types a static graph's cache may have (ONNX Runtime's type strings)
+CACHE_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int8)": np.int8}
+CACHE_TYPES["tensor(uint8)"] = np.uint8  # int4 codes, two a byte
+
+
+def cache_layout(session) -> tuple[type, int]:
+    """(element type, values a position) of the cache buffers a static graph's past inputs declare."""
+    past = next(i for i in session.get_inputs() if i.name == names.past_name(0, names.KEY))
+    if past.type not in CACHE_TYPES or not isinstance(past.shape[-1], int):
+        raise ValueError(f"{past.name}: a static cache of {past.type} {past.shape} is not one a KVPool holds")
+    return CACHE_TYPES[past.type], past.shape[-1]
+
+
 class _RowCopy:
     """Rows of every cache buffer copied by two small graphs on the pool's device, bound by address
     like the decode windows: a row's first positions to the host (Slice), and a whole row from the
@@ -235,7 +271,7 @@ class _RowCopy:
         from serving.engine.runner import _kernel_model
 
         self.pool = pool
-        element = helper.np_dtype_to_tensor_dtype(np.dtype(pool.dtype))
+        element = helper.np_dtype_to_tensor_dtype(np.dtype(pool.cache_dtype))
         shape = [1, *pool.row_shape]
         inputs = [helper.make_tensor_value_info(f"in.{name}", element, shape) for name in pool.past_names]
         outputs = [helper.make_tensor_value_info(f"out.{name}", element, shape) for name in pool.past_names]
@@ -262,11 +298,11 @@ class _RowCopy:
         for name, buffer in zip(pool.past_names, pool.buffers, strict=True):
             address = buffer.data_ptr() + row * pool.row_bytes
             bind = binding.bind_input if prefix == "in" else binding.bind_output
-            bind(f"{prefix}.{name}", pool.device, pool.device_id, pool.dtype, shape, address)
+            bind(f"{prefix}.{name}", pool.device, pool.device_id, pool.cache_dtype, shape, address)
 
     def to_host(self, row: int, length: int, start: int = 0) -> dict[str, np.ndarray]:
         """Positions `start` to `length` of row `row` of every buffer: past name -> (n_kv, length -
-        start, head_dim) on the host."""
+        start, width) on the host."""
         binding = self.cut.io_binding()
         self._bind(binding, "in", row)
         binding.bind_cpu_input("start", np.array([start], np.int64))
@@ -279,7 +315,7 @@ class _RowCopy:
     def from_host(self, rows: Mapping[str, np.ndarray], row: int) -> None:
         binding = self.copy.io_binding()
         for name in self.pool.past_names:
-            binding.bind_cpu_input(f"in.{name}", np.ascontiguousarray(rows[name][None], self.pool.dtype))
+            binding.bind_cpu_input(f"in.{name}", np.ascontiguousarray(rows[name][None], self.pool.cache_dtype))
         self._bind(binding, "out", row)
         self.copy.run_with_iobinding(binding)
 

@@ -3,8 +3,10 @@ length, with what it was made by in the file's metadata, so that it is only ever
 same computation.
 
 Tensors: one per past name (`past_key_values.{i}.key` / `.value`), each (n_kv_heads, length - start,
-head_dim) in the cache's dtype: positions `start` to `length` (a whole cache from 0; an increment,
-as a durable session's checkpoints write them, from where the one before ended). Metadata
+width) in the cache's dtype (width: head_dim, or head_dim / 2 bytes of two int4 codes for a uint8
+cache; a quantized cache's codes as they are, its scales being the graph's): positions `start` to
+`length` (a whole cache from 0; an increment, as a durable session's checkpoints write them, from
+where the one before ended). Metadata
 (safetensors keeps str -> str):
 
 | key | what |
@@ -13,7 +15,7 @@ as a durable session's checkpoints write them, from where the one before ended).
 | `config` | the model's config as JSON (contract/config.py, sorted keys) |
 | `graph` | the file name of the graph the cache was made by (`model.fp32-static.onnx`) |
 | `graph_sha256` | its sha256 (the weights are inside the graph): the build's, from `SHA256SUMS` |
-| `dtype` | the cache's float type (`float32`, `float16`) |
+| `dtype` | the cache's element type (`float32`, `float16`; `int8`, `uint8` for the int4 codes) |
 | `length` | the positions held |
 | `start` | the first position the blob holds (0: the whole cache; more: a checkpoint's increment) |
 | `owner` | who may restore it (the gateway's keyed fingerprint of the caller's API key; empty: anyone) |
@@ -61,7 +63,7 @@ def fingerprint(cfg: ModelConfig, dtype: str, graph: str = "", graph_sha256: str
 def encode(
     cache: Mapping[str, np.ndarray], identity: Mapping[str, str], length: int, owner: str = "", start: int = 0
 ) -> bytes:
-    """`cache`: past name -> (n_kv_heads, length - start, head_dim), positions `start` to `length`."""
+    """`cache`: past name -> (n_kv_heads, length - start, width), positions `start` to `length`."""
     tensors = {name: np.ascontiguousarray(array[:, : length - start]) for name, array in cache.items()}
     metadata = {**identity, "length": str(length), "start": str(start), "owner": owner}
     return safetensors.numpy.save(tensors, metadata=metadata)
@@ -88,13 +90,13 @@ def decode_chunks(
 
 
 def decode(blob: bytes, identity: Mapping[str, str], owner: str = "") -> tuple[dict[str, np.ndarray], int]:
-    """The cache (past name -> (n_kv_heads, length, head_dim)) and its length, from a blob made by the
+    """The cache (past name -> (n_kv_heads, length, width)) and its length, from a blob made by the
     pool `identity` describes for `owner`; SnapshotError otherwise."""
     return decode_chunks([blob], identity, owner)
 
 
 def _decode_part(blob: bytes, identity: Mapping[str, str], owner: str) -> tuple[dict[str, np.ndarray], int, int]:
-    """One blob's positions (past name -> (n_kv_heads, length - start, head_dim)), start and length."""
+    """One blob's positions (past name -> (n_kv_heads, length - start, width)), start and length."""
     try:
         tensors = safetensors.numpy.load(bytes(blob))
     except (safetensors.SafetensorError, ValueError) as error:
@@ -110,7 +112,7 @@ def _decode_part(blob: bytes, identity: Mapping[str, str], owner: str) -> tuple[
     if start > length:
         raise SnapshotError(f"snapshot metadata: 'start' {start} is past 'length' {length}")
     cfg = ModelConfig.from_dict(json.loads(identity["config"]))
-    expected = (cfg.n_kv_heads, length - start, cfg.head_dim)
+    expected = (cfg.n_kv_heads, length - start, cache_width(cfg, identity["dtype"]))
     wanted = names.past_names(cfg.n_layers)
     if sorted(tensors) != sorted(wanted):
         raise SnapshotError(f"snapshot tensors: expected {wanted}, got {sorted(tensors)}")
@@ -122,6 +124,12 @@ def _decode_part(blob: bytes, identity: Mapping[str, str], owner: str) -> tuple[
                 f"{tensors[name].dtype} {list(tensors[name].shape)}"
             )
     return tensors, start, length
+
+
+def cache_width(cfg: ModelConfig, dtype: str) -> int:
+    """Values a position of a cache of `dtype` holds per kv head: a uint8 cache is int4 codes, two a byte."""
+    quantized = next((kind for kind, element in names.CACHE_ELEMENT.items() if element == dtype), None)
+    return names.cache_width(cfg.head_dim, quantized)
 
 
 def _metadata(blob: bytes) -> dict[str, str]:

@@ -1,10 +1,11 @@
-"""`mha_session`'s static engine: every live sequence owns one row (a slot) of a KV pool allocated
-once at model load, and a step appends its tokens in place (serving/engine/kv_pool.py).
+"""`mha_session`'s static engine: every live sequence owns one row (a slot) of a KV pool, and a step
+appends its tokens in place (serving/engine/kv_pool.py).
 
-START takes the lowest free slot (so live sequences cluster in the first rows and a decode window
-spans few idle ones), END and idle eviction give it back. The steps of one execute() run as few graph
-runs as GroupQueryAttention allows, the decode steps of all sequences in one, and no cache is copied.
-Memory is the pool's from load on: the KV budget is a number of slots of `max_seq_len` positions.
+Rows are sized to the session (serving/engine/sized_pool.py): START takes a row that holds its first
+step, a step that outgrows its row moves the sequence to a larger one (one copy), END and idle
+eviction give it back; the KV budget is bytes, and a START or a step it has no room for is refused
+(`cache_full`) and changes nothing. The steps of one execute() run as few graph runs as
+GroupQueryAttention allows: the decode steps of all sequences in rows of one slab in one.
 
 A step's `attention_mask` marks which of its new tokens are real. The static form has no mask input,
 so padded tokens are dropped before they enter the cache and their output rows are zeros (a padded
@@ -16,7 +17,6 @@ dropping a masked key does not alter. `length` counts cached (real) tokens only.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +27,7 @@ from serving.engine import errors, snapshots
 from serving.engine.kv_cache import CacheStats
 from serving.engine.kv_pool import KVPool
 from serving.engine.sequences import LiveSequences, SequenceId
+from serving.engine.sized_pool import RowsFull, SizedPool
 from serving.engine.steps import StepEngine, StepRequest, check_step
 
 
@@ -46,18 +47,19 @@ class _Work:
 class StaticSessionEngine(StepEngine):
     def __init__(
         self,
-        pool: KVPool,
+        pool: SizedPool | KVPool,
         idle_timeout: float,
         remember: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         description: str = "",
     ) -> None:
         assert idle_timeout > 0
+        # a KVPool: its rows are the engine's, all of max_seq_len (tests and benches that size it)
+        pool = SizedPool.whole(pool) if isinstance(pool, KVPool) else pool
         self.pool, self.cfg, self.description = pool, pool.cfg, description
         self.max_positions = pool.capacity
         self.idle_timeout = idle_timeout
         self._clock = clock
-        self._free = list(range(pool.rows))  # a heap: the lowest free row first
         self._slots: LiveSequences[Slot] = LiveSequences(idle_timeout, clock, remember, self._give_back)
         self._lock = threading.Lock()  # execute() and the idle sweeper both change the slots
         self.largest_batch = 0  # most decode steps one graph run has taken
@@ -67,13 +69,23 @@ class StaticSessionEngine(StepEngine):
 
     @property
     def capacity(self) -> int:
-        """How many sequences fit at once: the pool's rows."""
-        return self.pool.rows
+        """The most sequences that fit at once: each in a row of the smallest size."""
+        return self.pool.most_rows
+
+    @property
+    def full_length_capacity(self) -> int:
+        """The most sequences of max_seq_len positions that fit at once."""
+        return self.pool.most_rows_of(self.max_positions)
+
+    @property
+    def cache_kind(self) -> str:
+        """What the cache holds: float32, float16, int8 or int4."""
+        return self.pool.cache_kind
 
     def length(self, sequence_id: SequenceId) -> int:
         with self._lock:
             slot = self._slots.entries.get(sequence_id)
-            return -1 if slot is None else int(self.pool.lengths[slot.row])
+            return -1 if slot is None else self.pool.length(slot.row)
 
     # --- one execute() ------------------------------------------------------------------------------
 
@@ -87,12 +99,9 @@ class StaticSessionEngine(StepEngine):
         if request.start:
             if len(tokens) > self.max_positions:
                 raise errors.SequenceTooLong(request.sequence_id, len(tokens), self.max_positions)
-            row = self._start(request.sequence_id)
+            row = self._start(request.sequence_id, len(tokens))
         else:
-            row = self._row(request.sequence_id)
-            length = int(self.pool.lengths[row]) + len(tokens)
-            if length > self.max_positions:
-                raise errors.SequenceTooLong(request.sequence_id, length, self.max_positions)
+            row = self._grown(request.sequence_id, len(tokens))
         if len(tokens) == 0:
             return None
         return row, tokens.astype(self.pool.dtype, copy=False), keep
@@ -116,15 +125,32 @@ class StaticSessionEngine(StepEngine):
 
     # --- slots --------------------------------------------------------------------------------------
 
-    def _start(self, sequence_id: SequenceId) -> int:
-        """A fresh slot for the sequence; a repeated START restarts it (as Triton does)."""
+    def _start(self, sequence_id: SequenceId, positions: int = 1) -> int:
+        """A fresh slot for the sequence that holds `positions`; a repeated START restarts it (as
+        Triton does)."""
         with self._lock:
             self._slots.restart(sequence_id)
-            if not self._free:
-                raise errors.CacheFull(sequence_id, self._full_message())
-            row = heapq.heappop(self._free)
-            self.pool.reset(row)
+            row = self._allocate(sequence_id, positions)
             return self._slots.add(sequence_id, Slot(row, self._clock())).row
+
+    def _grown(self, sequence_id: SequenceId, new: int) -> int:
+        """The live sequence's row, holding `new` more positions (moved to a larger row if need be)."""
+        with self._lock:
+            row = self._slots.touch(sequence_id).row
+            length = self.pool.length(row) + new
+            if length > self.max_positions:
+                raise errors.SequenceTooLong(sequence_id, length, self.max_positions)
+            try:
+                self.pool.reserve(row, length)
+            except RowsFull as full:
+                raise errors.CacheFull(sequence_id, str(full)) from None
+            return row
+
+    def _allocate(self, name: SequenceId | str, positions: int) -> int:
+        try:
+            return self.pool.allocate(max(positions, 1))
+        except RowsFull as full:
+            raise errors.CacheFull(name, str(full)) from None
 
     # --- session operations: snapshot, restore, fork, rewind ------------------------------------------
 
@@ -133,7 +159,7 @@ class StaticSessionEngine(StepEngine):
         checkpoint) as a blob (snapshots.py) only `owner` restores; the sequence goes on unchanged."""
         with self._lock:
             row = self._slots.touch(sequence_id).row
-            length = int(self.pool.lengths[row])
+            length = self.pool.length(row)
             if not 0 <= since <= length:
                 held = f"sequence {sequence_id!r} holds {length} positions"
                 raise errors.InvalidRequest(f"{held}: a snapshot starts at 0 to {length}, got {since}")
@@ -148,7 +174,7 @@ class StaticSessionEngine(StepEngine):
         cache, length = snapshots.decode_chunks(blobs, self.pool.identity, owner)
         if length > self.max_positions:
             raise errors.SequenceTooLong(sequence_id, length, self.max_positions)
-        row = self._start(sequence_id)
+        row = self._start(sequence_id, length)
         with self._lock:
             self.pool.write(row, cache, length)
         return length
@@ -159,16 +185,16 @@ class StaticSessionEngine(StepEngine):
         if into == sequence_id:
             raise errors.InvalidRequest(f"sequence {sequence_id!r} cannot be forked into itself: give a new id")
         source = self._row(sequence_id)
-        row = self._start(into)
+        row = self._start(into, self.pool.length(source))
         with self._lock:
             self.pool.copy_row(source, row)
-            return int(self.pool.lengths[row])
+            return self.pool.length(row)
 
     def rewind(self, sequence_id: SequenceId, length: int) -> int:
         """The live sequence keeps its first `length` positions; the next step continues from there."""
         with self._lock:
             row = self._slots.touch(sequence_id).row
-            held = int(self.pool.lengths[row])
+            held = self.pool.length(row)
             if not 0 <= length <= held:
                 raise errors.InvalidRequest(
                     f"sequence {sequence_id!r} holds {held} positions: a rewind goes to 0 to {held}, got {length}"
@@ -189,36 +215,33 @@ class StaticSessionEngine(StepEngine):
         with self._lock:
             if (owner, name) in self._prefixes:
                 raise errors.InvalidRequest(f"prefix {name!r} exists and is immutable: delete it first")
-            if not self._free:
-                raise errors.CacheFull(name, self._full_message())
-            row = heapq.heappop(self._free)
-            self.pool.reset(row)
+            row = self._allocate(name, len(tokens))
             self._prefixes[owner, name] = row
         output = self.pool.run({row: tokens.astype(self.pool.dtype, copy=False)})[row]
         if isinstance(output, Exception):
             self.delete_prefix(owner, name)
             raise output
-        return int(self.pool.lengths[row])
+        return self.pool.length(row)
 
     def start_from_prefix(self, sequence_id: SequenceId, owner: str, name: str) -> int:
         """START `sequence_id` holding a copy of the prefix's cache; its length."""
         source = self._prefix_row(owner, name)
-        row = self._start(sequence_id)
+        row = self._start(sequence_id, self.pool.length(source))
         with self._lock:
             self.pool.copy_row(source, row)
-            return int(self.pool.lengths[row])
+            return self.pool.length(row)
 
     def delete_prefix(self, owner: str, name: str) -> None:
         """Free the prefix's row; sessions started from it keep their own copies."""
         row = self._prefix_row(owner, name)
         with self._lock:
             del self._prefixes[owner, name]
-            heapq.heappush(self._free, row)
+            self.pool.free(row)
 
     def prefixes(self, owner: str) -> dict[str, int]:
         """The owner's prefixes: name -> positions."""
         with self._lock:
-            return {name: int(self.pool.lengths[row]) for (who, name), row in self._prefixes.items() if who == owner}
+            return {name: self.pool.length(row) for (who, name), row in self._prefixes.items() if who == owner}
 
     def _prefix_row(self, owner: str, name: str) -> int:
         with self._lock:
@@ -228,14 +251,7 @@ class StaticSessionEngine(StepEngine):
         return row
 
     def _give_back(self, slot: Slot) -> None:
-        heapq.heappush(self._free, slot.row)
-
-    def _full_message(self) -> str:
-        mib = self.pool.nbytes / (1 << 20)
-        return (
-            f"the KV cache budget is full: all {self.pool.rows} slots of {self.max_positions} positions "
-            f"({mib:.1f} MiB) hold live sequences; retry later or end a sequence"
-        )
+        self.pool.free(slot.row)
 
     def _row(self, sequence_id: SequenceId) -> int:
         with self._lock:
@@ -252,11 +268,11 @@ class StaticSessionEngine(StepEngine):
     def stats(self) -> CacheStats:
         with self._lock:
             rows = [slot.row for slot in self._slots.entries.values()]
-            per_position = self.pool.row_bytes * len(self.pool.buffers) // self.pool.row_shape[1]
             return CacheStats(
                 sequences=len(rows),
-                held_bytes=int(self.pool.lengths[rows].sum()) * per_position,
-                reserved_bytes=len(rows) * self.pool.row_bytes * len(self.pool.buffers),
-                budget_bytes=self.pool.nbytes,
+                held_bytes=sum(self.pool.length(row) for row in rows) * self.pool.bytes_per_position,
+                reserved_bytes=self.pool.reserved_bytes(rows),
+                budget_bytes=self.pool.budget_bytes,
                 evictions=self._slots.evictions,
+                allocated_bytes=self.pool.allocated_bytes,
             )

@@ -15,7 +15,7 @@ from pathlib import Path
 from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
-from serving.engine.settings import ENGINES
+from serving.engine.settings import ENGINES, KV_DTYPES
 from serving.triton.config import (
     MHA_ONNX,
     MHA_SESSION,
@@ -28,6 +28,8 @@ from serving.triton.config import (
 )
 from serving.triton.repository import (
     ONNX_BACKEND_VARIANT,
+    P_CPU,
+    QUANTIZED_STATIC_FILES,
     RepositoryError,
     is_complete,
     model_configs,
@@ -88,6 +90,20 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.engine,
         help="mha_session: the slot pool over the static cache (default) or per-sequence caches batched by padding",
     )
+    add(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=defaults.kv_dtype,
+        help="mha_session (static): the cache's values: the graph's float (default), or int8/int4 (the quantized "
+        "static graphs: 4x/8x the sessions of fp32 per byte, CPU only)",
+    )
+    add(
+        "--min-row-positions",
+        type=int,
+        default=defaults.min_row_positions,
+        help="mha_session (static): the smallest row a session starts in; rows double as it grows "
+        "(max_seq_len: a full row per session from its START)",
+    )
 
 
 def settings_from(args: argparse.Namespace) -> ServingSettings:
@@ -97,6 +113,8 @@ def settings_from(args: argparse.Namespace) -> ServingSettings:
         idle_timeout_seconds=args.idle_timeout,
         max_batch_size=args.max_batch_size,
         engine=args.engine,
+        kv_dtype=args.kv_dtype,
+        min_row_positions=args.min_row_positions,
         max_request_tokens=args.max_request_tokens,
     )
 
@@ -111,13 +129,16 @@ def export_to(
     """Build `cfg` into `artifacts` (export, on the CPU) and fill `repository` from it.
 
     A failing variant still fails (BuildError), but the repository is filled from the variants that
-    passed: a failed fp16 graph must not keep `python -m serving` from starting on the CPU.
+    passed: a failed fp16 graph must not keep `python -m serving` from starting on the CPU. A KV dtype
+    whose graph is not a default variant (int4) adds it to the build.
     """
-    from export.build import BuildError
+    from export.build import DEFAULT_VARIANTS, BuildError
     from export.report import build_and_report
 
+    wanted = QUANTIZED_STATIC_FILES.get((settings or ServingSettings()).kv_dtype, {}).get(P_CPU, ())
+    variants = None if set(wanted) <= set(DEFAULT_VARIANTS) else (*DEFAULT_VARIANTS, *wanted)
     try:
-        build_and_report(cfg, artifacts)
+        build_and_report(cfg, artifacts, variants)
     except BuildError:
         write_repository(artifacts, repository, settings, models)
         raise

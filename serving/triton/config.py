@@ -27,7 +27,15 @@ from contract import names
 from contract.config import ModelConfig
 from contract.names import TensorSpec
 from serving.engine import tensorrt
-from serving.engine.settings import ENGINES, SessionSettings, most_sequences
+from serving.engine.settings import (
+    ENGINE_STATIC,
+    ENGINES,
+    KV_DTYPES,
+    KV_FLOAT,
+    MAX_LIVE_SEQUENCES,
+    SessionSettings,
+    most_sequences,
+)
 
 MHA, MHA_SESSION, MHA_ONNX = "mha", "mha_session", "mha_onnx"
 MODELS = (MHA, MHA_SESSION, MHA_ONNX)
@@ -48,6 +56,7 @@ P_THREADS = "threads"
 P_KV_CACHE_BYTES = "kv_cache_bytes"
 P_IDLE_TIMEOUT = "idle_timeout_seconds"
 P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
+P_MIN_ROW_POSITIONS = "min_row_positions"  # mha_session (static): the smallest row
 P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
 # The model's sizes and limits, published in both python models' configs so that any caller reads the
 # facts from Triton's model-config API (the session model's IO does not show its layers or cache)
@@ -75,6 +84,10 @@ class ServingSettings:
     # mha: batch x new tokens one request may compute; None = the config's max_seq_len. A request's
     # attention scores grow with its tokens times its length: 12,000 tokens took a stub to 6.6 GB.
     max_request_tokens: int | None = None
+    # mha_session (static): the cache's values, float (the graph's float: fp32 on the CPU, fp16 on CUDA)
+    # or int8/int4 (the quantized static graphs, CPU), and the smallest row a session starts in
+    kv_dtype: str = KV_FLOAT
+    min_row_positions: int = SessionSettings.min_row_positions
 
     def __post_init__(self) -> None:
         if self.threads < 0 or self.kv_cache_bytes <= 0 or self.idle_timeout_seconds <= 0 or self.max_batch_size < 1:
@@ -83,6 +96,10 @@ class ServingSettings:
             raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.min_row_positions < 1:
+            raise ValueError(f"min_row_positions must be at least 1, got {self.min_row_positions}")
 
     def request_tokens(self, cfg: ModelConfig) -> int:
         return self.max_request_tokens or cfg.max_seq_len
@@ -162,6 +179,7 @@ def mha_session_config(
             P_KV_CACHE_BYTES: settings.kv_cache_bytes,
             P_IDLE_TIMEOUT: f"{settings.idle_timeout_seconds:g}",
             P_ENGINE: engine or settings.engine,
+            P_MIN_ROW_POSITIONS: settings.min_row_positions,
         },
     )
     return config
@@ -174,13 +192,24 @@ FEW_SESSIONS = 4
 
 def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
     """What `mha_session`'s KV budget holds, as the repository commands print it: sequences of
-    max_seq_len in an fp32 cache (the CPU) and an fp16 one (a GPU), and a warning when few fit."""
+    max_seq_len in the deployment's cache on the CPU (and an fp16 one on a GPU), with rows sized to
+    the session how many shorter ones, and a warning when few full-length ones fit."""
     budget_mib = settings.kv_cache_bytes / (1 << 20)
-    on_cpu = settings.kv_cache_bytes // cfg.kv_cache_bytes(1, cfg.max_seq_len, 4)
+    bits = {KV_FLOAT: 32, "int8": 8, "int4": 4}[settings.kv_dtype]
+    on_cpu = settings.kv_cache_bytes * 8 // (cfg.kv_cache_bytes(1, cfg.max_seq_len, 1) * bits)
+    cache = "fp32" if settings.kv_dtype == KV_FLOAT else settings.kv_dtype
     lines = [
         f"{MHA_SESSION}: KV cache budget {budget_mib:.0f} MiB = {on_cpu} sequences of up to {cfg.max_seq_len} "
-        f"positions on the CPU (fp32), {most_sequences(cfg, settings.kv_cache_bytes)} on a GPU (fp16)"
+        f"positions on the CPU ({cache})"
+        + (f", {most_sequences(cfg, settings.kv_cache_bytes)} on a GPU (fp16)" if settings.kv_dtype == KV_FLOAT else "")
     ]
+    smallest = min(settings.min_row_positions, cfg.max_seq_len)
+    if settings.engine == ENGINE_STATIC and smallest < cfg.max_seq_len:
+        short = min(MAX_LIVE_SEQUENCES, settings.kv_cache_bytes * 8 // (cfg.kv_cache_bytes(1, smallest, 1) * bits))
+        lines.append(
+            f"{MHA_SESSION}: rows sized to the session: up to {short} sequences of up to {smallest} positions "
+            f"on the CPU ({cache}) at once, each moving to a row twice as long as it grows"
+        )
     if on_cpu < FEW_SESSIONS:
         lines.append(f"warning: only {on_cpu} sessions fit at once on the CPU; raise --kv-cache-mib to hold more")
     return lines
@@ -202,7 +231,8 @@ def candidate_sequences(cfg: ModelConfig, settings: ServingSettings) -> int:
     `most` again), and STARTs the model refused, until their END (client/core.py sends it at once;
     a client that does not is covered up to `most` more). Three times `most`, then.
     """
-    most = most_sequences(cfg, settings.kv_cache_bytes)
+    smallest = settings.min_row_positions if settings.engine == ENGINE_STATIC else None
+    most = most_sequences(cfg, settings.kv_cache_bytes, settings.kv_dtype, smallest)
     return max(MIN_CANDIDATE_SEQUENCES, 4 * settings.max_batch_size, 3 * most)
 
 

@@ -45,6 +45,7 @@ def session_settings(parameters: dict[str, str], max_batch: int) -> SessionSetti
         idle_timeout_seconds=_number(parameters, triton_config.P_IDLE_TIMEOUT, float),
         threads=threads(parameters),
         max_batch=max_batch,
+        min_row_positions=_number(parameters, triton_config.P_MIN_ROW_POSITIONS, int),
     )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from contract.config import ModelConfig
 from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
-from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC
+from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, KV_INT4, KV_INT8
 from serving.triton import config as triton_config
 from serving.triton import digests
 from serving.triton.config import ServingSettings
@@ -33,7 +33,9 @@ P_CPU, P_CUDA, P_TRT = triton_config.P_ONNX_FILE, triton_config.P_ONNX_FILE_CUDA
 # The python models' graphs per placement, best first; the first that passed is copied. The served IO
 # is fp32 (the runner rounds to an fp16 graph's dtype and back). `mha`: the fused graph on the CPU (the
 # fastest CPU decode step), fp16 on CUDA, the TensorRT form under TensorRT. `mha_session`: the static
-# cache (fp32 on the CPU, fp16 on CUDA) for the `static` engine, the fused fp32 graph for `concat`.
+# cache (fp32 on the CPU, fp16 on CUDA) for the `static` engine, the fused fp32 graph for `concat`;
+# with a quantized KV cache (`kv_dtype`) the static graph of that cache, on the CPU only (ONNX Runtime
+# 1.31's CUDA GroupQueryAttention quantizes a cache too, but none of it has run on a GPU of ours).
 PYTHON_FILES: dict[str, dict[str, tuple[str, ...]]] = {
     triton_config.MHA: {
         P_CPU: ("fp32-fused", "fp32"),
@@ -43,6 +45,15 @@ PYTHON_FILES: dict[str, dict[str, tuple[str, ...]]] = {
     ENGINE_STATIC: {P_CPU: ("fp32-static",), P_CUDA: ("fp16-static",)},
     ENGINE_CONCAT: {P_CPU: ("fp32-fused", "fp32"), P_CUDA: ("fp32-fused", "fp32")},
 }
+QUANTIZED_STATIC_FILES = {KV_INT8: {P_CPU: ("fp32-static-int8kv",)}, KV_INT4: {P_CPU: ("fp32-static-int4kv",)}}
+
+
+def session_choices(settings: ServingSettings, engine: str) -> dict[str, tuple[str, ...]]:
+    """mha_session's graphs per placement for `engine` and the deployment's KV cache dtype."""
+    if engine == ENGINE_STATIC and settings.kv_dtype in QUANTIZED_STATIC_FILES:
+        return QUANTIZED_STATIC_FILES[settings.kv_dtype]
+    return PYTHON_FILES[engine]
+
 
 # mha_onnx loads the plain fp32 graph: (1) every op of it has a CUDA kernel in the ONNX Runtime of
 # the NGC image's onnxruntime backend (1.24.4 in 26.04), which has none for the ONNX `Attention` op;
@@ -106,17 +117,26 @@ def python_files(choices: dict[str, tuple[str, ...]], passing: set[str]) -> dict
 def session_engine(settings: ServingSettings, passing: set[str]) -> str:
     """The engine mha_session runs: the one asked for, or `concat` where the static graph is missing
     (a config GroupQueryAttention cannot take)."""
-    if settings.engine == ENGINE_STATIC and P_CPU not in python_files(PYTHON_FILES[settings.engine], passing):
+    if settings.engine == ENGINE_STATIC and P_CPU not in python_files(
+        session_choices(settings, ENGINE_STATIC), passing
+    ):
+        if settings.kv_dtype in QUANTIZED_STATIC_FILES:  # a cache asked for by name is not given up silently
+            wanted = QUANTIZED_STATIC_FILES[settings.kv_dtype][P_CPU][0]
+            raise RepositoryError(
+                f"kv_dtype {settings.kv_dtype} needs the {wanted} variant, which the artifact does not have "
+                f"(passing: {sorted(passing)}); build it: python -m export build --variants {wanted}"
+            )
         return ENGINE_CONCAT
     return settings.engine
 
 
 def model_files(passing: set[str], settings: ServingSettings | None = None) -> dict[str, dict[str, str]]:
     """Each python model's file parameters, given the variants that passed."""
-    engine = session_engine(settings or ServingSettings(), passing)
+    settings = settings or ServingSettings()
+    engine = session_engine(settings, passing)
     return {
         triton_config.MHA: python_files(PYTHON_FILES[triton_config.MHA], passing),
-        triton_config.MHA_SESSION: python_files(PYTHON_FILES[engine], passing),
+        triton_config.MHA_SESSION: python_files(session_choices(settings, engine), passing),
     }
 
 

@@ -11,7 +11,11 @@ from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, SessionSetting
 from serving.triton import config as triton_config
 from serving.triton import digests, engines
 
-PARAMETERS = {triton_config.P_KV_CACHE_BYTES: "1048576", triton_config.P_IDLE_TIMEOUT: "60"}
+PARAMETERS = {
+    triton_config.P_KV_CACHE_BYTES: "1048576",
+    triton_config.P_IDLE_TIMEOUT: "60",
+    triton_config.P_MIN_ROW_POSITIONS: "256",
+}
 
 
 def test_the_static_engine_is_the_default_everywhere():
@@ -22,11 +26,18 @@ def test_the_static_engine_is_the_default_everywhere():
 
 def test_the_repository_defaults_are_the_engines():
     served, engine = triton_config.ServingSettings(), SessionSettings()
-    assert (served.kv_cache_bytes, served.idle_timeout_seconds, served.threads, served.max_batch_size) == (
+    assert (
+        served.kv_cache_bytes,
+        served.idle_timeout_seconds,
+        served.threads,
+        served.max_batch_size,
+        served.min_row_positions,
+    ) == (
         engine.kv_cache_bytes,
         engine.idle_timeout_seconds,
         engine.threads,
         engine.max_batch,
+        engine.min_row_positions,
     )
 
 
@@ -57,6 +68,7 @@ def test_an_unknown_engine_parameter_is_refused_at_load():
         ({triton_config.P_IDLE_TIMEOUT: "60"}, "no parameter 'kv_cache_bytes'"),
         ({**PARAMETERS, triton_config.P_KV_CACHE_BYTES: "two gigabytes"}, "'kv_cache_bytes' must be int"),
         ({**PARAMETERS, triton_config.P_THREADS: "-1"}, "invalid session settings"),
+        ({**PARAMETERS, triton_config.P_MIN_ROW_POSITIONS: "0"}, "invalid session settings"),
     ],
 )
 def test_a_missing_or_wrong_parameter_is_named(parameters, message):

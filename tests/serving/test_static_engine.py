@@ -106,11 +106,11 @@ def test_the_pool_full_refuses_a_start_and_end_gives_the_slot_back(engine, origi
     )
     (refused,) = answer(engine, StepRequest(99, True, False, token))
     assert isinstance(refused, errors.CacheFull) and refused.code == errors.UNAVAILABLE
-    assert "KV cache budget is full: all 3 slots of 64 positions" in str(refused)
+    assert "is full: 3 rows hold live sequences" in str(refused) and "a row of 64 positions" in str(refused)
     answer(engine, StepRequest(1, False, True, np.zeros((1, 0, d), np.float32)))  # END without tokens
     (started,) = answer(engine, StepRequest(99, True, False, token))
     assert isinstance(started, np.ndarray) and engine.stats().sequences == 3
-    assert engine.pool.lengths[1] == 1  # the freed row went to the new sequence, emptied first
+    assert engine.length(99) == 1  # the freed row went to the new sequence, emptied first
 
 
 def test_each_request_gets_its_own_precise_error_and_the_others_run(engine, original):
@@ -150,7 +150,7 @@ def test_stats_count_what_the_slots_hold(engine, original):
     answer(engine, StepRequest("s", True, False, np.zeros((1, 5, cfg.d_model), np.float32)))
     stats = engine.stats()
     assert stats.sequences == 1 and stats.held_bytes == cfg.kv_cache_bytes(1, 5)
-    assert stats.reserved_bytes == cfg.kv_cache_bytes(1, 64 + 1)  # a slot: max_seq_len and the scratch position
+    assert stats.reserved_bytes == cfg.kv_cache_bytes(1, 64)  # a slot: its positions (not its scratch one)
     assert stats.budget_bytes == 3 * stats.reserved_bytes
 
 

@@ -16,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from export import build
-from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, ENGINES
+from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, ENGINES, MAX_LIVE_SEQUENCES
 from serving.triton import config as triton_config
 from serving.triton import digests, engines, repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
@@ -153,17 +153,19 @@ def test_session_batching_is_oldest_and_both_timeouts_come_from_one_setting(arti
 
 
 @pytest.mark.parametrize("budget_mib", [1, 64, 2048])
-def test_triton_has_more_sequence_slots_than_the_budget_has_rows_on_any_placement(budget_mib):
-    """With every slot taken Triton holds a START unanswered: the budget must refuse first. 2 GiB on
-    the tiny model holds 8,192 fp32 rows on the CPU (the 1,025th START hung with 1,024 slots) and
-    16,384 fp16 rows on CUDA; slots cover the live rows, as many evicted ones Triton still holds, and
-    as many refused STARTs awaiting their END."""
-    cfg, settings = preset("tiny"), ServingSettings(kv_cache_bytes=budget_mib << 20)
+@pytest.mark.parametrize(("kv_dtype", "bits"), [("float", 16), ("int8", 8), ("int4", 4)])
+def test_triton_has_more_sequence_slots_than_the_engine_admits_sequences(budget_mib, kv_dtype, bits):
+    """With every slot taken Triton holds a START unanswered: the engine must refuse first. It admits
+    at most as many sequences as the budget has rows of the smallest size in the narrowest cache (fp16
+    on CUDA for a float cache), and never more than MAX_LIVE_SEQUENCES (2 GiB on the tiny model would be
+    65,536 int4 rows of 256 positions); slots cover the live rows, as many evicted ones Triton still
+    holds, and as many refused STARTs awaiting their END."""
+    cfg = preset("tiny")
+    settings = ServingSettings(kv_cache_bytes=budget_mib << 20, kv_dtype=kv_dtype)
     slots = triton_config.mha_session_config(cfg, {}, settings).sequence_batching.oldest.max_candidate_sequences
-    for itemsize in (4, 2):  # the pool's float on the CPU (fp32) and on CUDA (fp16)
-        rows = settings.kv_cache_bytes // cfg.kv_cache_bytes(1, cfg.max_seq_len, itemsize)
-        assert slots >= 3 * rows, (itemsize, rows, slots)
-    assert slots >= 1024
+    smallest = min(settings.min_row_positions, cfg.max_seq_len)
+    rows = settings.kv_cache_bytes * 8 // (cfg.kv_cache_bytes(1, smallest, 1) * bits)
+    assert slots >= 3 * min(rows, MAX_LIVE_SEQUENCES) and slots >= 1024, (rows, slots)
 
 
 def test_mha_onnx_runs_on_the_gpu_with_tensorrt_in_fp16(built):

@@ -33,12 +33,13 @@ class TritonPythonModel:
         max_batch = int(self.model.model_config["max_batch_size"])
         self.engine = engines.session_engine(self.model.version, cfg, parameters, max_batch, self.model.name)
         idle = float(parameters[triton_config.P_IDLE_TIMEOUT])
-        self.metrics = SessionGauges(self.model.name)
+        self.metrics = SessionGauges(self.model.name, self.engine.cache_kind)
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
         budget_mib = self.engine.stats().budget_bytes / (1 << 20)
         pb_utils.Logger.log_info(
             f"{self.model.name}: runner {factory.describe(self.engine)}; KV cache budget {budget_mib:.0f} MiB = "
-            f"{self.engine.capacity} sequences of up to {cfg.max_seq_len} positions; idle timeout {idle:g} s"
+            f"{self.engine.full_length_capacity} sequences of up to {cfg.max_seq_len} positions "
+            f"({self.engine.cache_kind}), {self.engine.capacity} shorter ones at once; idle timeout {idle:g} s"
         )
 
     def execute(self, requests: list) -> list:
@@ -83,6 +84,8 @@ class TritonPythonModel:
             "sequences": stats.sequences,
             "held_bytes": stats.held_bytes,
             "reserved_bytes": stats.reserved_bytes,
+            "allocated_bytes": stats.allocated_bytes,
+            "budget_bytes": stats.budget_bytes,
             "evictions": stats.evictions,
             "largest_batch": self.engine.largest_batch,
         }
@@ -128,18 +131,20 @@ class SessionGauges:
         "sequences": ("attention_kv_cache_sequences", "Sequences holding a KV cache"),
         "held_bytes": ("attention_kv_cache_bytes", "Bytes the KV caches hold"),
         "reserved_bytes": ("attention_kv_cache_reserved_bytes", "Bytes of the budget reserved by live sequences"),
+        "allocated_bytes": ("attention_kv_cache_allocated_bytes", "Bytes of the budget taken by the open row slabs"),
+        "budget_bytes": ("attention_kv_cache_budget_bytes", "The KV cache budget in bytes"),
         "evictions": ("attention_kv_cache_evictions", "Sequences evicted for idleness so far"),
         "largest_batch": ("attention_session_largest_batch", "Most sequence steps in one graph run so far"),
     }
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, cache_kind: str) -> None:
         self._families, self._metrics = [], {}
         self._sent: dict[str, float] = {}
         self._lock = threading.Lock()  # execute() and the sweeper both publish
         for key, (name, description) in self.GAUGES.items():
             family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
             self._families.append(family)  # a family must outlive its metrics
-            self._metrics[key] = family.Metric(labels={"model": model_name})
+            self._metrics[key] = family.Metric(labels={"model": model_name, "kv_dtype": cache_kind})
 
     def changed(self, key: str, value: float) -> bool:
         return self._sent.get(key) != value

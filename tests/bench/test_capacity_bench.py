@@ -1,0 +1,37 @@
+"""`python -m bench capacity` end to end, bounded: the tiny model at a max_seq_len of 2,048 with a
+16 MiB budget, one round; it writes its JSON, its plot and its table, and what it counted follows
+from the bytes (timings are not asserted: this is a smoke test)."""
+
+import json
+
+import pytest
+
+from bench.__main__ import main
+from contract.config import preset
+from serving.engine.settings import MIN_ROW_POSITIONS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_SEQ_LEN, BUDGET_MIB, TOKENS = 2048, 16, 300
+
+
+def test_the_capacity_benchmark_counts_sessions_by_cache_and_row_size(tmp_path, capsys):
+    out = tmp_path / "results"
+    args = ["capacity", "--preset", "tiny", "--max-seq-len", str(MAX_SEQ_LEN), "--budget-mib", str(BUDGET_MIB)]
+    args += ["--session-tokens", str(TOKENS), "--pasts", "256,512", "--batch-past", "300", "--rounds", "1"]
+    assert main([*args, "--seconds", "0.05", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    results = json.loads((out / "capacity.json").read_text())
+    assert (out / "capacity.png").read_bytes().startswith(b"\x89PNG")
+    cfg, budget = preset("tiny"), BUDGET_MIB << 20
+    row_of_300 = 2 * MIN_ROW_POSITIONS  # 300 positions take a row of 512 of the sizes 256, 512, 1024, 2048
+    for cache, bits in (("fp32", 32), ("int8", 8), ("int4", 4)):
+        per_position = cfg.kv_cache_bytes(1, 1, 1) * bits // 8
+        full, sized = (results["admission"][f"{cache}, {rows} rows"] for rows in ("full", "sized"))
+        assert full["sessions"] == budget // (per_position * MAX_SEQ_LEN), (cache, full)
+        assert sized["sessions"] == budget // (per_position * row_of_300), (cache, sized)
+        assert sized["allocated_bytes"] <= budget and "does not fit" in sized["refusal"]
+    assert results["admission"]["int8, sized rows"]["vs_fp32_full"] == 4 * MAX_SEQ_LEN / row_of_300
+    for past in ("256", "512"):
+        assert set(results["decode"]["pasts"][past]["timings"]) == {"fp32", "int8", "int4", "torch"}
+    assert results["batch"]["fp32, four sizes"]["slabs"] == 4 and results["batch"]["int8, one size"]["slabs"] == 1
+    assert "sessions of 300 positions in 16 MiB" in capsys.readouterr().out

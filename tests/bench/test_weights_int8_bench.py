@@ -1,0 +1,37 @@
+"""`python -m bench weights-int8` end to end, bounded: the tiny model, one prefill and one decode
+shape, one round; it writes its JSON, its plot and its table, and what it measured is coherent
+(timings are not asserted: this is a smoke test)."""
+
+import json
+import math
+
+import pytest
+
+from bench.__main__ import main
+from bench.weights_int8 import CANDIDATES
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_int8_weights_benchmark_times_errors_and_sizes_every_candidate(tmp_path, capsys):
+    out = tmp_path / "results"
+    args = ["weights-int8", "--preset", "tiny", "--prefill", "32", "--pasts", "64", "--rounds", "1"]
+    assert main([*args, "--seconds", "0.02", "--threads", "1", "--out", str(out), "--work", str(tmp_path)]) == 0
+    results = json.loads((out / "weights_int8.json").read_text())
+    assert (out / "weights_int8.png").read_bytes().startswith(b"\x89PNG")
+
+    assert results["preset"] == "tiny" and results["candidates"] == list(CANDIDATES)
+    assert [row["label"] for row in results["shapes"]] == ["prefill B1 T32", "decode B1 P64"]
+    for row in results["shapes"]:
+        for name in CANDIDATES:
+            timing, error = row["candidates"][name], row["errors"][name]
+            assert timing["runs"] >= 3 and 0 < timing["median_ms"] <= timing["p90_ms"], (name, timing)
+            assert all(math.isfinite(value) and value >= 0 for value in error.values()), (name, error)
+        assert row["errors"]["torch"]["max_abs"] == 0  # the reference itself
+        assert row["errors"]["fp32-fused"]["max_rel"] < 1e-5 < row["errors"]["fp32-fused-int8w"]["max_rel"] < 5e-2
+        assert all(ratio > 0 and math.isfinite(ratio) for ratio in row["ratios"].values())
+    sizes = results["file_bytes"]
+    assert set(sizes) == set(CANDIDATES) and all(size > 0 for size in sizes.values())
+    assert sizes["fp32-fused-int8w"] < sizes["fp32-fused"] and results["parity"]["passed"]
+    assert all(ratio > 0 for ratio in results["file_ratios"].values())
+    assert "vs torch-int8" in capsys.readouterr().out
