@@ -52,10 +52,13 @@ def artifact(root: Path) -> Path:
 
 def repository(source: Path, where: Path, kv_cache_bytes: int, slots: int | None) -> Path:
     """mha and mha_session for the budget; `slots` overrides the derived sequence slots."""
+    from contract.config import ModelConfig
     from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings, parse, to_text
     from serving.triton.repository import write_repository
 
-    settings = ServingSettings(threads=1, kv_cache_bytes=kv_cache_bytes)
+    # full rows: the budget is `rows` sessions of max_seq_len, whatever their length (not sized to them)
+    cfg = ModelConfig.load(source)
+    settings = ServingSettings(threads=1, kv_cache_bytes=kv_cache_bytes, min_row_positions=cfg.max_seq_len)
     written = write_repository(source, where, settings, models=(MHA, MHA_SESSION))
     if slots is not None:
         path = written / MHA_SESSION / TRITON_CONFIG_FILENAME

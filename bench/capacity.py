@@ -16,6 +16,9 @@ Writes `capacity.json` and `capacity.png` and prints a table.
 - 16 sessions at `--batch-past` (1,000) decode one token each in one execute(): steps per second
   per cache with sized rows (all in rows of one size: one slab), and fp32 with the 16 spread over
   slabs of four sizes (what stepping rows of several sizes costs: a graph run per slab).
+- Served: the same per cache as `mha_session` in a real Triton (`--kv-dtype`, the bundled binary, one
+  server per cache, all up at once, taking turns by round): 16 sessions prefilled to `--batch-past`
+  stepping concurrently through the asyncio gRPC client, `--served-steps` steps each; steps per second.
 - Conditions: the preset at `--max-seq-len` (8,192), its static graphs (`fp32-static`,
   `fp32-static-int8kv`, `fp32-static-int4kv`) on ONNX Runtime's CPU provider with `--threads`
   threads; the machines are shared and noisy, so candidates take turns within each round.
@@ -193,6 +196,36 @@ def batch_throughput(directory: Path, caches: list[str], past: int, rounds: int,
     }
 
 
+def served_throughput(
+    root: Path, directory: Path, caches: list[str], past: int, steps: int, rounds: int, threads: int
+) -> dict:
+    """Per cache, steps per second of 16 concurrent sessions through a real Triton, by round."""
+    import asyncio
+    import contextlib
+
+    from bench.serving import concurrent_steps
+    from contract.config import ModelConfig
+    from serving.host.launcher import start_triton
+    from serving.triton.config import MHA_SESSION, ServingSettings
+    from serving.triton.repository import write_repository
+
+    cfg = ModelConfig.load(directory)
+    rates: dict[str, list[float]] = {cache: [] for cache in caches}
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for cache in caches:
+            kv_dtype = "float" if cache == "fp32" else cache
+            settings = ServingSettings(threads=threads, kv_cache_bytes=1 << 30, kv_dtype=kv_dtype)
+            repository = write_repository(directory, root / f"repository-{cache}", settings, models=(MHA_SESSION,))
+            servers[cache] = stack.enter_context(start_triton(repository, log_path=root / f"triton-{cache}.log"))
+        for round_index in range(rounds):
+            for cache, server in servers.items():
+                first_id = 1 + round_index * BATCH
+                rate = asyncio.run(concurrent_steps(server.grpc_url, cfg, MHA_SESSION, BATCH, past, steps, first_id))
+                rates[cache].append(rate)
+    return {cache: {"steps_per_s": float(np.median(values)), "rounds": values} for cache, values in rates.items()}
+
+
 def benchmark(args: argparse.Namespace, root: Path) -> dict:
     directory = artifact(root, args.preset, args.max_seq_len, args.caches)
     budget = int(args.budget_mib * (1 << 20))
@@ -217,7 +250,19 @@ def benchmark(args: argparse.Namespace, root: Path) -> dict:
         "admission": admission,
         "decode": decode_steps(directory, args.caches, args.pasts, args.rounds, args.seconds, args.threads),
         "batch": batch_throughput(directory, args.caches, args.batch_past, args.rounds, args.seconds, args.threads),
+        "served": _with_ratios(
+            served_throughput(
+                root, directory, args.caches, args.batch_past, args.served_steps, args.rounds, args.threads
+            )
+        ),
     }
+
+
+def _with_ratios(served: dict) -> dict:
+    fp32 = served.get("fp32", {}).get("steps_per_s")
+    for entry in served.values():
+        entry["vs_fp32"] = entry["steps_per_s"] / fp32 if fp32 else None
+    return served
 
 
 def table(results: dict) -> str:
@@ -232,6 +277,9 @@ def table(results: dict) -> str:
         lines.append(f"decode at P{past}: {cells}; vs fp32-static: {ratios}")
     for name, entry in results["batch"].items():
         lines.append(f"16 sessions, {name}: {entry['steps_per_s']:.0f} steps/s ({entry['slabs']} slabs)")
+    for cache, entry in results["served"].items():
+        ratio = f" ({entry['vs_fp32']:.2f}x fp32)" if entry["vs_fp32"] else ""
+        lines.append(f"served, 16 sessions, {cache}: {entry['steps_per_s']:.0f} steps/s{ratio}")
     return "\n".join(lines)
 
 
@@ -270,6 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caches", type=lambda text: text.split(","), default=list(CACHES), help="fp32,int8,int4")
     parser.add_argument("--pasts", type=lambda text: [int(p) for p in text.split(",")], default=[1024, 4096])
     parser.add_argument("--batch-past", type=int, default=1000)
+    parser.add_argument("--served-steps", type=int, default=50, help="decode steps per session per round, served")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=0.5, help="timing per candidate per round")
     parser.add_argument("--threads", type=int, default=2)

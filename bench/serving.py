@@ -258,7 +258,9 @@ def _url(server, protocol: str) -> str:
 # --- throughput and the stubs' memory -------------------------------------------------------------------
 
 
-async def _sessions(url: str, cfg: ModelConfig, model: str, count: int, past: int, steps: int, first_id: int) -> float:
+async def concurrent_steps(
+    url: str, cfg: ModelConfig, model: str, count: int, past: int, steps: int, first_id: int
+) -> float:
     """Steps per second of `count` sessions stepping concurrently (prefills and ends not counted)."""
     import tritonclient.grpc.aio as aioclient
 
@@ -333,7 +335,7 @@ class PeakMemory:
 
 def throughput(server, cfg: ModelConfig, engine: str, count: int, past: int, plan: Plan, first_id: int) -> dict:
     model = THROUGHPUT_MODELS[engine]
-    coroutine = _sessions(server.grpc_url, cfg, model, count, past, plan.throughput_steps, first_id)
+    coroutine = concurrent_steps(server.grpc_url, cfg, model, count, past, plan.throughput_steps, first_id)
     with PeakMemory(model) as memory:
         rate = asyncio.run(coroutine)
     peak = {f"peak_{key}": value for key, value in memory.peak.items()}

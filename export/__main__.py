@@ -5,11 +5,14 @@ python -m export build --preset seed --out artifacts/seed
 python -m export build --config my_config.json --out artifacts/mine
 python -m export build --weights mha.pt --layout torch-mha --n-heads 8 --out artifacts/trained
 python -m export build --preset seed --out artifacts/seed --calibration hidden.npy
+python -m export inspect build/artifacts/seed --tokens 24 --seed 0 --out maps.png
 
 With --weights the weights are a trained model's state dict in one of the layouts of
 export/importers.py (seeds, torch-mha, hf, native); --config then gives only the fields the weights
 do not determine (max_seq_len, norm_eps, residual). See docs/importing.md. With --calibration the
 quantized KV caches' scales are calibrated on your hidden states (N, T, d_model) instead of generated ones.
+`inspect` draws every head's attention weights, as the fused graph that serves computes them, and
+prints what each head attends to (export/inspect_form.py, export/heads.py).
 
 A Triton model repository is filled from an artifact by `python -m serving repository` (or built and
 filled in one go by `python -m serving ensure`).
@@ -27,8 +30,20 @@ from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig
 from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build_model
+from export.heads import statistics_table
 from export.importers import LAYOUTS, SourceMismatchError, import_weights
+from export.inspect_form import (
+    FP32_FUSED,
+    INSPECTED_VARIANTS,
+    InspectionError,
+    artifact_config,
+    draw_maps,
+    hidden_states_from_file,
+    inspect_artifact,
+    random_hidden_states,
+)
 from export.kv_quant import CalibrationData, CalibrationError, from_file
+from export.progress import Progress
 from export.report import build_and_report, origin_summary, printing
 
 DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
@@ -63,7 +78,64 @@ def parser() -> argparse.ArgumentParser:
     own.add_argument("--layout", choices=sorted(LAYOUTS), help="how its keys are named (export/importers.py)")
     own.add_argument("--n-heads", type=int, help="attention heads (the weights cannot tell)")
     own.add_argument("--n-kv-heads", type=int, help="key/value heads, instead of --n-heads (GQA)")
+    _inspect_parser(commands)
     return root
+
+
+def _inspect_parser(commands) -> None:
+    i = commands.add_parser(
+        "inspect",
+        formatter_class=DefaultsHelp,
+        help="draw each head's attention weights (from the fused graph) and print what each head attends to",
+    )
+    i.add_argument("artifact", type=Path, help="an artifact directory (python -m export build)")
+    source = i.add_mutually_exclusive_group()
+    source.add_argument(
+        "--input",
+        type=Path,
+        metavar="FILE.npy",
+        help="the hidden states to attend over: a .npy of (1, T, d_model) or (T, d_model), float",
+    )
+    source.add_argument(
+        "--tokens", type=int, default=24, metavar="N", help="N random hidden states (standard normal) instead"
+    )
+    i.add_argument("--seed", type=int, default=0, metavar="S", help="the random hidden states' seed")
+    i.add_argument("--variant", choices=INSPECTED_VARIANTS, default=FP32_FUSED, help="the graph whose maps are drawn")
+    i.add_argument("--diff", action="store_true", help=f"draw the variant's maps minus {FP32_FUSED}'s instead")
+    i.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="the PNG to write")
+
+
+def inspect_and_report(args: argparse.Namespace) -> int:
+    """`inspect`: the maps of one call of an artifact's fused graph, drawn to a PNG, and the head table."""
+    progress = Progress()
+    try:
+        cfg = artifact_config(args.artifact)
+        if args.input:
+            hidden, origin = hidden_states_from_file(args.input, cfg), str(args.input)
+        else:
+            hidden, origin = random_hidden_states(cfg, args.tokens, args.seed), f"random, seed {args.seed}"
+        inspection = inspect_artifact(args.artifact, hidden, args.variant, args.diff, progress)
+    except (InspectionError, ValueError) as error:  # ValueError: a config.json that is not a config
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    progress.note(f"graph: {inspection.source}")
+    what = f"{inspection.variant} - fp32-fused" if args.diff else f"{inspection.variant} attention weights"
+    title = f"{args.artifact.name}: {what}, {hidden.shape[1]} tokens ({origin})"
+    try:
+        with progress.stage(f"heatmaps -> {args.out}"):
+            draw_maps(inspection, cfg, args.out, title)
+    except InspectionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"error: cannot write {args.out}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    print(statistics_table(inspection.statistics))
+    if args.diff:
+        largest, (layer, head, query, key) = inspection.largest_difference()
+        print(f"largest |{what}|: {largest:.3e} (layer {layer}, head {head}, query {query}, key {key})")
+    print(f"maps: {args.out}")
+    return 0
 
 
 def _misuse(args: argparse.Namespace) -> str | None:
@@ -140,6 +212,11 @@ def cannot_write(out: Path, error: OSError) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    return inspect_and_report(args) if args.command == "inspect" else build_and_print(args)
+
+
+def build_and_print(args: argparse.Namespace) -> int:
+    """`build`, and no command at all (the default preset into DEFAULT_ARTIFACTS)."""
     misuse = _misuse(args) if args.command == "build" else None
     if misuse:
         print(f"error: {misuse}", file=sys.stderr)

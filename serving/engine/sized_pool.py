@@ -258,7 +258,7 @@ class SizedPool:
         return (
             f"the KV cache budget is full: {len(self._places)} rows hold live sequences in "
             f"{self.allocated_bytes / mib:.1f} of {self.budget_bytes / mib:.1f} MiB; a row of {size} positions "
-            f"({self._row_bytes(size) / mib:.2f} MiB) does not fit"
+            f"({self._row_bytes(size) / mib:.2f} MiB) does not fit; retry later or end a sequence"
         )
 
     # --- steps and whole rows, by row id ---------------------------------------------------------------

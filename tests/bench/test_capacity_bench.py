@@ -1,6 +1,7 @@
 """`python -m bench capacity` end to end, bounded: the tiny model at a max_seq_len of 2,048 with a
-16 MiB budget, one round; it writes its JSON, its plot and its table, and what it counted follows
-from the bytes (timings are not asserted: this is a smoke test)."""
+16 MiB budget, one round, 3 served steps a session through a real Triton per cache; it writes its
+JSON, its plot and its table, and what it counted follows from the bytes (timings are not asserted:
+this is a smoke test)."""
 
 import json
 
@@ -10,7 +11,7 @@ from bench.__main__ import main
 from contract.config import preset
 from serving.engine.settings import MIN_ROW_POSITIONS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_SEQ_LEN, BUDGET_MIB, TOKENS = 2048, 16, 300
 
@@ -19,7 +20,8 @@ def test_the_capacity_benchmark_counts_sessions_by_cache_and_row_size(tmp_path, 
     out = tmp_path / "results"
     args = ["capacity", "--preset", "tiny", "--max-seq-len", str(MAX_SEQ_LEN), "--budget-mib", str(BUDGET_MIB)]
     args += ["--session-tokens", str(TOKENS), "--pasts", "256,512", "--batch-past", "300", "--rounds", "1"]
-    assert main([*args, "--seconds", "0.05", "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    args += ["--seconds", "0.05", "--served-steps", "3"]
+    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
     results = json.loads((out / "capacity.json").read_text())
     assert (out / "capacity.png").read_bytes().startswith(b"\x89PNG")
     cfg, budget = preset("tiny"), BUDGET_MIB << 20
@@ -34,4 +36,7 @@ def test_the_capacity_benchmark_counts_sessions_by_cache_and_row_size(tmp_path, 
     for past in ("256", "512"):
         assert set(results["decode"]["pasts"][past]["timings"]) == {"fp32", "int8", "int4", "torch"}
     assert results["batch"]["fp32, four sizes"]["slabs"] == 4 and results["batch"]["int8, one size"]["slabs"] == 1
+    served = results["served"]  # 16 sessions through a real Triton per cache
+    assert set(served) == {"fp32", "int8", "int4"} and all(entry["steps_per_s"] > 0 for entry in served.values())
+    assert served["fp32"]["vs_fp32"] == 1.0
     assert "sessions of 300 positions in 16 MiB" in capsys.readouterr().out

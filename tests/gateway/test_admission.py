@@ -12,6 +12,7 @@ import time
 import httpx
 import numpy as np
 
+from tests.fixtures.triton import TEST_SETTINGS
 from tests.gateway.conftest import b64_tensor, from_b64, running
 
 CAP = 2
@@ -61,25 +62,27 @@ def test_attend_with_more_tokens_than_the_gateway_lets_through_gets_400(triton, 
     assert "SERVING_MAX_REQUEST_TOKENS=16 is below the model's own cap of" in caplog.text
 
 
-def test_a_session_is_refused_at_creation_when_the_kv_budget_is_full(triton):
-    """The shared Triton's budget holds 64 sequences of max_seq_len (tests/fixtures/triton.py):
-    the 65th session is refused when it is created, with Retry-After, and is not kept."""
+def test_a_session_is_refused_at_creation_when_the_kv_budget_is_full(triton, served_cfg):
+    """The shared Triton's budget holds 64 sequences of max_seq_len (tests/fixtures/triton.py), and a
+    session starts in a row of 256 positions (rows sized to the session): one more than the budget
+    holds of those is refused when it is created, with Retry-After, and is not kept."""
+    fits = TEST_SETTINGS.kv_cache_bytes // served_cfg.kv_cache_bytes(1, TEST_SETTINGS.min_row_positions)
     with (
-        running(triton_url=triton.grpc_url, sessions_per_key=200) as gateway,
+        running(triton_url=triton.grpc_url, sessions_per_key=fits + 10) as gateway,
         httpx.Client(base_url=gateway.url, timeout=60) as api,
     ):
         opened = []
         try:
-            while len(opened) < 200:
+            while len(opened) < fits + 10:
                 created = api.post("/v1/sessions")
                 if created.status_code != 201:
                     break
                 opened.append(created.json()["id"])
-            assert len(opened) == 64, len(opened)
+            assert len(opened) == fits, (len(opened), fits)
             assert created.status_code == 503, created.text
             assert created.json()["error"]["code"] == "upstream_busy" and created.headers["retry-after"] == "5"
             assert "cannot start" in created.json()["error"]["message"]
-            assert api.get("/metrics").text.count("gateway_active_sessions 64.0") == 1
+            assert api.get("/metrics").text.count(f"gateway_active_sessions {fits}.0") == 1
             api.delete(f"/v1/sessions/{opened.pop()}")
             assert api.post("/v1/sessions").status_code == 201  # room again
         finally:

@@ -36,7 +36,9 @@ from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
 pytestmark = pytest.mark.served
 
 IDLE_SECONDS = 2.0  # our cache evicts after this; Triton forgets the sequence after twice this
-CAPACITY = 4  # 3 MiB of budget, 0.75 MiB per sequence (max_seq_len 1024 x 768 bytes a position)
+# 3 MiB of budget: 4 sequences of max_seq_len 1024 (768 bytes a position), 16 in rows of 256 positions,
+# where a session starts (rows sized to the session)
+CAPACITY = 16
 
 
 @dataclasses.dataclass

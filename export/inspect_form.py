@@ -1,0 +1,305 @@
+"""The inspection form: the fused graph (`export/fusion.py`, one `Attention` node per layer with its
+past and present) whose every layer also returns its attention weights, so that the maps a user
+looks at are those of the graph that serves, not of a second copy of the model.
+
+ONNX's `Attention` (opset 23) has an optional fourth output, `qk_matmul_output`, which with
+`qk_matmul_output_mode=3` holds the softmax probabilities (B, n_heads, T, P+T), the same for the 3D
+form (`FuseAttention`) and the 4D one of rotary and QK-norm models (`FuseAttention4D`): the output is
+per query head whatever the input layout, GQA included. Measured on ONNX Runtime 1.31's CPU kernel
+(tests/export/test_inspect.py):
+
+- a key the boolean mask excludes (the future, padding, outside a sliding window) weighs exactly 0,
+  as in the PyTorch original (its fill exp(min - max) is 0 too);
+- a query with no key it may attend (a padded query) gets a row of zeros, where the original gets a
+  uniform row: the contract leaves such rows unspecified, so neither the parity nor the statistics
+  (`export/heads.py`) read them;
+- in an fp16 graph the output is fp16 like the graph's (the op's T1), its softmax computed in fp32
+  (`softmax_precision`, export/fp16.py); where attention runs in fp32 between Casts (a model without
+  a norm, `attention_needs_fp32`), the map is cast back to fp16 like the context.
+
+Made on demand from an artifact, never a build variant: serving pays nothing for it. The maps are
+graph outputs named `attention.{layer}` (`attention_map_name`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+from onnx_ir.passes import common as common_passes
+
+from contract import files, names
+from contract.config import ModelConfig
+from export.heads import head_statistics
+from export.model import AttentionModel, attention_allowed
+from export.onnx_export import IR_VERSION, check_onnx, config_from_onnx, plain_graph, save_onnx
+from export.progress import Progress
+from serving.engine.ort import CPU_PROVIDER, Arrays, ort_runner, session_options
+
+FP32_FUSED, FP16_FUSED = "fp32-fused", "fp16-fused"
+INSPECTED_VARIANTS = (FP32_FUSED, FP16_FUSED)  # the fused graphs: one Attention node per layer
+# `Attention`'s qk_matmul_output_mode: 0 the raw scores, 1 masked, 2 soft-capped, 3 the softmax's output
+SOFTMAX_PROBABILITIES = 3
+PROBABILITIES_OUTPUT = 3  # Attention's outputs: Y, present_key, present_value, qk_matmul_output
+
+
+class InspectionError(ValueError):
+    """A graph or an artifact the inspection form cannot be made from (the reason says why)."""
+
+
+def attention_map_name(layer: int) -> str:
+    """The inspection graph's output of one layer's weights. Kept here, not in contract/names.py: no
+    served graph has it, and the naming table is what serving, the client and the tests agree on."""
+    return f"attention.{layer}"
+
+
+def _attention_nodes(graph: ir.Graph) -> list[ir.Node]:
+    return [node for node in graph if node.op_type == "Attention" and node.domain in ("", "ai.onnx")]
+
+
+def with_attention_maps(fused: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a fused graph (fp32 or fp16) whose layers also return their weights, `attention.{i}`
+    (B, n_heads, T, P+T), in the graph's float type."""
+    cfg = config_from_onnx(fused)
+    model = ir.from_proto(fused)
+    common_passes.ShapeInferencePass()(model)  # the queries' type, also behind export/fp16.py's Casts
+    graph = model.graph
+    # in graph order the Attention nodes are the layers in order: each layer reads the one before it
+    attention = _attention_nodes(graph)
+    if len(attention) != cfg.n_layers:
+        raise InspectionError(
+            f"the graph has {len(attention)} Attention nodes for {cfg.n_layers} layers: not a fused graph"
+        )
+    hidden = next(value for value in graph.inputs if value.name == names.HIDDEN_STATES)
+    for layer, node in enumerate(attention):
+        node.attributes["qk_matmul_output_mode"] = ir.AttrInt64("qk_matmul_output_mode", SOFTMAX_PROBABILITIES)
+        node.resize_outputs(PROBABILITIES_OUTPUT + 1)
+        weights = node.outputs[PROBABILITIES_OUTPUT]
+        weights.type = node.inputs[0].type  # the op's T1: the query's type
+        if weights.type is None:
+            raise InspectionError(f"{node.name}: the type of its queries is unknown")
+        if weights.type != hidden.type:  # attention computed in fp32 inside an fp16 graph: back to its type
+            weights.name = f"{node.name}_out{PROBABILITIES_OUTPUT}_fp32"  # as export/fp16.py names the others
+            cast = ir.node("Cast", [weights], {"to": hidden.type.dtype})
+            graph.insert_after(node, cast)
+            weights = cast.outputs[0]
+            weights.type = hidden.type
+        weights.name = attention_map_name(layer)
+        weights.shape = ir.Shape([names.BATCH, cfg.n_heads, names.SEQUENCE, names.TOTAL_SEQUENCE])
+        graph.outputs.append(weights)
+    proto = ir.to_proto(model)
+    proto.ir_version = IR_VERSION
+    check_onnx(proto)
+    return proto
+
+
+def inspection_proto(model: AttentionModel, variant: str = FP32_FUSED) -> onnx.ModelProto:
+    """The inspection form of `model`'s `variant` (fp32-fused or fp16-fused), made as the build makes
+    that variant."""
+    from export.fp16 import to_fp16
+    from export.fusion import fused_proto
+
+    _check_variant(variant)
+    fused, _ = fused_proto(plain_graph(model))
+    return with_attention_maps(to_fp16(fused, model.cfg) if variant == FP16_FUSED else fused)
+
+
+def make_inspection_graph(model: AttentionModel, path: Path, variant: str = FP32_FUSED) -> Path:
+    return save_onnx(inspection_proto(model, variant), path)
+
+
+def artifact_inspection_proto(directory: Path, variant: str = FP32_FUSED) -> tuple[onnx.ModelProto, str]:
+    """(the inspection form of an artifact's `variant`, where it came from). From the artifact's own
+    `model.<variant>.onnx` where it has one (the graph that serves, byte for byte), else made from its
+    config and weights as the build would make it."""
+    from export.artifacts import load_model
+
+    _check_variant(variant)
+    built = Path(directory) / files.model_filename(variant)
+    if built.is_file():
+        return with_attention_maps(onnx.load_model(str(built))), str(built)
+    return inspection_proto(load_model(directory), variant), f"{directory}: made from its config and weights"
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in INSPECTED_VARIANTS:
+        raise InspectionError(f"variant {variant!r} has no inspection form; choose one of {list(INSPECTED_VARIANTS)}")
+
+
+def inspection_runner(proto: onnx.ModelProto):
+    """The inspection graph on ONNX Runtime's CPU provider, with the settings every session here has;
+    a left-out mask, past or positions filled as the original reads them (`ort_runner`)."""
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(proto.SerializeToString(), session_options(), providers=[CPU_PROVIDER])
+    return ort_runner(session)
+
+
+def attention_maps(outputs: Mapping[str, np.ndarray], n_layers: int) -> list[np.ndarray]:
+    """Each layer's weights (B, n_heads, T, P+T) from an inspection graph's outputs."""
+    return [outputs[attention_map_name(layer)] for layer in range(n_layers)]
+
+
+def run_maps(proto: onnx.ModelProto, cfg: ModelConfig, inputs: Mapping[str, np.ndarray]) -> tuple[Arrays, list]:
+    """(every output, the maps per layer) of one call of an inspection graph."""
+    outputs = inspection_runner(proto)(inputs)
+    return outputs, attention_maps(outputs, cfg.n_layers)
+
+
+# What `python -m export inspect` does, behind its thin CLI (export/__main__.py).
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspection:
+    """One call's maps of an artifact's variant, what they came from and what they say."""
+
+    variant: str
+    source: str  # the graph's file, or how it was made
+    hidden_states: np.ndarray  # (1, T, d_model), fp32
+    maps: list[np.ndarray]  # per layer (1, n_heads, T, T), the variant's float type
+    statistics: list[dict]  # export/heads.py
+    difference: list[np.ndarray] | None = None  # per layer, the variant's maps minus fp32-fused's (fp32)
+
+    def largest_difference(self) -> tuple[float, tuple[int, ...]]:
+        """(the largest |difference|, where: layer, head, query, key)."""
+        layer = int(np.argmax([np.abs(d).max() for d in self.difference]))
+        where = np.unravel_index(np.argmax(np.abs(self.difference[layer])), self.difference[layer].shape)
+        return float(np.abs(self.difference[layer][where])), (layer, *(int(i) for i in where[1:]))
+
+
+def artifact_config(directory: Path) -> ModelConfig:
+    """The config of the artifact at `directory` (InspectionError when there is none)."""
+    config = Path(directory) / files.MODEL_CONFIG_FILENAME
+    if not config.is_file():
+        raise InspectionError(
+            f"{directory}: no artifact there (no {files.MODEL_CONFIG_FILENAME}); "
+            f"build one with `python -m export build --out {directory}`"
+        )
+    return ModelConfig.load(directory)
+
+
+def hidden_states_from_file(path: Path, cfg: ModelConfig) -> np.ndarray:
+    """A user's hidden states (1, T, d_model) or (T, d_model), float, as (1, T, d_model) fp32."""
+    expected = f"expected a float array of shape (1, T, {cfg.d_model}) or (T, {cfg.d_model})"
+    try:
+        array = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:  # missing, unreadable, not a .npy, a pickled object
+        raise InspectionError(f"{path}: cannot read it as a .npy array ({error}); {expected}") from None
+    if not isinstance(array, np.ndarray):  # an .npz archive
+        raise InspectionError(f"{path}: an archive of several arrays; {expected}")
+    batch_of_one = array.ndim == 3 and array.shape[0] == 1
+    if array.dtype.kind != "f" or not (array.ndim == 2 or batch_of_one) or array.shape[-1] != cfg.d_model:
+        raise InspectionError(f"{path}: {expected}, got {array.dtype} of shape {tuple(array.shape)}")
+    hidden = array.reshape(1, -1, cfg.d_model).astype(np.float32)
+    _check_tokens(cfg, hidden.shape[1], str(path))
+    if not np.isfinite(hidden).all():
+        raise InspectionError(f"{path}: {expected} with finite values, got NaN or infinity")
+    return hidden
+
+
+def random_hidden_states(cfg: ModelConfig, tokens: int, seed: int) -> np.ndarray:
+    """Standard normal hidden states (1, tokens, d_model) fp32, the same for the same seed."""
+    _check_tokens(cfg, tokens, "--tokens")
+    return np.random.default_rng(seed).standard_normal((1, tokens, cfg.d_model)).astype(np.float32)
+
+
+def _check_tokens(cfg: ModelConfig, tokens: int, what: str) -> None:
+    if tokens < 1:
+        raise InspectionError(f"{what}: at least 1 token, got {tokens}")
+    if tokens > cfg.max_seq_len:
+        raise InspectionError(f"{what}: {tokens} tokens, more than the model's max_seq_len {cfg.max_seq_len}")
+
+
+def inspect_artifact(
+    directory: Path,
+    hidden: np.ndarray,
+    variant: str = FP32_FUSED,
+    diff: bool = False,
+    progress: Progress | None = None,
+) -> Inspection:
+    """One stateless call (no past, no padding) of `variant`'s inspection form on `hidden` (1, T, d),
+    its maps and head statistics; with `diff`, also fp32-fused's maps, subtracted."""
+    progress = progress or Progress(enabled=False)
+    if diff and variant == FP32_FUSED:
+        raise InspectionError(f"--diff compares a variant with {FP32_FUSED}: choose --variant {FP16_FUSED}")
+    maps, source = _artifact_maps(directory, variant, hidden, progress)
+    mask = np.ones(hidden.shape[:2], np.int64)  # (1, T): one sequence, nothing padded
+    difference = None
+    if diff:
+        reference, _ = _artifact_maps(directory, FP32_FUSED, hidden, progress)
+        difference = [m.astype(np.float32) - r for m, r in zip(maps, reference, strict=True)]
+    return Inspection(variant, source, hidden, maps, head_statistics(maps, mask), difference)
+
+
+def _artifact_maps(directory: Path, variant: str, hidden: np.ndarray, progress) -> tuple[list[np.ndarray], str]:
+    cfg = artifact_config(directory)
+    with progress.stage(f"{variant}: inspection graph"):
+        proto, source = artifact_inspection_proto(directory, variant)
+    with progress.stage(f"{variant}: attention maps of {hidden.shape[1]} tokens"):
+        dtype = np.float16 if variant == FP16_FUSED else np.float32
+        _, maps = run_maps(proto, cfg, {names.HIDDEN_STATES: hidden.astype(dtype)})
+    return maps, source
+
+
+def allowed_keys(cfg: ModelConfig, tokens: int) -> list[np.ndarray]:
+    """Per layer (T, T): which keys each query of one unpadded call without a past may see, by the
+    model's own rule (`attention_allowed`: causal, the layer's window)."""
+    mask = torch.ones(1, tokens, dtype=torch.int64)
+    return [attention_allowed(mask, 0, tokens, cfg.window(layer))[0, 0].numpy() for layer in range(cfg.n_layers)]
+
+
+def draw_maps(inspection: Inspection, cfg: ModelConfig, out: Path, title: str) -> Path:
+    """A PNG of the maps at `out`: a grid of layers x heads on one color scale, query positions down
+    and key positions across, the keys a query may not see in gray; with a difference, that instead,
+    on a diverging scale centered at 0. matplotlib's object API: no pyplot state, no display needed."""
+    try:
+        from matplotlib import colors
+        from matplotlib.figure import Figure
+    except ImportError as error:  # a dev dependency (pyproject.toml), not the export's
+        raise InspectionError(f"drawing the maps needs matplotlib ({error}): pip install matplotlib") from None
+
+    shown = inspection.difference or [m.astype(np.float32) for m in inspection.maps]
+    allowed = allowed_keys(cfg, inspection.hidden_states.shape[1])
+    if inspection.difference is None:
+        # one scale for every panel; its square root, so that the weights spread over many keys do not
+        # all look alike beside the 1.0 of the first query (which can see only itself)
+        norm, cmap = colors.PowerNorm(0.5, 0.0, max(float(m.max()) for m in shown)), "viridis"
+        label = "attention weight (sqrt scale)"
+    else:
+        largest = max(inspection.largest_difference()[0], np.finfo(np.float32).tiny)
+        norm, cmap = colors.TwoSlopeNorm(0.0, -largest, largest), "RdBu_r"
+        label = f"{inspection.variant} - {FP32_FUSED}"
+    palette = _palette(cmap)
+    rows, columns = cfg.n_layers, cfg.n_heads
+    figure = Figure(figsize=(1.8 * columns + 1.2, 1.8 * rows + 1.1), layout="constrained")
+    axes = figure.subplots(rows, columns, squeeze=False, sharex=True, sharey=True)
+    for layer, weights in enumerate(shown):
+        for head in range(columns):
+            panel = axes[layer, head]
+            image = panel.imshow(
+                np.ma.masked_where(~allowed[layer], weights[0, head]), cmap=palette, norm=norm, interpolation="nearest"
+            )
+            panel.set_title(f"layer {layer}, head {head}", fontsize=9)
+            panel.tick_params(labelsize=7)
+            if head == 0:
+                panel.set_ylabel("query position", fontsize=8)
+            if layer == rows - 1:
+                panel.set_xlabel("key position", fontsize=8)
+    bar = figure.colorbar(image, ax=axes, shrink=0.9, pad=0.01)
+    bar.set_label(label, fontsize=8)
+    bar.ax.tick_params(labelsize=7)
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(out, dpi=110)
+    return out
+
+
+def _palette(name: str):
+    """A copy of a matplotlib color map whose masked cells (keys a query may not see) are light gray."""
+    from matplotlib import colormaps
+
+    return colormaps[name].with_extremes(bad="#dddddd")
