@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 GPU_VENV := .venv-gpu
 
-.PHONY: install test lint format serve bench export reference clean gpu-install gpu-proof
+.PHONY: install browser test lint format serve bench export reference clean gpu-install gpu-proof
 
 install: $(STAMP)
 
@@ -22,8 +22,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	$(BIN)/python -m pip uninstall --yes --quiet $(OTHER_ORT) 2>/dev/null || true
 	$(BIN)/python -m pip install --progress-bar on -e ".[export,serving,dev,$(ORT)]"
+	@$(MAKE) --no-print-directory browser
 	@rm -f $(VENV)/.installed*
 	@touch $(STAMP)
+
+# Debian's chromium and chromedriver for the /inspect page's browser test (tests/fixtures/browser.py),
+# installed where we are root with apt-get; elsewhere that test is skipped, naming what is missing.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver (apt-get) for the browser test"; \
+		apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver \
+			|| echo "apt-get could not install chromium: the browser test will be skipped"; \
+	else echo "no /usr/bin/chromium or /usr/bin/chromedriver, and not root with apt-get: the browser test will be skipped"; fi
 
 test: install
 	$(BIN)/python -m pytest

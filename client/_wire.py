@@ -30,6 +30,9 @@ class InferResult:
 
     output: np.ndarray  # (batch, new, d_model)
     present: Pairs  # each (batch, n_kv_heads, past + new, head_dim)
+    # per layer the attention weights (batch, n_heads, new, past + new) when the call asked for them, else
+    # None; a padded query's row is unspecified (the server's are zeros)
+    attention_maps: list[np.ndarray] | None = None
 
     @property
     def past_length(self) -> int:
@@ -165,14 +168,24 @@ def make_inputs(module, tensors: Mapping[str, np.ndarray]) -> list:
     return inputs
 
 
-def read_stateless(result) -> InferResult:
+def read_stateless(result, maps: bool = False) -> InferResult:
     """The output and every layer's present in the answer (counted from the answer itself, so
-    that no metadata is needed to read it)."""
+    that no metadata is needed to read it), and with `maps` every layer's attention weights."""
     output = _output(result, names.OUTPUT)
     present = []
     while (key := result.as_numpy(names.present_name(len(present), names.KEY))) is not None:
         present.append((key, _output(result, names.present_name(len(present), names.VALUE))))
-    return InferResult(output, present)
+    return InferResult(output, present, read_attention_maps(result, len(present)) if maps else None)
+
+
+def read_attention_maps(result, n_layers: int | None = None) -> list[np.ndarray]:
+    """Each layer's attention weights `attention.{i}` in an answer that was asked for them (`n_layers`
+    of them; None: as many as it carries, at least one)."""
+    if n_layers is None:
+        n_layers = 0
+        while result.as_numpy(names.attention_map_name(n_layers)) is not None:
+            n_layers += 1
+    return [_output(result, name) for name in names.attention_map_names(max(n_layers, 1))]
 
 
 def read_step(result) -> np.ndarray:

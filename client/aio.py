@@ -82,11 +82,11 @@ class AsyncClient(ClientCore):
         attention_mask: np.ndarray | None = None,
         past: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
         position_ids: np.ndarray | None = None,
+        attention_maps: bool = False,
     ) -> InferResult:
-        """One stateless call: the output and the presents (feed them back as `past` to decode).
-        `position_ids` (B, T) place the new tokens of a model with rotary embeddings (left out: the
-        server counts them from the mask)."""
-        return await self._run(self._infer(hidden_states, attention_mask, past, position_ids))
+        """As `Client.infer`: with `attention_maps=True` the result's `.attention_maps` is a list per
+        layer of the attention weights (B, n_heads, T, P+T)."""
+        return await self._run(self._infer(hidden_states, attention_mask, past, position_ids, attention_maps))
 
     def session(
         self,
@@ -146,6 +146,10 @@ class AsyncSession(SessionCore):
     async def rewind(self, length: int) -> int:
         """As `Session.rewind`."""
         return await self.client._run(self._rewind(length))
+
+    async def attention_maps(self, hidden_states: Any) -> list[np.ndarray]:
+        """As `Session.attention_maps`: the maps of a step of `hidden_states`, the session unchanged."""
+        return await self.client._run(self._attention_maps(hidden_states))
 
     async def __aenter__(self) -> AsyncSession:
         return self

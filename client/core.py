@@ -49,6 +49,7 @@ class StepAnswer:
     replica: str | None  # the replica holding the session, as the proxy named it (None: no proxy)
     held_length: int | None  # positions the server holds after the step (None: it does not say)
     snapshot: bytes | None = None  # a snapshot's blob
+    result: Any = None  # the raw answer, for what only some operations carry (the attention maps)
 
     def length_or(self, otherwise: int) -> int:
         """The positions the server says it holds, or `otherwise` when it says none (-1 once ended)."""
@@ -181,15 +182,21 @@ class ClientCore:
         return self._infos[model]
 
     def _infer(
-        self, hidden_states: Any, attention_mask: Any = None, past: Sequence | None = None, position_ids: Any = None
+        self,
+        hidden_states: Any,
+        attention_mask: Any = None,
+        past: Sequence | None = None,
+        position_ids: Any = None,
+        attention_maps: bool = False,
     ) -> Operation[InferResult]:
+        """With `attention_maps`, the answer carries every layer's attention weights too (the request
+        parameter `attention_maps`: the server runs its inspection graph for this call)."""
         info = (yield from self._metadata()) if self.validate else None
         tensors = _wire.stateless_tensors(info, hidden_states, attention_mask, past, position_ids)
         inputs = _wire.make_inputs(self._module, tensors)
-        result = yield from self._call(
-            f"infer on '{self.model}'", lambda s: s.infer(self.model, inputs, **self._timeout_kw)
-        )
-        return _wire.read_stateless(result)
+        kw = {**self._timeout_kw, **({"parameters": {names.ATTENTION_MAPS: True}} if attention_maps else {})}
+        result = yield from self._call(f"infer on '{self.model}'", lambda s: s.infer(self.model, inputs, **kw))
+        return _wire.read_stateless(result, maps=attention_maps)
 
     def _send_step(
         self,
@@ -222,6 +229,7 @@ class ClientCore:
             affinity.replica_from(headers) or replica,
             _wire.read_held_length(result),
             _wire.read_snapshot(result),
+            result,
         )
 
     def _put_prefix(self, name: str, tokens: Any, owner: str | None = None) -> Operation[int]:
@@ -569,12 +577,23 @@ class SessionCore:
             yield from self._after_rewind(self.length)
         return self.length
 
-    def _operate(self, parameters: dict) -> Operation[StepAnswer]:
+    def _attention_maps(self, hidden_states: Any) -> Operation[list[np.ndarray]]:
+        """Per layer the attention weights (1, n_heads, T, length + T) that a step of `hidden_states`
+        (1, T, d_model) would have, over what the session holds and the new tokens; the session is
+        unchanged (its length, its cache: the tokens are not kept)."""
+        client = self.client
+        info = yield from client._metadata(client.session_model)
+        tensors = _wire.step_tensors(info if client.validate else None, hidden_states)
+        answer = yield from self._operate({names.OPERATION: names.ATTENTION_MAPS_OPERATION}, tensors)
+        return _wire.read_attention_maps(answer.result)
+
+    def _operate(self, parameters: dict, tensors: dict | None = None) -> Operation[StepAnswer]:
+        """An operation on the open session; `tensors`: what it carries (none: hidden states of 0 tokens)."""
         self._check_open()
         info = yield from self.client._metadata(self.client.session_model)
-        empty = {names.HIDDEN_STATES: np.zeros((1, 0, info.d_model), info.float_dtype)}
+        tensors = tensors or {names.HIDDEN_STATES: np.zeros((1, 0, info.d_model), info.float_dtype)}
         answer = yield from self.client._send_step(
-            self.id, empty, start=False, end=False, replica=self.replica, parameters=parameters
+            self.id, tensors, start=False, end=False, replica=self.replica, parameters=parameters
         )
         self.length = answer.length_or(self.length)
         return answer

@@ -100,11 +100,14 @@ class Client(ClientCore):
         attention_mask: np.ndarray | None = None,
         past: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
         position_ids: np.ndarray | None = None,
+        attention_maps: bool = False,
     ) -> InferResult:
         """One stateless call: the output and the presents (feed them back as `past` to decode).
         `position_ids` (B, T) place the new tokens of a model with rotary embeddings (left out: the
-        server counts them from the mask)."""
-        return self._run(self._infer(hidden_states, attention_mask, past, position_ids))
+        server counts them from the mask). `attention_maps=True`: the result's `.attention_maps` is a
+        list per layer of the attention weights (B, n_heads, T, P+T) (None otherwise); a padded
+        query's row is unspecified."""
+        return self._run(self._infer(hidden_states, attention_mask, past, position_ids, attention_maps))
 
     def session(
         self,
@@ -174,6 +177,12 @@ class Session(SessionCore):
     def rewind(self, length: int) -> int:
         """Keep the first `length` positions and drop the rest; the next step continues from there."""
         return self.client._run(self._rewind(length))
+
+    def attention_maps(self, hidden_states: Any) -> list[np.ndarray]:
+        """Per layer the attention weights (1, n_heads, T, length + T) a step of `hidden_states`
+        (1, T, d_model) would have over what the session holds and the new tokens, without taking the
+        step: the session's cache and length are unchanged."""
+        return self.client._run(self._attention_maps(hidden_states))
 
     def __enter__(self) -> Session:
         return self

@@ -27,13 +27,27 @@ OPERATION = "session_operation"  # request parameter: one of OPERATIONS
 SNAPSHOT_OPERATION, RESTORE, FORK, REWIND = "snapshot", "restore", "fork", "rewind"
 # named prefixes: put (its tokens prefilled once), a session started from one, delete
 PUT_PREFIX, FROM_PREFIX, DELETE_PREFIX = "put_prefix", "from_prefix", "delete_prefix"
-OPERATIONS = (SNAPSHOT_OPERATION, RESTORE, FORK, REWIND, PUT_PREFIX, FROM_PREFIX, DELETE_PREFIX)
+# the attention maps of a session's next step, the session unchanged (its tokens are not kept)
+ATTENTION_MAPS_OPERATION = "attention_maps"
+OPERATIONS = (
+    SNAPSHOT_OPERATION,
+    RESTORE,
+    FORK,
+    REWIND,
+    PUT_PREFIX,
+    FROM_PREFIX,
+    DELETE_PREFIX,
+    ATTENTION_MAPS_OPERATION,
+)
 PREFIX = "prefix"  # request parameter of the prefix operations: its name
 FORK_OF = "fork_of"  # request parameter of a fork: the sequence id forked (the request STARTs the new one)
 REWIND_TO = "rewind_to"  # request parameter of a rewind: the positions the session keeps
 # request parameter of a snapshot: its first position (a durable session's checkpoint writes only the
 # positions added since the one before; 0 or absent: the whole cache)
 SNAPSHOT_SINCE = "snapshot_since"
+# request parameter of `mha` (stateless) and `mha_session` (the operation ATTENTION_MAPS_OPERATION): true
+# asks for each layer's attention weights as the outputs `attention.{i}` (attention_map_name)
+ATTENTION_MAPS = "attention_maps"
 OWNER = "owner"  # request parameter of a snapshot and a restore: who may restore the blob (the gateway's)
 
 BATCH = "batch_size"
@@ -72,6 +86,21 @@ def present_name(layer: int, kind: str) -> str:
     """`present.{i}.key` / `.value`: the cache the model returns, one position longer per token."""
     assert kind in KV_KINDS, kind
     return f"present.{layer}.{kind}"
+
+
+def attention_map_name(layer: int) -> str:
+    """`attention.{i}`: one layer's attention weights (B, n_heads, T, P+T), an output of the inspection
+    graph (`fp32-fused-inspect`) that `mha` and `mha_session` answer when a request asks for the maps
+    (`ATTENTION_MAPS`)."""
+    return f"attention.{layer}"
+
+
+def attention_map_names(n_layers: int) -> list[str]:
+    return [attention_map_name(i) for i in range(n_layers)]
+
+
+# the build variant whose graph returns the maps (export/build.py), served beside the others
+INSPECTION_VARIANT = "fp32-fused-inspect"
 
 
 def past_names(n_layers: int) -> list[str]:

@@ -12,7 +12,7 @@ export/importers.py (seeds, torch-mha, hf, native); --config then gives only the
 do not determine (max_seq_len, norm_eps, residual). See docs/importing.md. With --calibration the
 quantized KV caches' scales are calibrated on your hidden states (N, T, d_model) instead of generated ones.
 `inspect` draws every head's attention weights, as the fused graph that serves computes them, and
-prints what each head attends to (export/inspect_form.py, export/heads.py).
+prints what each head attends to (export/inspect_form.py, contract/heads.py).
 
 A Triton model repository is filled from an artifact by `python -m serving repository` (or built and
 filled in one go by `python -m serving ensure`).
@@ -29,8 +29,8 @@ from pathlib import Path
 from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig
+from contract.heads import statistics_table
 from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build_model
-from export.heads import statistics_table
 from export.importers import LAYOUTS, SourceMismatchError, import_weights
 from export.inspect_form import (
     FP32_FUSED,

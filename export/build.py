@@ -17,11 +17,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from contract import files
+from contract import files, names
 from contract.config import RMSNORM, ModelConfig
 from export import artifacts, forms, graph_stats, kv_quant, targets, weights_int8
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
+from export.inspect_form import make_inspection_graph
 from export.model import AttentionModel
 from export.onnx_export import export_onnx
 from export.parity import (
@@ -45,6 +46,7 @@ class BuildError(RuntimeError):
 
 
 STATELESS, POOL = "stateless", "pool"  # the ladder a variant climbs (export/parity.py)
+INSPECT = names.INSPECTION_VARIANT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,9 @@ class Variant:
     kv_bits: int = 0  # a static cache quantized to this many bits (8, 4), its scales calibrated by the build
     # what a tolerance's floor is measured against: (the original, the graph's float dtype) -> a runner
     precision_floor: Callable[..., Forward] = rounded_runner
+    # the graph also returns each layer's attention weights (`attention.{i}`), compared with the
+    # original's on the stateless scenarios (export/parity.py, `compare_rung`'s `maps`)
+    maps: bool = False
 
     def cast(self, array: np.ndarray) -> np.ndarray:
         return array.astype(self.float_dtype)
@@ -76,6 +81,9 @@ VARIANTS: dict[str, Variant] = {
     "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"], target=targets.ONNX_BACKEND),
     "fp32-fused": Variant("fp32-fused", make_fp32_fused, TOLERANCES["fp32-fused"], fused=True),
     "fp16-fused": Variant("fp16-fused", make_fp16_fused, TOLERANCES["fp16-fused"], np.float16, fused=True),
+    # what `mha` and `mha_session` answer the attention maps from (export/inspect_form.py): fp32-fused
+    # with every Attention op's probabilities as outputs; its outputs and presents are fp32-fused's
+    INSPECT: Variant(INSPECT, make_inspection_graph, TOLERANCES["fp32-fused"], fused=True, maps=True),
     "fp32-static": Variant(
         "fp32-static",
         forms.make_fp32_static,
@@ -145,7 +153,7 @@ def _climb(
     progress: Progress,
     quantization: kv_quant.CacheQuantization | None = None,
 ) -> dict[str, RungResult]:
-    reference = torch_runner(model)
+    reference = attention_maps_runner(model) if variant.maps else torch_runner(model)
     floor = variant.precision_floor(model, variant.float_dtype) if variant.tolerance.floor else None
     if quantization is not None:
         floor = quantized_cache_runner(model, quantization)
@@ -178,8 +186,40 @@ def _climb(
             cast=variant.cast,
             on_step=lambda step, name=name, total=total: progress.update(f"parity {name} step {step + 1}/{total}"),
             floor=floor,
+            maps=variant.maps,
         )
     return results
+
+
+def attention_maps_runner(model: AttentionModel) -> Forward:
+    """The PyTorch original as a runner (`runners.torch_runner`'s outputs) that also answers each
+    layer's attention weights as `attention.{i}`, as the inspection graph names them."""
+    import torch
+
+    from export.model import KVCache
+
+    n_layers = model.cfg.n_layers
+
+    @torch.no_grad()
+    def run(inputs):
+        tensor = {name: torch.from_numpy(np.array(array)) for name, array in inputs.items()}  # writable copies
+        past = None
+        if names.past_name(0, names.KEY) in tensor:
+            past = [
+                KVCache(tensor[names.past_name(i, names.KEY)], tensor[names.past_name(i, names.VALUE)])
+                for i in range(n_layers)
+            ]
+        hidden, mask = tensor[names.HIDDEN_STATES], tensor.get(names.ATTENTION_MASK)
+        result = model(hidden, mask, past, return_attention=True, position_ids=tensor.get(names.POSITION_IDS))
+        arrays = {names.OUTPUT: result.output.numpy()}
+        for i, cache in enumerate(result.present):
+            arrays[names.present_name(i, names.KEY)] = cache.key.numpy()
+            arrays[names.present_name(i, names.VALUE)] = cache.value.numpy()
+        for name, weights in zip(names.attention_map_names(n_layers), result.attention_weights, strict=True):
+            arrays[name] = weights.numpy()
+        return arrays
+
+    return run
 
 
 def check_variant(
@@ -214,6 +254,7 @@ def check_variant(
         "tolerance": dataclasses.asdict(variant.tolerance),
         "parity": {name: result.to_dict() for name, result in results.items()},
         "worst": _worst(results),
+        **({"attention_maps": _worst_map(results)} if variant.maps else {}),
         "passed": not problems,
         "problems": problems,
     }
@@ -235,14 +276,28 @@ def fusion_shortfalls(cfg: ModelConfig, model_proto: onnx.ModelProto, rotations_
     ]
 
 
-def _worst(results: dict[str, RungResult]) -> dict[str, dict]:
-    """Per tensor, the largest absolute error over all scenarios, with where it is."""
+def _worst(results: dict[str, RungResult], maps: bool = False) -> dict[str, dict]:
+    """Per tensor, the largest absolute error over all scenarios, with where it is: the outputs and
+    presents, or with `maps` the attention maps (`attention.{i}`)."""
     worst: dict[str, dict] = {}
     for scenario, result in results.items():
         for name, error in result.tensors.items():
+            if _is_map(name) != maps:
+                continue
             if name not in worst or error.max_abs > worst[name]["max_abs"]:
                 worst[name] = {**error.to_dict(), "scenario": scenario}
     return worst
+
+
+def _is_map(name: str) -> bool:
+    return name.startswith(names.attention_map_name(0).rpartition(".")[0] + ".")
+
+
+def _worst_map(results: dict[str, RungResult]) -> dict:
+    """The attention maps' largest absolute error over all layers and scenarios, and per layer."""
+    per_layer = _worst(results, maps=True)
+    largest = max(per_layer.values(), key=lambda error: error["max_abs"])
+    return {"max_abs": largest["max_abs"], "passed": all(e["passed"] for e in per_layer.values()), "layers": per_layer}
 
 
 def build(

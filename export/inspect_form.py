@@ -12,13 +12,15 @@ per query head whatever the input layout, GQA included. Measured on ONNX Runtime
   as in the PyTorch original (its fill exp(min - max) is 0 too);
 - a query with no key it may attend (a padded query) gets a row of zeros, where the original gets a
   uniform row: the contract leaves such rows unspecified, so neither the parity nor the statistics
-  (`export/heads.py`) read them;
+  (`contract/heads.py`) read them;
 - in an fp16 graph the output is fp16 like the graph's (the op's T1), its softmax computed in fp32
   (`softmax_precision`, export/fp16.py); where attention runs in fp32 between Casts (a model without
   a norm, `attention_needs_fp32`), the map is cast back to fp16 like the context.
 
-Made on demand from an artifact, never a build variant: serving pays nothing for it. The maps are
-graph outputs named `attention.{layer}` (`attention_map_name`).
+Made on demand from an artifact (`python -m export inspect`), and built as the variant
+`fp32-fused-inspect` (export/build.py), which `mha` and `mha_session` run only for a request that asks
+for the maps: serving pays nothing otherwise. The maps are graph outputs named `attention.{layer}`
+(`contract.names.attention_map_name`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from onnx_ir.passes import common as common_passes
 
 from contract import files, names
 from contract.config import ModelConfig
-from export.heads import head_statistics
+from contract.heads import head_statistics
+from contract.names import attention_map_name
 from export.model import AttentionModel, attention_allowed
 from export.onnx_export import IR_VERSION, check_onnx, config_from_onnx, plain_graph, save_onnx
 from export.progress import Progress
@@ -50,12 +53,6 @@ PROBABILITIES_OUTPUT = 3  # Attention's outputs: Y, present_key, present_value, 
 
 class InspectionError(ValueError):
     """A graph or an artifact the inspection form cannot be made from (the reason says why)."""
-
-
-def attention_map_name(layer: int) -> str:
-    """The inspection graph's output of one layer's weights. Kept here, not in contract/names.py: no
-    served graph has it, and the naming table is what serving, the client and the tests agree on."""
-    return f"attention.{layer}"
 
 
 def _attention_nodes(graph: ir.Graph) -> list[ir.Node]:
@@ -142,7 +139,7 @@ def inspection_runner(proto: onnx.ModelProto):
 
 def attention_maps(outputs: Mapping[str, np.ndarray], n_layers: int) -> list[np.ndarray]:
     """Each layer's weights (B, n_heads, T, P+T) from an inspection graph's outputs."""
-    return [outputs[attention_map_name(layer)] for layer in range(n_layers)]
+    return [outputs[name] for name in names.attention_map_names(n_layers)]
 
 
 def run_maps(proto: onnx.ModelProto, cfg: ModelConfig, inputs: Mapping[str, np.ndarray]) -> tuple[Arrays, list]:
@@ -162,7 +159,7 @@ class Inspection:
     source: str  # the graph's file, or how it was made
     hidden_states: np.ndarray  # (1, T, d_model), fp32
     maps: list[np.ndarray]  # per layer (1, n_heads, T, T), the variant's float type
-    statistics: list[dict]  # export/heads.py
+    statistics: list[dict]  # contract/heads.py
     difference: list[np.ndarray] | None = None  # per layer, the variant's maps minus fp32-fused's (fp32)
 
     def largest_difference(self) -> tuple[float, tuple[int, ...]]:

@@ -240,13 +240,18 @@ def compare_rung(
     cast: Callable[[np.ndarray], np.ndarray] = lambda a: a,
     on_step: Callable[[int], None] | None = None,
     floor: Forward | None = None,
+    maps: bool = False,
 ) -> RungResult:
     """Drive both runners through the scenario and compare every output at every step.
 
     `cast` converts float inputs to the candidate's dtype (identity for fp32 rungs); `floor`, for a
     reduced-precision candidate, is its precision floor (`runners.rounded_runner`), driven like it.
+    `maps`: both runners also answer each layer's attention weights `attention.{i}` (B, n_heads, T,
+    P+T), compared on real queries only: a padded query's row is unspecified (the op gives zeros, the
+    original a uniform row); every key of a real query is compared (padding weighs 0 in both).
     """
-    tensors = {name: TensorError(name) for name in names.output_names(cfg.n_layers)}
+    map_names = names.attention_map_names(cfg.n_layers) if maps else []
+    tensors = {name: TensorError(name) for name in names.output_names(cfg.n_layers) + map_names}
     step_errors = []
     ref_past = initial_past(cfg, scenario) if scenario.past else {}
     cand_past = {name: cast(array) for name, array in ref_past.items()}
@@ -263,6 +268,8 @@ def compare_rung(
         real_keys = inputs[names.ATTENTION_MASK].astype(bool)[:, None, :, None]  # (B, 1, P+T, 1)
         for name, error in tensors.items():
             valid = real_rows[:, :, None] if name == names.OUTPUT else real_keys
+            if name in map_names:
+                valid = real_rows[:, None, :, None]  # (B, 1, T, 1): real queries, every key
             error.update(step, actual[name], expected[name], valid, tolerance, floor_out.get(name))
         output_error = np.abs(actual[names.OUTPUT].astype(np.float64) - expected[names.OUTPUT])
         step_errors.append(float(np.where(real_rows[:, :, None], output_error, 0.0).max()))

@@ -34,7 +34,17 @@ def summary_table(report: dict) -> str:
             f"{name:<{width}} {entry['file_bytes'] / 1e6:>8.2f} {entry['fused_attention_ops']:>5}  "
             f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}  {present_abs:>11.2e}  {result}"
         )
-    return "\n".join(lines + _precision_notes(report) + _cache_notes(report))
+    return "\n".join(lines + _precision_notes(report) + _cache_notes(report) + _maps_notes(report))
+
+
+def _maps_notes(report: dict) -> list[str]:
+    """A variant that also returns the attention maps: their worst error (not in the table's columns)."""
+    return [
+        f"note: {name}: attention maps within {entry['attention_maps']['max_abs']:.2e} of the original's weights "
+        "(real queries)"
+        for name, entry in report["variants"].items()
+        if "attention_maps" in entry
+    ]
 
 
 def _cache_notes(report: dict) -> list[str]:

@@ -23,7 +23,7 @@ from serving.engine.kv_cache import KVCacheStore
 from serving.engine.kv_pool import KVPool
 from serving.engine.ort import CUDA
 from serving.engine.placement import Placement, choose_placement, model_file, open_session
-from serving.engine.runner import Runner
+from serving.engine.runner import InspectionRunner, Runner
 from serving.engine.settings import ENGINE_STATIC, MAX_LIVE_SEQUENCES, SessionSettings
 from serving.engine.sized_pool import SizedPool, row_sizes
 from serving.engine.static_engine import StaticSessionEngine
@@ -40,15 +40,25 @@ def stateless_runner(files: Mapping[str, Path], cfg: ModelConfig, threads: int, 
     return Runner(model_file(files, placement), cfg, threads=threads, placement=placement)
 
 
+def inspection_runner(path: Path | None, cfg: ModelConfig, threads: int) -> InspectionRunner:
+    """The graph that answers attention maps (None: the deployment has none); opened at first use."""
+    return InspectionRunner(path, cfg, threads)
+
+
 def session_engine(
-    files: Mapping[str, Path], cfg: ModelConfig, settings: SessionSettings, model_name: str
+    files: Mapping[str, Path],
+    cfg: ModelConfig,
+    settings: SessionSettings,
+    model_name: str,
+    inspection: Path | None = None,
 ) -> SessionEngines:
-    """`mha_session`'s engine as `settings` ask."""
+    """`mha_session`'s engine as `settings` ask; `inspection`: the graph its attention maps come from."""
     idle, budget, threads = settings.idle_timeout_seconds, settings.kv_cache_bytes, settings.threads
     if settings.engine == ENGINE_STATIC:
         pool, notes = static_pool(files, cfg, settings, model_name)
         description = "; ".join([f"static engine, {pool.description}", *notes])
-        return StaticSessionEngine(pool, idle_timeout=idle, description=description)
+        maps = inspection_runner(inspection, cfg, threads)
+        return StaticSessionEngine(pool, idle_timeout=idle, description=description, inspection=maps)
     placement = choose_placement(cfg, tensorrt.Limits(max_batch=settings.max_batch), trt_cache(model_name))
     runner = Runner(model_file(files, placement), cfg, threads=threads, placement=placement)
     store = KVCacheStore(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from contract import names
 from contract.config import ModelConfig
 from contract.inputs import default_positions, with_defaults
 from serving.engine import tensorrt
+from serving.engine.errors import InvalidRequest
 from serving.engine.ort import (
     CPU,
     CPU_PROVIDER,
@@ -147,6 +149,43 @@ class Runner:
         )
         arrays = {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
         return {name: array.astype(np.float32, copy=False) for name, array in arrays.items()}  # served IO is fp32
+
+
+class InspectionRunner:
+    """The inspection graph (`fp32-fused-inspect`: the fused graph that also returns each layer's
+    attention weights, `attention.{i}`) on the CPU, for the requests that ask for the maps. Its session
+    opens on the first such request, so a server whose callers never ask pays nothing for it; `path`
+    None: the artifact has no such graph, and a request for maps is refused naming it."""
+
+    def __init__(self, path: Path | None, cfg: ModelConfig, threads: int = 0) -> None:
+        self.path, self.cfg, self.threads = path, cfg, threads
+        self._session: ort.InferenceSession | None = None
+        self._lock = threading.Lock()
+
+    def _opened(self) -> ort.InferenceSession:
+        if self.path is None:
+            wanted = names.INSPECTION_VARIANT
+            raise InvalidRequest(
+                f"attention maps need the inspection graph {wanted} (model.{wanted}.onnx), which this deployment "
+                f"does not have; build it (python -m export build --variants ... {wanted}) and write the "
+                "repository again"
+            )
+        with self._lock:
+            if self._session is None:
+                options = session_options(self.threads, spinning=False)
+                self._session = ort.InferenceSession(str(self.path), sess_options=options, providers=[CPU_PROVIDER])
+                log.info("inspection runner: %s on %s, opened for a request of attention maps", self.path.name, CPU)
+            return self._session
+
+    def run_arrays(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Stateless, as `Runner.run_arrays`: the output, the presents and the maps `attention.{i}`
+        (B, n_heads, T, P+T), fp32 host arrays."""
+        session = self._opened()
+        feeds = with_defaults(self.cfg, feeds)
+        wanted = [value.name for value in session.get_inputs()]
+        outputs = [value.name for value in session.get_outputs()]
+        arrays = session.run(outputs, {name: feeds[name] for name in wanted})
+        return {name: array.astype(np.float32, copy=False) for name, array in zip(outputs, arrays, strict=True)}
 
 
 def nbytes(values: Sequence[ort.OrtValue]) -> int:

@@ -23,12 +23,16 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from contract import names
 from serving.engine import errors, snapshots
 from serving.engine.kv_cache import CacheStats
 from serving.engine.kv_pool import KVPool
+from serving.engine.runner import InspectionRunner
 from serving.engine.sequences import LiveSequences, SequenceId
 from serving.engine.sized_pool import RowsFull, SizedPool
 from serving.engine.steps import StepEngine, StepRequest, check_step
+
+FP32_CACHE = "float32"  # the cache kind the inspection graph's past takes as it is
 
 
 @dataclasses.dataclass
@@ -52,7 +56,9 @@ class StaticSessionEngine(StepEngine):
         remember: int = 4096,
         clock: Callable[[], float] = time.monotonic,
         description: str = "",
+        inspection: InspectionRunner | None = None,
     ) -> None:
+        """`inspection`: the graph a session's attention maps come from (`attention_maps`)."""
         assert idle_timeout > 0
         # a KVPool: its rows are the engine's, all of max_seq_len (tests and benches that size it)
         pool = SizedPool.whole(pool) if isinstance(pool, KVPool) else pool
@@ -66,6 +72,7 @@ class StaticSessionEngine(StepEngine):
         # named prefixes: (owner, name) -> the row holding its cache, never evicted; a session starts
         # from one as a copy of that row, so a prefix can go whenever it is deleted
         self._prefixes: dict[tuple[str, str], int] = {}
+        self.inspection = inspection or InspectionRunner(None, self.cfg)
 
     @property
     def capacity(self) -> int:
@@ -201,6 +208,30 @@ class StaticSessionEngine(StepEngine):
                 )
             self.pool.rewind(row, length)
             return length
+
+    def attention_maps(self, sequence_id: SequenceId, tokens: np.ndarray) -> dict[str, np.ndarray]:
+        """The output (1, T, d_model) and each layer's attention weights `attention.{i}` (1, n_heads, T,
+        length + T) of a step of `tokens` (T, d_model) on the live sequence, computed by the inspection
+        graph over a copy of its cache: the row, its length and its cache are untouched."""
+        if self.cache_kind != FP32_CACHE:
+            raise errors.InvalidRequest(
+                f"attention maps of a session need an fp32 cache; this deployment's is {self.cache_kind}"
+            )
+        with self._lock:
+            row = self._slots.touch(sequence_id).row
+            length = self.pool.length(row)
+            if length + len(tokens) > self.max_positions:
+                raise errors.SequenceTooLong(sequence_id, length + len(tokens), self.max_positions)
+            past = self.pool.read(row)  # fresh host arrays (the pool's Slice): later steps do not move them
+        feeds = {
+            names.HIDDEN_STATES: tokens[None].astype(np.float32, copy=False),
+            names.ATTENTION_MASK: np.ones((1, length + len(tokens)), np.int64),  # the cache holds real tokens only
+            **past,
+        }
+        if self.cfg.rotary:  # the new tokens sit after what the session holds, as its next step's would
+            feeds[names.POSITION_IDS] = length + np.arange(len(tokens), dtype=np.int64)[None]
+        outputs = self.inspection.run_arrays(feeds)
+        return {name: outputs[name] for name in [names.OUTPUT, *names.attention_map_names(self.cfg.n_layers)]}
 
     # --- named prefixes ------------------------------------------------------------------------------
 

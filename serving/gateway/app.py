@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import swagger_ui_bundle
 from fastapi import FastAPI
 from fastapi.encoders import jsonable_encoder
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
 
@@ -23,7 +24,8 @@ from serving.gateway.state import GatewayState
 
 DESCRIPTION = """
 A gateway in front of Triton for the attention model (docs/design.md): stateless attention with a
-client-side KV cache (`/v1/attend`) and sessions whose KV cache the server keeps (`/v1/sessions`).
+client-side KV cache (`/v1/attend`), sessions whose KV cache the server keeps (`/v1/sessions`), and
+every head's attention weights (`/v1/inspect`; drawn by the page `/inspect`).
 
 **Auth.** Send `Authorization: Bearer <key>` or `X-API-Key: <key>`. `/healthz`, `/readyz` and
 `/metrics` are open.
@@ -61,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     _install_docs(app)
+    _install_inspect_page(app)
     app.state.gateway = GatewayState(settings)
     install_handlers(app)
     app.include_router(routes.v1)  # first: the router tries routes in order, and these are the busy ones
@@ -109,3 +112,15 @@ def _install_docs(app: FastAPI) -> None:
 
 
 DOCS_ASSETS = "/docs-assets"
+INSPECT_ASSETS = "/inspect-assets"
+STATIC = Path(__file__).resolve().parent / "static"  # package data (pyproject.toml)
+
+
+def _install_inspect_page(app: FastAPI) -> None:
+    """`/inspect`: a page that draws `POST /v1/inspect`'s maps (its files ship in the package; no CDN).
+    The page is open, as /docs is; its calls carry the key the user types, as any caller's do."""
+    app.mount(INSPECT_ASSETS, StaticFiles(directory=STATIC), name="inspect-assets")
+
+    @app.get("/inspect", include_in_schema=False)
+    async def inspect_page() -> FileResponse:
+        return FileResponse(STATIC / "inspect.html", media_type="text/html")

@@ -1,4 +1,4 @@
-"""The routes: health (open), models, stateless attention and sessions (behind an API key).
+"""The routes: health (open), models, stateless attention, attention maps and sessions (behind an API key).
 
 /v1/attend and a session's step read their body themselves (validated.py: parsed and checked once,
 into arrays) instead of through a pydantic body parameter; `body_documented` puts the schema their
@@ -16,6 +16,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
+from contract.heads import head_statistics
 from serving.gateway import schemas, validated
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
 from serving.gateway.encoding import Encoding, encode, tensor_json
@@ -65,7 +66,8 @@ SECURITY_SCHEMES = (bearer_scheme, api_key_scheme)  # either one: app.py puts th
 
 health = APIRouter(tags=["health"])
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(caller)])
-BODY_MODELS = (schemas.AttendRequest, schemas.StepBody, schemas.FromPrefix)  # read by hand: app.py documents them
+# read by hand: app.py documents them
+BODY_MODELS = (schemas.AttendRequest, schemas.StepBody, schemas.FromPrefix, schemas.InspectRequest)
 
 
 def body_documented(model: type) -> dict[str, Any]:
@@ -188,6 +190,54 @@ def _encoded(value: Any, encoding: Encoding) -> Any:
     if isinstance(value, list):
         return [_encoded(item, encoding) for item in value]
     return value
+
+
+# --- attention maps -------------------------------------------------------------------------
+
+
+@v1.post(
+    "/inspect",
+    response_model=schemas.InspectResponse,
+    responses=responses(400, 401, 404, 409, 413, 422, 429, 502, 503, 504),
+    summary="Every layer's and head's attention weights for one sequence (stateless, or a session's next step, "
+    "which is not taken), with each head's statistics",
+    openapi_extra=body_documented(schemas.InspectRequest),
+)
+async def inspect(request: Request, owner: Caller, encoding: ResponseEncoding = "json") -> Response:
+    gw = the_gateway(request)
+    raw = await request.body()
+    body = await gw.offload(len(raw), validated.parse, raw, schemas.InspectRequest)
+    if body.fields.session is None:
+        async with gw.attend_slot():
+            info = await gw.model_info(gw.settings.model)
+            valid = await gw.offload(len(raw), validated.inspect, body, info, gw.request_tokens)
+            validated.check_map_size(info, 0, valid.hidden_states.shape[1])
+            call = gw.client.infer(valid.hidden_states, valid.attention_mask, attention_maps=True)
+            maps = (await gw.call(call, "attention maps")).attention_maps
+            mask = valid.attention_mask
+    else:
+        info = await gw.model_info(gw.settings.session_model)
+        valid = await gw.offload(len(raw), validated.inspect, body, info, gw.request_tokens)
+        async with gw.sessions.using(valid.session, owner) as session:
+            past = session.upstream.length
+            validated.check_map_size(info, past, valid.hidden_states.shape[1])
+            call = session.upstream.attention_maps(valid.hidden_states)
+            maps = await gw.call(call, f"attention maps of session '{session.id}'")
+            mask = None  # a session holds real tokens only
+    answer = await gw.offload(sum(m.nbytes for m in maps), _inspection, maps, mask, encoding)
+    return json_answer(answer)
+
+
+def _inspection(maps: list[np.ndarray], mask: np.ndarray | None, encoding: Encoding) -> bytes:
+    """The /v1/inspect answer from the maps (per layer (1, H, T, P+T)) and the new tokens' mask."""
+    _, heads, queries, keys = maps[0].shape
+    full = np.ones((1, keys), np.int64)
+    if mask is not None:
+        full[:, keys - queries :] = mask
+    statistics = head_statistics(maps, full)
+    layers = [encode(m[0], encoding) for m in maps]
+    sizes = {"layers": len(maps), "heads": heads, "queries": queries, "keys": keys}
+    return tensor_json(sizes | {"maps": layers, "statistics": statistics})
 
 
 # --- sessions -------------------------------------------------------------------------------

@@ -79,6 +79,40 @@ class StepResponse(BaseModel):
     length: int = Field(description="tokens the server now holds for this session")
 
 
+# one sequence, its batch axis optional: (sequence, d_model) or (1, sequence, d_model); its mask (sequence,) or (1, ...)
+OneSequence = Annotated[Tensor, Documented(list[list[list[FiniteFloat]]] | list[list[FiniteFloat]] | EncodedTensor)]
+OneMask = Annotated[Tensor, Documented(list[list[MaskBit]] | list[MaskBit] | EncodedTensor)]
+
+
+class InspectRequest(Strict):
+    hidden_states: OneSequence = Field(
+        description="(sequence, d_model) or (1, sequence, d_model) float32: one sequence's tokens"
+    )
+    attention_mask: OneMask | None = Field(
+        default=None,
+        description="stateless only: (sequence,) or (1, sequence) of 1 (attend) / 0 (padding); default all ones",
+    )
+    session: str | None = Field(
+        default=None,
+        description="a session of this key: the maps of its next step with these tokens (the session is not changed)",
+    )
+
+
+class InspectResponse(BaseModel):
+    layers: int
+    heads: int = Field(description="query heads per layer")
+    queries: int = Field(description="T: the new tokens")
+    keys: int = Field(description="P + T: the session's past (0 stateless) and the new tokens")
+    maps: list[Any] = Field(
+        description="per layer (heads, queries, keys) attention weights: nested lists, or a tensor object with "
+        "`?encoding=b64`; each query's row sums to 1"
+    )
+    statistics: list[dict[str, Any]] = Field(
+        description="per layer {layer, queries, heads: [{head, entropy, mean_distance, first_position_share, "
+        "previous_token_share}]}: means over the queries with an earlier real key (None when there is none)"
+    )
+
+
 class SessionCreated(BaseModel):
     id: str = Field(description="the session's id, for /v1/sessions/{id}/step and DELETE")
     idle_timeout_s: float = Field(description="the session is closed after this long without a step")

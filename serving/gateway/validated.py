@@ -45,6 +45,7 @@ from serving.gateway.errors import InvalidInput, SchemaViolation, describe_valid
 JSON_BYTES_PER_NUMBER = 32
 BODY_OVERHEAD_BYTES = 64 << 10  # field names, tensor objects' dtype and shape
 Pairs = list[tuple[np.ndarray, np.ndarray]]
+MAX_MAP_VALUES = 1 << 21  # the weights one /v1/inspect answer holds: ~40 MB of JSON numbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +111,64 @@ def step(body: Body, info: ModelInfo) -> ValidStep:
     except InputError as error:
         raise InvalidInput(str(error)) from None
     return ValidStep(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK))
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidInspect:
+    """A /v1/inspect request: one sequence's new tokens (1, T, d_model) and, stateless only, their mask
+    (1, T); `session` names the session whose next step is inspected (None: stateless)."""
+
+    hidden_states: np.ndarray
+    attention_mask: np.ndarray | None
+    session: str | None
+
+
+def inspect(body: Body, info: ModelInfo, max_request_tokens: int) -> ValidInspect:
+    """A parsed /v1/inspect body whose tokens fit `info` (the stateless model, or the session model
+    with `session`), or 400 (422 for a mask beside a session: a session's past has no padding)."""
+    fields = body.fields
+    if fields.session is not None and fields.attention_mask is not None:
+        raise SchemaViolation(
+            "body.attention_mask: not taken with `session` (a session's positions are all real tokens); send "
+            "only the real new tokens"
+        )
+    tensors, _ = _decode_inputs(body, info.float_dtype)
+    hidden = tensors[names.HIDDEN_STATES]
+    if hidden.ndim not in (2, 3):
+        raise InvalidInput(
+            f"input '{names.HIDDEN_STATES}': expected one sequence, (sequence, d_model) or (1, sequence, d_model) = "
+            f"(T, {info.d_model}) or (1, T, {info.d_model}), got shape {list(hidden.shape)}"
+        )
+    if hidden.ndim == 2:  # (T, d_model): one sequence, its batch axis left out (and its mask's)
+        tensors[names.HIDDEN_STATES] = hidden[None]
+        mask = tensors.get(names.ATTENTION_MASK)
+        if mask is not None and mask.ndim == 1:
+            tensors[names.ATTENTION_MASK] = mask[None]
+    try:
+        batch, _, new = check_inputs(info.sizes, tensors, float_dtype=info.float_dtype)
+        check_one_sequence(batch)
+        check_request_tokens(batch, new, max_request_tokens, setting="SERVING_MAX_REQUEST_TOKENS")
+        if new == 0:
+            raise InputError(names.HIDDEN_STATES, "no tokens: the maps need at least one query")
+        _check_values(tensors)
+    except InputError as error:
+        raise InvalidInput(str(error)) from None
+    return ValidInspect(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK), fields.session)
+
+
+def check_map_size(info: ModelInfo, past: int, new: int) -> None:
+    """The maps of `new` queries over `past + new` keys in every layer and head within MAX_MAP_VALUES,
+    or 400: an answer of that many numbers is tens of megabytes of JSON. Known only with the model's
+    published sizes (n_layers, n_heads)."""
+    layers, heads = info.facts.get("n_layers"), info.facts.get("n_heads")
+    if not isinstance(layers, int) or not isinstance(heads, int):
+        return
+    values = layers * heads * new * (past + new)
+    if values > MAX_MAP_VALUES:
+        raise InvalidInput(
+            f"input '{names.HIDDEN_STATES}': {layers} layers x {heads} heads x {new} queries x {past + new} keys = "
+            f"{values} weights, more than the {MAX_MAP_VALUES} one /v1/inspect answer holds; send fewer tokens"
+        )
 
 
 def _check_values(tensors: dict[str, np.ndarray]) -> None:

@@ -52,6 +52,9 @@ P_IMPLEMENTATION = "implementation"
 P_ONNX_FILE = "onnx_file"  # the graph for the CPU
 P_ONNX_FILE_CUDA = "onnx_file_cuda"  # the graph for ONNX Runtime's CUDA provider
 P_ONNX_FILE_TENSORRT = "onnx_file_tensorrt"  # the graph for its TensorRT provider
+# the inspection graph (`fp32-fused-inspect`, on the CPU): run only for a request that asks for the
+# attention maps (names.ATTENTION_MAPS, names.ATTENTION_MAPS_OPERATION)
+P_ONNX_FILE_INSPECT = "onnx_file_inspect"
 P_THREADS = "threads"
 P_KV_CACHE_BYTES = "kv_cache_bytes"
 P_IDLE_TIMEOUT = "idle_timeout_seconds"
@@ -145,10 +148,19 @@ def _set_parameters(config: pb.ModelConfig, values: dict[str, object]) -> None:
         config.parameters[key].string_value = str(value)
 
 
+def _add_attention_maps(config: pb.ModelConfig, cfg: ModelConfig, batch_axis: bool) -> None:
+    """The outputs `attention.{i}` (B, n_heads, T, P+T), answered only to a request that asks for them
+    (a Python model may leave a declared output out); `batch_axis`: the dims carry it (max_batch_size 0)."""
+    dims = [-1] * batch_axis + [cfg.n_heads, -1, -1]
+    for name in names.attention_map_names(cfg.n_layers):
+        config.output.add(name=name, data_type=pb.TYPE_FP32, dims=dims)
+
+
 def mha_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
     config = _python_model(MHA, cfg, onnx_files, settings)
     config.max_batch_size = 0  # the batch axis is the graph's own, in dims as -1
     _add_stateless_io(config, cfg, "float32", optional=True)
+    _add_attention_maps(config, cfg, batch_axis=True)
     _set_parameters(config, {P_MAX_REQUEST_TOKENS: settings.request_tokens(cfg)})
     return config
 
@@ -169,6 +181,7 @@ def mha_session_config(
     # answered by a snapshot (names.OPERATION)
     config.input.add(name=names.SNAPSHOT, data_type=pb.TYPE_STRING, dims=[-1], optional=True)
     config.output.add(name=names.SNAPSHOT, data_type=pb.TYPE_STRING, dims=[1])
+    _add_attention_maps(config, cfg, batch_axis=False)  # the operation names.ATTENTION_MAPS_OPERATION
     batching = config.sequence_batching
     batching.max_sequence_idle_microseconds = settings.triton_idle_microseconds
     batching.oldest.max_candidate_sequences = candidate_sequences(cfg, settings)

@@ -13,7 +13,7 @@ from serving.engine import factory
 from serving.engine.errors import EngineError
 from serving.engine.ort import CPU, CUDA
 from serving.engine.placement import TENSORRT
-from serving.engine.runner import Runner
+from serving.engine.runner import InspectionRunner, Runner
 from serving.engine.settings import ENGINE_STATIC, SessionSettings
 from serving.triton import config as triton_config
 from serving.triton import digests
@@ -32,6 +32,16 @@ def onnx_files(version: Path, parameters: dict[str, str]) -> dict[str, Path]:
     files = {kind: version / parameters[key] for key, kind in FILE_PLACEMENTS.items() if parameters.get(key)}
     digests.verify(version, [path.name for path in files.values()])
     return files
+
+
+def inspection_file(version: Path, parameters: dict[str, str]) -> Path | None:
+    """The inspection graph its parameter names (checked against SHA256SUMS like the others), or None
+    when the repository has none: the model loads, and a request for attention maps is refused."""
+    name = parameters.get(triton_config.P_ONNX_FILE_INSPECT)
+    if not name:
+        return None
+    digests.verify(version, [name])
+    return version / name
 
 
 def threads(parameters: dict[str, str]) -> int:
@@ -63,8 +73,13 @@ def stateless_runner(version: Path, cfg: ModelConfig, parameters: dict[str, str]
     return factory.stateless_runner(onnx_files(version, parameters), cfg, threads(parameters), model_name)
 
 
+def inspection_runner(version: Path, cfg: ModelConfig, parameters: dict[str, str]) -> InspectionRunner:
+    return factory.inspection_runner(inspection_file(version, parameters), cfg, threads(parameters))
+
+
 def session_engine(
     version: Path, cfg: ModelConfig, parameters: dict[str, str], max_batch: int, model_name: str
 ) -> factory.SessionEngines:
     settings = session_settings(parameters, max_batch)
-    return factory.session_engine(onnx_files(version, parameters), cfg, settings, model_name)
+    inspection = inspection_file(version, parameters)
+    return factory.session_engine(onnx_files(version, parameters), cfg, settings, model_name, inspection)

@@ -11,8 +11,10 @@ request on a session's sequence whose parameter `session_operation` names one of
 | `put_prefix` | START and END (its own sequence) | the prefix's | `prefix`: its name; `owner` | -1 |
 | `from_prefix` | START | none | `prefix`; `owner` | the session's length |
 | `delete_prefix` | START and END | none | `prefix`; `owner` | -1 |
+| `attention_maps` | none | a next step's, unpadded | none | its `output` and maps `attention.{i}`; the length |
 
-`owner` is optional (empty: anyone); the blob is serving/engine/snapshots.py's.
+`owner` is optional (empty: anyone); the blob is serving/engine/snapshots.py's. `attention_maps`
+computes what a step of its tokens would and keeps nothing: the session's cache and length are as before.
 
 Each is checked here and refused (INVALID_ARG, naming the parameter, expected and actual) before the
 engine is touched. Only the static engine has them."""
@@ -25,7 +27,7 @@ import numpy as np
 
 from contract import names
 from serving.engine.errors import InvalidRequest
-from serving.engine.steps import StepRequest
+from serving.engine.steps import StepRequest, check_step
 
 # operation -> (START, END, tokens) it is sent with
 FLAGS = {
@@ -36,18 +38,24 @@ FLAGS = {
     names.PUT_PREFIX: (True, True, True),
     names.FROM_PREFIX: (True, False, False),
     names.DELETE_PREFIX: (True, True, False),
+    names.ATTENTION_MAPS_OPERATION: (False, False, True),
 }
 
 
-def run(engine: Any, step: StepRequest, operation: dict) -> bytes | None:
-    """Do `operation` (the request's parameters, with its `snapshot` input) on `step`'s sequence;
-    the snapshot's blob for a snapshot, else None."""
+def run(engine: Any, step: StepRequest, operation: dict) -> dict[str, np.ndarray]:
+    """Do `operation` (the request's parameters, with its `snapshot` input) on `step`'s sequence; the
+    outputs it answers beside `held_length` (a snapshot's blob, the attention maps; none: {})."""
     name = _check(engine, step, operation)
     sequence = step.sequence_id
     owner = _parameter(operation, names.OWNER, (str,)) if names.OWNER in operation else ""
     if name == names.SNAPSHOT_OPERATION:
         since = _parameter(operation, names.SNAPSHOT_SINCE, (int,)) if names.SNAPSHOT_SINCE in operation else 0
-        return engine.snapshot(sequence, owner, since)
+        return {names.SNAPSHOT: np.array([[engine.snapshot(sequence, owner, since)]], dtype=np.object_)}
+    if name == names.ATTENTION_MAPS_OPERATION:
+        check_step(engine.cfg, step)  # as a step's tokens are checked: shape, finite values, the mask
+        if step.mask is not None and not step.mask.all():
+            raise InvalidRequest(f"'{name}' takes the next step's real tokens: expected no padding in its mask")
+        return engine.attention_maps(sequence, step.hidden[0])
     if name == names.RESTORE:
         engine.restore(sequence, _blobs(operation.get(names.SNAPSHOT)), owner)
     elif name in (names.PUT_PREFIX, names.FROM_PREFIX, names.DELETE_PREFIX):
@@ -56,7 +64,7 @@ def run(engine: Any, step: StepRequest, operation: dict) -> bytes | None:
         engine.fork(_parameter(operation, names.FORK_OF, (int, str)), sequence)
     else:
         engine.rewind(sequence, _parameter(operation, names.REWIND_TO, (int,)))
-    return None
+    return {}
 
 
 def _check(engine: Any, step: StepRequest, operation: dict) -> str:
@@ -73,7 +81,7 @@ def _check(engine: Any, step: StepRequest, operation: dict) -> str:
     if tokens and not carries_tokens:
         raise InvalidRequest(f"'{name}' carries no tokens: expected hidden_states of 0 tokens, got {tokens}")
     if carries_tokens and not tokens:
-        raise InvalidRequest(f"'{name}' carries the prefix's tokens: expected hidden_states of 1 or more, got 0")
+        raise InvalidRequest(f"'{name}' carries tokens: expected hidden_states of 1 or more, got 0")
     if name != names.RESTORE and operation.get(names.SNAPSHOT) is not None:
         raise InvalidRequest(f"input '{names.SNAPSHOT}' goes with '{names.RESTORE}' only, not with '{name}'")
     return name

@@ -3,7 +3,8 @@
     REPO/<model>/config.pbtxt          generated (serving/triton/config.py)
     REPO/<model>/1/model.py            python models: the shim that imports `serving` (copied verbatim)
     REPO/<model>/1/config.json         the ModelConfig the model was built from
-    REPO/<model>/1/model.<variant>.onnx  python models: one passing graph per placement (PYTHON_FILES)
+    REPO/<model>/1/model.<variant>.onnx  python models: one passing graph per placement (PYTHON_FILES),
+                                       and the inspection graph for attention maps (INSPECTION_FILES)
     REPO/mha_onnx/1/model.onnx         the onnxruntime backend's default file name
     REPO/<model>/1/SHA256SUMS          each graph's sha256 from the build's report (serving/triton/digests.py)
 
@@ -18,6 +19,7 @@ import json
 import shutil
 from pathlib import Path
 
+from contract import names
 from contract.config import ModelConfig
 from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
 from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, KV_INT4, KV_INT8
@@ -30,6 +32,10 @@ SHIM_SOURCE = Path(__file__).resolve().parent / "shim.py"
 SHIM_FILENAME = "model.py"
 
 P_CPU, P_CUDA, P_TRT = triton_config.P_ONNX_FILE, triton_config.P_ONNX_FILE_CUDA, triton_config.P_ONNX_FILE_TENSORRT
+P_INSPECT = triton_config.P_ONNX_FILE_INSPECT
+# Both python models answer the attention maps from the inspection graph on the CPU, whatever else they
+# run (export/inspect_form.py); an artifact without it serves the rest, and a request for maps is refused.
+INSPECTION_FILES = {P_INSPECT: (names.INSPECTION_VARIANT,)}
 # The python models' graphs per placement, best first; the first that passed is copied. The served IO
 # is fp32 (the runner rounds to an fp16 graph's dtype and back). `mha`: the fused graph on the CPU (the
 # fastest CPU decode step), fp16 on CUDA, the TensorRT form under TensorRT. `mha_session`: the static
@@ -135,8 +141,8 @@ def model_files(passing: set[str], settings: ServingSettings | None = None) -> d
     settings = settings or ServingSettings()
     engine = session_engine(settings, passing)
     return {
-        triton_config.MHA: python_files(PYTHON_FILES[triton_config.MHA], passing),
-        triton_config.MHA_SESSION: python_files(session_choices(settings, engine), passing),
+        triton_config.MHA: python_files(PYTHON_FILES[triton_config.MHA] | INSPECTION_FILES, passing),
+        triton_config.MHA_SESSION: python_files(session_choices(settings, engine) | INSPECTION_FILES, passing),
     }
 
 

@@ -1,5 +1,5 @@
 """The inspection form (export/inspect_form.py): every layer's attention weights from the fused graph
-that serves, equal to the PyTorch original's; the head statistics (export/heads.py) on maps whose
+that serves, equal to the PyTorch original's; the head statistics (contract/heads.py) on maps whose
 numbers are known; and `python -m export inspect` end to end."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import torch
 
 from contract import files, names
 from contract.config import ModelConfig
+from contract.heads import head_statistics, layer_statistics, real_positions
+from contract.names import attention_map_name
 from export import __main__ as cli
 from export.artifacts import save_artifact
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
-from export.heads import head_statistics, layer_statistics, real_positions
 from export.inspect_form import (
     FP16_FUSED,
     FP32_FUSED,
-    attention_map_name,
     inspection_proto,
     make_inspection_graph,
     run_maps,
@@ -318,3 +318,18 @@ def test_fp16_graph_whose_attention_runs_in_fp32_gives_fp16_maps():
     real = mask.astype(bool)[:, None, :, None]
     assert maps.dtype == np.float16
     assert np.abs(np.where(real, maps.astype(np.float32) - expected.numpy(), 0.0)).max() < 5e-3
+
+
+def test_the_build_checks_the_inspection_variants_maps_against_the_originals(artifact_dir):
+    """`fp32-fused-inspect` (what the served maps come from) climbs fp32-fused's stateless ladder, and
+    its maps are compared with the original's attention weights on real queries: the report keeps
+    their worst error, the table's columns only the outputs and presents."""
+    report = json.loads((artifact_dir("gqa") / files.REPORT_FILENAME).read_text())
+    entry = report["variants"][names.INSPECTION_VARIANT]
+    assert entry["passed"] and entry["file"] == files.model_filename(names.INSPECTION_VARIANT)
+    maps = entry["attention_maps"]
+    assert maps["passed"] and 0 < maps["max_abs"] <= 1e-5
+    layers = report["config"]["n_layers"]
+    assert sorted(maps["layers"]) == names.attention_map_names(layers)
+    assert sorted(entry["worst"]) == sorted(names.output_names(layers))  # no map among them
+    assert entry["worst"][names.OUTPUT]["max_abs"] <= 1e-5

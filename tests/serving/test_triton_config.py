@@ -78,11 +78,22 @@ def test_stateless_configs_are_the_graphs_io_exactly(built, model):
     config = read_config(built, model)
     graph = graph_io(loaded_onnx(built, config))
     cfg = ModelConfig.load(built / model / repository.VERSION)
+    maps = names.attention_map_names(cfg.n_layers) if model == MHA else []  # the inspection graph's, when asked
     assert [t.name for t in config.input] == names.input_names(cfg.n_layers)
-    assert [t.name for t in config.output] == names.output_names(cfg.n_layers)
+    assert [t.name for t in config.output] == names.output_names(cfg.n_layers) + maps
     assert config.max_batch_size == 0
-    assert_fits([*config.input, *config.output], graph, batch_axis_added=False)
-    assert set(graph) == {t.name for t in [*config.input, *config.output]}
+    served = [t for t in [*config.input, *config.output] if t.name not in maps]
+    assert_fits(served, graph, batch_axis_added=False)
+    assert set(graph) == {t.name for t in served}
+    if maps:
+        inspection = graph_io(built / MHA / repository.VERSION / model_filename_of(config))
+        assert_fits([*config.input, *config.output], inspection, batch_axis_added=False)
+        assert set(inspection) == {t.name for t in [*config.input, *config.output]}
+
+
+def model_filename_of(config: pb.ModelConfig) -> str:
+    """The inspection graph a python model's config names."""
+    return triton_config.parameter(config, triton_config.P_ONNX_FILE_INSPECT)
 
 
 def test_mha_leaves_mask_and_past_optional_mha_onnx_requires_them(built):
@@ -99,8 +110,11 @@ def test_session_config_takes_new_tokens_only_and_fits_the_graph(artifact_dir, t
     assert triton_config.parameter(config, triton_config.P_ENGINE) == engine
     graph = graph_io(loaded_onnx(repo, config))
     assert [t.name for t in config.input] == [names.HIDDEN_STATES, names.ATTENTION_MASK, names.SNAPSHOT]
-    # the model's, not the graph's: the length it holds, and a snapshot's blob (session operations)
-    assert [t.name for t in config.output] == [names.OUTPUT, names.HELD_LENGTH, names.SNAPSHOT]
+    # the model's, not the graph's: the length it holds, and a snapshot's blob (session operations);
+    # the attention maps of the `attention_maps` operation, from the inspection graph
+    maps = names.attention_map_names(ModelConfig.load(repo / MHA_SESSION / repository.VERSION).n_layers)
+    assert [t.name for t in config.output] == [names.OUTPUT, names.HELD_LENGTH, names.SNAPSHOT, *maps]
+    assert_fits(config.output[3:], graph_io(repo / MHA_SESSION / "1" / model_filename_of(config)), True)
     assert list(config.output[1].dims) == [1]
     assert [t.allow_ragged_batch for t in config.input] == [True, True, False]
     assert [t.optional for t in config.input] == [False, True, True]

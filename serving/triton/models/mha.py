@@ -2,12 +2,17 @@
 the answer is the output and the presents (docs/design.md, "Contracts"). Each request is checked on
 its own (shapes, dtypes, finite values, a mask of 0 and 1, past + new within max_seq_len, batch x new
 within the repository's `max_request_tokens`) and a bad one gets its own INVALID_ARG answer naming
-the input; execute() never raises."""
+the input; execute() never raises. A request with the parameter `attention_maps` = true is answered
+by the inspection graph on the CPU (serving/engine/runner.py `InspectionRunner`, opened at the first
+such request): the output, the presents and each layer's attention weights `attention.{i}`."""
 
 from __future__ import annotations
 
+import json
+
 import triton_python_backend_utils as pb_utils
 
+from contract import names
 from contract.inputs import (
     check_finite,
     check_inputs,
@@ -16,6 +21,7 @@ from contract.inputs import (
     check_positions,
     check_request_tokens,
 )
+from serving.engine.errors import InvalidRequest
 from serving.triton import config as triton_config
 from serving.triton import engines
 from serving.triton.models import common
@@ -27,6 +33,7 @@ class TritonPythonModel:
         self.runner = engines.stateless_runner(
             self.model.version, self.model.cfg, self.model.parameters, self.model.name
         )
+        self.inspection = engines.inspection_runner(self.model.version, self.model.cfg, self.model.parameters)
         tokens = self.model.parameters.get(triton_config.P_MAX_REQUEST_TOKENS, self.model.cfg.max_seq_len)
         self.max_request_tokens = int(tokens)
         pb_utils.Logger.log_info(
@@ -45,6 +52,15 @@ class TritonPythonModel:
             check_request_tokens(batch, new, self.max_request_tokens)
             check_finite(arrays)
             check_mask_values(arrays)
-            return common.response(self.runner.run_arrays(arrays))
+            runner = self.inspection if _asks_for_maps(request) else self.runner
+            return common.response(runner.run_arrays(arrays))
         except Exception as error:  # answered, never raised: the server keeps serving
             return common.error_response(self.model.name, error)
+
+
+def _asks_for_maps(request) -> bool:
+    """Whether the request's parameter `attention_maps` is true (absent: false)."""
+    asked = json.loads(request.parameters() or "{}").get(names.ATTENTION_MAPS, False)
+    if not isinstance(asked, bool):
+        raise InvalidRequest(f"parameter '{names.ATTENTION_MAPS}': expected true or false, got {asked!r}")
+    return asked

@@ -65,16 +65,14 @@ class TritonPythonModel:
     def _operate(self, step: StepRequest, operation: dict):
         """A session operation (names.OPERATIONS) on the request's sequence: its answer, or its error."""
         try:
-            blob = operations.run(self.engine, step, operation)
+            answered = operations.run(self.engine, step, operation)
         except Exception as error:  # the request's own answer; the others go on
             return common.error_response(self.model.name, error)
         outputs = {
             names.OUTPUT: np.zeros((1, 0, self.model.cfg.d_model), np.float32),
             names.HELD_LENGTH: self._held(step.sequence_id),
         }
-        if blob is not None:
-            outputs[names.SNAPSHOT] = np.array([[blob]], dtype=np.object_)
-        return common.response(outputs)
+        return common.response(outputs | answered)
 
     def _publish(self, every_value: bool = True) -> None:
         """Gauges to Triton. After a request only what START and END change (each update is a round

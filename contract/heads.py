@@ -1,8 +1,8 @@
 """What each attention head does, read off its weights: the four numbers the teaching texts read off
 their heatmaps (a local head, a positional one, one that rests on the first token, a long-range one),
 computed here once so that the CLI (`python -m export inspect`) and, later, a server report the same
-numbers. numpy only and nothing of the export's, so the module can move to a room a server imports
-as it is.
+numbers. numpy only: it lives in `contract/`, the room every other room (the gateway, the client)
+may import.
 
 Per layer and head, from the weights (B, n_heads, T, P+T) of one call and its attention mask (B, P+T):
 

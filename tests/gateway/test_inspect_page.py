@@ -1,0 +1,120 @@
+"""The /inspect page in a real headless Chromium (tests/fixtures/browser.py) in front of the real
+gateway and Triton: random tokens from a seed are inspected, the drawn heatmaps agree with
+`POST /v1/inspect` for the same hidden states (a hovered cell's tooltip, a cell's pixel against the
+page's own color scale), the statistics are tabled, a malformed input shows the error and the page
+still works after it. A screenshot of the page is kept in docs/images/inspect-page.png (the README's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.conftest import KEYS
+
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "inspect-page.png"
+WAIT_S = 60
+
+
+def fill(browser, element_id: str, text: str) -> None:
+    element = browser.find_element("id", element_id)
+    element.clear()
+    element.send_keys(text)
+
+
+def inspect(browser) -> None:
+    browser.find_element("id", "inspect").click()
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, WAIT_S).until(
+        lambda d: d.find_element("tag name", "body").get_attribute("data-state") in ("done", "error")
+    )
+
+
+@pytest.fixture(scope="module")
+def page(browser, gateway):
+    browser.get(f"{gateway.url}/inspect")
+    return browser
+
+
+def test_the_page_draws_the_apis_maps_and_survives_a_bad_input(page, api, served_cfg):
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    fill(page, "key", KEYS[0])
+    fill(page, "tokens", "8")
+    fill(page, "seed", "7")
+    inspect(page)
+    assert page.find_element("id", "error").get_attribute("hidden"), page.find_element("id", "error").text
+    sent = page.execute_script("return window.lastRequest")
+    assert len(sent["hidden_states"]) == 8 and len(sent["hidden_states"][0]) == served_cfg.d_model
+    answer = api.post("/v1/inspect", json=sent).json()  # the same hidden states, from Python
+    canvases = page.find_elements("css selector", "#maps canvas[data-layer][data-head]")
+    assert len(canvases) == served_cfg.n_layers * served_cfg.n_heads == answer["layers"] * answer["heads"]
+
+    layer, head, query, key = served_cfg.n_layers - 1, served_cfg.n_heads // 2, 6, 3
+    canvas = page.find_element("css selector", f'#maps canvas[data-layer="{layer}"][data-head="{head}"]')
+    cell = int(canvas.get_attribute("data-cell"))
+    weight = answer["maps"][layer][head][query][key]
+    width, height = canvas.size["width"], canvas.size["height"]
+    x, y = key * cell + cell // 2, query * cell + cell // 2
+    ActionChains(page).move_to_element_with_offset(canvas, x - width // 2, y - height // 2).perform()
+    tooltip = page.find_element("id", "tooltip")
+    assert tooltip.is_displayed()
+    assert tooltip.text == f"layer {layer}, head {head}, query {query}, key {key}: weight {weight:.4f}", tooltip.text
+
+    drawn = page.execute_script(
+        "const [c, x, y] = arguments; return Array.from(c.getContext('2d').getImageData(x, y, 1, 1).data)",
+        canvas,
+        x,
+        y,
+    )
+    expected = page.execute_script("return window.inspectColor(arguments[0])", weight)
+    assert drawn[:3] == expected and drawn[3] == 255, (drawn, expected, weight)
+    top = max(w for maps in answer["maps"] for rows in maps for row in rows for w in row)
+    assert page.find_element("id", "legend-high").text == f"{top:.4f}"  # the scale the API's numbers set
+
+    rows = page.find_elements("css selector", "#stats tr")
+    assert len(rows) == 1 + served_cfg.n_layers * served_cfg.n_heads
+    first = answer["statistics"][0]["heads"][0]
+    cells = [td.text for td in rows[1].find_elements("tag name", "td")]
+    assert cells[:3] == ["0", "0", f"{first['entropy']:.3f}"], cells
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    page.execute_script("window.scrollTo(0, 0)")  # the whole page from its top, the tooltip still shown
+    page.save_screenshot(str(SCREENSHOT))
+
+    fill(page, "hidden", "[[1.0, 2.0")  # malformed JSON pasted
+    inspect(page)
+    error = page.find_element("id", "error")
+    assert error.is_displayed() and "hidden states: not valid JSON" in error.text, error.text
+
+    fill(page, "hidden", "[[1.0, 2.0]]")  # JSON, but not the model's width: the API's own message
+    inspect(page)
+    assert "invalid_input" in error.text and "hidden_states" in error.text, error.text
+
+    page.find_element("id", "hidden").clear()  # and the page still works
+    fill(page, "seed", "8")
+    inspect(page)
+    assert not error.is_displayed()
+    assert len(page.find_elements("css selector", "#maps canvas[data-layer][data-head]")) == len(canvases)
+
+
+def test_a_missing_key_is_said_on_the_page(page):
+    fill(page, "key", "")
+    page.find_element("id", "hidden").clear()
+    inspect(page)
+    error = page.find_element("id", "error")
+    assert error.is_displayed() and "401 unauthorized" in error.text and "API key is required" in error.text, error.text
+
+
+def test_the_page_loads_nothing_from_outside_the_gateway():
+    static = Path(__file__).resolve().parents[2] / "serving" / "gateway" / "static"
+    for file in static.iterdir():
+        text = file.read_text()
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text, file.name
+
+
+def test_a_host_without_the_browser_is_told_what_is_missing(monkeypatch, tmp_path):
+    from tests.fixtures import browser
+
+    monkeypatch.setattr(browser, "CHROMEDRIVER", tmp_path / "chromedriver")
+    assert browser.missing() == [f"{tmp_path / 'chromedriver'} (Debian's chromedriver)"]

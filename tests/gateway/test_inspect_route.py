@@ -1,0 +1,111 @@
+"""`POST /v1/inspect` over real HTTP in front of the real Triton: the maps are the client library's for
+the same input (stateless and a session's next step), the statistics come with them, a session is left
+as it was, bad bodies get 4xx naming the field, and the route wants a key like the others."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from client import Client
+from contract.heads import STATISTICS
+from tests.gateway.conftest import b64_tensor, from_b64
+
+
+@pytest.fixture(scope="module")
+def direct(triton):
+    with Client(triton.grpc_url) as client:
+        yield client
+
+
+def tokens(served_cfg, count: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((count, served_cfg.d_model)).astype(np.float32)
+
+
+def test_stateless_maps_are_the_client_librarys_with_statistics(api, direct, served_cfg):
+    hidden = tokens(served_cfg, 6, 0)
+    mask = np.array([0, 1, 1, 1, 1, 1], np.int64)
+    expected = direct.infer(hidden[None], mask[None], attention_maps=True).attention_maps
+    for body, encoding in (
+        ({"hidden_states": hidden.tolist(), "attention_mask": mask.tolist()}, "json"),
+        ({"hidden_states": b64_tensor(hidden[None]), "attention_mask": b64_tensor(mask[None])}, "b64"),
+    ):
+        answer = api.post(f"/v1/inspect?encoding={encoding}", json=body)
+        assert answer.status_code == 200, answer.text
+        got = answer.json()
+        sizes = (got["layers"], got["heads"], got["queries"], got["keys"])
+        assert sizes == (served_cfg.n_layers, served_cfg.n_heads, 6, 6)
+        decode = from_b64 if encoding == "b64" else (lambda m: np.asarray(m, np.float32))
+        for layer, weights in enumerate(got["maps"]):
+            np.testing.assert_array_equal(decode(weights)[:, 1:], expected[layer][0][:, 1:])  # query 0 is padding
+        stats = got["statistics"]
+        assert [s["layer"] for s in stats] == list(range(served_cfg.n_layers))
+        assert all(len(s["heads"]) == served_cfg.n_heads and s["queries"] == 4 for s in stats)  # real with a choice
+        assert all(isinstance(h[name], float) for s in stats for h in s["heads"] for name in STATISTICS)
+
+
+def test_a_sessions_next_step_is_inspected_and_the_session_is_unchanged(api, served_cfg):
+    created = api.post("/v1/sessions")
+    assert created.status_code == 201, created.text
+    session = created.json()["id"]
+    try:
+        step = api.post(f"/v1/sessions/{session}/step", json={"hidden_states": [tokens(served_cfg, 5, 1).tolist()]})
+        assert step.json()["length"] == 5
+        new = tokens(served_cfg, 3, 2)
+        answer = api.post("/v1/inspect", json={"session": session, "hidden_states": new.tolist()})
+        assert answer.status_code == 200, answer.text
+        got = answer.json()
+        assert (got["queries"], got["keys"]) == (3, 8)
+        maps = np.asarray(got["maps"])
+        np.testing.assert_allclose(maps.sum(-1), 1.0, atol=1e-5)
+        assert np.all(maps[..., 0, 6:] == 0)  # the first new query sees no later key
+        again = api.post("/v1/inspect", json={"session": session, "hidden_states": new.tolist()}).json()
+        np.testing.assert_array_equal(np.asarray(again["maps"]), maps)  # nothing was taken
+        after = api.post(f"/v1/sessions/{session}/step", json={"hidden_states": [new.tolist()]})
+        assert after.json()["length"] == 8  # the inspection added nothing
+    finally:
+        api.delete(f"/v1/sessions/{session}")
+
+
+WIDE = "WIDE"  # stands for zeros of (2, d_model) in the bodies below
+BAD_BODIES = [
+    (b"{not json", 422, ["body: not valid JSON"]),
+    ({"hidden_states": "ONE_TOO_WIDE"}, 400, ["input 'hidden_states'", "expected shape", "got [1, 2, D+1]"]),
+    ({"hidden_states": [[[[0.0]]]]}, 400, ["input 'hidden_states'", "expected one sequence", "got shape [1, 1, 1, 1]"]),
+    ({"hidden_states": [[float("1e39")] * 4]}, 400, ["input 'hidden_states'"]),
+    ({"tokens": 3}, 422, ["body.hidden_states", "body.tokens"]),
+    ({"hidden_states": "zeros"}, 422, ["body.hidden_states"]),
+    ({"hidden_states": None, "session": "x"}, 422, ["body.hidden_states"]),
+    ({"hidden_states": WIDE, "attention_mask": [1, 1], "session": "x"}, 422, ["attention_mask", "session"]),
+    ({"hidden_states": WIDE, "attention_mask": [1, 2]}, 400, ["attention_mask"]),
+    ({"hidden_states": WIDE, "session": "no-such-session"}, 404, ["session"]),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "words"), BAD_BODIES)
+def test_bad_bodies_get_4xx_naming_the_field(api, served_cfg, body, status, words):
+    d = served_cfg.d_model
+    if isinstance(body, dict):
+        given = {"WIDE": np.zeros((2, d)).tolist(), "ONE_TOO_WIDE": np.zeros((2, d + 1)).tolist()}
+        body = {key: given.get(value, value) if isinstance(value, str) else value for key, value in body.items()}
+    sent = api.post("/v1/inspect", content=body) if isinstance(body, bytes) else api.post("/v1/inspect", json=body)
+    assert sent.status_code == status, sent.text
+    message = sent.json()["error"]["message"]
+    assert all(word.replace("D+1", str(d + 1)) in message for word in words), message
+
+
+def test_the_route_wants_a_key_like_the_others(gateway, served_cfg):
+    body = {"hidden_states": np.zeros((2, served_cfg.d_model)).tolist()}
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        refused = httpx.post(f"{gateway.url}/v1/inspect", json=body, headers=headers, timeout=30)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+    allowed = httpx.post(f"{gateway.url}/v1/inspect", json=body, headers={"X-API-Key": "key-two"}, timeout=30)
+    assert allowed.status_code == 200, allowed.text
+
+
+def test_the_route_is_in_the_openapi_document(api):
+    document = api.get("/openapi.json").json()
+    operation = document["paths"]["/v1/inspect"]["post"]
+    assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/InspectRequest")
+    assert "InspectRequest" in document["components"]["schemas"] and operation["security"]

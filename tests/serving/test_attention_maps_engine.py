@@ -1,0 +1,90 @@
+"""The attention maps of a session in process (serving/engine/static_engine.py `attention_maps`, the
+inspection graph behind serving/engine/runner.py `InspectionRunner`): equal to the PyTorch original's
+over the session's held tokens and the new ones (a rotary model's new tokens at the positions after
+what it holds), the session untouched; the clear refusals: no inspection graph, a quantized cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from contract import names
+from contract.config import ModelConfig
+from contract.files import model_filename
+from export import forms
+from export.artifacts import load_model, save_artifact
+from export.build import attention_maps_runner
+from export.inspect_form import make_inspection_graph
+from export.model import AttentionModel
+from serving.engine import errors
+from serving.engine.kv_pool import KVPool
+from serving.engine.ort import ort_session
+from serving.engine.runner import InspectionRunner
+from serving.engine.static_engine import StaticSessionEngine
+from serving.engine.steps import StepRequest
+from tests.conftest import TEST_CONFIGS
+
+
+@pytest.fixture(scope="module")
+def rotary_graphs(tmp_path_factory):
+    """The rotary test model's static and inspection graphs, made without the build's parity ladder
+    (the build checks both; the whole rotary artifact costs minutes here)."""
+    directory = tmp_path_factory.mktemp("rotary-graphs")
+    model = AttentionModel(TEST_CONFIGS["rotary"], seed=0).eval()
+    save_artifact(model, directory)
+    forms.make_fp32_static(model, directory / model_filename("fp32-static"))
+    make_inspection_graph(model, directory / model_filename(names.INSPECTION_VARIANT))
+    return directory
+
+
+def new_engine(artifact: str, static: str = "fp32-static", inspection: bool = True) -> StaticSessionEngine:
+    cfg = ModelConfig.load(artifact)
+    pool = KVPool(ort_session(artifact / model_filename(static)), cfg, rows=2, capacity=128)
+    graph = artifact / model_filename(names.INSPECTION_VARIANT) if inspection else None
+    return StaticSessionEngine(pool, idle_timeout=60.0, inspection=InspectionRunner(graph, cfg))
+
+
+def step(engine: StaticSessionEngine, tokens: np.ndarray, start: bool = False) -> np.ndarray:
+    (result,) = engine.execute([StepRequest(7, start=start, end=False, hidden=tokens)])
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+@pytest.mark.parametrize("artifact", ["gqa", "rotary"])
+def test_a_sessions_maps_are_the_originals_over_what_it_holds_and_change_nothing(artifact_dir, rotary_graphs, artifact):
+    directory = rotary_graphs if artifact == "rotary" else artifact_dir(artifact)
+    engine, model = new_engine(directory), load_model(directory)
+    rng = np.random.default_rng(0)
+    prompt, asked, after = (rng.standard_normal((1, t, model.cfg.d_model)).astype(np.float32) for t in (6, 3, 1))
+    step(engine, prompt, start=True)
+    answer = engine.attention_maps(7, asked[0])
+    assert engine.length(7) == 6  # the asked tokens were not kept
+    expected = attention_maps_runner(model)({names.HIDDEN_STATES: np.concatenate([prompt, asked], axis=1)})
+    np.testing.assert_allclose(answer[names.OUTPUT], expected[names.OUTPUT][:, -3:], rtol=0, atol=1e-5)
+    for name in names.attention_map_names(model.cfg.n_layers):
+        assert answer[name].shape == (1, model.cfg.n_heads, 3, 9)
+        np.testing.assert_allclose(answer[name], expected[name][:, :, -3:], rtol=0, atol=1e-5)
+    full = attention_maps_runner(model)({names.HIDDEN_STATES: np.concatenate([prompt, after], axis=1)})
+    np.testing.assert_allclose(step(engine, after), full[names.OUTPUT][:, -1:], rtol=0, atol=1e-5)
+
+
+def test_without_the_inspection_graph_a_request_for_maps_is_refused_naming_it(artifact_dir):
+    engine = new_engine(artifact_dir("gqa"), inspection=False)
+    step(engine, np.ones((1, 2, engine.cfg.d_model), np.float32), start=True)
+    with pytest.raises(errors.InvalidRequest, match="need the inspection graph fp32-fused-inspect") as refused:
+        engine.attention_maps(7, np.ones((1, engine.cfg.d_model), np.float32))
+    assert refused.value.code == "INVALID_ARG" and engine.length(7) == 2
+
+
+def test_a_quantized_cache_is_refused_with_its_dtype(artifact_dir):
+    engine = new_engine(artifact_dir("gqa"), static="fp32-static-int8kv")
+    step(engine, np.ones((1, 2, engine.cfg.d_model), np.float32), start=True)
+    with pytest.raises(errors.InvalidRequest, match="need an fp32 cache; this deployment's is int8"):
+        engine.attention_maps(7, np.ones((1, engine.cfg.d_model), np.float32))
+
+
+def test_an_unknown_session_is_refused_as_a_step_is(artifact_dir):
+    engine = new_engine(artifact_dir("gqa"))
+    with pytest.raises(errors.UnknownSequence):
+        engine.attention_maps(99, np.ones((1, engine.cfg.d_model), np.float32))
