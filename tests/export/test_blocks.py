@@ -9,7 +9,7 @@ from export.build import DEFAULT_VARIANTS, build
 from export.progress import Progress
 from serving.triton import repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION
-from tests.serving.test_triton_config import assert_fits, graph_io, loaded_onnx, read_config
+from tests.serving.test_triton_config import assert_fits, graph_io, loaded_onnx, model_filename_of, read_config
 
 pytestmark = pytest.mark.slow  # a whole build with its parity ladder per block
 
@@ -44,11 +44,18 @@ def test_the_repository_fits_every_block(built, tmp_path):
     _, out, _ = built
     repo = repository.write_repository(out, tmp_path / "repo")
     assert repository.is_complete(repo)
+    map_names = names.attention_map_names(ModelConfig.load(out).n_layers)
     for model in (MHA, MHA_ONNX):
         config = read_config(repo, model)
-        assert_fits([*config.input, *config.output], graph_io(loaded_onnx(repo, config)), batch_axis_added=False)
+        maps = [t for t in config.output if t.name in map_names]  # the inspection graph's, when asked
+        served = [t for t in [*config.input, *config.output] if t not in maps]
+        assert_fits(served, graph_io(loaded_onnx(repo, config)), batch_axis_added=False)
+        if maps:
+            inspection = graph_io(repo / model / repository.VERSION / model_filename_of(config))
+            assert_fits([*config.input, *config.output], inspection, batch_axis_added=False)
     session = read_config(repo, MHA_SESSION)  # the static engine: new tokens in, lengths instead of the mask
     graph = graph_io(loaded_onnx(repo, session))
-    # held_length and a snapshot's blob are the model's, not the graph's
-    graph_outputs = [t for t in session.output if t.name not in (names.HELD_LENGTH, names.SNAPSHOT)]
+    # held_length and a snapshot's blob are the model's, not the graph's; the maps the inspection graph's
+    model_only = (names.HELD_LENGTH, names.SNAPSHOT)
+    graph_outputs = [t for t in session.output if t.name not in (*model_only, *map_names)]
     assert_fits([session.input[0], *graph_outputs], graph, batch_axis_added=True)
