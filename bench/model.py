@@ -100,10 +100,15 @@ Prepare = Callable[[Shape], Step]
 def torch_candidate(directory: Path, threads: int) -> Prepare:
     import torch
 
-    from export.model import KVCache
-
     torch.set_num_threads(threads)
-    model = artifacts.load_model(directory)
+    return module_steps(artifacts.load_model(directory))
+
+
+def module_steps(model) -> Prepare:
+    """A module of the AttentionModel's signature (the original, or a quantized copy) called eagerly."""
+    import torch
+
+    from export.model import KVCache
 
     def prepare(shape: Shape) -> Step:
         inputs = stateless_inputs(model.cfg, shape, np.float32)
@@ -525,7 +530,7 @@ def benchmark(
     }
     results = {
         # other work on the machine during the run shows as a load average above ~0.5 before it
-        "machine": {**_machine(threads), "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
+        "machine": {**machine(threads), "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
         "bandwidth": bandwidth,
         "quick": quick,
         "presets": presets_out,
@@ -536,7 +541,8 @@ def benchmark(
     return results
 
 
-def _machine(threads: int) -> dict:
+def machine(threads: int) -> dict:
+    """The CPU, its cores, the threads used and the two runtimes' versions (a bench result says where it ran)."""
     import onnxruntime
     import torch
 

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import io
 import os
-import platform
 import time
 import warnings
 from collections.abc import Callable
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
-from bench.model import Shape, stateless_inputs
+from bench.model import Shape, machine, module_steps, stateless_inputs
 from bench.plot import save
 from bench.timing import SETTLE_S, Budget, Timing, measure
 from contract import files, names
@@ -73,27 +72,9 @@ def shapes(prefill: int, pasts: list[int]) -> list[Shape]:
 
 def torch_candidate(model) -> Candidate:
     """A PyTorch module of the AttentionModel's signature (the original or its quantized copy)."""
-    import torch
-
-    from export.model import KVCache
     from export.runners import torch_runner
 
-    def step(shape: Shape) -> Step:
-        tensors = {n: torch.from_numpy(a) for n, a in stateless_inputs(model.cfg, shape, np.float32).items()}
-        past = [
-            KVCache(tensors[names.past_name(i, names.KEY)], tensors[names.past_name(i, names.VALUE)])
-            for i in range(model.cfg.n_layers)
-        ]
-
-        positions = tensors.get(names.POSITION_IDS)  # a rotary model's, given as a caller would
-
-        def call():
-            with torch.inference_mode():
-                return model(tensors[names.HIDDEN_STATES], tensors[names.ATTENTION_MASK], past, position_ids=positions)
-
-        return call
-
-    return Candidate(step, torch_runner(model))
+    return Candidate(module_steps(model), torch_runner(model))
 
 
 def torch_int8(model):
@@ -196,7 +177,7 @@ def benchmark(root: Path, preset_name: str, grid: list[Shape], rounds: int, seco
     return {
         "preset": preset_name,
         "config": cfg.to_dict(),
-        "machine": {**_machine(threads), "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
+        "machine": {**machine(threads), "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
         "rounds": rounds,
         "seconds_per_round": seconds,
         "candidates": list(CANDIDATES),
@@ -224,19 +205,6 @@ def _row(shape: Shape, measured: dict, errors_at: dict) -> dict:
             "int8w_vs_torch_int8": medians[TORCH_INT8] / medians[INT8W],
             "torch_int8_vs_torch": medians[TORCH] / medians[TORCH_INT8],
         },
-    }
-
-
-def _machine(threads: int) -> dict:
-    import onnxruntime
-    import torch
-
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "onnxruntime": onnxruntime.__version__,
     }
 
 
