@@ -151,6 +151,15 @@ def check_mask_values(tensors: Mapping[str, Any]) -> None:
         )
 
 
+def real_tokens(hidden: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """The tokens of one sequence's step (1, T, d) that its mask (1, T) marks real, (1, T_real, d): what a
+    session keeps of a step (its padded tokens never enter the cache). The one place padding is dropped."""
+    if mask is None:
+        return hidden
+    keep = np.asarray(mask)[0].astype(bool)
+    return hidden if keep.all() else hidden[:, keep]
+
+
 def _all_finite(array: Any) -> bool:
     # a sum is finite iff every term is, unless finite terms overflow it: only then look at each value
     # (the sum reads the array once and allocates nothing; a 16 MiB past takes about a millisecond)

@@ -22,6 +22,7 @@ import numpy as np
 
 from serving.engine import errors
 from serving.engine.sequences import LiveSequences, SequenceId
+from serving.engine.steps import CacheStats
 
 
 @dataclasses.dataclass
@@ -34,16 +35,6 @@ class SequenceCache:
     @property
     def length(self) -> int:
         return int(self.mask.shape[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheStats:
-    sequences: int
-    held_bytes: int  # what the caches hold now
-    reserved_bytes: int  # what the budget counts: one reservation per live sequence
-    budget_bytes: int
-    evictions: int
-    allocated_bytes: int  # of the budget, what memory is taken now (static: its open slabs)
 
 
 class KVCacheStore:

@@ -267,8 +267,8 @@ class _RowCopy:
         import onnxruntime as ort
         from onnx import helper
 
+        from serving.engine.kernels import kernel_model
         from serving.engine.ort import session_options
-        from serving.engine.runner import _kernel_model
 
         self.pool = pool
         element = helper.np_dtype_to_tensor_dtype(np.dtype(pool.cache_dtype))
@@ -290,8 +290,8 @@ class _RowCopy:
         def open_graph(model):
             return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
 
-        self.copy = open_graph(_kernel_model(copy, inputs, outputs))
-        self.cut = open_graph(_kernel_model(cut, [*inputs, *bounds], used, [axis]))
+        self.copy = open_graph(kernel_model(copy, inputs, outputs))
+        self.cut = open_graph(kernel_model(cut, [*inputs, *bounds], used, [axis]))
 
     def _bind(self, binding, prefix: str, row: int) -> None:
         pool, shape = self.pool, (1, *self.pool.row_shape)

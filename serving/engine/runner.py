@@ -25,6 +25,7 @@ from contract.config import ModelConfig
 from contract.inputs import default_positions, with_defaults
 from serving.engine import tensorrt
 from serving.engine.errors import InvalidRequest
+from serving.engine.kernels import kernel_model
 from serving.engine.ort import (
     CPU,
     CPU_PROVIDER,
@@ -38,9 +39,6 @@ from serving.engine.ort import (
 from serving.engine.placement import Placement, choose_placement, open_session
 
 log = logging.getLogger(__name__)
-
-KERNEL_OPSET = 18
-
 
 # A run this many tokens long gives the arena's memory back after it: its attention scores grow
 # with tokens x length (measured on the seed model: a 4,096-token request left the stateless stub
@@ -296,15 +294,6 @@ def _cache_info(name: str, cfg: ModelConfig, batch: int | str, length: str):
     return helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, cfg.n_kv_heads, length, cfg.head_dim])
 
 
-def _kernel_model(nodes, inputs, outputs, initializers=()):
-    from onnx import helper
-
-    graph = helper.make_graph(nodes, "cache_kernel", inputs, outputs, initializer=list(initializers))
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", KERNEL_OPSET)])
-    model.ir_version = 10  # what ONNX Runtime 1.31 loads (measured)
-    return model
-
-
 def _stack_graph(cfg: ModelConfig, tensor_names: list[str], batch: int, unpadded: int):
     from onnx import TensorProto, helper
 
@@ -320,7 +309,7 @@ def _stack_graph(cfg: ModelConfig, tensor_names: list[str], batch: int, unpadded
                 nodes.append(helper.make_node("Pad", [f"{name}.{r}", f"pads.{r}"], [pieces[-1]]))
         nodes.append(helper.make_node("Concat", pieces, [name], axis=0))
         outputs.append(_cache_info(name, cfg, batch, "max_past"))
-    return _kernel_model(nodes, inputs, outputs)
+    return kernel_model(nodes, inputs, outputs)
 
 
 def _split_graph(cfg: ModelConfig, tensor_names: list[str], batch: int):
@@ -336,4 +325,4 @@ def _split_graph(cfg: ModelConfig, tensor_names: list[str], batch: int):
         for name in tensor_names:
             nodes.append(helper.make_node("Slice", [name, f"starts.{r}", f"ends.{r}", "axes"], [f"{name}.{r}"]))
             outputs.append(_cache_info(f"{name}.{r}", cfg, 1, f"length_{r}"))
-    return _kernel_model(nodes, inputs, outputs, [axes])
+    return kernel_model(nodes, inputs, outputs, [axes])

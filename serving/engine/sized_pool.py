@@ -31,10 +31,8 @@ import numpy as np
 
 from contract.config import ModelConfig
 from serving.engine.kv_pool import KVPool
+from serving.engine.settings import MIN_ROW_POSITIONS
 
-# The smallest row: a session's first rows are this many positions (a 2-layer, 8-head fp32 model at
-# head_dim 64: 2 MiB). Smaller rows would move short sessions more often for little gain.
-MIN_ROW_POSITIONS = 256
 # A slab holds 1 to 4 rows of the largest size, as many as a sixteenth of the budget holds (and as
 # many bytes of rows of a smaller one). Larger slabs step more sessions in one graph run; smaller ones
 # waste less: a slab is given back only when its last row is, so a size's last open slab can stand

@@ -25,12 +25,11 @@ import numpy as np
 
 from contract import names
 from serving.engine import errors, snapshots
-from serving.engine.kv_cache import CacheStats
 from serving.engine.kv_pool import KVPool
 from serving.engine.runner import InspectionRunner
 from serving.engine.sequences import LiveSequences, SequenceId
 from serving.engine.sized_pool import RowsFull, SizedPool
-from serving.engine.steps import StepEngine, StepRequest, check_step
+from serving.engine.steps import CacheStats, StepEngine, StepRequest, check_step
 
 FP32_CACHE = "float32"  # the cache kind the inspection graph's past takes as it is
 

@@ -14,7 +14,7 @@ import abc
 import dataclasses
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -33,6 +33,40 @@ class StepRequest:
     end: bool
     hidden: np.ndarray | None  # (1, T, d_model) float32; T may be 0 only with `start` or `end`
     mask: np.ndarray | None = None  # (1, T) int64; all ones when left out
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStats:
+    sequences: int
+    held_bytes: int  # what the caches hold now
+    reserved_bytes: int  # what the budget counts: one reservation per live sequence
+    budget_bytes: int
+    evictions: int
+    allocated_bytes: int  # of the budget, what memory is taken now (static: its open slabs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Operation:
+    """A session operation (contract.names.OPERATIONS): the engine method that does it, and how a
+    request asking for it is sent (its START and END flags, whether it carries tokens)."""
+
+    method: str
+    start: bool
+    end: bool
+    tokens: bool
+
+
+# Every session operation an engine may offer; an engine lists the ones it offers in `OPERATIONS`
+SESSION_OPERATIONS = {
+    names.SNAPSHOT_OPERATION: Operation("snapshot", start=False, end=False, tokens=False),
+    names.RESTORE: Operation("restore", start=True, end=False, tokens=False),
+    names.FORK: Operation("fork", start=True, end=False, tokens=False),
+    names.REWIND: Operation("rewind", start=False, end=False, tokens=False),
+    names.PUT_PREFIX: Operation("put_prefix", start=True, end=True, tokens=True),
+    names.FROM_PREFIX: Operation("start_from_prefix", start=True, end=False, tokens=False),
+    names.DELETE_PREFIX: Operation("delete_prefix", start=True, end=True, tokens=False),
+    names.ATTENTION_MAPS_OPERATION: Operation("attention_maps", start=False, end=False, tokens=True),
+}
 
 
 Result = np.ndarray | Exception  # the output (1, T, d_model), or what to answer instead
@@ -67,6 +101,12 @@ class StepEngine(abc.ABC):
     happened to its request (Triton has ended it either way)."""
 
     cfg: ModelConfig
+    # the session operations this engine offers (names of SESSION_OPERATIONS); Triton's dispatch reads them
+    OPERATIONS: ClassVar[tuple[str, ...]] = ()
+
+    def operations(self) -> dict[str, Operation]:
+        """The session operations this engine offers, by name."""
+        return {name: SESSION_OPERATIONS[name] for name in self.OPERATIONS}
 
     def execute(self, requests: Sequence[StepRequest]) -> list[Result]:
         results: list[Result | None] = [None] * len(requests)
