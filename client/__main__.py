@@ -12,6 +12,7 @@ from client import _wire
 from client.bench import MODES, random_hidden, run_bench
 from client.errors import ClientError
 from client.sync import Client
+from contract import names
 from contract.arguments import DefaultsHelp
 
 MAX_STEPS = 10_000
@@ -35,8 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help="host:port (default 127.0.0.1 and the protocol's port: gRPC 8001, HTTP 8000)")
     common.add_argument("--protocol", choices=_wire.PROTOCOLS, default="grpc", help="(default: %(default)s)")
-    common.add_argument("--model", default="mha", help="the stateless model")
-    common.add_argument("--session-model", default="mha_session", help="the stateful model")
+    common.add_argument("--model", default=names.MODEL, help="the stateless model")
+    common.add_argument("--session-model", default=names.SESSION_MODEL, help="the stateful model")
     seconds = _bounded(float, 0.001, 3600)
     common.add_argument("--timeout", type=seconds, default=30.0, help="seconds per call")
     retries = _bounded(int, 0, 20)

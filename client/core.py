@@ -65,8 +65,8 @@ class ClientCore:
         self,
         url: str = "127.0.0.1",  # the port defaults to the protocol's: gRPC 8001, HTTP 8000
         protocol: str = "grpc",
-        model: str = "mha",
-        session_model: str = "mha_session",
+        model: str = names.MODEL,
+        session_model: str = names.SESSION_MODEL,
         *,
         timeout: float = 30.0,
         retries: int = 3,

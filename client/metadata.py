@@ -86,7 +86,6 @@ def _tensors(entries) -> dict[str, TensorInfo]:
 
 
 # parameters of a served model's config that say what it is (serving/triton/config.py writes them)
-FACT_PREFIX = "model."
 SETTING_FACTS = ("max_request_tokens", "engine", "kv_cache_bytes", "idle_timeout_seconds")
 
 
@@ -96,8 +95,8 @@ def parse_facts(config: Mapping[str, Any]) -> dict[str, Any]:
     parameters = (config.get("config", config) or {}).get("parameters", {})
     facts = {}
     for key, value in parameters.items():
-        name = key.removeprefix(FACT_PREFIX)
-        if key.startswith(FACT_PREFIX) or key in SETTING_FACTS:
+        name = key.removeprefix(names.FACT_PREFIX)
+        if key.startswith(names.FACT_PREFIX) or key in SETTING_FACTS:
             text = value.get("string_value", "")
             facts[name] = _number(text)
     return facts

@@ -10,6 +10,13 @@ import dataclasses
 
 from contract.config import ModelConfig
 
+# The Triton models of a repository (docs/design.md, "Triton models"): the stateless one, the session
+# one, and the native onnxruntime one of GPU hosts. Every default that names a model names these.
+MODEL, SESSION_MODEL, ONNX_MODEL = "mha", "mha_session", "mha_onnx"
+# Triton config parameters that carry a model fact (`model.d_model`, ...): written by the config
+# generator, read by the client's metadata
+FACT_PREFIX = "model."
+
 HIDDEN_STATES = "hidden_states"
 ATTENTION_MASK = "attention_mask"
 # the new tokens' positions (B, T) int64, for models that rotate q and k by position (RoPE); optional

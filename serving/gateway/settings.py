@@ -13,6 +13,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from contract import names
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -27,8 +29,8 @@ class Settings(BaseSettings):
         default=None, description="a file with one API key per line (blank lines and # comments ignored)"
     )
     triton_url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC address, host:port")
-    model: str = Field(default="mha", description="the stateless Triton model")
-    session_model: str = Field(default="mha_session", description="the stateful (sequence batching) Triton model")
+    model: str = Field(default=names.MODEL, description="the stateless Triton model")
+    session_model: str = Field(default=names.SESSION_MODEL, description="the stateful (sequence batching) Triton model")
     host: str = Field(default=LOOPBACK, description="address to bind; loopback unless told")
     port: int = Field(default=8080, ge=0, le=65535, description="the HTTP port (0: one the system picks)")
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="larger request bodies get 413")

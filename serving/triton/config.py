@@ -37,7 +37,7 @@ from serving.engine.settings import (
     most_sequences,
 )
 
-MHA, MHA_SESSION, MHA_ONNX = "mha", "mha_session", "mha_onnx"
+MHA, MHA_SESSION, MHA_ONNX = names.MODEL, names.SESSION_MODEL, names.ONNX_MODEL
 MODELS = (MHA, MHA_SESSION, MHA_ONNX)
 PYTHON_MODELS = (MHA, MHA_SESSION)
 TRITON_CONFIG_FILENAME = "config.pbtxt"
@@ -64,7 +64,7 @@ P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one reque
 # The model's sizes and limits, published in both python models' configs so that any caller reads the
 # facts from Triton's model-config API (the session model's IO does not show its layers or cache)
 MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_seq_len")
-FACT_PREFIX = "model."
+FACT_PREFIX = names.FACT_PREFIX
 
 _FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
 
