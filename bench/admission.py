@@ -11,7 +11,8 @@ Writes `admission.json` and `admission.png` and prints a table.
 - the sessions opened before: a sample of them steps the same tokens afterwards; how many answer,
   and the largest difference from the stateless model's answer for those tokens (no past);
 - tritonserver's resident memory once ready, per slot setting, and for the slots the default 2 GiB
-  budget gets on the same model against 1,024 (what the slots cost Triton), the settings taking turns.
+  budget gets on the same model against 1,024 (what the slots cost Triton), the two servers of a
+  round started together.
 
 Conditions: the tiny model (max_seq_len 512) with a budget of `--rows` fp32 rows on the CPU, one
 Triton from the bundled binary on 127.0.0.1, ONNX Runtime on one thread; the blocking gRPC client
@@ -29,7 +30,7 @@ import numpy as np
 
 from bench import results as output
 from bench.plot import save
-from bench.serving import percentiles
+from bench.serving import percentiles, start_servers, stop_all
 from contract import files
 from contract.config import ModelConfig, preset
 
@@ -162,8 +163,7 @@ def run_setting(repository_dir: Path, attempts: int, timeout: float) -> dict:
 
 def slot_memory(source: Path, root: Path, rounds: int) -> dict:
     """tritonserver's resident memory once ready with the default budget's derived slots and with
-    1,024, the two taking turns `rounds` times."""
-    from serving.host.launcher import start_triton
+    1,024, `rounds` times: the two servers of a round start together (each process's own memory)."""
     from serving.triton.config import ServingSettings
 
     budget = ServingSettings().kv_cache_bytes
@@ -173,12 +173,12 @@ def slot_memory(source: Path, root: Path, rounds: int) -> dict:
     }
     samples: dict[str, list[float]] = {name: [] for name in repositories}
     for _ in range(rounds):
-        for name, where in repositories.items():
-            server = start_triton(where)
-            try:
+        servers = start_servers(list(repositories.values()))
+        try:
+            for name, server in zip(repositories, servers, strict=True):
                 samples[name].append(rss_mib(server))
-            finally:
-                server.stop()
+        finally:
+            stop_all(servers)
     return {
         "kv_cache_bytes": budget,
         "slots": {name: slots_of(where) for name, where in repositories.items()},

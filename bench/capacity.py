@@ -142,7 +142,7 @@ def decode_steps(
             for name, call in calls.items():
                 measure(call, Budget(seconds=seconds, min_runs=5), into=timings[name])
         floors = {
-            cache: served.pool.bytes_per_position * past / (bandwidth["gbps"] * 1e9) * 1e3
+            cache: served.cache.bytes_per_position * past / (bandwidth["gbps"] * 1e9) * 1e3
             for cache, served in engines.items()
         }
         results[str(past)] = {
@@ -190,7 +190,7 @@ def batch_throughput(directory: Path, caches: list[str], past: int, rounds: int,
         name: {
             **timings[name].to_dict(),
             "steps_per_s": BATCH / timings[name].median_ms * 1e3,
-            "slabs": s.pool.slab_count(),
+            "slabs": s.cache.slab_count(),
         }
         for name, s in engines.items()
     }

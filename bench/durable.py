@@ -45,7 +45,8 @@ def benchmark(
     from serving.triton.config import MHA_SESSION, ServingSettings
     from serving.triton.repository import write_repository
 
-    directory, cfg = _artifact(root, preset_name, past + rounds * steps + 1024)
+    # the timed steps, or the recovery's half interval, its normal step and its recovering one
+    directory, cfg = _artifact(root, preset_name, past + max(rounds * steps, every // 2 + 2))
     settings = ServingSettings(threads=threads, kv_cache_bytes=8 * cfg.kv_cache_bytes(1, cfg.max_seq_len))
     repository = write_repository(directory, root / "repository", settings, models=(MHA_SESSION,))
     server, redis = start_triton(repository), _redis(root)
@@ -69,13 +70,16 @@ def benchmark(
 
 
 def _artifact(root: Path, preset_name: str, positions: int):
-    """The preset's fp32-static graph, with a max_seq_len that holds `positions` (the past and the steps)."""
+    """The preset's fp32-static graph, with a max_seq_len that holds `positions` (the past and the
+    steps): the preset's when it does (an artifact of it under `root` is then reused as it is), else
+    1,024 more than they take."""
     from contract import files
     from contract.config import preset
     from export.build import build
 
     cfg = preset(preset_name)
-    cfg = dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, positions))
+    if positions >= cfg.max_seq_len:
+        cfg = dataclasses.replace(cfg, max_seq_len=positions + 1024)
     directory = root / f"artifact-{preset_name}-{cfg.max_seq_len}"
     if not (directory / files.model_filename(VARIANT)).is_file():
         build(cfg, directory)  # every variant: the drain's replicas serve both models, as python -m serving does

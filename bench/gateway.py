@@ -44,14 +44,15 @@ KEY = "bench-key"
 def prepare(root: Path, preset_name: str) -> Path:
     """The preset's repository under `root`, from its artifact there (built when missing or stale)."""
     from contract.config import ModelConfig, preset
+    from contract.deployment import ServingSettings
     from serving.triton.cli import export_to
-    from serving.triton.config import ServingSettings
     from serving.triton.repository import write_repository
 
     cfg, artifacts, settings = preset(preset_name), root / "artifacts", ServingSettings(threads=1)
     if (artifacts / files.MODEL_CONFIG_FILENAME).is_file() and ModelConfig.load(artifacts) == cfg:
         return write_repository(artifacts, root / "repository", settings)
-    return export_to(cfg, root / "repository", artifacts, settings)
+    export_to(cfg, root / "repository", artifacts, settings)
+    return root / "repository"
 
 
 @contextlib.contextmanager

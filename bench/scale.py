@@ -25,21 +25,18 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import gateway
 from bench import results as output
 from bench.plot import save
-from bench.serving import NOOP, percentiles, write_noop_model
+from bench.serving import NOOP, percentiles, start_servers, stop_all, write_noop_model
 
 MODES = ("envoy/mha_session", "direct/mha_session", "envoy/noop", "direct/noop")
 
 
 def prepare(root: Path, preset_name: str) -> Path:
-    """The preset's repository (reused when up to date) with the `noop` model beside it."""
-    from contract.config import preset
-    from serving.triton.cli import export_to
-    from serving.triton.config import ServingSettings
-
-    repository = root / "repository"
-    export_to(preset(preset_name), repository, root / "artifacts", ServingSettings(threads=1))
+    """The preset's repository (bench/gateway.py's: its artifact under `root` reused when it is the
+    preset's) with the `noop` model beside it."""
+    repository = gateway.prepare(root, preset_name)
     write_noop_model(repository)
     return repository
 
@@ -110,10 +107,8 @@ def spread(envoy_url: str, replicas: dict[str, int], count: int) -> dict:
 def benchmark(root: Path, preset_name: str, past: int, rounds: int, steps: int, sessions: int) -> dict:
     from client import Client
     from serving.host.envoy import Replica, start_envoy
-    from serving.host.launcher import start_triton
 
-    repository = prepare(root, preset_name)
-    servers = [start_triton(repository) for _ in range(3)]
+    servers = start_servers([prepare(root, preset_name)] * 3)
     try:
         envoy = start_envoy([Replica(s.host, s.ports["http"], s.ports["grpc"]) for s in servers])
         try:
@@ -134,8 +129,7 @@ def benchmark(root: Path, preset_name: str, past: int, rounds: int, steps: int, 
         finally:
             envoy.stop()
     finally:
-        for server in servers:
-            server.stop()
+        stop_all(servers)
 
 
 def table(results: dict) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -399,6 +400,27 @@ class TritonPythonModel:
 """
 
 
+def start_servers(repositories: list[Path]) -> list:
+    """A Triton on each repository, started at once (on 2 cores about half the wait of one after
+    another); if one fails, those that started are stopped again."""
+    from serving.host.launcher import start_triton
+
+    with concurrent.futures.ThreadPoolExecutor(len(repositories)) as pool:
+        starting = [pool.submit(start_triton, repository) for repository in repositories]
+    servers = [future.result() for future in starting if future.exception() is None]
+    failures = [future.exception() for future in starting if future.exception() is not None]
+    if failures:
+        stop_all(servers)
+        raise failures[0]
+    return servers
+
+
+def stop_all(servers: list) -> None:
+    """Every server stopped at once (a stop mostly waits for Triton to unload its models)."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, len(servers))) as pool:
+        list(pool.map(lambda server: server.stop(), servers))
+
+
 def benchmark(root: Path, plan: Plan, threads: int, deadline: Deadline, progress: Progress) -> dict:
     from serving.host.launcher import start_triton
 
@@ -406,7 +428,7 @@ def benchmark(root: Path, plan: Plan, threads: int, deadline: Deadline, progress
     repository = prepare(root, progress)
     engines = {engine: session_engine(repository, model, cfg) for engine, model in ENGINE_MODELS.items()}
     results = {"config": cfg.to_dict(), "plan": dataclasses.asdict(plan), "machine": _machine(threads)}
-    results["pool_bytes"] = engines["static"].pool.budget_bytes
+    results["pool_bytes"] = engines["static"].stats().budget_bytes
     results["weight_bytes"] = cfg.n_params() * 4
     with progress.stage("start Triton"):
         server = start_triton(repository, log_path=root / "triton.log")

@@ -7,10 +7,9 @@ Writes `sessions.json` and `sessions.png` and prints a table.
 - per length: the blob's bytes; the median and p90 of each operation; the floor (the session's
   used positions read once and written once, the blob's bytes twice, at the copy bandwidth
   measured in the same run); the ratios prefill / restore, snapshot / floor and restore / floor (a
-  restore writes the whole row, as kv_pool._RowCopy does: its distance from the floor at short
-  lengths is that).
+  restore on the CPU copies the used positions into the row, as kv_pool.py does).
 - Conditions: the preset's fp32-static graph on ONNX Runtime's CPU provider with `--threads`
-  threads, a pool of 4 rows of max_seq_len positions, one session at a time; `--rounds` rounds, the
+  threads, a cache of 4 full rows of max_seq_len positions, one session at a time; `--rounds` rounds, the
   operations taking turns within each round (the machines are shared and noisy).
 - Served (`--served-lengths`): the same model as `mha_session` in a real Triton (the bundled
   binary, the static engine on the CPU), called with the gRPC client: the time to the first token
@@ -51,14 +50,18 @@ def artifact(root: Path, preset_name: str) -> Path:
 
 
 def engine(directory: Path, threads: int, rows: int = 4):
+    """The static engine over `rows` full rows of max_seq_len positions, opened at the start."""
     from contract.config import ModelConfig
+    from serving.engine.cache_manager import CacheManager
     from serving.engine.kv_pool import KVPool
     from serving.engine.ort import ort_session
     from serving.engine.static_engine import StaticSessionEngine
 
     cfg = ModelConfig.load(directory)
     session = ort_session(directory / files.model_filename(VARIANT), threads=threads)
-    return StaticSessionEngine(KVPool(session, cfg, rows=rows, capacity=cfg.max_seq_len), idle_timeout=3600.0)
+    budget = rows * KVPool.row_bytes_for(session, cfg, cfg.max_seq_len)
+    cache = CacheManager(session, cfg, budget, sizes=(cfg.max_seq_len,), full_rows=True)
+    return StaticSessionEngine(cache, idle_timeout=3600.0)
 
 
 def operations(served, original, length: int) -> dict:

@@ -14,6 +14,7 @@ from client.errors import ClientError
 from client.sync import Client
 from contract import names
 from contract.arguments import DefaultsHelp
+from contract.commands import CommandParser
 
 MAX_STEPS = 10_000
 MAX_SECONDS = 600.0
@@ -44,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--retries", type=retries, default=3, help="retries of safe calls")
 
     parser = argparse.ArgumentParser(prog="python -m client", description=__doc__, formatter_class=HELP)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     commands.add_parser(
         "health",
         formatter_class=HELP,
@@ -92,11 +93,15 @@ def health(client: Client) -> int:
     return 0 if state.ok else 1
 
 
+def _shown(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def info(client: Client) -> int:
     """Each model's facts as its config publishes them (GET /v1/models answers the same)."""
     for model in (client.model, client.session_model):
         described = client.metadata(model)
-        facts = ", ".join(f"{key} {value}" for key, value in sorted(described.facts.items()))
+        facts = ", ".join(f"{key} {_shown(value)}" for key, value in sorted(described.facts.items()))
         print(f"model {model}: d_model {described.d_model}, dtype {described.float_dtype}; {facts}")
     return 0
 

@@ -35,10 +35,11 @@ from client.errors import (
     UnknownSessionError,
 )
 from client.metadata import ModelInfo, parse_facts, parse_metadata
-from client.retry import Call, Local, Operation, RetryPolicy, Sleep, retried
+from client.retry import Call, Detach, Local, Operation, RetryPolicy, Sleep, retried
 from client.store import SessionStore, StoreError, StoreKey, open_store
 from contract import errors as kinds
 from contract import names
+from contract.inputs import real_tokens
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +371,7 @@ class SessionCore:
         if end:
             yield from self._forget()
             return
-        hidden, mask = tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK)
-        kept = hidden if mask is None else hidden[:, np.asarray(mask)[0].astype(bool)]
+        kept = real_tokens(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK))
         if kept.shape[1]:
             self._since.append(kept)
         if self.length >= self._next_checkpoint:
@@ -405,8 +405,10 @@ class SessionCore:
     def _recover(self, error: ClientError) -> Operation[None]:
         """Rebuild the lost session where a server answers: a START of a new sequence id (a proxy
         routes it to a live replica) restoring the store's increments, then the steps since the last
-        checkpoint as one prefill. SessionLostError when the store cannot give the session back."""
-        client, lost, began = self.client, self.id, time.monotonic()
+        checkpoint as one prefill. SessionLostError when the store cannot give the session back.
+        Once rebuilt, the lost sequence is ENDed where it was, detached (Detach): a server that was
+        unreachable but alive still holds it, and would hold its cache until its idle timeout."""
+        client, lost, lost_replica, began = self.client, self.id, self.replica, time.monotonic()
 
         def gone(why: str) -> SessionLostError:
             return SessionLostError(
@@ -438,6 +440,7 @@ class SessionCore:
                 raise gone(f"replaying the steps since its last checkpoint failed: {failure.message}") from None
             self.replica, self.length = answer.replica, answer.length_or(self.length)
         self.recoveries += 1
+        yield Detach(self._end_abandoned(lost, lost_replica, info))
         log.warning(
             "session %s was lost (%s); recovered as session %s%s in %.0f ms: %d positions from the store, %d replayed",
             lost,
@@ -448,6 +451,13 @@ class SessionCore:
             held,
             replayed,
         )
+
+    def _end_abandoned(self, sequence_id: int, replica: str | None, info: ModelInfo) -> Operation[None]:
+        """A best-effort END of a sequence this session no longer uses (a dead server's is unknown
+        there: any answer will do)."""
+        end = {names.HIDDEN_STATES: np.zeros((1, 0, info.d_model), info.float_dtype)}
+        with contextlib.suppress(ClientError):
+            yield from self.client._send_step(sequence_id, end, start=False, end=True, replica=replica)
 
     def _restart(self, blobs: list[bytes], info: ModelInfo, deadline: float, gone) -> Operation[None]:
         """START a new sequence holding `blobs` (none: empty), trying until `deadline` while no

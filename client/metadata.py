@@ -41,7 +41,8 @@ class ModelInfo:
     head_dim: int | None = None
     rotary: bool = False  # the model takes position_ids (it rotates q and k by position)
     # what the model's config publishes (serving/triton/config.py): its sizes and max_seq_len for any
-    # model, the token cap of the stateless one, the engine and KV budget of the session one
+    # model, the token cap of the stateless one, the engine, its session operations and the KV budget
+    # of the session one
     facts: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
@@ -85,20 +86,22 @@ def _tensors(entries) -> dict[str, TensorInfo]:
     return {e["name"]: TensorInfo(e["name"], e["datatype"], tuple(int(d) for d in e.get("shape", ()))) for e in entries}
 
 
-# parameters of a served model's config that say what it is (serving/triton/config.py writes them)
-SETTING_FACTS = ("max_request_tokens", "engine", "kv_cache_bytes", "idle_timeout_seconds")
+# parameters of a served model's config that say what it is (serving/triton/config.py and
+# repository.py write them)
+SETTING_FACTS = ("max_request_tokens", "engine", "operations", "kv_cache_bytes", "idle_timeout_seconds")
+LIST_FACTS = ("operations",)  # comma-separated in the config: the session operations the engine offers
 
 
 def parse_facts(config: Mapping[str, Any]) -> dict[str, Any]:
     """The facts a model's config publishes, from Triton's model config as HTTP or gRPC (as_json, under
-    "config") returns it: numbers as numbers."""
+    "config") returns it: numbers as numbers, LIST_FACTS as lists of names."""
     parameters = (config.get("config", config) or {}).get("parameters", {})
     facts = {}
     for key, value in parameters.items():
         name = key.removeprefix(names.FACT_PREFIX)
         if key.startswith(names.FACT_PREFIX) or key in SETTING_FACTS:
             text = value.get("string_value", "")
-            facts[name] = _number(text)
+            facts[name] = [part for part in text.split(",") if part] if name in LIST_FACTS else _number(text)
     return facts
 
 

@@ -10,8 +10,10 @@ nothing. A session step is never retried: the server may have appended to its ca
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Generator
 from typing import Any, TypeVar
@@ -64,7 +66,17 @@ class Local:
     fn: Callable[[], Any]
 
 
-Action = Call | Sleep | Local
+@dataclasses.dataclass(frozen=True)
+class Detach:
+    """An operation started on its own and not waited for; its answer and errors are dropped. For
+    best-effort requests that must not delay or fail the operation that starts them (the END of a
+    sequence a recovery left behind): the blocking client runs it on a daemon thread, the asyncio
+    one as a task of the running loop."""
+
+    operation: Operation[Any]
+
+
+Action = Call | Sleep | Local | Detach
 # An operation yields actions; the driver sends back a Call's answer or throws in what it raised.
 Operation = Generator[Action, Any, T]
 
@@ -123,6 +135,9 @@ def run_blocking(operation: Operation[T], stub: Callable[[], Any], sleep: Callab
                 answer = action.fn()
             except Exception as error:  # handed to the operation, which decides
                 raised = error
+        elif isinstance(action, Detach):
+            work = functools.partial(run_blocking, action.operation, stub, sleep)
+            threading.Thread(target=_dropped, args=(work,), name="client-detached", daemon=True).start()
         else:
             try:
                 answer = action.fn(stub())
@@ -146,6 +161,10 @@ async def run_async(operation: Operation[T], stub: Callable[[], Any]) -> T:
                 answer = await asyncio.to_thread(action.fn)
             except Exception as error:  # handed to the operation, which decides
                 raised = error
+        elif isinstance(action, Detach):
+            task = asyncio.get_running_loop().create_task(run_async(action.operation, stub))
+            _DETACHED.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(_forget_task)
         else:
             try:
                 answer = await action.fn(stub())
@@ -153,6 +172,23 @@ async def run_async(operation: Operation[T], stub: Callable[[], Any]) -> T:
                 raised = error
         action = _next(operation, answer, raised)
     return action.value
+
+
+_DETACHED: set = set()  # the asyncio driver's detached tasks still running
+
+
+def _forget_task(task) -> None:
+    _DETACHED.discard(task)
+    if not task.cancelled():
+        _dropped(task.result)
+
+
+def _dropped(fn: Callable[[], Any]) -> None:
+    """`fn()` whose errors are only logged: a detached operation has no caller to tell."""
+    try:
+        fn()
+    except Exception as error:
+        log.debug("a detached operation failed: %r", error)
 
 
 def call(

@@ -1,13 +1,16 @@
 """`python -m export`: build artifacts (the ONNX variants, each checked against the PyTorch original).
 
-python -m export                      build the default preset into build/artifacts/seed
-python -m export build --preset seed --out artifacts/seed
+python -m export build --preset seed --out build/artifacts/seed
 python -m export build --config my_config.json --out artifacts/mine
 python -m export build --weights mha.pt --layout torch-mha --n-heads 8 --out artifacts/trained
+python -m export build --weights hf_checkpoint/ --layout hf --out artifacts/llama
+python -m export build --preset seed --out artifacts/seed --variants cuda,fp32-static-int8kv
 python -m export build --preset seed --out artifacts/seed --calibration hidden.npy
 python -m export inspect build/artifacts/seed --tokens 24 --seed 0 --out maps.png
 
-With --weights the weights are a trained model's state dict in one of the layouts of
+A build makes the variants this machine serves (the CPU's; a CUDA or TensorRT host's add theirs);
+--variants names others, or a set of them: cpu, cuda, tensorrt, all. With --weights the weights are
+a trained model's state dict (a file, or a checkpoint folder) in one of the layouts of
 export/importers.py (seeds, torch-mha, hf, native); --config then gives only the fields the weights
 do not determine (max_seq_len, norm_eps, residual). See docs/importing.md. With --calibration the
 quantized KV caches' scales are calibrated on your hidden states (N, T, d_model) instead of generated ones.
@@ -16,6 +19,8 @@ prints what each head attends to (export/inspect_form.py, contract/heads.py).
 
 A Triton model repository is filled from an artifact by `python -m serving repository` (or built and
 filled in one go by `python -m serving ensure`).
+
+Only the command that runs imports torch: --help and a mistyped flag answer at once.
 """
 
 from __future__ import annotations
@@ -26,34 +31,17 @@ import json
 import sys
 from pathlib import Path
 
-from contract import files
-from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
-from contract.config import DEFAULT_PRESET, ModelConfig
-from contract.heads import statistics_table
-from export.build import DEFAULT_VARIANTS, VARIANTS, BuildError, build_model
-from export.importers import LAYOUTS, SourceMismatchError, import_weights
-from export.inspect_form import (
-    FP32_FUSED,
-    INSPECTED_VARIANTS,
-    InspectionError,
-    artifact_config,
-    draw_maps,
-    hidden_states_from_file,
-    inspect_artifact,
-    random_hidden_states,
-)
-from export.kv_quant import CalibrationData, CalibrationError, from_file
-from export.progress import Progress
-from export.report import build_and_report, origin_summary, printing
-
-DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
+from contract.arguments import DefaultsHelp, config_arguments, config_from
+from contract.config import ModelConfig
+from export.choices import FP32_FUSED, INSPECTED_VARIANTS, LAYOUT_NAMES, VARIANT_SETS, parse_variants
+from export.hf_config import checkpoint_instead
 
 
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="python -m export", description=__doc__.splitlines()[0], formatter_class=DefaultsHelp
     )
-    commands = root.add_subparsers(dest="command")
+    commands = root.add_subparsers(dest="command", metavar="{build,inspect}")
     b = commands.add_parser(
         "build",
         formatter_class=DefaultsHelp,
@@ -63,8 +51,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, required=True, help="the artifact directory to write")
     b.add_argument(
         "--variants",
-        type=comma_list(VARIANTS, "variant"),
-        help=f"comma-separated (default: every variant the config can have, of {','.join(DEFAULT_VARIANTS)})",
+        type=parse_variants,
+        help=f"comma-separated variants or sets ({', '.join(VARIANT_SETS)}) (default: what this machine serves, "
+        "that the config can have)",
     )
     b.add_argument("--seed", type=int, help="weight initialization seed for random weights (default 0)")
     b.add_argument(
@@ -74,8 +63,13 @@ def parser() -> argparse.ArgumentParser:
         "(default: generated ones, export/kv_quant.py)",
     )
     own = b.add_argument_group("a trained model's weights (docs/importing.md)")
-    own.add_argument("--weights", type=Path, help="its state dict: .safetensors, or a torch.save'd state_dict")
-    own.add_argument("--layout", choices=sorted(LAYOUTS), help="how its keys are named (export/importers.py)")
+    own.add_argument(
+        "--weights",
+        type=Path,
+        help="its state dict: .safetensors, a torch.save'd state_dict, or a checkpoint folder (its "
+        "model.safetensors, or a sharded checkpoint's index)",
+    )
+    own.add_argument("--layout", choices=sorted(LAYOUT_NAMES), help="how its keys are named (export/importers.py)")
     own.add_argument("--n-heads", type=int, help="attention heads (the weights cannot tell)")
     own.add_argument("--n-kv-heads", type=int, help="key/value heads, instead of --n-heads (GQA)")
     _inspect_parser(commands)
@@ -107,6 +101,17 @@ def _inspect_parser(commands) -> None:
 
 def inspect_and_report(args: argparse.Namespace) -> int:
     """`inspect`: the maps of one call of an artifact's fused graph, drawn to a PNG, and the head table."""
+    from contract.heads import statistics_table
+    from export.inspect_form import (
+        InspectionError,
+        artifact_config,
+        draw_maps,
+        hidden_states_from_file,
+        inspect_artifact,
+        random_hidden_states,
+    )
+    from export.progress import Progress
+
     progress = Progress()
     try:
         cfg = artifact_config(args.artifact)
@@ -144,7 +149,7 @@ def _misuse(args: argparse.Namespace) -> str | None:
     if layout and not weights:
         return "--layout goes with --weights"
     if weights and not layout:
-        return f"--weights needs --layout (one of {sorted(LAYOUTS)})"
+        return f"--weights needs --layout (one of {sorted(LAYOUT_NAMES)})"
     if weights and (args.preset or args.seed is not None):
         return "--preset and --seed make random weights; --weights brings its own"
     if not weights and (getattr(args, "n_heads", None) or getattr(args, "n_kv_heads", None)):
@@ -167,6 +172,11 @@ def given_fields(args: argparse.Namespace) -> dict:
 def import_and_report(args: argparse.Namespace) -> int:
     """`build --weights`: import, prove against the source module, build; nothing is written when the
     weights do not fit or do not match their module."""
+    from export.build import BuildError, build_model
+    from export.importers import SourceMismatchError, import_weights
+    from export.kv_quant import CalibrationError
+    from export.report import origin_summary, printing
+
     try:
         imported = import_weights(args.weights, args.layout, given_fields(args))
     except (OSError, ValueError) as error:
@@ -196,8 +206,11 @@ def import_and_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibration_from(args: argparse.Namespace, cfg: ModelConfig) -> CalibrationData | None:
-    """The user's calibration file, checked against the config (CalibrationError names what is wrong)."""
+def calibration_from(args: argparse.Namespace, cfg: ModelConfig):
+    """The user's calibration file (kv_quant.CalibrationData), checked against the config
+    (kv_quant.CalibrationError names what is wrong); None without one."""
+    from export.kv_quant import from_file
+
     path = getattr(args, "calibration", None)
     return from_file(path, cfg) if path else None
 
@@ -211,36 +224,54 @@ def cannot_write(out: Path, error: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    root = parser()
+    args, unknown = root.parse_known_args(argv)
+    if args.command is None:  # building takes minutes: only when asked for
+        root.print_usage(sys.stderr)
+        print(f"{root.prog}: error: give a command: build or inspect (--help says more)", file=sys.stderr)
+        return 2
+    if unknown:  # argparse would answer with the top-level usage; the command's own is the one that helps
+        _commands(root).choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return inspect_and_report(args) if args.command == "inspect" else build_and_print(args)
 
 
+def _commands(root: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in root._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _config(args: argparse.Namespace) -> ModelConfig:
+    """The config --config or --preset names (ValueError: a Hugging Face checkpoint given as --config)."""
+    checkpoint = args.config and checkpoint_instead(args.config, "a config of ours (contract/config.py)")
+    if checkpoint:
+        raise ValueError(checkpoint)
+    return config_from(args)
+
+
 def build_and_print(args: argparse.Namespace) -> int:
-    """`build`, and no command at all (the default preset into DEFAULT_ARTIFACTS)."""
-    misuse = _misuse(args) if args.command == "build" else None
+    """`build`: random weights from a config (`--weights`: a trained model's, `import_and_report`)."""
+    misuse = _misuse(args)
     if misuse:
         print(f"error: {misuse}", file=sys.stderr)
         return 2
-    if getattr(args, "weights", None):
+    if args.weights:
         return import_and_report(args)
+    from export.build import BuildError
+    from export.report import build_and_report
+
     try:
-        cfg = config_from(args)
+        cfg = _config(args)
         calibration = calibration_from(args, cfg)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError) as error:  # kv_quant.CalibrationError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
-    out = args.out if args.command == "build" else DEFAULT_ARTIFACTS
     try:
-        seed = getattr(args, "seed", None) or 0
-        build_and_report(cfg, out, getattr(args, "variants", None), seed=seed, calibration=calibration)
+        build_and_report(cfg, args.out, args.variants, seed=args.seed or 0, calibration=calibration)
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     except OSError as error:
-        print(cannot_write(out, error), file=sys.stderr)
+        print(cannot_write(args.out, error), file=sys.stderr)
         return 1
-    if args.command is None:
-        print(f"artifacts: {out}; serve them: python -m serving repository --artifacts {out} --repository R")
     return 0
 
 

@@ -19,7 +19,7 @@ import onnx
 
 from contract import files, names
 from contract.config import RMSNORM, ModelConfig
-from export import artifacts, forms, graph_stats, kv_quant, targets, weights_int8
+from export import artifacts, choices, forms, graph_stats, kv_quant, targets, weights_int8
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
 from export.inspect_form import make_inspection_graph
@@ -36,7 +36,8 @@ from export.parity import (
     pool_schedule,
 )
 from export.progress import Progress
-from export.runners import quantized_cache_runner, rounded_runner, torch_runner
+from export.runners import one_thread, quantized_cache_runner, rounded_runner, torch_runner
+from serving.engine import placement
 from serving.engine.kv_pool import KVPool
 from serving.engine.ort import Forward, ort_runner, ort_session
 
@@ -128,13 +129,22 @@ VARIANTS: dict[str, Variant] = {
         "fp16-trt", forms.make_fp16_trt, TOLERANCES["fp16-trt"], np.float16, fused=True, target=targets.TENSORRT
     ),
 }
-# Every variant but the int4 cache and the int8 weights, which are built when asked for by name: each
-# static variant's pool rung costs a full build about as much as `fp32-static` does (measured on
-# TEST_CONFIGS["tiny"], see the report's build_seconds), int4's codes move the output by 14-20% of its
-# scale (export/parity.py), and no served model loads the int8 weights. The int8 cache stays: a
-# session on an int8 cache must be possible from the default artifact.
-ASKED_FOR_BY_NAME = ("fp32-static-int4kv", weights_int8.NAME)
-DEFAULT_VARIANTS = tuple(name for name in VARIANTS if name not in ASKED_FOR_BY_NAME)
+assert tuple(VARIANTS) == choices.VARIANT_NAMES, "export/choices.py names the variants the CLI offers"
+
+
+def this_host() -> str:
+    """The kind of host this is (choices.HOSTS), by what ONNX Runtime offers here and the devices
+    it finds: TensorRT, else CUDA, else the CPU."""
+    if placement.tensorrt_unavailable_reason() is None:
+        return choices.TENSORRT
+    return choices.CUDA if placement.cuda_usable() else choices.CPU
+
+
+# What a build makes unless told: the variants this machine serves. The others cost time it would not
+# use (on 2 CPU cores fp16-static's pool rung alone took longer than the whole CPU set: fp16 math is
+# emulated there) and are built by name or set (`--variants cuda`), or by default on such a host.
+HOST = this_host()
+DEFAULT_VARIANTS = choices.variants_for(HOST)
 
 # The ladder each stateless variant climbs: a left-padded prefill from an empty past then decode
 # steps, and a prefill onto an existing cache (batch 3, rows padded by 0, 2 and 5 tokens). The
@@ -325,19 +335,23 @@ def build_model(
 
     `origin` says where the weights came from (a seed, or an imported file and its check against the
     module it came from) and goes into the report; the quantized caches' scales are calibrated on
-    `calibration` (default: the hidden states `kv_quant.generated` makes). `variants=None` builds every
-    variant the config can have (the others are reported as skipped, with the reason); a variant
-    asked for by name that the config cannot have fails the build. Raises BuildError (after writing
+    `calibration` (default: the hidden states `kv_quant.generated` makes). `variants`: names and sets
+    (export/choices.py); None builds what this machine serves (DEFAULT_VARIANTS), and says so. A
+    variant of a set that the config cannot have is reported as skipped, with the reason; one asked
+    for by name fails the build. Raises BuildError (after writing
     the report) when any variant fails. Everything is written into a directory beside `out` and put in place at the end
     (`artifacts.staged`): an error (OSError: a full disk, a directory that cannot be written) leaves
     `out` as it was.
     """
-    asked = variants is not None
-    variants = DEFAULT_VARIANTS if variants is None else variants
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     progress = progress or Progress()
+    if variants is None:
+        progress.note(default_note())
+    given = variants or (HOST,)
+    unknown = [v for v in given if v not in VARIANTS and v not in choices.VARIANT_SETS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} or {list(choices.VARIANT_SETS)}")
+    asked = {v for v in given if v in VARIANTS}  # by name: one the config cannot have fails the build
+    variants = choices.expand(given)
     out = Path(out)
     with artifacts.staged(out, owned=[files.model_filename(name) for name in variants]) as staging:
         report = _build_into(model, staging, variants, asked, progress, origin, shown=out, calibration=calibration)
@@ -347,11 +361,18 @@ def build_model(
     return report
 
 
+def default_note() -> str:
+    """What a build without --variants makes, and how to build the rest."""
+    rest = [name for name in VARIANTS if name not in DEFAULT_VARIANTS]
+    line = f"built for this machine ({HOST}): {', '.join(DEFAULT_VARIANTS)}"
+    return line + (f"; build the rest with --variants {','.join(rest)} (or --variants all)" if rest else "")
+
+
 def _build_into(
     model: AttentionModel,
     out: Path,
     variants: tuple[str, ...],
-    asked: bool,
+    asked: set[str],
     progress: Progress,
     origin: dict | None,
     shown: Path,
@@ -373,7 +394,7 @@ def _build_into(
         elif reason is None:
             report["variants"][name] = _build_variant(model, out, variant, progress)
         else:
-            report["variants"][name] = _not_built(reason, failed=asked)
+            report["variants"][name] = _not_built(reason, failed=name in asked)
     report["passed"] = all(entry["passed"] for entry in report["variants"].values())
     (out / files.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -398,7 +419,7 @@ def _build_variant(
     quantization = calibrated.quantization(variant.kv_bits) if variant.kv_bits else None
     with progress.stage(f"{variant.name}: export"):
         variant.make(model, path, *([quantization] if quantization else []))
-    with progress.stage(f"{variant.name}: parity"):
+    with progress.stage(f"{variant.name}: parity"), one_thread():
         entry = check_variant(model, path, variant, progress, quantization)
     if quantization:  # the layouts' errors on the calibration data: why the default layout is the default
         entry["kv_cache"] = quantization.to_report() | {"calibration_errors": calibrated.errors(variant.kv_bits)}

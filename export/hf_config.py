@@ -11,6 +11,8 @@ rope_type, factor, ...}). Windows: Mistral's `sliding_window` (every layer), Qwe
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 # the families whose attention is proven against transformers' own classes (tests/export/test_hf_families.py);
@@ -105,3 +107,20 @@ def rotary_dim(fields: dict[str, Any], head_dim: int) -> dict[str, Any]:
     if partial is not None:
         fields["rotary_dim"] = int(head_dim * partial)
     return fields
+
+
+def checkpoint_instead(path: Path, expected: str) -> str | None:
+    """Where an artifact or one of our configs is expected (`expected` names it) and `path` (a folder
+    or its config.json) is a Hugging Face checkpoint instead (its config has a `model_type`): a line
+    that says so and how to build an artifact from it; None otherwise."""
+    folder, config = (path, path / "config.json") if path.is_dir() else (path.parent, path)
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "model_type" not in data:
+        return None
+    return (
+        f"{path} is a Hugging Face checkpoint (model_type {data['model_type']!r}), not {expected}; build an "
+        f"artifact from it: python -m export build --weights {folder} --layout hf --out DIR"
+    )

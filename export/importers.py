@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from contract.config import LAYERNORM, NO_NORM, RMSNORM, ModelConfig
 from contract.files import MODEL_CONFIG_FILENAME, sha256
 from export import hf_config, hf_source
+from export.choices import LAYOUT_NAMES
 from export.model import AttentionModel
 
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
@@ -120,6 +121,32 @@ class SafetensorsFiles(Mapping):
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+# What a checkpoint folder holds its weights in, looked for in this order (transformers' names)
+CHECKPOINT_FILES = ("model" + INDEX_SUFFIX, "model.safetensors")
+
+
+def weights_file(path: Path) -> Path:
+    """The file to read the weights from: `path` itself, or in a checkpoint folder its sharded index or
+    its one safetensors file (WeightsError naming what the folder holds when neither is there)."""
+    if not path.is_dir():
+        return path
+    for name in CHECKPOINT_FILES:
+        if (path / name).is_file():
+            return path / name
+    indexes = sorted(path.glob(f"*{INDEX_SUFFIX}"))
+    single = sorted(path.glob("*.safetensors"))
+    if len(indexes) == 1 or (not indexes and len(single) == 1):
+        return (indexes or single)[0]
+    found = sorted(p.name for p in path.iterdir())[:12]
+    raise WeightsError(
+        path,
+        [
+            f"a folder without one checkpoint to read: expected {' or '.join(CHECKPOINT_FILES)}, one "
+            f"*{INDEX_SUFFIX} or one *.safetensors; it holds {found or 'nothing'}; give --weights the file"
+        ],
+    )
 
 
 def read_state_dict(path: Path) -> Mapping[str, Tensor]:
@@ -416,6 +443,9 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+assert tuple(LAYOUTS) == LAYOUT_NAMES, "export/choices.py names the layouts the CLI offers"
+
+
 def our_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our keys under `layers.{i}.` -> shape (docs/design.md, "Model math")."""
     d, q, kv = cfg.d_model, cfg.q_dim, cfg.kv_dim
@@ -568,7 +598,7 @@ def import_weights(path: str | Path, layout_name: str, given: dict | None = None
     """Read `path` in layout `layout_name`, check every key, build the model and prove it against the
     module the weights came from where that can be rebuilt; raises WeightsError (bad input) or
     SourceMismatchError (the proof failed). `given`: config fields the weights do not determine."""
-    path = Path(path)
+    path = weights_file(Path(path))
     if layout_name not in LAYOUTS:
         raise WeightsError(path, [f"unknown layout {layout_name!r}; choose one of {sorted(LAYOUTS)}"])
     layout, tensors = LAYOUTS[layout_name], read_state_dict(path)

@@ -39,13 +39,13 @@ from contract import files, names
 from contract.config import ModelConfig
 from contract.heads import head_statistics
 from contract.names import attention_map_name
+from export import hf_config
+from export.choices import FP16_FUSED, FP32_FUSED, INSPECTED_VARIANTS
 from export.model import AttentionModel, attention_allowed
 from export.onnx_export import IR_VERSION, check_onnx, config_from_onnx, plain_graph, save_onnx
 from export.progress import Progress
 from serving.engine.ort import CPU_PROVIDER, Arrays, ort_runner, session_options
 
-FP32_FUSED, FP16_FUSED = "fp32-fused", "fp16-fused"
-INSPECTED_VARIANTS = (FP32_FUSED, FP16_FUSED)  # the fused graphs: one Attention node per layer
 # `Attention`'s qk_matmul_output_mode: 0 the raw scores, 1 masked, 2 soft-capped, 3 the softmax's output
 SOFTMAX_PROBABILITIES = 3
 PROBABILITIES_OUTPUT = 3  # Attention's outputs: Y, present_key, present_value, qk_matmul_output
@@ -172,6 +172,9 @@ class Inspection:
 def artifact_config(directory: Path) -> ModelConfig:
     """The config of the artifact at `directory` (InspectionError when there is none)."""
     config = Path(directory) / files.MODEL_CONFIG_FILENAME
+    checkpoint = hf_config.checkpoint_instead(Path(directory), "an artifact")
+    if checkpoint:
+        raise InspectionError(checkpoint)
     if not config.is_file():
         raise InspectionError(
             f"{directory}: no artifact there (no {files.MODEL_CONFIG_FILENAME}); "

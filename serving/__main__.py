@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import shutil
 import signal
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from contract import files
 from contract.arguments import DefaultsHelp
+from contract.commands import CommandParser
 
 
 class Shutdown(Exception):
@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     )
     triton_arguments(root)
     gateway_arguments(root)
-    commands = root.add_subparsers(dest="command")
+    commands = root.add_subparsers(dest="command", parser_class=CommandParser)
     cli.add_commands(commands)
     envoy_cli.add_commands(commands)
     return root
@@ -124,16 +124,18 @@ def ensure_repository(repository: Path) -> None:
         )
     try:
         from export.build import BuildError
-        from serving.triton.cli import export_default
+        from export.progress import Progress
+        from export.report import printing
     except ImportError as error:  # a serving-only environment (the Triton image) cannot export
         raise TritonStartError(
             f"{repository} lacks the models and this environment cannot build them ({error}); "
             "fill it first with `python -m serving ensure --repository ...` where the export extra is installed"
         ) from None
-    print(f"{repository} lacks the models; exporting the default preset first (about 15 s)", flush=True)
+    from serving.triton.cli import DEFAULT_ARTIFACTS, export_default
 
+    print(f"{repository} lacks the models; exporting the default preset first (about 15 s)", flush=True)
     try:
-        export_default(repository)
+        printing(lambda: export_default(repository, DEFAULT_ARTIFACTS, Progress()), DEFAULT_ARTIFACTS)
     except BuildError as error:  # a failed variant is left out; serve if the python models got theirs
         print(f"warning: {error}", file=sys.stderr)
         if not is_complete(repository):
@@ -211,13 +213,14 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     from serving.host.process import owned_folder
 
     overrides = {"triton_url": front.grpc_url, "port": args.gateway_port}
-    if args.host is not None:
-        overrides["host"] = args.host
-    store = args.session_store if args.session_store is not None else os.environ.get("SERVING_SESSION_STORE")
-    own_store = owned_folder("serving-sessions-") if store is None else None
-    overrides["session_store"] = str(own_store or ("" if store == "none" else store))
+    given = {"host": args.host, "session_store": args.session_store}
+    overrides |= {name: value for name, value in given.items() if value is not None}
+    settings = Settings(**overrides)
+    own_store = owned_folder("serving-sessions-") if settings.session_store is None else None
+    if own_store is not None:  # a store of this run's unless one is named (or `none`)
+        settings = Settings(**overrides, session_store=str(own_store))
     try:
-        gateway = run_gateway(Settings(**overrides))
+        gateway = run_gateway(settings)
         try:
             print(banner(gateway), flush=True)
             watch(front, stop)

@@ -4,6 +4,10 @@ every import, also those inside functions, so a lazy import cannot hide a loop b
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,10 +29,18 @@ ALLOWED = {
 FORBIDDEN_THIRD_PARTY = {
     # safetensors is allowed: a session snapshot is a safetensors file (serving/engine/snapshots.py)
     "serving.engine": {"torch", "onnxscript", "onnx_ir", "triton_python_backend_utils", "tritonclient"},
+    "serving.triton": {"torch", "onnxscript", "onnx_ir"},  # the Triton image carries none of them
     "serving.gateway": {"torch", "onnxruntime", "onnx", "triton_python_backend_utils"},
     "serving.host": {"torch", "onnxruntime", "triton_python_backend_utils"},
     "client": {"torch", "onnxruntime", "onnx", "fastapi"},
 }
+# rooms a room may reach through another yet never load: the host writes and reads Triton's configs
+# (serving.triton) but the engine runs inside Triton, not beside the launcher
+NEVER_LOADS = {"serving.host": {"serving.engine"}}
+# rooms that may load no third-party package but these (and the standard library)
+ONLY_THIRD_PARTY = {"contract": {"numpy"}}
+# modules that compiled extensions register under names of their own (numpy's Cython runtime)
+EXTENSION_RUNTIME = ("cython_runtime", "_cython_")
 # The one module that may build with the export: `python -m serving ensure` (the library, never its CLI).
 EXCEPTIONS = {"serving/triton/cli.py": {"export"}}
 
@@ -97,6 +109,103 @@ def test_the_rules_see_forbidden_imports():
     assert any("serving.gateway.app" in v for v in found) and any("imports torch" in v for v in found), found
     found = violations("serving.gateway", "serving/gateway/probe.py", "from ..host import launcher\n")
     assert found == ["serving/gateway/probe.py:1 imports serving.host.launcher (room serving.host)"]
+
+
+# A fresh interpreter imports the modules named in argv and prints what it loaded beyond its start.
+# Triton's `triton_python_backend_utils` exists only inside Triton's stub: where a room may load it
+# (the models), an empty stand-in takes its place so that the models import here too.
+LOADER = textwrap.dedent(
+    """
+    import importlib, json, sys, types
+    started = set(sys.modules)
+    if sys.argv[1] == "stand-in":
+        sys.modules["triton_python_backend_utils"] = backend = types.ModuleType("triton_python_backend_utils")
+        backend.__getattr__ = lambda name: None
+        started.add(backend.__name__)
+    for module in sys.argv[2:]:
+        importlib.import_module(module)
+    print(json.dumps(sorted(set(sys.modules) - started)))
+    """
+)
+
+
+def loadable(room: str) -> set[str]:
+    """The rooms `room` may load: itself, those it may import, and what those may load (never those
+    of NEVER_LOADS)."""
+    rooms, todo = {room}, [room]
+    while todo:
+        for other in ALLOWED[todo.pop()] - rooms - NEVER_LOADS.get(room, set()):
+            rooms.add(other)
+            todo.append(other)
+    return rooms
+
+
+def room_modules(room: str) -> list[str]:
+    """The dotted names of every module of `room` (packages by their own name)."""
+    folder = ROOT / room.replace(".", "/")
+    paths = (path.relative_to(ROOT).with_suffix("") for path in sorted(folder.rglob("*.py")))
+    return [".".join(path.parts[:-1] if path.name == "__init__" else path.parts) for path in paths]
+
+
+def load_violations(room: str, loaded: list[str]) -> list[str]:
+    """What loading `room` brought in that its rules forbid, first-party through any import path."""
+    may_load = loadable(room)
+    found = []
+    for module in loaded:
+        top = module.split(".")[0]
+        if top in FIRST_PARTY:
+            target = room_of(module)
+            parent = target is None and any(other.startswith(module + ".") for other in ALLOWED)  # `serving`
+            if not parent and (target or top) not in may_load:
+                found.append(f"{module} (room {target or top})")
+        elif top in FORBIDDEN_THIRD_PARTY.get(room, ()):
+            found.append(module)
+        elif room in ONLY_THIRD_PARTY and not _standard_or(module, ONLY_THIRD_PARTY[room]):
+            found.append(f"{module} (not the standard library or {', '.join(sorted(ONLY_THIRD_PARTY[room]))})")
+    return found
+
+
+def _standard_or(module: str, packages: set[str]) -> bool:
+    top = module.split(".", 1)[0]
+    return top in packages or top in sys.stdlib_module_names or module.startswith(EXTENSION_RUNTIME)
+
+
+def loaded_by(room: str) -> list[str]:
+    stand_in = room == "serving.triton"  # its models; every other room is checked without one
+    done = subprocess.run(
+        [sys.executable, "-c", LOADER, "stand-in" if stand_in else "none", *room_modules(room)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"importing {room} failed:\n{done.stderr}"
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("room", sorted(ALLOWED))
+def test_each_room_loads_only_what_its_rules_allow(room):
+    """Every module of the room imported in a fresh interpreter: what got loaded, through any import
+    path, lies in the rooms it may load (the host and the gateway load no engine, the engine no torch)."""
+    found = load_violations(room, loaded_by(room))
+    assert not found, f"importing {room} loads, against docs/design.md's rooms:\n" + "\n".join(sorted(found))
+
+
+def test_the_load_rules_see_what_a_room_loads_on_the_way():
+    """The checker itself: the engine loaded by the gateway (through the client or any other path) and
+    by the host (though the Triton room it may load may load it), torch in the engine, a package that
+    is not numpy in the contract; the `serving` package and the rooms of an allowed room pass."""
+    assert loadable("serving.host") == {"serving.host", "contract", "client", "serving.triton"}
+    assert loadable("serving.gateway") == {"serving.gateway", "contract", "client"}
+    loaded = ["serving", "serving.gateway.app", "client.sync", "contract.names", "serving.engine.settings"]
+    assert load_violations("serving.gateway", loaded) == ["serving.engine.settings (room serving.engine)"]
+    found = load_violations("serving.host", ["serving.host.launcher", "serving.triton.config", "serving.engine.ort"])
+    assert found == ["serving.engine.ort (room serving.engine)"]
+    assert load_violations("serving.triton", ["serving.triton.config", "serving.engine.ort", "contract"]) == []
+    assert load_violations("serving.engine", ["serving.engine.ort", "torch.nn"]) == ["torch.nn"]
+    found = load_violations("contract", ["contract.names", "numpy.linalg", "json", "yaml"])
+    assert found == ["yaml (not the standard library or numpy)"]
 
 
 def test_export_holds_no_module_the_server_imports():

@@ -28,5 +28,5 @@ USER serving
 WORKDIR /home/serving
 
 # docker-compose.yml gives the model (MODEL_CONFIG_JSON, MODEL_CONFIG or MODEL_PRESET)
-ENTRYPOINT ["python", "-m", "serving", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
+ENTRYPOINT ["python", "-m", "serving", "ensure", "--for", "tensorrt", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
 CMD ["--preset", "seed"]

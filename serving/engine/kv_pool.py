@@ -18,11 +18,17 @@ a decode window that is not stepping takes part with a zero token whose key land
 past its last real position, where the next real token overwrites it; the extra position at the end
 of each row (`capacity + 1`) is where that lands for a full row. Its output is dropped and its
 length is unchanged.
+
+A row as a whole (a snapshot, a restore, a fork, a move to a row of another pool) moves as array
+copies of its used positions where the buffers are host memory (the CPU: a graph run per copy would
+cost more than the copy), and through the row-copy kernel on a device (serving/engine/kernels.py:
+bound by address, no bytes leave the device when both rows have one shape). The pool is a slab of
+the static engine's cache manager (serving/engine/cache_manager.py); the export's pool rung drives
+one directly.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -30,7 +36,17 @@ import numpy as np
 from contract import names
 from contract.config import ModelConfig
 from serving.engine import snapshots
-from serving.engine.ort import CPU, CUDA, run_options, session_device, session_float_dtype, uses_cuda_graphs
+from serving.engine.kernels import CacheRows, DecodeWindow, RowCopy
+from serving.engine.ort import (
+    CPU,
+    CPU_PROVIDER,
+    CUDA,
+    run_options,
+    session_device,
+    session_float_dtype,
+    session_options,
+    uses_cuda_graphs,
+)
 
 # Prefill chunk: a longer prompt runs as several runs of this many tokens (the op's subsequent-prompt
 # mode), which bounds a run's attention scores (chunk x length per head) and so the memory it takes.
@@ -43,9 +59,15 @@ MERGE_BYTES = 1 << 20
 
 
 class KVPool:
-    """`rows` cache rows of up to `capacity` positions for the static graph of `session`."""
+    """`rows` cache rows of up to `capacity` positions for the static graph of `session`.
 
-    def __init__(self, session, cfg: ModelConfig, rows: int, capacity: int, device_id: int = 0) -> None:
+    `row_copy`: the kernel that moves its rows on a device (serving/engine/kernels.py), shared by the
+    slabs of one row shape (a cache manager passes one; made at first use otherwise). On the CPU the
+    buffers are host arrays, and rows move as array copies of their used positions."""
+
+    def __init__(
+        self, session, cfg: ModelConfig, rows: int, capacity: int, device_id: int = 0, row_copy: RowCopy | None = None
+    ) -> None:
         import onnxruntime as ort
 
         assert rows > 0 and capacity > 0
@@ -57,7 +79,7 @@ class KVPool:
             if getattr(session, "_kv_pool_owned", False):
                 raise ValueError("this session's CUDA graphs belong to another KVPool; open a session per pool")
             session._kv_pool_owned = True
-        self._windows: dict[tuple[int, int], _DecodeWindow] = {}
+        self._windows: dict[tuple[int, int], DecodeWindow] = {}
         self.session, self.cfg, self.rows, self.capacity = session, cfg, rows, capacity
         self.device, self.device_id = session_device(session), device_id
         self.dtype = session_float_dtype(session)  # of hidden states and outputs
@@ -73,6 +95,8 @@ class KVPool:
             ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.cache_dtype), CUDA, device_id)
             for _ in self.past_names
         ]
+        assert row_copy is None or row_copy.row_shape == self.row_shape, "a row copy of another row shape"
+        self._row_copy = row_copy
         self.row_bytes = int(np.prod(self.row_shape)) * np.dtype(self.cache_dtype).itemsize
         self.lengths = np.zeros(rows, np.int64)
         self.description = f"{rows} rows of {capacity} positions on {self.device}"
@@ -108,6 +132,11 @@ class KVPool:
     def reset(self, row: int) -> None:
         """Row `row` holds nothing from now on (its old positions are never read again)."""
         self.lengths[row] = 0
+
+    def rows_at(self, low: int, count: int = 1) -> CacheRows:
+        """Rows [low, low + count) of every cache buffer, by address."""
+        addresses = tuple(buffer.data_ptr() + low * self.row_bytes for buffer in self.buffers)
+        return CacheRows(addresses, (count, *self.row_shape), self.cache_dtype, self.device, self.device_id)
 
     def run(self, steps: Mapping[int, np.ndarray]) -> dict[int, np.ndarray | Exception]:
         """Append each row's new tokens, steps[row] (T_row, d_model), and return each row's output
@@ -159,15 +188,16 @@ class KVPool:
 
     def _decode(self, low: int, count: int, rows: Sequence[int], steps: Mapping[int, np.ndarray]) -> dict:
         """One decode window through its fixed buffers and binding (and CUDA graph, where on)."""
-        key = (low, count)
-        window = self._windows.get(key)
+        window = self._windows.get((low, count))
         if window is None:
-            window = self._windows[key] = _DecodeWindow(self, low, count, graph_id=len(self._windows) + 1)
+            graph = run_options({"gpu_graph_id": str(len(self._windows) + 1)}) if self.cuda_graphs else None
+            window = DecodeWindow(self.session, self.rows_at(low, count), self.cfg.d_model, self.dtype, graph)
+            self._windows[low, count] = window
         hidden = np.zeros((count, 1, self.cfg.d_model), self.dtype)  # (B, 1, d_model): idle rows step a zero token
         for row in rows:
             hidden[row - low] = steps[row]
-        window.run(hidden, self.lengths[low : low + count].astype(np.int32))  # seqlens_k: length after - 1
-        return self._advance(rows, [steps[row].shape[0] for row in rows], window.output(), low)
+        output = window.run(hidden, self.lengths[low : low + count].astype(np.int32))  # seqlens_k: length after - 1
+        return self._advance(rows, [steps[row].shape[0] for row in rows], output, low)
 
     def _prefill(self, row: int, hidden: np.ndarray) -> np.ndarray:
         """A row's several new tokens, in chunks of at most `PREFILL_CHUNK` (each chunk a run of its
@@ -187,7 +217,7 @@ class KVPool:
         binding.bind_cpu_input(names.SEQLENS_K, seqlens_k)
         binding.bind_cpu_input(names.TOTAL_SEQUENCE_LENGTH, np.array(int(seqlens_k[0]) + 1, np.int32))
         binding.bind_output(names.OUTPUT, CPU)
-        self.bind_caches(binding, row, 1)
+        self.rows_at(row).bind(binding, inputs=self.past_names, outputs=self.present_names)
         self.session.run_with_iobinding(binding, self._prefill_options)
         (output,) = self._advance([row], [new], binding.get_outputs()[0].numpy(), row).values()
         return output
@@ -200,37 +230,47 @@ class KVPool:
             results[row] = output[row - low, :count]
         return results
 
-    def bind_caches(self, binding, low: int, count: int) -> None:
-        """Rows [low, low + count) of every cache buffer as the graph's past and present."""
-        window = (count, *self.row_shape)
-        for past, present, buffer in zip(self.past_names, self.present_names, self.buffers, strict=True):
-            address = buffer.data_ptr() + low * self.row_bytes
-            binding.bind_input(past, self.device, self.device_id, self.cache_dtype, window, address)
-            binding.bind_output(present, self.device, self.device_id, self.cache_dtype, window, address)
+    # --- a row as a whole: the session operations (snapshot, restore, fork, rewind) -------------------
 
     def read(self, row: int, start: int = 0) -> dict[str, np.ndarray]:
-        """Row `row`'s cache from position `start` to its length as host arrays (1, n_kv, length -
+        """Row `row`'s cache from position `start` to its length as fresh host arrays (1, n_kv, length -
         start, width) in the cache dtype (a quantized cache's codes), by past name."""
-        used = self._row_copy.to_host(row, int(self.lengths[row]), start)
-        return {name: array[None] for name, array in used.items()}
-
-    # --- a row as a whole: the session operations (snapshot, restore, fork, rewind) -------------------
+        length = int(self.lengths[row])
+        if self._host:
+            used = [array[row, :, start:length].copy() for array in self._host]
+        else:
+            used = self.row_copy.to_host(self.rows_at(row), length, start)
+        return {name: array[None] for name, array in zip(self.past_names, used, strict=True)}
 
     def write(self, row: int, cache: Mapping[str, np.ndarray], length: int) -> None:
         """Row `row` holds `cache` (past name -> (n_kv, length, width) in the cache dtype) from now on."""
         assert 0 <= length <= self.capacity, f"{length} positions do not fit a row of {self.capacity}"
-        rows = {}
-        for name in self.past_names:
-            whole = np.zeros(self.row_shape, self.cache_dtype)
-            whole[:, :length] = cache[name]
-            rows[name] = whole
-        self._row_copy.from_host(rows, row)
+        if self._host:
+            for name, array in zip(self.past_names, self._host, strict=True):
+                array[row, :, :length] = cache[name]
+        else:
+            wholes = [np.zeros(self.row_shape, self.cache_dtype) for _ in self.past_names]
+            for name, whole in zip(self.past_names, wholes, strict=True):
+                whole[:, :length] = cache[name]
+            self.row_copy.from_host(wholes, self.rows_at(row))
         self.lengths[row] = length
 
-    def copy_row(self, source: int, target: int) -> None:
-        """Row `target` holds what row `source` holds (on the pool's device: no bytes leave it)."""
-        self._row_copy.within(source, target)
-        self.lengths[target] = self.lengths[source]
+    def copy_row(self, source: int, target: int, source_pool: KVPool | None = None) -> None:
+        """Row `target` holds what row `source` of `source_pool` (this pool if None) holds: on the host an
+        array copy of its used positions, on a device a row copy (no bytes leave it) when both rows have
+        one shape, else through the host (rows of two sizes have two strides)."""
+        pool = source_pool or self
+        length = int(pool.lengths[source])
+        assert length <= self.capacity, f"{length} positions do not fit a row of {self.capacity}"
+        if self._host:
+            for mine, theirs in zip(self._host, pool._host, strict=True):
+                mine[target, :, :length] = theirs[source, :, :length]
+        elif pool.row_shape == self.row_shape:
+            self.row_copy.within(pool.rows_at(source), self.rows_at(target))
+        else:
+            self.write(target, {name: array[0] for name, array in pool.read(source).items()}, length)
+            return
+        self.lengths[target] = length
 
     def rewind(self, row: int, length: int) -> None:
         """Row `row` keeps its first `length` positions: the next token is written at `length`, and
@@ -239,9 +279,16 @@ class KVPool:
             raise ValueError(f"row {row} holds {self.lengths[row]} positions: cannot rewind to {length}")
         self.lengths[row] = length
 
-    @functools.cached_property
-    def _row_copy(self) -> _RowCopy:
-        return _RowCopy(self)
+    @property
+    def row_copy(self) -> RowCopy:
+        """The kernel that moves this pool's rows on its device (made at first use unless given)."""
+        if self._row_copy is None:
+            providers = self.session.get_providers()[:1]
+            if providers[0] != CPU_PROVIDER:
+                providers = [(providers[0], {"device_id": str(self.device_id)}), CPU_PROVIDER]
+            options = session_options(threads=1, arena=False, spinning=False)
+            self._row_copy = RowCopy(len(self.buffers), self.row_shape, self.cache_dtype, providers, options)
+        return self._row_copy
 
 
 # the element types a static graph's cache may have (ONNX Runtime's type strings)
@@ -257,125 +304,25 @@ def cache_layout(session) -> tuple[type, int]:
     return CACHE_TYPES[past.type], past.shape[-1]
 
 
-class _RowCopy:
-    """Rows of every cache buffer copied by two small graphs on the pool's device, bound by address
-    like the decode windows: a row's first positions to the host (Slice), and a whole row from the
-    host or from another row (Identity). A row's first positions are strided inside it (n_kv,
-    capacity + 1, head_dim): what comes from the host is padded to the whole row first."""
+def cache_scales(path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """A quantized static graph's scales, initializers of the graph (`names.cache_scale_name`), by past
+    name: float32 (1,) per tensor or (n_kv, 1, head_dim) per channel; {} for a float cache."""
+    import onnx
+    from onnx import numpy_helper
 
-    def __init__(self, pool: KVPool) -> None:
-        import onnxruntime as ort
-        from onnx import helper
-
-        from serving.engine.kernels import kernel_model
-        from serving.engine.ort import session_options
-
-        self.pool = pool
-        element = helper.np_dtype_to_tensor_dtype(np.dtype(pool.cache_dtype))
-        shape = [1, *pool.row_shape]
-        inputs = [helper.make_tensor_value_info(f"in.{name}", element, shape) for name in pool.past_names]
-        outputs = [helper.make_tensor_value_info(f"out.{name}", element, shape) for name in pool.past_names]
-        copy = [helper.make_node("Identity", [f"in.{n}"], [f"out.{n}"]) for n in pool.past_names]
-        # the used positions: axis 2 from `start` to `length` (inputs: one graph for every range)
-        bounds = [helper.make_tensor_value_info(name, helper.TensorProto.INT64, [1]) for name in ("start", "length")]
-        axis = helper.make_tensor("axis", helper.TensorProto.INT64, [1], [2])
-        cut = [helper.make_node("Slice", [f"in.{n}", "start", "length", "axis"], [f"out.{n}"]) for n in pool.past_names]
-        used_shape = [1, shape[1], "positions", shape[3]]
-        used = [helper.make_tensor_value_info(f"out.{n}", element, used_shape) for n in pool.past_names]
-        providers = pool.session.get_providers()[:1]
-        if providers[0] != "CPUExecutionProvider":
-            providers = [(providers[0], {"device_id": str(pool.device_id)}), "CPUExecutionProvider"]
-        options = session_options(threads=1, arena=False, spinning=False)
-
-        def open_graph(model):
-            return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=providers)
-
-        self.copy = open_graph(kernel_model(copy, inputs, outputs))
-        self.cut = open_graph(kernel_model(cut, [*inputs, *bounds], used, [axis]))
-
-    def _bind(self, binding, prefix: str, row: int) -> None:
-        pool, shape = self.pool, (1, *self.pool.row_shape)
-        for name, buffer in zip(pool.past_names, pool.buffers, strict=True):
-            address = buffer.data_ptr() + row * pool.row_bytes
-            bind = binding.bind_input if prefix == "in" else binding.bind_output
-            bind(f"{prefix}.{name}", pool.device, pool.device_id, pool.cache_dtype, shape, address)
-
-    def to_host(self, row: int, length: int, start: int = 0) -> dict[str, np.ndarray]:
-        """Positions `start` to `length` of row `row` of every buffer: past name -> (n_kv, length -
-        start, width) on the host."""
-        binding = self.cut.io_binding()
-        self._bind(binding, "in", row)
-        binding.bind_cpu_input("start", np.array([start], np.int64))
-        binding.bind_cpu_input("length", np.array([length], np.int64))
-        for name in self.pool.past_names:
-            binding.bind_output(f"out.{name}", CPU)
-        self.cut.run_with_iobinding(binding)
-        return {name: value.numpy()[0] for name, value in zip(self.pool.past_names, binding.get_outputs(), strict=True)}
-
-    def from_host(self, rows: Mapping[str, np.ndarray], row: int) -> None:
-        binding = self.copy.io_binding()
-        for name in self.pool.past_names:
-            binding.bind_cpu_input(f"in.{name}", np.ascontiguousarray(rows[name][None], self.pool.cache_dtype))
-        self._bind(binding, "out", row)
-        self.copy.run_with_iobinding(binding)
-
-    def within(self, source: int, target: int) -> None:
-        assert source != target
-        binding = self.copy.io_binding()
-        self._bind(binding, "in", source)
-        self._bind(binding, "out", target)
-        self.copy.run_with_iobinding(binding)
+    wanted = {
+        names.cache_scale_name(i, kind): names.past_name(i, kind)
+        for i in range(cfg.n_layers)
+        for kind in names.KV_KINDS
+    }
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {wanted[init.name]: numpy_helper.to_array(init) for init in graph.initializer if init.name in wanted}
 
 
-class _DecodeWindow:
-    """Rows [low, low + count) for one-token steps: input and output buffers of their own, bound
-    once with the caches' addresses; each step copies its tokens and lengths in and runs. With CUDA
-    graphs the window has a graph id: ONNX Runtime captures it on its second run and replays it from
-    then on (the same addresses every time, which is what a replay needs).
-
-    `total_sequence_length` is the buffer's length, the same every step: in token generation (one
-    new token, fewer than the total) the op reads each row's length from `seqlens_k` only, so a
-    captured graph stays right whatever the lengths (the CPU and GPU parity rungs prove it)."""
-
-    def __init__(self, pool: KVPool, low: int, count: int, graph_id: int) -> None:
-        import onnxruntime as ort
-
-        self.pool = pool
-        self.on_cpu = pool.device == CPU
-        shape, d_model = (count, 1, pool.cfg.d_model), pool.cfg.d_model
-        if self.on_cpu:  # host arrays the bound values share: writing them is the copy in
-            self.hidden_array = np.zeros(shape, pool.dtype)
-            self.seqlens_array = np.zeros(count, np.int32)
-            self.output_array = np.zeros((count, 1, d_model), pool.dtype)
-            values = [ort.OrtValue.ortvalue_from_numpy(a) for a in (self.hidden_array, self.seqlens_array)]
-            self.output_value = ort.OrtValue.ortvalue_from_numpy(self.output_array)
-        else:
-            values = [
-                ort.OrtValue.ortvalue_from_shape_and_type(s, t, pool.device, pool.device_id)
-                for s, t in ((shape, pool.dtype), ((count,), np.int32))
-            ]
-            self.output_value = ort.OrtValue.ortvalue_from_shape_and_type(
-                shape, pool.dtype, pool.device, pool.device_id
-            )
-        self.hidden, self.seqlens_k = values
-        # a CPU input of the op: read when a graph is captured, so it must not change (it does not)
-        self.total = ort.OrtValue.ortvalue_from_numpy(np.array(pool.row_shape[1], np.int32))
-        self.binding = pool.session.io_binding()
-        self.binding.bind_ortvalue_input(names.HIDDEN_STATES, self.hidden)
-        self.binding.bind_ortvalue_input(names.SEQLENS_K, self.seqlens_k)
-        self.binding.bind_ortvalue_input(names.TOTAL_SEQUENCE_LENGTH, self.total)
-        self.binding.bind_ortvalue_output(names.OUTPUT, self.output_value)
-        pool.bind_caches(self.binding, low, count)
-        self.run_options = run_options({"gpu_graph_id": str(graph_id)}) if pool.cuda_graphs else None
-
-    def run(self, hidden: np.ndarray, seqlens_k: np.ndarray) -> None:
-        if self.on_cpu:
-            self.hidden_array[...] = hidden
-            self.seqlens_array[...] = seqlens_k
-        else:
-            self.hidden.update_inplace(hidden)
-            self.seqlens_k.update_inplace(seqlens_k)
-        self.pool.session.run_with_iobinding(self.binding, self.run_options)
-
-    def output(self) -> np.ndarray:
-        return self.output_array.copy() if self.on_cpu else self.output_value.numpy()
+def dequantized(codes: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
+    """A quantized cache's codes (..., n_kv, T, width) as the kernel reads them, float32 (..., n_kv, T,
+    head_dim): int8 code x scale; int4 two codes a byte, stored + 8, the even channel in the low nibble."""
+    if kind == names.INT4_CACHE:
+        nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+        codes = nibbles.astype(np.int8) - 8
+    return codes.astype(np.float32) * scale

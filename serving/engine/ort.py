@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from contract import names
+from contract.deployment import CPU, CUDA  # where tensors live: ONNX Runtime's device names
 
 Arrays = dict[str, np.ndarray]
 Forward = Callable[[Mapping[str, np.ndarray]], Arrays]
 
-CPU, CUDA = "cpu", "cuda"  # where tensors live (ONNX Runtime's device names)
 CPU_PROVIDER = "CPUExecutionProvider"
 CUDA_PROVIDER = "CUDAExecutionProvider"
 TRT_PROVIDER = "TensorrtExecutionProvider"

@@ -16,13 +16,13 @@ from pathlib import Path
 import onnxruntime as ort
 
 from contract.config import ModelConfig
-from serving.engine import tensorrt
+from contract.deployment import TENSORRT  # a placement kind: TensorRT engines, CUDA for what they leave out
+from contract.tensorrt_options import Limits, provider_options
 from serving.engine.errors import EngineError
 from serving.engine.ort import CPU, CPU_PROVIDER, CUDA, CUDA_PROVIDER, TRT_PROVIDER, session_options
 
 log = logging.getLogger(__name__)
 
-TENSORRT = "tensorrt"  # a placement kind: TensorRT engines, CUDA for what they leave out
 PLACEMENTS = (TENSORRT, CUDA, CPU)
 # The files a placement may run, most specific first: a TensorRT host without a TensorRT form runs the
 # CUDA graph (on the CUDA provider), and any host can run the CPU graph.
@@ -76,7 +76,7 @@ def _loadable(library: str) -> bool:
 
 def choose_placement(
     cfg: ModelConfig,
-    limits: tensorrt.Limits,
+    limits: Limits,
     trt_cache: Path,
     device_id: int = 0,
     allow_tensorrt: bool = True,
@@ -89,7 +89,7 @@ def choose_placement(
     notes = []
     trt_missing = tensorrt_unavailable_reason() if allow_tensorrt else "not for this graph"
     if trt_missing is None:
-        options = tensorrt.provider_options(cfg, limits, trt_cache)
+        options = provider_options(cfg, limits, trt_cache)
         notes.append(f"TensorRT options {options}")
         providers = [(TRT_PROVIDER, {"device_id": device_id, **options}), _cuda(device_id), CPU_PROVIDER]
         return Placement(TENSORRT, providers, notes)

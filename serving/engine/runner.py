@@ -1,18 +1,15 @@
 """ONNX Runtime behind the Python-backend models: the graph's session, its execution provider chosen
-by availability (TensorRT, then CUDA, then CPU), and the caches kept on that provider's device.
+by availability (TensorRT, then CUDA, then CPU), and the caches kept on that provider's device; and
+the inspection graph that answers attention maps (`InspectionRunner`).
 
 Inputs and caches are `OrtValue`s bound with IOBinding: the graph's presents stay on the device as
-the next step's past, so on a GPU the caches never travel to the host. The copies batching needs
-(left-padding pasts into one batch, slicing each sequence's present back out) run as two tiny ONNX
-graphs on the GPU (`DeviceCopies`), and as numpy copies on the CPU (`HostCopies`: a CPU cache is
-host memory already, and a graph run per copy costs more than the copy). Tests run both on the CPU.
+the next step's past, so on a GPU the caches never travel to the host. The runner is stateless: what
+keeps and batches caches (the concat engine, serving/engine/concat/) holds them, and its copies.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,12 +22,9 @@ from contract.config import ModelConfig
 from contract.inputs import default_positions, with_defaults
 from serving.engine import tensorrt
 from serving.engine.errors import InvalidRequest
-from serving.engine.kernels import kernel_model
 from serving.engine.ort import (
     CPU,
     CPU_PROVIDER,
-    CUDA,
-    CUDA_PROVIDER,
     run_options,
     session_device,
     session_float_dtype,
@@ -58,31 +52,19 @@ class Runner:
         trt_cache: str | Path | None = None,
         providers: Sequence | None = None,
         device_id: int = 0,
-        copies: str | None = None,
         placement: Placement | None = None,
     ) -> None:
-        """`copies="device"` runs batching's copies as device graphs even on the CPU (tests of the GPU path).
-        Placement: `placement` when given, else `providers` when given, else the best usable here."""
+        """Placement: `placement` when given, else `providers` when given, else the best usable here."""
         self.cfg = cfg
         self.device_id = device_id
-        if placement is not None:
-            pass
-        elif providers is None:
-            trt_cache = Path(trt_cache or Path(tempfile.gettempdir()) / "attention-serving-trt")
+        if placement is None and providers is None:
+            trt_cache = Path(trt_cache or tensorrt.trt_cache_dir())
             placement = choose_placement(cfg, limits or tensorrt.Limits(), trt_cache, device_id)
-        else:
+        elif placement is None:
             placement = Placement(CPU, list(providers), ["providers given by the caller"])
         self.session = open_session(model_path, placement, threads)
         self.device = session_device(self.session)
         self.dtype = session_float_dtype(self.session)
-        if self.device == CUDA or copies == "device":
-            # the copies run where the caches are; TensorRT would only build engines for them
-            on_device = [(CUDA_PROVIDER, {"device_id": device_id})] if self.device == CUDA else []
-            self.copies: HostCopies | DeviceCopies = DeviceCopies(
-                cfg, [*on_device, CPU_PROVIDER], self.device, device_id
-            )
-        else:
-            self.copies = HostCopies()
         self.past_names = names.past_names(cfg.n_layers)
         self.present_names = names.present_names(cfg.n_layers)
         self._give_back = run_options({"memory.enable_memory_arena_shrinkage": "cpu:0"})
@@ -185,144 +167,17 @@ class InspectionRunner:
         arrays = session.run(outputs, {name: feeds[name] for name in wanted})
         return {name: array.astype(np.float32, copy=False) for name, array in zip(outputs, arrays, strict=True)}
 
-
-def nbytes(values: Sequence[ort.OrtValue]) -> int:
-    return sum(value.tensor_size_in_bytes() for value in values)
-
-
-class HostCopies:
-    """Batching's copies on the CPU, in numpy: a CPU cache is host memory, `OrtValue.numpy()` views it."""
-
-    def stack(self, rows: Sequence[Sequence[ort.OrtValue]], left_pads: Sequence[int]) -> list[ort.OrtValue]:
-        """rows[r][k]: row r's k-th past tensor (1, n_kv, P_r, hd); the k-th batched pasts, each row
-        left-padded with zeros to P_max = P_r + left_pads[r]."""
-        stacked = []
-        for k in range(len(rows[0])):
-            first = rows[0][k].numpy()
-            batch = np.empty((len(rows), first.shape[1], first.shape[2] + left_pads[0], first.shape[3]), np.float32)
-            for r, (row, pad) in enumerate(zip(rows, left_pads, strict=True)):
-                batch[r, :, :pad] = 0
-                batch[r, :, pad:] = row[k].numpy()[0]
-            stacked.append(ort.OrtValue.ortvalue_from_numpy(batch))
-        return stacked
-
-    def split(self, batched: Sequence[ort.OrtValue], starts: Sequence[int], ends: Sequence[int]) -> list[list]:
-        """Per row r, each tensor's positions [starts[r], ends[r]) as its own (1, n_kv, len, hd) value."""
-        arrays = [value.numpy() for value in batched]
-        return [
-            [ort.OrtValue.ortvalue_from_numpy(array[r : r + 1, :, start:end].copy()) for array in arrays]
-            for r, (start, end) in enumerate(zip(starts, ends, strict=True))
-        ]
-
-
-class DeviceCopies:
-    """Batching's device-side copies as tiny ONNX graphs on the runner's device.
-
-    `stack`: each row's past (1, n_kv, P_r, hd) left-padded with zeros to P_max, rows concatenated
-    into the batch's past. Rows that need no padding (P_r = P_max) come first and skip the Pad, a
-    copy: decoding in near lockstep, many rows have the longest past. One graph per (batch size,
-    rows without padding).
-    `split`: row r's present positions [start_r, end_r) cut out of the batch's (B, n_kv, S, hd) into
-    a value of its own (the cache the sequence keeps), so that the batch's buffer is freed.
-    """
-
-    MAX_GRAPHS = 128  # stack graphs kept (a few kB and one small session each); least recent go first
-
-    def __init__(self, cfg: ModelConfig, providers: list, device: str, device_id: int) -> None:
-        self.cfg, self.providers, self.device, self.device_id = cfg, providers, device, device_id
-        self.tensor_names = names.past_names(cfg.n_layers)
-        self._stack: collections.OrderedDict[tuple[int, int], ort.InferenceSession] = collections.OrderedDict()
-        self._split: dict[int, ort.InferenceSession] = {}
-
-    def _session(self, model, temporary_outputs: bool) -> ort.InferenceSession:
-        # copies are memory-bound: no thread pool to wake. The stacked past lives for one graph run:
-        # an arena reuses its memory; split outputs are kept caches and must be freed for real
-        options = session_options(threads=1, arena=temporary_outputs, spinning=False)
-        return ort.InferenceSession(model.SerializeToString(), sess_options=options, providers=self.providers)
-
-    def _stack_session(self, batch: int, unpadded: int) -> ort.InferenceSession:
-        key = (batch, unpadded)
-        if key in self._stack:
-            self._stack.move_to_end(key)
-        else:
-            self._stack[key] = self._session(_stack_graph(self.cfg, self.tensor_names, batch, unpadded), True)
-            if len(self._stack) > self.MAX_GRAPHS:
-                self._stack.popitem(last=False)
-        return self._stack[key]
-
-    def stack(self, rows: Sequence[Sequence[ort.OrtValue]], left_pads: Sequence[int]) -> list[ort.OrtValue]:
-        """rows[r][k]: row r's k-th past tensor, rows without padding first; the k-th batched pasts."""
-        unpadded = next((r for r, pad in enumerate(left_pads) if pad), len(left_pads))
-        assert all(left_pads[unpadded:]), "rows without padding must lead"
-        session = self._stack_session(len(rows), unpadded)
-        binding = session.io_binding()
-        for r, (row, pad) in enumerate(zip(rows, left_pads, strict=True)):
-            if r >= unpadded:
-                pads = np.array([0, 0, pad, 0, 0, 0, 0, 0], np.int64)  # (begin per axis, end per axis)
-                binding.bind_ortvalue_input(f"pads.{r}", ort.OrtValue.ortvalue_from_numpy(pads))
-            for name, value in zip(self.tensor_names, row, strict=True):
-                binding.bind_ortvalue_input(f"{name}.{r}", value)
-        for name in self.tensor_names:
-            binding.bind_output(name, self.device, self.device_id)
-        session.run_with_iobinding(binding)
-        return list(binding.get_outputs())
-
-    def split(self, batched: Sequence[ort.OrtValue], starts: Sequence[int], ends: Sequence[int]) -> list[list]:
-        """Per row r, each tensor's positions [starts[r], ends[r]) as its own (1, n_kv, len, hd) value."""
-        batch = len(starts)
-        if batch not in self._split:
-            self._split[batch] = self._session(_split_graph(self.cfg, self.tensor_names, batch), False)
-        session = self._split[batch]
-        binding = session.io_binding()
-        for name, value in zip(self.tensor_names, batched, strict=True):
-            binding.bind_ortvalue_input(name, value)
-        for r, (start, end) in enumerate(zip(starts, ends, strict=True)):
-            binding.bind_ortvalue_input(f"starts.{r}", ort.OrtValue.ortvalue_from_numpy(np.array([r, start])))
-            binding.bind_ortvalue_input(f"ends.{r}", ort.OrtValue.ortvalue_from_numpy(np.array([r + 1, end])))
-        for r in range(batch):
-            for name in self.tensor_names:
-                binding.bind_output(f"{name}.{r}", self.device, self.device_id)
-        session.run_with_iobinding(binding)
-        values = binding.get_outputs()
-        width = len(self.tensor_names)
-        return [list(values[r * width : (r + 1) * width]) for r in range(batch)]
-
-
-def _cache_info(name: str, cfg: ModelConfig, batch: int | str, length: str):
-    from onnx import TensorProto, helper
-
-    return helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, cfg.n_kv_heads, length, cfg.head_dim])
-
-
-def _stack_graph(cfg: ModelConfig, tensor_names: list[str], batch: int, unpadded: int):
-    from onnx import TensorProto, helper
-
-    padded = [r >= unpadded for r in range(batch)]
-    inputs = [helper.make_tensor_value_info(f"pads.{r}", TensorProto.INT64, [8]) for r in range(unpadded, batch)]
-    nodes, outputs = [], []
-    for name in tensor_names:
-        pieces = []
-        for r in range(batch):
-            inputs.append(_cache_info(f"{name}.{r}", cfg, 1, f"past_{r}"))
-            pieces.append(f"{name}.{r}.padded" if padded[r] else f"{name}.{r}")
-            if padded[r]:
-                nodes.append(helper.make_node("Pad", [f"{name}.{r}", f"pads.{r}"], [pieces[-1]]))
-        nodes.append(helper.make_node("Concat", pieces, [name], axis=0))
-        outputs.append(_cache_info(name, cfg, batch, "max_past"))
-    return kernel_model(nodes, inputs, outputs)
-
-
-def _split_graph(cfg: ModelConfig, tensor_names: list[str], batch: int):
-    from onnx import TensorProto, helper
-
-    axes = helper.make_tensor("axes", TensorProto.INT64, [2], [0, 2])  # batch row, sequence positions
-    inputs = [_cache_info(name, cfg, batch, "total") for name in tensor_names]
-    for r in range(batch):
-        inputs.append(helper.make_tensor_value_info(f"starts.{r}", TensorProto.INT64, [2]))
-        inputs.append(helper.make_tensor_value_info(f"ends.{r}", TensorProto.INT64, [2]))
-    nodes, outputs = [], []
-    for r in range(batch):
-        for name in tensor_names:
-            nodes.append(helper.make_node("Slice", [name, f"starts.{r}", f"ends.{r}", "axes"], [f"{name}.{r}"]))
-            outputs.append(_cache_info(f"{name}.{r}", cfg, 1, f"length_{r}"))
-    return kernel_model(nodes, inputs, outputs, [axes])
+    def session_step(self, past: Mapping[str, np.ndarray], tokens: np.ndarray) -> dict[str, np.ndarray]:
+        """The output (1, T, d_model) and each layer's maps `attention.{i}` (1, n_heads, T, length + T) of a
+        session's next step of `tokens` (T, d_model) over its cache `past` (past name -> (1, n_kv,
+        length, hd) fp32, real positions only, as a session's cache holds them)."""
+        length = next(iter(past.values())).shape[2]
+        feeds = {
+            names.HIDDEN_STATES: tokens[None].astype(np.float32, copy=False),
+            names.ATTENTION_MASK: np.ones((1, length + len(tokens)), np.int64),
+            **past,
+        }
+        if self.cfg.rotary:  # the new tokens sit after what the session holds, as its next step's would
+            feeds[names.POSITION_IDS] = length + np.arange(len(tokens), dtype=np.int64)[None]
+        outputs = self.run_arrays(feeds)
+        return {name: outputs[name] for name in [names.OUTPUT, *names.attention_map_names(self.cfg.n_layers)]}

@@ -1,4 +1,4 @@
-"""The live sequences of a session engine's store, for both engines (serving/engine/kv_cache.py,
+"""The live sequences of a session engine's store, for both engines (serving/engine/concat/store.py,
 serving/engine/static_engine.py): id -> entry (anything with a `last_used` time), the tombstones of the
 ids that are gone (to answer a late step precisely), idle eviction, and the count of evictions.
 

@@ -1,5 +1,5 @@
 """What both session engines share (the static one, static_engine.py, and the concat one,
-concat_engine.py): a step request, its check, one execute() worth of steps in and one output or
+concat/engine.py): a step request, its check, one execute() worth of steps in and one output or
 one error per step out, and the idle sweeper.
 
 Each request is checked and matched with its sequence's cache on its own, so one bad request gets

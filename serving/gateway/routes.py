@@ -8,6 +8,10 @@ body follows into the OpenAPI document (app.py adds the models to its components
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
+import re
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import numpy as np
@@ -17,6 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
 from contract.heads import head_statistics
+from contract.inputs import real_tokens
 from serving.gateway import schemas, validated
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
 from serving.gateway.encoding import Encoding, encode, tensor_json
@@ -144,7 +149,7 @@ def _describe(info: ModelInfo) -> dict:
     if info.n_layers:
         sizes |= {"n_layers": info.n_layers, "n_kv_heads": info.n_kv_heads, "head_dim": info.head_dim}
     # what the model's config publishes: its sizes and limits for both models (the session model's IO has no
-    # cache to read them from), the engine and the KV budget of the session model
+    # cache to read them from), the engine, the session operations it offers and the KV budget of the session model
     return sizes | {key: value for key, value in info.facts.items() if key in schemas.ModelDescription.model_fields}
 
 
@@ -222,7 +227,8 @@ async def inspect(request: Request, owner: Caller, encoding: ResponseEncoding = 
             past = session.upstream.length
             validated.check_map_size(info, past, valid.hidden_states.shape[1])
             call = session.upstream.attention_maps(valid.hidden_states)
-            maps = await gw.call(call, f"attention maps of session '{session.id}'")
+            with naming(session):
+                maps = await gw.call(call, f"attention maps of session '{session.id}'")
             mask = None  # a session holds real tokens only
     answer = await gw.offload(sum(m.nbytes for m in maps), _inspection, maps, mask, encoding)
     return json_answer(answer)
@@ -289,12 +295,14 @@ async def create_session(request: Request, gw: State, owner: Caller, response: R
 async def fork_session(session_id: str, gw: State, owner: Caller, response: Response) -> dict:
     async with gw.sessions.using(session_id, owner) as parent:
         child = gw.sessions.reserve(owner, gw.client.session(owner=owner))
-        return await _open(gw, child, response, child.upstream.open(fork_of=parent.upstream))
+        with naming(parent):
+            return await _open(gw, child, response, child.upstream.open(fork_of=parent.upstream))
 
 
 async def _open(gw: State, session: GatewaySession, response: Response, opening) -> dict:
     try:  # START now: a full KV budget or a Triton that cannot serve answers here, not at the first step
-        await gw.call(opening, "opening a session")
+        with naming(session, "the new session"):  # its id is the caller's only once it is open
+            await gw.call(opening, "opening a session")
     except ApiError as error:
         gw.sessions.remove(session.id, session.owner, "refused when opened")
         gw.end_later(session)  # Triton's batcher may hold the sequence; the answer does not wait for it
@@ -327,13 +335,31 @@ async def _step(gw: State, session: GatewaySession, valid: validated.ValidStep) 
     """One upstream step; a session whose server-side state is lost or unknown is marked broken."""
     try:
         call = session.upstream.step(valid.hidden_states, valid.attention_mask)
-        return await gw.call(call, f"step of session '{session.id}'")
+        with naming(session):
+            return await gw.call(call, f"step of session '{session.id}'")
     except SessionConflict as error:
         gw.sessions.break_(session, f"Triton no longer holds its KV cache ({error.message})")
         raise
     except UpstreamTimeout:
         gw.sessions.break_(session, "a step timed out, so whether Triton applied it is unknown")
         raise
+
+
+@contextlib.contextmanager
+def naming(session: GatewaySession, name: str | None = None) -> Iterator[None]:
+    """An upstream error raised inside, naming the session as the caller knows it (`name`, default its
+    id) where Triton's or the client's words name its sequence id ("sequence 123", "session 123"); the
+    error's type, and so its status and code, stay."""
+    try:
+        yield
+    except ApiError as error:
+        said = re.escape(str(session.upstream.id))
+        message = re.sub(rf"\b(?:sequence|session) '?{said}'?(?!\w)", name or f"session '{session.id}'", error.message)
+        if message == error.message:
+            raise
+        renamed = copy.copy(error)
+        renamed.message, renamed.args = message, (message,)
+        raise renamed from None
 
 
 @v1.get(
@@ -347,7 +373,8 @@ async def _step(gw: State, session: GatewaySession, valid: validated.ValidStep) 
 )
 async def snapshot(session_id: str, gw: State, owner: Caller) -> Response:
     async with gw.sessions.using(session_id, owner) as session:
-        blob = await gw.call(session.upstream.snapshot(), f"snapshot of session '{session.id}'")
+        with naming(session):
+            blob = await gw.call(session.upstream.snapshot(), f"snapshot of session '{session.id}'")
     return Response(blob, media_type=SNAPSHOT_TYPE)
 
 
@@ -359,7 +386,8 @@ async def snapshot(session_id: str, gw: State, owner: Caller) -> Response:
 )
 async def rewind(session_id: str, body: schemas.RewindBody, gw: State, owner: Caller) -> dict:
     async with gw.sessions.using(session_id, owner) as session:
-        length = await gw.call(session.upstream.rewind(body.length), f"rewind of session '{session.id}'")
+        with naming(session):
+            length = await gw.call(session.upstream.rewind(body.length), f"rewind of session '{session.id}'")
     return {"length": length}
 
 
@@ -380,9 +408,7 @@ async def put_prefix(name: str, request: Request, owner: Caller) -> dict:
     body = await gw.offload(len(raw), validated.parse, raw, schemas.StepBody)
     info = await gw.model_info(gw.settings.session_model)
     valid = await gw.offload(len(raw), validated.step, body, info)
-    tokens = (
-        valid.hidden_states if valid.attention_mask is None else valid.hidden_states[:, valid.attention_mask[0] == 1]
-    )
+    tokens = real_tokens(valid.hidden_states, valid.attention_mask)
     length = await gw.call(gw.client.put_prefix(name, tokens, owner=owner), f"prefix '{name}'")
     return {"name": name, "length": length}
 
@@ -390,6 +416,19 @@ async def put_prefix(name: str, request: Request, owner: Caller) -> dict:
 @v1.get("/prefixes", response_model=schemas.PrefixList, responses=responses(401), summary="This key's prefixes")
 async def list_prefixes(gw: State, owner: Caller) -> dict:
     return {"prefixes": [{"name": n, "length": length} for n, length in sorted(gw.client.prefixes(owner).items())]}
+
+
+@v1.get(
+    "/prefixes/{name}",
+    response_model=schemas.Prefix,
+    responses=responses(401, 404),
+    summary="One prefix of this key: its name and the positions it holds",
+)
+async def get_prefix(name: str, gw: State, owner: Caller) -> dict:
+    held = gw.client.prefixes(owner)
+    if name not in held:
+        raise PrefixNotFound(f"no prefix {name!r} (PUT /v1/prefixes/{{name}} first)")
+    return {"name": name, "length": held[name]}
 
 
 @v1.delete(

@@ -158,7 +158,16 @@ class ModelDescription(BaseModel):
     head_dim: int | None = None
     max_seq_len: int | None = Field(default=None, description="the longest past + new a sequence may hold")
     max_request_tokens: int | None = Field(default=None, description="stateless: batch x new tokens per request")
-    engine: str | None = Field(default=None, description="session: `static` (a KV pool) or `concat`")
+    engine: str | None = Field(
+        default=None,
+        description="session: the engine that serves it: `static` (a KV pool) or `concat` (per-sequence caches; "
+        "what a model whose static graph could not be built gets)",
+    )
+    operations: list[str] | None = Field(
+        default=None,
+        description="session: the session operations its engine offers (snapshot, restore, fork, rewind, the "
+        "prefixes, attention maps); a route needing another answers 400",
+    )
     kv_cache_bytes: int | None = Field(default=None, description="session: the KV cache budget of all sessions")
     dtype: str | None = None
     inputs: list[TensorDescription] = []

@@ -96,7 +96,10 @@ class SessionIds:
         return Claim(int(sequence_id), str(owner), str(replica), str(store_key))
 
 
-class SessionStore:
+class GatewaySessions:
+    """The gateway's table of live sessions (not client.store.SessionStore, which keeps sessions durable
+    across servers)."""
+
     def __init__(
         self,
         per_key: int,

@@ -37,11 +37,11 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=30.0, gt=0, description="per request, upstream included; past it 504")
     sessions_per_key: int = Field(default=16, ge=1, description="open sessions one API key may hold; past it 429")
     session_idle_s: float = Field(default=300.0, gt=0, description="a session unused this long is closed")
-    session_store: str = Field(
-        default="",
+    session_store: str | None = Field(
+        default=None,
         description="where sessions write checkpoints so that one whose Triton replica dies is rebuilt on another at "
-        "its next step: a directory, or a redis:// URL (empty: sessions are not durable; python -m serving "
-        "gives a folder of its own unless told --session-store none)",
+        "its next step: a directory, or a redis:// URL; `none` or empty: sessions are not durable (unset: not "
+        "durable either, but python -m serving gives a folder of its own, removed at its end)",
     )
     checkpoint_every: int = Field(
         default=256,
@@ -86,6 +86,11 @@ class Settings(BaseSettings):
         "busy steps on its own",
     )
     log_level: str = Field(default="info", description="uvicorn's log level: critical, error, warning, info, debug")
+
+    @field_validator("session_store", mode="before")
+    @classmethod
+    def _no_store(cls, value: object) -> object:
+        return "" if isinstance(value, str) and value.strip().lower() == "none" else value
 
     @field_validator("api_keys", mode="before")
     @classmethod

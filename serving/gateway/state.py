@@ -17,7 +17,7 @@ from serving.gateway.auth import owner_of
 from serving.gateway.errors import Overloaded
 from serving.gateway.limits import request_deadline
 from serving.gateway.metrics import Metrics
-from serving.gateway.sessions import GatewaySession, SessionIds, SessionStore, tag
+from serving.gateway.sessions import GatewaySession, GatewaySessions, SessionIds, tag
 from serving.gateway.settings import Settings
 from serving.gateway.validated import body_bound
 
@@ -54,7 +54,7 @@ class GatewayState:
         self.metrics = Metrics()
         given = settings.session_secret.get_secret_value() if settings.session_secret else None
         self.secret = given or secrets.token_urlsafe(32)
-        self.sessions = SessionStore(
+        self.sessions = GatewaySessions(
             settings.sessions_per_key,
             settings.session_idle_s,
             SessionIds(self.secret),

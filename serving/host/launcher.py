@@ -42,8 +42,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from contract import files
+from contract.deployment import FEW_SESSIONS
+from contract.names import SESSION_MODEL
 from serving.host.process import ManagedProcess, ProcessStartError, remove_unmapped_shm
-from serving.triton.config import FEW_SESSIONS, MHA_SESSION
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +311,7 @@ class TritonServer(ManagedProcess):
             return 0
         last_count = self.log_text().rpartition('] "Timeout ')[2]  # from the last count on
         held = dict(_IN_FLIGHT.findall(last_count))
-        return sum(map(int, held.values())) if held and set(held) == {MHA_SESSION} else 0
+        return sum(map(int, held.values())) if held and set(held) == {SESSION_MODEL} else 0
 
     def _cleanup(self, keep_log: bool) -> None:
         if keep_log:

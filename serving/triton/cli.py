@@ -8,33 +8,22 @@ python -m serving ensure --repository /models --preset seed      build and fill 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
-from serving.engine.settings import ENGINES, KV_DTYPES
-from serving.triton.config import (
-    MHA_ONNX,
-    MHA_SESSION,
-    MODELS,
-    PYTHON_MODELS,
-    TRITON_CONFIG_FILENAME,
-    ServingSettings,
-    capacity_lines,
-    to_text,
-)
-from serving.triton.repository import (
-    ONNX_BACKEND_VARIANT,
-    P_CPU,
-    QUANTIZED_STATIC_FILES,
-    RepositoryError,
-    is_complete,
-    model_configs,
-    write_repository,
-)
+from contract.deployment import ENGINES, HOST_KINDS, KV_DTYPES, MODELS, PYTHON_MODELS, ServingSettings
+
+if TYPE_CHECKING:
+    from export.progress import Progress
+
+# The Triton configs and the repository (protobuf, tritonclient: half a second to import) are imported
+# where they are used, so that a command's --help and usage errors answer at once.
 
 DEFAULT_ARTIFACTS = files.DEFAULT_ARTIFACTS / DEFAULT_PRESET
 
@@ -52,6 +41,13 @@ def add_commands(commands) -> None:
     config_arguments(e, json_text=True)
     e.add_argument("--repository", type=Path, default=files.DEFAULT_REPOSITORY, help="default: %(default)s")
     e.add_argument("--artifacts", type=Path, help="where to build and keep the artifacts (default: a temporary dir)")
+    e.add_argument(
+        "--for",
+        dest="host",
+        choices=HOST_KINDS,
+        help="build the graphs a host of this kind serves (an export container builds for the GPU host that "
+        "serves them: tensorrt); default: this machine's kind",
+    )
     _settings_arguments(e)
 
 
@@ -125,32 +121,38 @@ def export_to(
     artifacts: Path,
     settings: ServingSettings | None = None,
     models: tuple[str, ...] = MODELS,
-) -> Path:
-    """Build `cfg` into `artifacts` (export, on the CPU) and fill `repository` from it.
+    progress: Progress | None = None,
+    host: str | None = None,
+) -> dict:
+    """Build `cfg` into `artifacts` (export, on the CPU) with the variants a `host` of that kind serves
+    (export/choices.py: cpu, cuda, tensorrt; None: this machine's kind), fill `repository` from it and
+    return the build's report; prints nothing (`progress`: where the build's stages go, none by default).
 
     A failing variant still fails (BuildError), but the repository is filled from the variants that
     passed: a failed fp16 graph must not keep `python -m serving` from starting on the CPU. A KV dtype
-    whose graph is not a default variant (int4) adds it to the build.
+    whose graph is built only when asked for (int8, int4) adds it to the build.
     """
-    from export.build import DEFAULT_VARIANTS, BuildError
-    from export.report import build_and_report
+    from export.build import HOST, BuildError, build
+    from export.progress import Progress
+    from serving.triton.repository import P_CPU, QUANTIZED_STATIC_FILES, write_repository
 
     wanted = QUANTIZED_STATIC_FILES.get((settings or ServingSettings()).kv_dtype, {}).get(P_CPU, ())
-    variants = None if set(wanted) <= set(DEFAULT_VARIANTS) else (*DEFAULT_VARIANTS, *wanted)
+    variants = (host or HOST, *wanted)
     try:
-        build_and_report(cfg, artifacts, variants)
+        report = build(cfg, artifacts, variants, progress=progress or Progress(enabled=False))
     except BuildError:
         write_repository(artifacts, repository, settings, models)
         raise
     write_repository(artifacts, repository, settings, models)
-    print(f"model repository: {repository}")
-    _print_capacity(cfg, settings, models)
-    return repository
+    return report
 
 
-def export_default(repository: Path = files.DEFAULT_REPOSITORY, artifacts: Path = DEFAULT_ARTIFACTS) -> Path:
-    """The default preset into `repository` (what `python -m serving` does when the repository lacks it)."""
-    return export_to(preset(DEFAULT_PRESET), repository, artifacts)
+def export_default(
+    repository: Path = files.DEFAULT_REPOSITORY, artifacts: Path = DEFAULT_ARTIFACTS, progress: Progress | None = None
+) -> dict:
+    """The default preset into `repository` (what `python -m serving` does when the repository lacks
+    it); the build's report, as `export_to`."""
+    return export_to(preset(DEFAULT_PRESET), repository, artifacts, progress=progress)
 
 
 def up_to_date(
@@ -158,6 +160,9 @@ def up_to_date(
 ) -> bool:
     """Whether `repository` holds every model of `models` built from `cfg` with these settings, i.e.
     the configs it would write now (nothing to do)."""
+    from serving.triton.config import MHA_ONNX, TRITON_CONFIG_FILENAME, to_text
+    from serving.triton.repository import ONNX_BACKEND_VARIANT, is_complete, model_configs
+
     if not is_complete(repository, tuple(m for m in models if m in PYTHON_MODELS)):
         return False
     if not all((repository / m / TRITON_CONFIG_FILENAME).is_file() for m in models):
@@ -173,36 +178,53 @@ def up_to_date(
 
 
 def run_repository(args: argparse.Namespace) -> int:
+    from serving.triton.repository import RepositoryError, write_repository
+
     try:
         write_repository(args.artifacts, args.repository, settings_from(args), args.models)
     except (OSError, ValueError, RepositoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"model repository: {args.repository} ({', '.join(args.models)})")
-    _print_capacity(ModelConfig.load(args.artifacts), settings_from(args), args.models)
+    print_capacity(ModelConfig.load(args.artifacts), settings_from(args), args.models)
     return 0
 
 
-def _print_capacity(cfg: ModelConfig, settings: ServingSettings | None, models: tuple[str, ...]) -> None:
+def print_capacity(cfg: ModelConfig, settings: ServingSettings | None, models: tuple[str, ...]) -> None:
+    """What the session model's KV budget holds (config.capacity_lines), when the repository has it."""
+    from serving.triton.config import MHA_SESSION, capacity_lines
+
     if MHA_SESSION in models:
         for line in capacity_lines(cfg, settings or ServingSettings()):
             print(line)
 
 
+def _artifacts_folder(given: Path | None) -> contextlib.AbstractContextManager:
+    """Where `ensure` builds: the folder given (kept), else a temporary one."""
+    return contextlib.nullcontext(given) if given else tempfile.TemporaryDirectory(prefix="export-")
+
+
 def run_ensure(args: argparse.Namespace) -> int:
-    """The one-shot export of a deployment (compose's `export` service)."""
+    """The one-shot export of a deployment (compose's `export` service): the build's table, the
+    repository and what its KV budget holds."""
     from export.build import BuildError
+    from export.progress import Progress
+    from export.report import printing
+    from serving.triton.repository import RepositoryError
 
     try:
         cfg, settings = config_from(args), settings_from(args)
         if up_to_date(args.repository, cfg, args.models, settings):
             print(f"model repository {args.repository} already holds this model; nothing to build")
             return 0
-        if args.artifacts:
-            export_to(cfg, args.repository, args.artifacts, settings, args.models)
-        else:
-            with tempfile.TemporaryDirectory(prefix="export-") as scratch:
-                export_to(cfg, args.repository, Path(scratch), settings, args.models)
+        with _artifacts_folder(args.artifacts) as where:
+            artifacts = Path(where)
+            printing(
+                lambda: export_to(cfg, args.repository, artifacts, settings, args.models, Progress(), args.host),
+                artifacts,
+            )
+        print(f"model repository: {args.repository}")
+        print_capacity(cfg, settings, args.models)
     except BuildError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -12,12 +12,14 @@ the ONNX graph its model loads.
   each sequence's cache. Strategy `oldest` (`direct` fills empty batch slots with null requests
   that need answers too); `allow_ragged_batch` lets steps with different T share one execute().
 - `mha_onnx` (onnxruntime backend, GPU hosts): stateless like `mha`, with the TensorRT
-  accelerator in FP16 with the TensorRT options of `serving.engine.tensorrt`.
+  accelerator in FP16 with the TensorRT options of `contract.tensorrt_options` (the engine's own).
+
+What a deployment tunes (`ServingSettings`) and its capacity arithmetic are contract/deployment.py's:
+writing or reading a config loads no engine (the launcher does both).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from google.protobuf import text_format
@@ -25,21 +27,21 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from contract import names
 from contract.config import ModelConfig
-from contract.names import TensorSpec
-from serving.engine import tensorrt
-from serving.engine.settings import (
+from contract.deployment import (  # noqa: F401  (MODELS, PYTHON_MODELS: re-exported for the repository)
+    CPU_CACHE_BITS,
     ENGINE_STATIC,
-    ENGINES,
-    KV_DTYPES,
+    FEW_SESSIONS,
     KV_FLOAT,
-    MAX_LIVE_SEQUENCES,
-    SessionSettings,
+    MODELS,
+    PYTHON_MODELS,
+    ServingSettings,
     most_sequences,
+    sequences_fitting,
 )
+from contract.names import TensorSpec
+from contract.tensorrt_options import Limits, provider_options
 
 MHA, MHA_SESSION, MHA_ONNX = names.MODEL, names.SESSION_MODEL, names.ONNX_MODEL
-MODELS = (MHA, MHA_SESSION, MHA_ONNX)
-PYTHON_MODELS = (MHA, MHA_SESSION)
 TRITON_CONFIG_FILENAME = "config.pbtxt"
 ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_filename
 
@@ -67,49 +69,6 @@ MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_
 FACT_PREFIX = names.FACT_PREFIX
 
 _FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
-
-
-@dataclasses.dataclass(frozen=True)
-class ServingSettings:
-    """What a deployment tunes; everything else in the configs follows from the ModelConfig."""
-
-    # the engine's defaults (serving/engine/settings.py): threads (0 = ONNX Runtime's default), the KV
-    # budget of all sequences together, the idle timeout after which a sequence loses its cache (Triton
-    # forgets the sequence after twice this, so a late step first meets our precise "evicted" error
-    # rather than Triton's generic one), the most sequences stepped in one execute()
-    threads: int = SessionSettings.threads
-    kv_cache_bytes: int = SessionSettings.kv_cache_bytes
-    idle_timeout_seconds: float = SessionSettings.idle_timeout_seconds
-    max_batch_size: int = SessionSettings.max_batch
-    max_queue_delay_microseconds: int = 0  # batch what queued while the model was busy; never wait
-    trt_cache_dir: str = "/tmp/triton-trt-cache"  # mha_onnx: TensorRT engine cache (must be writable)
-    engine: str = SessionSettings.engine  # mha_session: the static slot pool, or per-sequence caches
-    # mha: batch x new tokens one request may compute; None = the config's max_seq_len. A request's
-    # attention scores grow with its tokens times its length: 12,000 tokens took a stub to 6.6 GB.
-    max_request_tokens: int | None = None
-    # mha_session (static): the cache's values, float (the graph's float: fp32 on the CPU, fp16 on CUDA)
-    # or int8/int4 (the quantized static graphs, CPU), and the smallest row a session starts in
-    kv_dtype: str = KV_FLOAT
-    min_row_positions: int = SessionSettings.min_row_positions
-
-    def __post_init__(self) -> None:
-        if self.threads < 0 or self.kv_cache_bytes <= 0 or self.idle_timeout_seconds <= 0 or self.max_batch_size < 1:
-            raise ValueError(f"invalid serving settings: {self}")
-        if self.max_request_tokens is not None and self.max_request_tokens < 1:
-            raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.min_row_positions < 1:
-            raise ValueError(f"min_row_positions must be at least 1, got {self.min_row_positions}")
-
-    def request_tokens(self, cfg: ModelConfig) -> int:
-        return self.max_request_tokens or cfg.max_seq_len
-
-    @property
-    def triton_idle_microseconds(self) -> int:
-        return int(2 * self.idle_timeout_seconds * 1e6)
 
 
 def _dims(shape: tuple[str | int, ...]) -> list[int]:
@@ -198,27 +157,21 @@ def mha_session_config(
     return config
 
 
-# Candidate slots when the budget holds few sequences (what mha_session had before the budget set them)
-# Fewer sessions than this at once is worth a warning: the next caller is refused (503) behind them.
-FEW_SESSIONS = 4
-
-
 def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
     """What `mha_session`'s KV budget holds, as the repository commands print it: sequences of
     max_seq_len in the deployment's cache on the CPU (and an fp16 one on a GPU), with rows sized to
     the session how many shorter ones, and a warning when few full-length ones fit."""
-    budget_mib = settings.kv_cache_bytes / (1 << 20)
-    bits = {KV_FLOAT: 32, "int8": 8, "int4": 4}[settings.kv_dtype]
-    on_cpu = settings.kv_cache_bytes * 8 // (cfg.kv_cache_bytes(1, cfg.max_seq_len, 1) * bits)
-    cache = "fp32" if settings.kv_dtype == KV_FLOAT else settings.kv_dtype
+    budget, dtype = settings.kv_cache_bytes, settings.kv_dtype
+    on_cpu = sequences_fitting(cfg, budget, CPU_CACHE_BITS[dtype])
+    cache = "fp32" if dtype == KV_FLOAT else dtype
     lines = [
-        f"{MHA_SESSION}: KV cache budget {budget_mib:.0f} MiB = {on_cpu} sequences of up to {cfg.max_seq_len} "
+        f"{MHA_SESSION}: KV cache budget {budget / (1 << 20):.0f} MiB = {on_cpu} sequences of up to {cfg.max_seq_len} "
         f"positions on the CPU ({cache})"
-        + (f", {most_sequences(cfg, settings.kv_cache_bytes)} on a GPU (fp16)" if settings.kv_dtype == KV_FLOAT else "")
+        + (f", {most_sequences(cfg, budget)} on a GPU (fp16)" if dtype == KV_FLOAT else "")
     ]
     smallest = min(settings.min_row_positions, cfg.max_seq_len)
     if settings.engine == ENGINE_STATIC and smallest < cfg.max_seq_len:
-        short = min(MAX_LIVE_SEQUENCES, settings.kv_cache_bytes * 8 // (cfg.kv_cache_bytes(1, smallest, 1) * bits))
+        short = most_sequences(cfg, budget, smallest_row=smallest, cache_bits=CPU_CACHE_BITS[dtype])
         lines.append(
             f"{MHA_SESSION}: rows sized to the session: up to {short} sequences of up to {smallest} positions "
             f"on the CPU ({cache}) at once, each moving to a row twice as long as it grows"
@@ -239,7 +192,7 @@ def candidate_sequences(cfg: ModelConfig, settings: ServingSettings) -> int:
     timeout, whatever the model answered; with every slot taken it answers nothing and keeps a new
     START in a backlog until one frees (nothing else in the batcher bounds sequences). The slots held
     at once are at most: the live sequences (at most `most`, the rows the budget holds on any
-    placement: serving/engine/settings.py), those the model evicted for idleness that Triton holds
+    placement: contract/deployment.py), those the model evicted for idleness that Triton holds
     until its own timeout, twice the model's (they were all live one model timeout ago: at most
     `most` again), and STARTs the model refused, until their END (client/core.py sends it at once;
     a client that does not is covered up to `most` more). Three times `most`, then.
@@ -261,7 +214,7 @@ def mha_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConf
     _add_stateless_io(config, cfg, "float32", optional=False)
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
     cache = f"{settings.trt_cache_dir.rstrip('/')}/{MHA_ONNX}"
-    options = tensorrt.provider_options(cfg, tensorrt.Limits(), cache_path=cache, fp16=True)
+    options = provider_options(cfg, Limits(), cache_path=cache, fp16=True)
     config.optimization.CopyFrom(triton_optimization(options))
     return config
 

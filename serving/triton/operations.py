@@ -16,85 +16,96 @@ request on a session's sequence whose parameter `session_operation` names one of
 `owner` is optional (empty: anyone); the blob is serving/engine/snapshots.py's. `attention_maps`
 computes what a step of its tokens would and keeps nothing: the session's cache and length are as before.
 
-Each is checked here and refused (INVALID_ARG, naming the parameter, expected and actual) before the
-engine is touched. Only the static engine has them."""
+The engine says which it offers and how each is sent (`StepEngine.operations()`, from the table
+`serving.engine.steps.SESSION_OPERATIONS`): the flags are checked against that, and the method it
+names is called. Each request is checked here and refused (INVALID_ARG, naming the parameter,
+expected and actual; an operation the engine does not offer, naming the engine and those it does)
+before the engine is touched."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from contract import names
+from contract.inputs import real_tokens
 from serving.engine.errors import InvalidRequest
-from serving.engine.steps import StepRequest, check_step
-
-# operation -> (START, END, tokens) it is sent with
-FLAGS = {
-    names.SNAPSHOT_OPERATION: (False, False, False),
-    names.RESTORE: (True, False, False),
-    names.FORK: (True, False, False),
-    names.REWIND: (False, False, False),
-    names.PUT_PREFIX: (True, True, True),
-    names.FROM_PREFIX: (True, False, False),
-    names.DELETE_PREFIX: (True, True, False),
-    names.ATTENTION_MAPS_OPERATION: (False, False, True),
-}
+from serving.engine.steps import Operation, StepEngine, StepRequest, check_step
 
 
-def run(engine: Any, step: StepRequest, operation: dict) -> dict[str, np.ndarray]:
+def run(engine: StepEngine, step: StepRequest, operation: dict) -> dict[str, np.ndarray]:
     """Do `operation` (the request's parameters, with its `snapshot` input) on `step`'s sequence; the
     outputs it answers beside `held_length` (a snapshot's blob, the attention maps; none: {})."""
-    name = _check(engine, step, operation)
-    sequence = step.sequence_id
-    owner = _parameter(operation, names.OWNER, (str,)) if names.OWNER in operation else ""
+    name, table_entry = _check(engine, step, operation)
+    answer = getattr(engine, table_entry.method)(*ARGUMENTS[name](engine, step, operation))
     if name == names.SNAPSHOT_OPERATION:
-        since = _parameter(operation, names.SNAPSHOT_SINCE, (int,)) if names.SNAPSHOT_SINCE in operation else 0
-        return {names.SNAPSHOT: np.array([[engine.snapshot(sequence, owner, since)]], dtype=np.object_)}
+        return {names.SNAPSHOT: np.array([[answer]], dtype=np.object_)}
     if name == names.ATTENTION_MAPS_OPERATION:
-        check_step(engine.cfg, step)  # as a step's tokens are checked: shape, finite values, the mask
-        if step.mask is not None and not step.mask.all():
-            raise InvalidRequest(f"'{name}' takes the next step's real tokens: expected no padding in its mask")
-        return engine.attention_maps(sequence, step.hidden[0])
-    if name == names.RESTORE:
-        engine.restore(sequence, _blobs(operation.get(names.SNAPSHOT)), owner)
-    elif name in (names.PUT_PREFIX, names.FROM_PREFIX, names.DELETE_PREFIX):
-        _prefix(engine, step, name, owner, _parameter(operation, names.PREFIX, (str,)))
-    elif name == names.FORK:
-        engine.fork(_parameter(operation, names.FORK_OF, (int, str)), sequence)
-    else:
-        engine.rewind(sequence, _parameter(operation, names.REWIND_TO, (int,)))
+        return answer
     return {}
 
 
-def _check(engine: Any, step: StepRequest, operation: dict) -> str:
+def offered(engine: StepEngine) -> str:
+    """The operations `engine` offers, as the model's load line says them."""
+    return ", ".join(engine.operations()) or "none"
+
+
+def _check(engine: StepEngine, step: StepRequest, operation: dict) -> tuple[str, Operation]:
     name = operation[names.OPERATION]
     if name not in names.OPERATIONS:
         raise InvalidRequest(f"parameter '{names.OPERATION}': expected one of {list(names.OPERATIONS)}, got {name!r}")
-    if not hasattr(engine, "snapshot"):
-        raise InvalidRequest(f"'{name}' needs the static engine; this model runs the concat engine")
-    start, end, carries_tokens = FLAGS[name]
-    for flag, wanted, given in (("START", start, step.start), ("END", end, step.end)):
-        if given != wanted:
-            raise InvalidRequest(f"'{name}' is sent {'with' if wanted else 'without'} the {flag} flag")
+    table = engine.operations()
+    if name not in table:
+        served_by = type(engine).__name__
+        raise InvalidRequest(f"'{name}' is not an operation of this model's {served_by}: it offers {offered(engine)}")
+    wanted = table[name]
+    for flag, sent_with, given in (("START", wanted.start, step.start), ("END", wanted.end, step.end)):
+        if given != sent_with:
+            raise InvalidRequest(f"'{name}' is sent {'with' if sent_with else 'without'} the {flag} flag")
     tokens = 0 if step.hidden is None else step.hidden.shape[1]
-    if tokens and not carries_tokens:
+    if tokens and not wanted.tokens:
         raise InvalidRequest(f"'{name}' carries no tokens: expected hidden_states of 0 tokens, got {tokens}")
-    if carries_tokens and not tokens:
+    if wanted.tokens and not tokens:
         raise InvalidRequest(f"'{name}' carries tokens: expected hidden_states of 1 or more, got 0")
     if name != names.RESTORE and operation.get(names.SNAPSHOT) is not None:
         raise InvalidRequest(f"input '{names.SNAPSHOT}' goes with '{names.RESTORE}' only, not with '{name}'")
-    return name
+    return name, wanted
 
 
-def _prefix(engine: Any, step: StepRequest, name: str, owner: str, prefix: str) -> None:
-    if name == names.PUT_PREFIX:
-        tokens = step.hidden[0] if step.mask is None else step.hidden[0][step.mask[0].astype(bool)]
-        engine.put_prefix(owner, prefix, tokens)
-    elif name == names.FROM_PREFIX:
-        engine.start_from_prefix(step.sequence_id, owner, prefix)
-    else:
-        engine.delete_prefix(owner, prefix)
+def _maps_arguments(engine: StepEngine, step: StepRequest, parameters: dict) -> tuple:
+    check_step(engine.cfg, step)  # as a step's tokens are checked: shape, finite values, the mask
+    if step.mask is not None and not step.mask.all():
+        raise InvalidRequest(
+            f"'{names.ATTENTION_MAPS_OPERATION}' takes the next step's real tokens: expected no padding in its mask"
+        )
+    return step.sequence_id, step.hidden[0]
+
+
+def _owner(parameters: dict) -> str:
+    return _parameter(parameters, names.OWNER, (str,)) if names.OWNER in parameters else ""
+
+
+def _since(parameters: dict) -> int:
+    return _parameter(parameters, names.SNAPSHOT_SINCE, (int,)) if names.SNAPSHOT_SINCE in parameters else 0
+
+
+def _prefix(parameters: dict) -> str:
+    return _parameter(parameters, names.PREFIX, (str,))
+
+
+# operation -> the arguments of the engine's method for it, from (engine, step, the request's parameters)
+ARGUMENTS: dict[str, Callable[[StepEngine, StepRequest, dict], tuple]] = {
+    names.SNAPSHOT_OPERATION: lambda _, step, p: (step.sequence_id, _owner(p), _since(p)),
+    names.RESTORE: lambda _, step, p: (step.sequence_id, _blobs(p.get(names.SNAPSHOT)), _owner(p)),
+    names.FORK: lambda _, step, p: (_parameter(p, names.FORK_OF, (int, str)), step.sequence_id),
+    names.REWIND: lambda _, step, p: (step.sequence_id, _parameter(p, names.REWIND_TO, (int,))),
+    names.PUT_PREFIX: lambda _, step, p: (_owner(p), _prefix(p), real_tokens(step.hidden, step.mask)[0]),
+    names.FROM_PREFIX: lambda _, step, p: (step.sequence_id, _owner(p), _prefix(p)),
+    names.DELETE_PREFIX: lambda _, step, p: (_owner(p), _prefix(p)),
+    names.ATTENTION_MAPS_OPERATION: _maps_arguments,
+}
 
 
 def _blobs(array: np.ndarray | None) -> list[bytes]:

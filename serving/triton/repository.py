@@ -21,8 +21,8 @@ from pathlib import Path
 
 from contract import names
 from contract.config import ModelConfig
+from contract.deployment import ENGINE_CONCAT, ENGINE_OPERATIONS, ENGINE_STATIC, KV_INT4, KV_INT8
 from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
-from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, KV_INT4, KV_INT8
 from serving.triton import config as triton_config
 from serving.triton import digests
 from serving.triton.config import ServingSettings
@@ -33,6 +33,8 @@ SHIM_FILENAME = "model.py"
 
 P_CPU, P_CUDA, P_TRT = triton_config.P_ONNX_FILE, triton_config.P_ONNX_FILE_CUDA, triton_config.P_ONNX_FILE_TENSORRT
 P_INSPECT = triton_config.P_ONNX_FILE_INSPECT
+# mha_session: the session operations its engine offers, comma-separated (published, read by no model)
+P_OPERATIONS = "operations"
 # Both python models answer the attention maps from the inspection graph on the CPU, whatever else they
 # run (export/inspect_form.py); an artifact without it serves the rest, and a request for maps is refused.
 INSPECTION_FILES = {P_INSPECT: (names.INSPECTION_VARIANT,)}
@@ -147,10 +149,15 @@ def model_files(passing: set[str], settings: ServingSettings | None = None) -> d
 
 
 def model_configs(cfg: ModelConfig, passing: set[str], settings: ServingSettings | None = None) -> dict:
-    """Every model's Triton config for an artifact whose `passing` variants are there."""
+    """Every model's Triton config for an artifact whose `passing` variants are there; mha_session's
+    publishes the engine chosen (`engine`) and the session operations it offers (P_OPERATIONS), which
+    the gateway's GET /v1/models reads back."""
     settings = settings or ServingSettings()
     files = model_files(passing, settings)
-    return triton_config.model_configs(cfg, files, settings, session_engine(settings, passing))
+    engine = session_engine(settings, passing)
+    configs = triton_config.model_configs(cfg, files, settings, engine)
+    configs[triton_config.MHA_SESSION].parameters[P_OPERATIONS].string_value = ",".join(ENGINE_OPERATIONS[engine])
+    return configs
 
 
 def write_repository(

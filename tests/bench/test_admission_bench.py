@@ -3,6 +3,7 @@ it writes its JSON, its plot and its table, and what it measured is coherent (ti
 asserted: this is a smoke test, the numbers are docs/reliability.md's)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -11,10 +12,11 @@ from bench.__main__ import main
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_the_admission_benchmark_refuses_past_the_budget_under_both_slot_settings(tmp_path, capsys):
-    out = tmp_path / "results"
+def test_the_admission_benchmark_refuses_past_the_budget_under_both_slot_settings(artifact_dir, tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "results"
+    shutil.copytree(artifact_dir("tiny"), work / "artifact")  # reuse the session's build
     args = ["admission", "--rows", "30", "--attempts", "40", "--memory-rounds", "1"]
-    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    assert main([*args, "--out", str(out), "--work", str(work)]) == 0
     results = json.loads((out / "admission.json").read_text())
     assert (out / "admission.png").read_bytes().startswith(b"\x89PNG")
     for name, setting in results["settings"].items():

@@ -2,6 +2,7 @@
 a few steps per mode; it writes its JSON, its plot and its table, and what it measured is coherent."""
 
 import json
+import shutil
 
 import pytest
 
@@ -10,10 +11,11 @@ from bench.__main__ import main
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_the_scale_benchmark_measures_both_paths_and_the_spread(tmp_path, capsys):
-    out = tmp_path / "results"
+def test_the_scale_benchmark_measures_both_paths_and_the_spread(artifact_dir, tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "results"
+    shutil.copytree(artifact_dir("tiny"), work / "artifacts")  # reuse the session's build
     args = ["scale", "--preset", "tiny", "--past", "8", "--rounds", "2", "--steps", "3", "--sessions", "9"]
-    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    assert main([*args, "--out", str(out), "--work", str(work)]) == 0
     results = json.loads((out / "scale.json").read_text())
     assert (out / "scale.png").stat().st_size > 0
     for mode, row in results["latency"].items():

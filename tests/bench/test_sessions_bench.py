@@ -4,6 +4,7 @@ it writes its JSON, its plot and its table, and what it measured is coherent (ti
 asserted: this is a smoke test)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -13,11 +14,12 @@ from contract.config import preset
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(tmp_path, capsys):
-    out = tmp_path / "results"
+def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(artifact_dir, tmp_path, capsys):
+    work, out = tmp_path / "work", tmp_path / "results"
+    shutil.copytree(artifact_dir("tiny"), work / "artifact-tiny")  # reuse the session's build
     args = ["sessions", "--preset", "tiny", "--lengths", "16,64", "--rounds", "1", "--seconds", "0.05"]
     args += ["--served-lengths", "32"]
-    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    assert main([*args, "--out", str(out), "--work", str(work)]) == 0
     results = json.loads((out / "sessions.json").read_text())
     assert (out / "sessions.png").read_bytes().startswith(b"\x89PNG")
     cfg = preset("tiny")

@@ -3,7 +3,9 @@ broken or silent (no mocks: the client's own transport meets each of them)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import struct
 import threading
 from concurrent import futures
 
@@ -107,7 +109,9 @@ def silent_server(request):
 
 class DelayedProxy:
     """A server that is down, then comes up: its port refuses connections until `open()`, then
-    forwards every connection to `target` ("host:port"), byte for byte."""
+    forwards every connection to `target` ("host:port"), byte for byte. `cut()` takes it down again
+    while the server behind it lives on (a network that drops it): every connection is reset, and new
+    ones are reset on arrival, until `open()`."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit(":", 1)
@@ -115,6 +119,8 @@ class DelayedProxy:
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
         self._stop = threading.Event()
+        self._cut = threading.Event()
+        self._serving = False
         self._open: list[socket.socket] = []
 
     @property
@@ -122,9 +128,19 @@ class DelayedProxy:
         return f"127.0.0.1:{self._sock.getsockname()[1]}"
 
     def open(self) -> None:
+        self._cut.clear()
+        if self._serving:
+            return
+        self._serving = True
         self._sock.listen(16)
         self._sock.settimeout(0.05)
         threading.Thread(target=self._serve, daemon=True).start()
+
+    def cut(self) -> None:
+        self._cut.set()
+        connections, self._open = self._open, []
+        for conn in connections:
+            _reset(conn)
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -134,6 +150,9 @@ class DelayedProxy:
                 continue
             except OSError:
                 return
+            if self._cut.is_set():
+                _reset(client)
+                continue
             upstream = socket.create_connection(self._target)
             self._open += [client, upstream]
             for source, sink in ((client, upstream), (upstream, client)):
@@ -144,6 +163,14 @@ class DelayedProxy:
         self._sock.close()
         for conn in self._open:
             conn.close()
+
+
+def _reset(conn: socket.socket) -> None:
+    """Drop a connection as a broken network does: an RST (no lingering), its pumps woken."""
+    with contextlib.suppress(OSError):
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.shutdown(socket.SHUT_RDWR)
+    conn.close()
 
 
 def _pump(source: socket.socket, sink: socket.socket) -> None:

@@ -38,3 +38,13 @@ def test_a_missing_input_file_is_reported(tmp_path, refusing_url, capsys):
     code = main(["infer", "--url", refusing_url, "--hidden", str(tmp_path / "nope.npy"), "--retries", "0"])
     assert code == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_a_mistyped_flag_gets_its_commands_usage(capsys):
+    """The command's own usage (its flags), not the top-level one's."""
+    with pytest.raises(SystemExit) as done:
+        main(["health", "--retry", "2"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err.startswith("usage: python -m client health [-h] [--url URL]"), err
+    assert err.endswith("python -m client health: error: unrecognized arguments: --retry 2\n"), err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 
 import numpy as np
@@ -84,6 +85,54 @@ def test_giving_up_raises_the_last_error():
     with pytest.raises(ServerBusyError, match="budget full"):
         retry.call(fn, RetryPolicy(retries=2), what="test", sleep=lambda _: None)
     assert len(calls) == 3
+
+
+# --- detached operations (a best-effort request: the END of a sequence a recovery left behind) ---
+
+
+def starting_a_detached_one(started: threading.Event, release: threading.Event):
+    """An operation that starts a detached one and returns "ok" at once; the detached one says it
+    started, waits for `release`, then fails as an unreachable server does."""
+
+    def detached():
+        yield retry.Local(started.set)
+        yield retry.Local(lambda: release.wait(5))
+        raise ServerUnavailableError("the detached END found no server")
+
+    yield retry.Detach(detached())
+    return "ok"
+
+
+def detached_failures(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "a detached operation failed" in r.getMessage()]
+
+
+def test_a_detached_operation_neither_delays_nor_fails_the_one_that_started_it(caplog):
+    started, release = threading.Event(), threading.Event()
+    with caplog.at_level(logging.DEBUG, logger=retry.__name__):
+        assert retry.run_blocking(starting_a_detached_one(started, release), lambda: None) == "ok"
+        assert started.wait(5) and not release.is_set()  # it runs on, on a thread of its own
+        release.set()
+        deadline = time.monotonic() + 5
+        while not detached_failures(caplog) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert detached_failures(caplog) == [
+        "a detached operation failed: ServerUnavailableError('the detached END found no server')"
+    ]
+
+
+def test_an_asyncio_detached_operation_is_a_task_of_the_running_loop(caplog):
+    async def run() -> None:
+        started, release = threading.Event(), threading.Event()
+        assert await retry.run_async(starting_a_detached_one(started, release), lambda: None) == "ok"
+        assert await asyncio.to_thread(started.wait, 5) and len(retry._DETACHED) == 1
+        release.set()
+        while retry._DETACHED:
+            await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.DEBUG, logger=retry.__name__):
+        asyncio.run(asyncio.wait_for(run(), 10))
+    assert len(detached_failures(caplog)) == 1, caplog.text
 
 
 # --- a stopped server: connections refused -------------------------------------------------

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -26,18 +25,8 @@ from contract import names
 from export.parity import TOLERANCES, Scenario, compare_rung
 from serving.engine.ort import Forward
 from tests.client.conftest import DelayedProxy
+from tests.fixtures.served import PROTOCOLS, SEQUENCES, full_forward, hidden, live_sequences, url
 from tests.fixtures.triton import metric
-
-PROTOCOLS = ["grpc", "http"]
-SEQUENCES = "attention_kv_cache_sequences"  # the session model's gauge of live sequences
-
-
-def url(triton, protocol: str) -> str:
-    return triton.grpc_url if protocol == "grpc" else triton.http_url
-
-
-def hidden(served_cfg, batch: int, tokens: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((batch, tokens, served_cfg.d_model)).astype(np.float32)
 
 
 def client_runner(infer) -> Forward:
@@ -93,25 +82,10 @@ def test_async_infer_matches_pytorch_over_prefill_and_decode(triton, served_cfg,
 # --- sessions -------------------------------------------------------------------------------
 
 
-def full_forward(served_reference, pieces: list[np.ndarray], mask: np.ndarray | None = None) -> np.ndarray:
-    inputs = {names.HIDDEN_STATES: np.concatenate(pieces, axis=1)}
-    if mask is not None:
-        inputs[names.ATTENTION_MASK] = mask
-    return served_reference(inputs)[names.OUTPUT]
-
-
-def live_sequences(triton, expected: float, timeout: float = 5.0) -> float:
-    """The session model's live-sequence gauge, polled until it reads `expected` (or time is up)."""
-    deadline = time.monotonic() + timeout
-    while (value := metric(triton, SEQUENCES, "mha_session")) != expected and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return value
-
-
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_session_equals_the_full_causal_forward_and_ends_on_exit(triton, served_cfg, served_reference, protocol):
     pieces = [hidden(served_cfg, 1, 6, seed=1)] + [hidden(served_cfg, 1, 1, seed=2 + i) for i in range(10)]
-    before = metric(triton, SEQUENCES, "mha_session")
+    before = metric(triton, SEQUENCES, names.SESSION_MODEL)
     with Client(url(triton, protocol), protocol) as client:
         with client.session() as session:
             outputs = [session.step(pieces[0])]
@@ -146,7 +120,7 @@ def fail_inside(session, x) -> None:
 
 
 def test_a_session_is_ended_even_when_the_block_fails(triton, served_cfg):
-    before = metric(triton, SEQUENCES, "mha_session")
+    before = metric(triton, SEQUENCES, names.SESSION_MODEL)
     with Client(triton.http_url, "http") as client:
         session = client.session()
         with pytest.raises(KeyError, match="the caller's own error"):

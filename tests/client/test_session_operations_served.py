@@ -13,11 +13,11 @@ import pytest
 
 from client import AsyncClient, Client
 from client.errors import InvalidInputError, UnknownSessionError
-from tests.client.test_served import PROTOCOLS, full_forward, hidden, live_sequences, url
+from contract import names
+from tests.fixtures.served import PROTOCOLS, SEQUENCES, full_forward, hidden, live_sequences, url
 from tests.fixtures.triton import metric
 
 STEPS = 32
-SEQUENCES = "attention_kv_cache_sequences"
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -85,7 +85,7 @@ def test_a_refused_blob_changes_nothing_and_gives_its_start_back(triton, served_
         with client.session() as session:
             session.step(hidden(served_cfg, 1, 4, seed=80))
             blob = session.snapshot()
-        before = metric(triton, SEQUENCES, "mha_session")
+        before = metric(triton, SEQUENCES, names.SESSION_MODEL)
         for bad, message in ((blob[:100], "not a session snapshot"), (b"nonsense", "not a session snapshot")):
             refused = client.session(restore=bad)
             with pytest.raises(InvalidInputError, match=message):

@@ -5,11 +5,12 @@ import pytest
 
 from contract import files, names
 from contract.config import ModelConfig
-from export.build import DEFAULT_VARIANTS, build
+from export.build import build
 from export.progress import Progress
 from serving.triton import repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION
-from tests.serving.test_triton_config import assert_fits, graph_io, loaded_onnx, model_filename_of, read_config
+from tests.fixtures.builds import FULL_BUILD, FULL_VARIANTS
+from tests.fixtures.configs import assert_fits, graph_io, loaded_onnx, model_filename_of, read_config
 
 pytestmark = pytest.mark.slow  # a whole build with its parity ladder per block
 
@@ -25,14 +26,14 @@ BLOCKS = {
 def built(request, tmp_path_factory):
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64, **BLOCKS[request.param])
     out = tmp_path_factory.mktemp(f"block-{request.param}")
-    report = build(cfg, out, progress=Progress(enabled=False))
+    report = build(cfg, out, FULL_BUILD, progress=Progress(enabled=False))
     return cfg, out, report
 
 
 def test_every_variant_builds_fuses_and_passes(built):
     cfg, _, report = built
     assert report["passed"] and report["config"] == cfg.to_dict()
-    for name in DEFAULT_VARIANTS:
+    for name in FULL_VARIANTS:
         entry = report["variants"][name]
         assert entry["passed"] and entry["file"] == files.model_filename(name), (name, entry["problems"])
         assert entry["fused_attention_ops"] == (0 if name == "fp32" else cfg.n_layers), name

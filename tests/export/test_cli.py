@@ -214,6 +214,7 @@ def test_a_full_disk_leaves_the_earlier_build_as_it_was_and_says_so_in_one_line(
 AS_NOBODY = """
 import os, sys
 from export import __main__ as cli
+import export.build, export.report  # what the command imports when it runs
 if os.geteuid() == 0:
     os.setegid(65534)
     os.seteuid(65534)

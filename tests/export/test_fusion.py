@@ -11,6 +11,7 @@ import pytest
 from contract import files, names
 from export import build, fusion
 from export.__main__ import main as export_main
+from export.choices import CPU, CUDA, variants_for
 from export.graph_stats import fused_attention_count, op_histogram, opset_of
 from export.onnx_export import config_from_onnx
 from export.parity import TOLERANCES, Scenario, compare_rung
@@ -30,8 +31,8 @@ def built(request, artifact_dir):
     return TEST_CONFIGS[request.param], artifact_dir(request.param)
 
 
-def test_the_fused_variants_are_registered_built_by_default_and_must_fuse():
-    assert {"fp32", *FUSED} <= set(build.DEFAULT_VARIANTS)
+def test_the_fused_variants_are_registered_built_for_a_cuda_host_and_must_fuse():
+    assert {"fp32", *FUSED} <= set(variants_for(CUDA)) and FUSED[0] in variants_for(CPU)
     assert all(build.VARIANTS[v].fused for v in FUSED) and not build.VARIANTS["fp32"].fused
     assert build.VARIANTS["fp16-fused"].float_dtype is np.float16
 

@@ -1,5 +1,7 @@
 """Driving a static-cache graph: the pool's windows, its bounds, a failed run, the CUDA-graph path
-(its fixed buffers and window [0, rows) run here on the CPU, where ONNX Runtime ignores the graph id)."""
+(its fixed buffers and window [0, rows) run here on the CPU, where ONNX Runtime ignores the graph id),
+and rows moved between pools: as host arrays on the CPU, and by the device's row-copy kernel (run
+here on host buffers), one kernel for the pools of a row shape."""
 
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ def tiny(artifact_dir):
     return directory, load_model(directory)
 
 
-def pool(tiny, rows: int = 4, capacity: int = 32, variant: str = "fp32-static") -> KVPool:
+def pool(tiny, rows: int = 4, capacity: int = 32, variant: str = "fp32-static", **options) -> KVPool:
     directory, model = tiny
-    return KVPool(ort_session(directory / model_filename(variant)), model.cfg, rows=rows, capacity=capacity)
+    return KVPool(ort_session(directory / model_filename(variant)), model.cfg, rows=rows, capacity=capacity, **options)
 
 
 def test_the_graph_path_climbs_the_pool_rung_like_the_plain_one(tiny):
@@ -115,3 +117,41 @@ def test_decode_windows_skip_long_idle_rows_and_merge_short_gaps(tiny, monkeypat
     assert made.decode_windows([3, 5]) == [(3, 3)]  # row 4's 10 positions cost less than a run
     made.cuda_graphs = True
     assert made.decode_windows([4, 5]) == [(0, 6)]  # with graphs: from row 0, one graph per size
+
+
+def test_a_row_moves_between_pools_of_two_sizes_and_steps_on_as_it_would_have(tiny):
+    _, model = tiny
+    d, rng = model.cfg.d_model, np.random.default_rng(6)
+    small, large = pool(tiny, rows=2, capacity=16), pool(tiny, rows=2, capacity=64)
+    small.run({1: rng.standard_normal((9, d)).astype(np.float32)})
+    large.copy_row(1, 0, small)  # host buffers: an array copy of the 9 used positions
+    assert large.lengths[0] == 9
+    for name, array in small.read(1).items():
+        np.testing.assert_array_equal(large.read(0)[name], array)
+    token = rng.standard_normal((1, d)).astype(np.float32)
+    np.testing.assert_array_equal(large.run({0: token})[0], small.run({1: token})[1])
+
+
+def test_the_row_copy_kernel_serves_every_pool_of_its_row_shape(tiny):
+    _, model = tiny
+    d, rng = model.cfg.d_model, np.random.default_rng(7)
+    first = pool(tiny, rows=2)
+    kernel = first.row_copy
+    second = pool(tiny, rows=3, row_copy=kernel)
+    assert second.row_copy is kernel
+    with pytest.raises(AssertionError, match="a row copy of another row shape"):
+        pool(tiny, rows=1, capacity=16, row_copy=kernel)
+    first.run({1: rng.standard_normal((5, d)).astype(np.float32)})
+    kernel.within(first.rows_at(1), second.rows_at(2))  # the device path's copy, bound to host addresses
+    second.lengths[2] = 5
+    held = first.read(1)
+    for name, array in second.read(2).items():
+        np.testing.assert_array_equal(array, held[name])
+    cut = kernel.to_host(first.rows_at(1), 5, start=2)
+    for array, name in zip(cut, first.past_names, strict=True):
+        np.testing.assert_array_equal(array, held[name][0, :, 2:])
+    wholes = [np.full(first.row_shape, i + 1, first.cache_dtype) for i in range(len(first.past_names))]
+    kernel.from_host(wholes, second.rows_at(0))
+    second.lengths[0] = first.capacity
+    for i, array in enumerate(second.read(0).values()):
+        assert array.shape == (1, *first.row_shape[:1], first.capacity, first.row_shape[2]) and (array == i + 1).all()

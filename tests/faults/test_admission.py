@@ -2,9 +2,9 @@
 
 Triton gives each sequence a candidate slot from START to END; with every slot taken it holds a new
 START unanswered in a backlog. mha_session had 1,024 slots whatever its budget: on a budget of more
-rows than that, the 1,025th START hung to the caller's deadline. The slots now follow the budget
-(serving/triton/config.py `candidate_sequences`): on a budget of more than 1,024 rows every START is
-answered at once, the first beyond the budget with `[cache_full]` (the client's ServerBusyError),
+sessions than that, the 1,025th START hung to the caller's deadline. The slots now follow the budget
+(serving/triton/config.py `candidate_sequences`): on a budget of more than 1,024 sessions every START
+is answered at once, the first beyond the budget with `[cache_full]` (the client's ServerBusyError),
 and the client ends the refused sequence so that refusals do not hold slots.
 """
 
@@ -24,7 +24,10 @@ from tests.serving import helpers
 
 pytestmark = [pytest.mark.served, pytest.mark.slow]
 
-ROWS = 1100  # fp32 rows of the tiny model's max_seq_len: more than the 1,024 slots Triton had
+# fp32 rows of the tiny model's max_seq_len; a session opened without tokens takes half a row, so the
+# budget holds 2 * ROWS = 1,040 sessions: more than the 1,024 slots Triton had, by a few (each open is a
+# request: 2,200 of them took 50 s here). A multiple of 4: whole slabs of 4 rows (cache_manager.py).
+ROWS = 520
 ANSWER_WITHIN_S = 10.0  # a START Triton held in its backlog would time out here instead of answering
 
 
@@ -56,8 +59,11 @@ def test_every_start_is_answered_and_the_first_beyond_the_budget_is_refused_as_c
     client = Client(server.grpc_url, timeout=ANSWER_WITHIN_S, retries=0)
     sessions, refused = open_until_refused(client, most=2 * ROWS)
     try:
-        # ROWS on the CPU's fp32 pool (twice that in fp16 on a GPU): either way past Triton's old 1,024
-        assert len(sessions) in (ROWS, 2 * ROWS)
+        # exactly 2 * ROWS, past Triton's old 1,024: the budget is ROWS fp32 rows of the tiny model's
+        # max_seq_len (512), and the CPU's static engine sizes rows to the session, so a session opened
+        # without tokens holds a row of min_row_positions (256), half a full one. (A GPU's CUDA-graph
+        # engine keeps full rows, in fp16: half the bytes, 2 * ROWS again.)
+        assert len(sessions) == 2 * ROWS, (len(sessions), 2 * ROWS)
         assert refused.kind == kinds.CACHE_FULL and "the KV cache budget is full" in refused.message
         assert_a_refused_open_is_ended(server, client)
         assert_live_sessions_still_answer_right(client, [sessions[0], sessions[len(sessions) // 2], sessions[-1]])

@@ -19,7 +19,7 @@ from client.store import RedisStore
 from contract import names
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
-from tests.faults.test_recovery import kill, wait_ready
+from tests.fixtures.faults import kill, wait_ready
 from tests.fixtures.serving_process import serving_process
 
 pytestmark = [pytest.mark.served, pytest.mark.slow]

@@ -25,11 +25,11 @@ import pytest
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.admin import GRPC_PREFIX, cmdline, environ, grpc_call, http_status, restrictions
+from tests.fixtures.faults import kill, wait_ready
 from tests.fixtures.serving_process import serving_process
 
 pytestmark = [pytest.mark.served, pytest.mark.slow]
 
-RECOVERY_WINDOW_S = 30.0  # the issue's bound; measured recoveries are 2 to 4 s
 REQUEST_TIMEOUT_S = 10.0  # the gateway's per-request timeout here (a dead stub takes Triton about 3 s to report)
 
 
@@ -71,23 +71,6 @@ def step(gateway: httpx.Client, session: str, seed: int) -> np.ndarray:
     answer = gateway.post(f"/v1/sessions/{session}/step", json={"hidden_states": hidden(3, seed)})
     assert answer.status_code == 200, answer.text
     return np.array(answer.json()["output"])
-
-
-def kill(served, fragment: str) -> int:
-    """kill -9 of the one process under `python -m serving` whose command line has `fragment`."""
-    matches = [pid for pid, command in served.descendants().items() if fragment in command]
-    assert len(matches) == 1, (fragment, served.descendants())
-    os.kill(matches[0], signal.SIGKILL)
-    return matches[0]
-
-
-def wait_ready(gateway: httpx.Client, since: float) -> float:
-    """Seconds from `since` until /readyz answers 200 (it probes both models for real)."""
-    while time.monotonic() - since < RECOVERY_WINDOW_S:
-        if gateway.get("/readyz").status_code == 200:
-            return time.monotonic() - since
-        time.sleep(0.1)
-    pytest.fail(f"not ready {RECOVERY_WINDOW_S:g} s after the fault")
 
 
 def assert_code(response: httpx.Response, status: int, code: str) -> None:

@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
+from contract import names
 from tests.gateway.conftest import KEYS, SESSIONS_PER_KEY, FreezableProxy, b64_tensor, from_b64, running
 
 D_MODEL, N_LAYERS, N_KV_HEADS, HEAD_DIM = 256, 2, 4, 32  # the `gqa` test config the fixture serves
@@ -87,6 +88,9 @@ def test_models_describe_the_served_tensors(api):
         stateless["inputs"]
     )
     assert session["kind"] == "session" and session["ready"] and session["dtype"] == "float32"
+    # the engine its repository chose and the session operations it offers (its config publishes them)
+    assert (session["engine"], session["operations"]) == ("static", list(names.OPERATIONS))
+    assert stateless["operations"] is None and stateless["engine"] is None
 
 
 # --- stateless attention and the binary encoding --------------------------------------------
@@ -267,7 +271,10 @@ def test_snapshot_restore_fork_and_rewind_through_the_gateway(api, gateway):
     # back at the prompt: the first token again gives the first token's answer again
     again = api.post(f"/v1/sessions/{ids[2]}/step?encoding=b64", json={"hidden_states": b64_tensor(tokens[0])})
     np.testing.assert_array_equal(from_b64(again.json()["output"]), firsts[0])
-    assert_error(api.post(f"/v1/sessions/{ids[2]}/rewind", json={"length": 99}), 400, "invalid_input", "got 99")
+    # the message names the session as the caller knows it, never Triton's sequence id
+    refused = api.post(f"/v1/sessions/{ids[2]}/rewind", json={"length": 99})
+    message = assert_error(refused, 400, "invalid_input", f"session '{ids[2]}' holds 6 positions", "got 99")
+    assert "sequence" not in message, message
     assert_error(api.post(f"/v1/sessions/{ids[2]}/rewind", json={"length": -1}), 422, "validation_error")
     other = {"X-API-Key": KEYS[1]}
     assert_error(httpx.get(f"{gateway.url}/v1/sessions/{session}/snapshot", headers=other), 404, "session_not_found")
@@ -292,8 +299,10 @@ def test_prefixes_through_the_gateway_are_the_keys_own(api, gateway):
     put = api.put("/v1/prefixes/system", json={"hidden_states": b64_tensor(prefix)})
     assert put.status_code == 201 and put.json() == {"name": "system", "length": 6}, put.text
     assert api.get("/v1/prefixes").json() == {"prefixes": [{"name": "system", "length": 6}]}
+    assert api.get("/v1/prefixes/system").json() == {"name": "system", "length": 6}
     other = {"X-API-Key": KEYS[1]}
     assert httpx.get(f"{gateway.url}/v1/prefixes", headers=other).json() == {"prefixes": []}
+    assert_error(httpx.get(f"{gateway.url}/v1/prefixes/system", headers=other), 404, "prefix_not_found", "'system'")
     refused = httpx.post(f"{gateway.url}/v1/sessions", json={"prefix": "system"}, headers=other)
     assert_error(refused, 404, "prefix_not_found", "'system'")
     from_prefix = api.post("/v1/sessions", json={"prefix": "system"})
@@ -310,6 +319,7 @@ def test_prefixes_through_the_gateway_are_the_keys_own(api, gateway):
     assert_error(again, 400, "invalid_input", "immutable")
     assert api.delete("/v1/prefixes/system").status_code == 204
     assert_error(api.delete("/v1/prefixes/system"), 404, "prefix_not_found")
+    assert_error(api.get("/v1/prefixes/system"), 404, "prefix_not_found", "'system'")
     assert_error(api.post("/v1/sessions", json={"prefix": 7}), 422, "validation_error")
     for i in (from_prefix.json()["id"], prefilled):
         assert api.delete(f"/v1/sessions/{i}").status_code == 204

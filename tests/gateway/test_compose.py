@@ -154,7 +154,8 @@ def test_the_export_service_fills_the_repository_volume_once_without_a_gpu(compo
     assert "model-repository" in compose["volumes"]
     assert "deploy" not in export and export["restart"] == "no"  # one shot, on the CPU
     script = " ".join(export["entrypoint"])
-    assert "python -m serving ensure --repository /models" in script
+    # the graphs the GPU host serves, built on the CPU: the export container has no GPU to see
+    assert "python -m serving ensure --for tensorrt --repository /models" in script
     for source in ("--config-json", "--config", "--preset"):
         assert source in script
     assert export["environment"]["MODEL_PRESET"] == "seed"
@@ -169,10 +170,10 @@ def test_the_export_service_runs_the_chosen_model_as_the_cli_does(compose, tmp_p
     fake_python.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "MODEL_PRESET": "gqa", "EXPORT_ARGS": "--kv-cache-mib 64"}
     seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout.split()
-    head = ["-m", "serving", "ensure", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
+    head = ["-m", "serving", "ensure", "--for", "tensorrt", "--repository", "/models", "--artifacts", "/tmp/artifacts"]
     assert seen == [*head, "--preset", "gqa", "--kv-cache-mib", "64"]
     parsed = serving_cli.parser().parse_args(seen[2:])  # the real CLI takes it
-    assert (parsed.command, parsed.preset, parsed.kv_cache_mib) == ("ensure", "gqa", 64.0)
+    assert (parsed.command, parsed.host, parsed.preset, parsed.kv_cache_mib) == ("ensure", "tensorrt", "gqa", 64.0)
     env["MODEL_CONFIG_JSON"] = '{"d_model": 64, "n_heads": 4}'
     seen = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, check=True).stdout
     assert '--config-json\n{"d_model": 64, "n_heads": 4}\n' in seen

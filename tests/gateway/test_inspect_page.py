@@ -1,19 +1,39 @@
 """The /inspect page in a real headless Chromium (tests/fixtures/browser.py) in front of the real
 gateway and Triton: random tokens from a seed are inspected, the drawn heatmaps agree with
-`POST /v1/inspect` for the same hidden states (a hovered cell's tooltip, a cell's pixel against the
-page's own color scale), the statistics are tabled, a malformed input shows the error and the page
-still works after it. A screenshot of the page is kept in docs/images/inspect-page.png (the README's)."""
+`POST /v1/inspect` for the same hidden states (the request the page shows it sent; a hovered cell's
+tooltip; a cell's pixel against the documented color scale, computed here), the statistics are tabled,
+a malformed input shows the error and the page still works after it.
+
+The screenshot goes to a temporary file; `REFRESH_DOCS_IMAGES=1` writes it over
+docs/images/inspect-page.png (the README's) instead, to refresh that image on purpose:
+`REFRESH_DOCS_IMAGES=1 pytest tests/gateway/test_inspect_page.py`."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.gateway.conftest import KEYS
 
-SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "images" / "inspect-page.png"
+DOCS_IMAGE = Path(__file__).resolve().parents[2] / "docs" / "images" / "inspect-page.png"
 WAIT_S = 60
+LOW, HIGH = (255, 255, 255), (8, 48, 107)  # the page's scale: white at 0, dark blue at the largest weight
+
+
+def expected_color(weight: float, top: float) -> list[int]:
+    """The page's color of `weight` when `top` is the largest weight shown: the square root of
+    weight / top (as `python -m export inspect` draws), each channel rounded half up like Math.round."""
+    t = math.sqrt(min(1.0, max(0.0, weight / top)))
+    return [math.floor(low + (high - low) * t + 0.5) for low, high in zip(LOW, HIGH, strict=True)]
+
+
+def screenshot_path(tmp_path: Path) -> Path:
+    """docs/images/inspect-page.png when refreshing it on purpose (REFRESH_DOCS_IMAGES=1), else a temporary file."""
+    return DOCS_IMAGE if os.environ.get("REFRESH_DOCS_IMAGES") == "1" else tmp_path / "inspect-page.png"
 
 
 def fill(browser, element_id: str, text: str) -> None:
@@ -37,7 +57,7 @@ def page(browser, gateway):
     return browser
 
 
-def test_the_page_draws_the_apis_maps_and_survives_a_bad_input(page, api, served_cfg):
+def test_the_page_draws_the_apis_maps_and_survives_a_bad_input(page, api, served_cfg, tmp_path):
     from selenium.webdriver.common.action_chains import ActionChains
 
     fill(page, "key", KEYS[0])
@@ -45,7 +65,7 @@ def test_the_page_draws_the_apis_maps_and_survives_a_bad_input(page, api, served
     fill(page, "seed", "7")
     inspect(page)
     assert page.find_element("id", "error").get_attribute("hidden"), page.find_element("id", "error").text
-    sent = page.execute_script("return window.lastRequest")
+    sent = json.loads(page.find_element("id", "request-body").get_attribute("textContent"))
     assert len(sent["hidden_states"]) == 8 and len(sent["hidden_states"][0]) == served_cfg.d_model
     answer = api.post("/v1/inspect", json=sent).json()  # the same hidden states, from Python
     canvases = page.find_elements("css selector", "#maps canvas[data-layer][data-head]")
@@ -68,9 +88,10 @@ def test_the_page_draws_the_apis_maps_and_survives_a_bad_input(page, api, served
         x,
         y,
     )
-    expected = page.execute_script("return window.inspectColor(arguments[0])", weight)
-    assert drawn[:3] == expected and drawn[3] == 255, (drawn, expected, weight)
     top = max(w for maps in answer["maps"] for rows in maps for row in rows for w in row)
+    assert 0 < weight < top, (weight, top)  # strictly inside: where a linear scale would give another color
+    expected = expected_color(weight, top)
+    assert drawn[:3] == expected and drawn[3] == 255, (drawn, expected, weight, top)
     assert page.find_element("id", "legend-high").text == f"{top:.4f}"  # the scale the API's numbers set
 
     rows = page.find_elements("css selector", "#stats tr")
@@ -78,9 +99,9 @@ def test_the_page_draws_the_apis_maps_and_survives_a_bad_input(page, api, served
     first = answer["statistics"][0]["heads"][0]
     cells = [td.text for td in rows[1].find_elements("tag name", "td")]
     assert cells[:3] == ["0", "0", f"{first['entropy']:.3f}"], cells
-    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     page.execute_script("window.scrollTo(0, 0)")  # the whole page from its top, the tooltip still shown
-    page.save_screenshot(str(SCREENSHOT))
+    screenshot = screenshot_path(tmp_path)
+    assert page.save_screenshot(str(screenshot)), screenshot
 
     fill(page, "hidden", "[[1.0, 2.0")  # malformed JSON pasted
     inspect(page)

@@ -125,7 +125,8 @@ def test_triton_gets_a_gpu_probes_that_run_the_models_and_time_to_drain(objects)
     assert pod["terminationGracePeriodSeconds"] > exit_timeout, "Kubernetes would kill Triton mid-drain"
     assert "lifecycle" not in triton  # SIGTERM is the drain (triton.yaml)
     (export,) = pod["initContainers"]
-    assert export["command"][:5] == ["python", "-m", "serving", "ensure", "--repository"]
+    # the graphs a GPU host serves, built on the CPU (the init container sees no GPU)
+    assert export["command"][:7] == ["python", "-m", "serving", "ensure", "--for", "tensorrt", "--repository"]
     mounts = {m["mountPath"]: m for m in triton["volumeMounts"]}
     assert mounts["/models"]["readOnly"] is True and mounts["/dev/shm"]["name"] == "shm"
 

@@ -1,7 +1,8 @@
 """The attention maps of a session in process (serving/engine/static_engine.py `attention_maps`, the
 inspection graph behind serving/engine/runner.py `InspectionRunner`): equal to the PyTorch original's
 over the session's held tokens and the new ones (a rotary model's new tokens at the positions after
-what it holds), the session untouched; the clear refusals: no inspection graph, a quantized cache."""
+what it holds), the session untouched; a quantized cache's maps over its codes dequantized as the
+kernel reads them; the clear refusal without an inspection graph."""
 
 from __future__ import annotations
 
@@ -11,18 +12,25 @@ import pytest
 from contract import names
 from contract.config import ModelConfig
 from contract.files import model_filename
-from export import forms
+from export import forms, kv_quant
 from export.artifacts import load_model, save_artifact
 from export.build import attention_maps_runner
 from export.inspect_form import make_inspection_graph
 from export.model import AttentionModel
+from export.onnx_export import save_onnx
 from serving.engine import errors
-from serving.engine.kv_pool import KVPool
+from serving.engine.kv_pool import cache_scales
 from serving.engine.ort import ort_session
 from serving.engine.runner import InspectionRunner
 from serving.engine.static_engine import StaticSessionEngine
 from serving.engine.steps import StepRequest
 from tests.conftest import TEST_CONFIGS
+from tests.fixtures.engine import full_rows, full_rows_engine
+
+# The maps of a quantized session against the fp32 session's, as a share of the latter's scale: an int8
+# code's half step is 1/254 of its channel's peak, an int4 one's 1/14 (measured on this model: about
+# 1% and 14-19% of the scale of the output and of the maps). Their exactness is the 1e-5 check beside it.
+QUANTIZED_MAPS_BOUND = {8: 5e-2, 4: 0.3}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +47,9 @@ def rotary_graphs(tmp_path_factory):
 
 def new_engine(artifact: str, static: str = "fp32-static", inspection: bool = True) -> StaticSessionEngine:
     cfg = ModelConfig.load(artifact)
-    pool = KVPool(ort_session(artifact / model_filename(static)), cfg, rows=2, capacity=128)
     graph = artifact / model_filename(names.INSPECTION_VARIANT) if inspection else None
-    return StaticSessionEngine(pool, idle_timeout=60.0, inspection=InspectionRunner(graph, cfg))
+    session = ort_session(artifact / model_filename(static))
+    return full_rows_engine(session, cfg, rows=2, capacity=128, inspection=InspectionRunner(graph, cfg))
 
 
 def step(engine: StaticSessionEngine, tokens: np.ndarray, start: bool = False) -> np.ndarray:
@@ -77,11 +85,39 @@ def test_without_the_inspection_graph_a_request_for_maps_is_refused_naming_it(ar
     assert refused.value.code == "INVALID_ARG" and engine.length(7) == 2
 
 
-def test_a_quantized_cache_is_refused_with_its_dtype(artifact_dir):
-    engine = new_engine(artifact_dir("gqa"), static="fp32-static-int8kv")
-    step(engine, np.ones((1, 2, engine.cfg.d_model), np.float32), start=True)
-    with pytest.raises(errors.InvalidRequest, match="need an fp32 cache; this deployment's is int8"):
-        engine.attention_maps(7, np.ones((1, engine.cfg.d_model), np.float32))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_sessions_maps_are_the_originals_over_its_cache_as_the_kernel_reads_it(
+    artifact_dir, tmp_path, bits
+):
+    """An int8 or int4 cache is dequantized on the host with the graph's own scales (int4: two codes a
+    byte, + 8, the even channel low), as export's quantization reads the codes; the maps are then the
+    PyTorch original's over that cache, and near the fp32 session's."""
+    directory = artifact_dir("gqa")
+    model = load_model(directory)
+    cfg = model.cfg
+    quantization = kv_quant.calibrate(model, kv_quant.generated(cfg)).quantization(bits)
+    path = save_onnx(forms.quantized_static_proto(model, quantization), tmp_path / f"int{bits}.onnx")
+    scales = cache_scales(path, cfg)
+    assert sorted(scales) == sorted(names.past_names(cfg.n_layers))
+    assert all(np.array_equal(scales[name], quantization.scales[name]) for name in scales)
+    inspection = InspectionRunner(directory / model_filename(names.INSPECTION_VARIANT), cfg)
+    cache = full_rows(ort_session(path), cfg, rows=2, capacity=128, scales=scales)
+    engine, fp32 = StaticSessionEngine(cache, idle_timeout=60.0, inspection=inspection), new_engine(directory)
+    rng = np.random.default_rng(1)
+    prompt, asked = (rng.standard_normal((1, t, cfg.d_model)).astype(np.float32) for t in (6, 3))
+    step(engine, prompt, start=True), step(fp32, prompt, start=True)
+    answer = engine.attention_maps(7, asked[0])
+    assert engine.length(7) == 6 and engine.cache_kind == f"int{bits}"
+    floats = engine.cache.read_floats(7)
+    for name, codes in engine.cache.read(7).items():
+        np.testing.assert_array_equal(floats[name], quantization.dequantize(name, codes))
+    expected = attention_maps_runner(model)({names.HIDDEN_STATES: asked, **{n: a[None] for n, a in floats.items()}})
+    unquantized = fp32.attention_maps(7, asked[0])
+    for name in [names.OUTPUT, *names.attention_map_names(cfg.n_layers)]:
+        np.testing.assert_allclose(answer[name], expected[name], rtol=0, atol=1e-5)
+        # what quantizing the cache costs, not fp32's result and not garbage (QUANTIZED_MAPS_BOUND)
+        error = np.abs(answer[name] - unquantized[name]).max() / np.abs(unquantized[name]).max()
+        assert 0 < error < QUANTIZED_MAPS_BOUND[bits], (name, error)
 
 
 def test_an_unknown_session_is_refused_as_a_step_is(artifact_dir):

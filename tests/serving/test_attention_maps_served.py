@@ -17,7 +17,7 @@ from client import AsyncClient, Client
 from client.errors import InvalidInputError
 from contract import names
 from export.build import attention_maps_runner
-from tests.client.test_served import PROTOCOLS, full_forward, hidden, url
+from tests.fixtures.served import PROTOCOLS, full_forward, hidden, url
 
 pytestmark = pytest.mark.served
 ATOL = 1e-5

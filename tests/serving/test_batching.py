@@ -16,9 +16,9 @@ from contract.config import ModelConfig
 from contract.files import model_filename
 from contract.inputs import InputError
 from serving.engine import errors, tensorrt
-from serving.engine.batching import Step, layout, run_steps
-from serving.engine.concat_engine import ConcatSessionEngine
-from serving.engine.kv_cache import KVCacheStore
+from serving.engine.concat import ConcatSessionEngine, KVCacheStore
+from serving.engine.concat.batching import Step, layout, run_steps
+from serving.engine.concat.copies import DeviceCopies, HostCopies, copies_for
 from serving.engine.ort import CPU
 from serving.engine.placement import choose_placement
 from serving.engine.runner import Runner
@@ -28,55 +28,70 @@ from serving.engine.steps import StepRequest, Sweeper
 @pytest.fixture(
     scope="module", params=[("fp32", "host"), ("fp32-fused", "host"), ("fp32-fused", "device")], ids="-".join
 )
-def runner(request, artifact_dir) -> Runner:
+def runner_and_copies(request, artifact_dir) -> tuple[Runner, HostCopies | DeviceCopies]:
     directory = artifact_dir("gqa")
     variant, copies = request.param
-    return Runner(directory / model_filename(variant), ModelConfig.load(directory), threads=1, copies=copies)
+    runner = Runner(directory / model_filename(variant), ModelConfig.load(directory), threads=1)
+    return runner, copies_for(runner, on_device=copies == "device")
 
 
-def random_step(runner: Runner, rng, past: int, new: int, padded: int = 0) -> Step:
+@pytest.fixture(scope="module")
+def runner(runner_and_copies) -> Runner:
+    return runner_and_copies[0]
+
+
+@pytest.fixture(scope="module")
+def copies(runner_and_copies) -> HostCopies | DeviceCopies:
+    return runner_and_copies[1]
+
+
+def random_step(runner: Runner, rng, past: int, new: int) -> Step:
     cfg = runner.cfg
-    past_mask = np.ones(past, np.int64)
-    past_mask[:padded] = 0  # this sequence's prefill was left-padded
     caches = [
         runner.to_device(rng.standard_normal((1, cfg.n_kv_heads, past, cfg.head_dim)).astype(np.float32))
         for _ in runner.past_names
     ]
     hidden = rng.standard_normal((new, cfg.d_model)).astype(np.float32)
-    return Step(hidden, np.ones(new, np.int64), caches, past_mask)
+    return Step(hidden, caches, past)
+
+
+def test_the_copies_are_those_of_the_runners_device(runner, copies, request):
+    on_device = request.node.callspec.id.endswith("device")
+    assert isinstance(copies, DeviceCopies if on_device else HostCopies)
+    assert not hasattr(runner, "copies")  # the stateless runner holds nothing of batching
 
 
 def test_layout_pads_pasts_left_and_new_tokens_right():
     d = 2
     steps = [
-        Step(np.ones((1, d), np.float32), np.ones(1, np.int64), [], np.array([1, 1, 1])),
-        Step(np.full((2, d), 2, np.float32), np.array([1, 1]), [], np.array([0, 1])),
+        Step(np.ones((1, d), np.float32), [], 3),
+        Step(np.full((2, d), 2, np.float32), [], 1),
     ]
     plan = layout(steps)
     assert (plan.max_past, plan.max_new) == (3, 2)
     np.testing.assert_array_equal(plan.mask, [[1, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
-    assert plan.starts == [0, 1] and plan.ends == [4, 5]  # each row's left padding and where its present ends
+    assert plan.starts == [0, 2] and plan.ends == [4, 5]  # each row's left padding and where its present ends
     np.testing.assert_array_equal(plan.hidden[:, :, 0], [[1, 0], [2, 2]])
 
 
-def test_a_padded_batch_equals_each_step_alone(runner):
+def test_a_padded_batch_equals_each_step_alone(runner, copies):
     rng = np.random.default_rng(0)
-    # different past lengths (one empty, one with padding inside), different numbers of new tokens
+    # different past lengths (one empty), different numbers of new tokens
     steps = [
         random_step(runner, rng, 0, 3),
         random_step(runner, rng, 5, 1),
-        random_step(runner, rng, 9, 4, padded=2),
+        random_step(runner, rng, 9, 4),
         random_step(runner, rng, 2, 2),
     ]
-    together = run_steps(runner, steps)
+    together = run_steps(runner, copies, steps)
     for step, batched in zip(steps, together, strict=True):
-        (alone,) = run_steps(runner, [step])
+        (alone,) = run_steps(runner, copies, [step])
         assert batched.output.shape == (step.new_length, runner.cfg.d_model)
         np.testing.assert_allclose(batched.output, alone.output, atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(batched.mask, alone.mask)
-        assert batched.nbytes == alone.nbytes == runner.cfg.kv_cache_bytes(1, step.past_length + step.new_length)
+        assert batched.length == alone.length == step.past_length + step.new_length
+        assert batched.nbytes == alone.nbytes == runner.cfg.kv_cache_bytes(1, alone.length)
         for mine, theirs in zip(batched.present, alone.present, strict=True):
-            assert mine.shape() == theirs.shape() == [1, runner.cfg.n_kv_heads, len(alone.mask), runner.cfg.head_dim]
+            assert mine.shape() == theirs.shape() == [1, runner.cfg.n_kv_heads, alone.length, runner.cfg.head_dim]
             np.testing.assert_allclose(mine.numpy(), theirs.numpy(), atol=1e-5, rtol=1e-5)
             # the cached past comes back bit for bit: batching moved it, nothing recomputed it
             np.testing.assert_array_equal(
@@ -109,9 +124,9 @@ def test_the_stateless_path_fills_an_empty_past_and_an_all_ones_mask(runner):
 
 
 @pytest.fixture
-def engine(runner) -> ConcatSessionEngine:
+def engine(runner, copies) -> ConcatSessionEngine:
     store = KVCacheStore(runner.cfg.kv_cache_bytes(1, 1), runner.cfg.max_seq_len, 1 << 30, idle_timeout=60)
-    return ConcatSessionEngine(runner, store)
+    return ConcatSessionEngine(runner, store, copies=copies)
 
 
 def tokens(cfg: ModelConfig, n: int, seed: int) -> np.ndarray:
@@ -218,8 +233,8 @@ def test_on_a_gpu_the_caches_stay_on_the_device_and_match_the_cpu(artifact_dir):
         pytest.skip(f"CUDA did not start here: {gpu.description}")
     cpu = Runner(directory / model_filename("fp32"), cfg, providers=["CPUExecutionProvider"])
     rng_gpu, rng_cpu = np.random.default_rng(5), np.random.default_rng(5)
-    on_gpu = run_steps(gpu, [random_step(gpu, rng_gpu, 4, 1), random_step(gpu, rng_gpu, 7, 2)])
-    on_cpu = run_steps(cpu, [random_step(cpu, rng_cpu, 4, 1), random_step(cpu, rng_cpu, 7, 2)])
+    on_gpu = run_steps(gpu, copies_for(gpu), [random_step(gpu, rng_gpu, 4, 1), random_step(gpu, rng_gpu, 7, 2)])
+    on_cpu = run_steps(cpu, copies_for(cpu), [random_step(cpu, rng_cpu, 4, 1), random_step(cpu, rng_cpu, 7, 2)])
     for g, c in zip(on_gpu, on_cpu, strict=True):
         assert all(value.device_name() == "cuda" for value in g.present)
         np.testing.assert_allclose(g.output, c.output, atol=1e-4, rtol=1e-4)

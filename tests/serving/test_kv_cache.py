@@ -1,15 +1,15 @@
-"""The KV cache store on its own: lifecycle, precise errors, the budget, idle eviction."""
+"""The concat engine's KV cache store on its own: lifecycle, precise errors, the budget (sequences and
+prefixes), idle eviction."""
 
 from __future__ import annotations
 
 import gc
 import weakref
 
-import numpy as np
 import pytest
 
 from serving.engine import errors
-from serving.engine.kv_cache import KVCacheStore
+from serving.engine.concat import KVCacheStore
 
 
 class Clock:
@@ -36,7 +36,7 @@ def test_start_update_end():
     cache, _ = store()
     entry = cache.start("a", [])
     assert entry.length == 0 and cache.stats().sequences == 1
-    cache.update("a", [Cache()], np.ones(5, np.int64), nbytes=320)
+    cache.update("a", [Cache()], length=5, nbytes=320)
     assert cache.get("a").length == 5
     assert cache.stats().held_bytes == 320 and cache.stats().reserved_bytes == 6400
     assert cache.end("a") is True
@@ -97,7 +97,7 @@ def test_idle_sequences_make_room_for_a_new_one():
 def test_start_again_restarts_and_forgets_the_old_end():
     cache, _ = store()
     cache.start("a", [])
-    cache.update("a", [Cache()], np.ones(3, np.int64), 192)
+    cache.update("a", [Cache()], 3, 192)
     assert cache.start("a", []).length == 0
     assert cache.stats().sequences == 1
     cache.end("a")
@@ -130,10 +130,31 @@ def test_end_and_eviction_drop_the_last_reference():
     refs = {name: weakref.ref(value) for name, value in values.items()}
     for name in "ab":
         cache.start(name, [])
-        cache.update(name, [values[name]], np.ones(1, np.int64), 64)
+        cache.update(name, [values[name]], 1, 64)
     values.clear()
     cache.end("a")
     clock.now = 2.0
     cache.evict_idle()
     gc.collect()
     assert refs["a"]() is None and refs["b"]() is None
+
+
+def test_prefixes_take_the_budget_and_are_never_evicted():
+    cache, clock = store(capacity=2, idle=1.0)
+    cache.check_prefix("alice", "system")
+    cache.put_prefix("alice", "system", [Cache()], 4, 256)
+    cache.start("a", [Cache()], 4, 256)
+    with pytest.raises(errors.CacheFull, match="full: 1 live sequences and 1 prefixes reserve"):
+        cache.start("b", [])
+    with pytest.raises(errors.InvalidRequest, match="prefix 'system' exists and is immutable"):
+        cache.check_prefix("alice", "system")
+    assert cache.stats().reserved_bytes == 2 * 6400 and cache.stats().held_bytes == 512
+    clock.now = 5.0
+    assert cache.evict_idle() == ["a"]
+    assert cache.prefixes("alice") == {"system": 4} and cache.prefixes("bob") == {}
+    with pytest.raises(errors.UnknownPrefix, match="prefix 'system' is unknown here"):
+        cache.prefix("bob", "system")  # another owner's name is not found
+    cache.delete_prefix("alice", "system")
+    with pytest.raises(errors.UnknownPrefix):
+        cache.delete_prefix("alice", "system")
+    assert cache.stats().reserved_bytes == 0

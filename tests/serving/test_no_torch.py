@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     sys.meta_path.insert(0, Blocker())
 
     from serving import __main__ as serving_cli
-    import serving.engine.factory, serving.engine.concat_engine, serving.engine.static_engine
+    import serving.engine.factory, serving.engine.concat, serving.engine.static_engine
     import serving.host.launcher, serving.host.supervisor, serving.host.fleet
     from serving.gateway import create_app, Settings
     from serving.triton import config, engines, repository

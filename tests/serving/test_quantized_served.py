@@ -13,13 +13,13 @@ from client import Client
 from contract import files, names
 from export.artifacts import load_model
 from export.runners import torch_runner
-from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_session
-from serving.engine.static_engine import StaticSessionEngine
 from serving.engine.steps import StepRequest
 from serving.host.launcher import start_triton
+from serving.triton import config as triton_config
 from serving.triton.config import MHA_SESSION, ServingSettings
 from serving.triton.repository import write_repository
+from tests.fixtures.engine import full_rows_engine
 from tests.fixtures.triton import wait_for_metric
 
 pytestmark = [pytest.mark.served]
@@ -42,8 +42,9 @@ def served(artifact_dir, tmp_path_factory):
 
 
 def test_the_repository_serves_the_int8_graph(served):
-    config = (served[3] / MHA_SESSION / "config.pbtxt").read_text()
-    assert files.model_filename(VARIANT) in config and '"16"' in config
+    config = triton_config.parse((served[3] / MHA_SESSION / triton_config.TRITON_CONFIG_FILENAME).read_text())
+    assert triton_config.parameter(config, triton_config.P_ONNX_FILE) == files.model_filename(VARIANT)
+    assert triton_config.parameter(config, triton_config.P_MIN_ROW_POSITIONS) == "16"
 
 
 def test_an_int8_session_answers_as_the_graph_in_process_and_near_the_original(served):
@@ -59,10 +60,7 @@ def test_an_int8_session_answers_as_the_graph_in_process_and_near_the_original(s
         )
         assert gauge == original.cfg.kv_cache_bytes(1, held, 1)  # one byte a value
     served_output = np.concatenate(outputs, axis=1)
-    engine = StaticSessionEngine(
-        KVPool(ort_session(artifact / files.model_filename(VARIANT)), original.cfg, rows=1, capacity=64),
-        idle_timeout=60.0,
-    )
+    engine = full_rows_engine(ort_session(artifact / files.model_filename(VARIANT)), original.cfg, rows=1, capacity=64)
     in_process = [engine.execute([StepRequest("s", i == 0, False, piece)])[0] for i, piece in enumerate(pieces)]
     np.testing.assert_allclose(served_output, np.concatenate(in_process, axis=1), atol=1e-5, rtol=1e-5)
     expected = torch_runner(original)({names.HIDDEN_STATES: hidden})[names.OUTPUT]

@@ -15,11 +15,10 @@ from contract.config import ModelConfig
 from contract.files import model_filename
 from export.artifacts import load_model
 from serving.engine import errors, snapshots
-from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_session
 from serving.engine.static_engine import StaticSessionEngine
 from serving.engine.steps import StepRequest
-from tests.serving.test_static_engine import Reference, _cuda_missing, tokens
+from tests.fixtures.engine import Reference, cuda_missing, full_rows_engine, tokens
 
 STEPS = 32
 
@@ -31,7 +30,7 @@ def original(artifact_dir):
 
 def new_engine(artifact_dir, cfg: ModelConfig, rows: int = 4) -> StaticSessionEngine:
     session = ort_session(artifact_dir("gqa") / model_filename("fp32-static"))
-    return StaticSessionEngine(KVPool(session, cfg, rows=rows, capacity=128), idle_timeout=60.0)
+    return full_rows_engine(session, cfg, rows=rows, capacity=128)
 
 
 @pytest.fixture
@@ -70,7 +69,7 @@ def test_a_restored_session_continues_exactly_as_the_original(artifact_dir, engi
 
     elsewhere = new_engine(artifact_dir, original.cfg)  # another process's pool, the same graph
     assert elsewhere.restore("b", blob) == 14 and elsewhere.length("b") == 14
-    assert snapshots.decode(elsewhere.snapshot("b"), elsewhere.pool.identity)[1] == 14
+    assert snapshots.decode(elsewhere.snapshot("b"), elsewhere.cache.identity)[1] == 14
     np.testing.assert_array_equal(_cache(elsewhere, "b"), _cache(engine, "a"))
     d_rng = np.random.default_rng(1)
     for _ in range(STEPS):
@@ -81,8 +80,7 @@ def test_a_restored_session_continues_exactly_as_the_original(artifact_dir, engi
 
 
 def _cache(engine, sequence_id) -> np.ndarray:
-    row = engine._slots.entries[sequence_id].row
-    return np.concatenate([array.ravel() for array in engine.pool.read(row).values()])
+    return np.concatenate([array.ravel() for array in engine.cache.read(sequence_id).values()])
 
 
 def test_a_fork_gives_two_branches_that_each_continue_as_the_original(engine, original):
@@ -138,7 +136,7 @@ def test_a_blob_that_is_not_this_models_is_refused_naming_what_differs_and_chang
     rng, d = np.random.default_rng(4), original.cfg.d_model
     step(engine, "a", tokens(rng, 5, d), start=True)
     blob = engine.snapshot("a")
-    other_cfg = json.loads(engine.pool.identity["config"]) | {"norm_eps": 1e-6}
+    other_cfg = json.loads(engine.cache.identity["config"]) | {"norm_eps": 1e-6}
     kv, hd = original.cfg.n_kv_heads, original.cfg.head_dim
     cases = {
         "truncated": (blob[: len(blob) // 2], "not a session snapshot (a safetensors file)"),
@@ -172,7 +170,7 @@ def test_a_snapshot_of_a_sequence_the_engine_does_not_hold_names_why(engine, ori
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_cuda_missing() is not None, reason=_cuda_missing() or "")
+@pytest.mark.skipif(cuda_missing() is not None, reason=cuda_missing() or "")
 def test_on_a_gpu_the_operations_copy_rows_on_the_device_and_restore_exactly(artifact_dir, original, tmp_path):
     """The fp16 pool on CUDA (with CUDA graphs) as mha_session builds it: the row copies are bound to
     device addresses; a restored and a forked session step bit for bit as the original does."""
@@ -189,7 +187,7 @@ def test_on_a_gpu_the_operations_copy_rows_on_the_device_and_restore_exactly(art
     }
     repository = write_repository(artifact_dir("gqa"), tmp_path, models=("mha_session",))
     engine = engines.session_engine(repository / "mha_session" / VERSION, original.cfg, parameters, 8, "test")
-    assert engine.pool.device == "cuda" and engine.pool.identity["dtype"] == "float16"
+    assert engine.cache.device == "cuda" and engine.cache.identity["dtype"] == "float16"
     rng, d = np.random.default_rng(5), original.cfg.d_model
     step(engine, "a", tokens(rng, 9, d), start=True)
     engine.restore("b", engine.snapshot("a"))
@@ -235,7 +233,7 @@ def test_increments_since_each_checkpoint_restore_together_as_the_whole_cache(ar
         step(engine, "a", tokens(rng, size, d))
         increments.append(engine.snapshot("a", since=since))
         since = engine.length("a")
-    lengths = [snapshots.decode_chunks(increments[: i + 1], engine.pool.identity)[1] for i in range(3)]
+    lengths = [snapshots.decode_chunks(increments[: i + 1], engine.cache.identity)[1] for i in range(3)]
     assert lengths == [10, 15, 16]
     whole = len(engine.snapshot("a"))
     assert sum(len(blob) for blob in increments) < whole + 3 * 2048  # each position once (plus headers)

@@ -1,5 +1,5 @@
-"""The static engine behind mha_session, without Triton: a KV pool over the fp32-static graph on the
-CPU, driven with the requests Triton would send; every output against the PyTorch original."""
+"""The static engine behind mha_session, without Triton: a cache of full rows over the fp32-static graph
+on the CPU, driven with the requests Triton would send; every output against the PyTorch original."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from contract import names
 from contract.files import model_filename
 from contract.inputs import InputError
 from export.artifacts import load_model
-from export.runners import torch_runner
 from serving.engine import errors
-from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_session
-from serving.engine.static_engine import StaticSessionEngine
-from serving.engine.steps import StepRequest
+from serving.engine.steps import SESSION_OPERATIONS, StepRequest
+from tests.fixtures.engine import Reference, answer, cuda_missing, full_rows_engine, tokens
 
 
 class Clock:
@@ -34,33 +32,7 @@ def original(artifact_dir):
 @pytest.fixture
 def engine(artifact_dir, original):
     session = ort_session(artifact_dir("gqa") / model_filename("fp32-static"))
-    pool = KVPool(session, original.cfg, rows=3, capacity=64)
-    return StaticSessionEngine(pool, idle_timeout=10.0, clock=Clock())
-
-
-class Reference:
-    """The PyTorch original, one sequence at a time, keeping its own cache."""
-
-    def __init__(self, model) -> None:
-        self.run, self.past = torch_runner(model), {}
-
-    def step(self, hidden: np.ndarray) -> np.ndarray:
-        result = self.run({names.HIDDEN_STATES: hidden, **self.past})
-        self.past = {names.past_name(*_split(n)): result[n] for n in result if n != names.OUTPUT}
-        return result[names.OUTPUT]
-
-
-def _split(present: str) -> tuple[int, str]:
-    _, layer, kind = present.split(".")
-    return int(layer), kind
-
-
-def tokens(rng, count: int, d_model: int) -> np.ndarray:
-    return rng.standard_normal((1, count, d_model)).astype(np.float32)
-
-
-def answer(engine, *requests: StepRequest) -> list:
-    return engine.execute(list(requests))
+    return full_rows_engine(session, original.cfg, rows=3, capacity=64, idle_timeout=10.0, clock=Clock())
 
 
 def test_interleaved_sessions_of_different_lengths_match_the_original(engine, original):
@@ -163,18 +135,14 @@ def test_a_restart_empties_the_sequence(engine, original):
     np.testing.assert_allclose(output, Reference(original).step(again), atol=1e-5, rtol=1e-5)
 
 
-def _cuda_missing() -> str | None:
-    import onnxruntime as ort
-
-    from serving.engine.placement import cuda_usable
-
-    if cuda_usable():
-        return None
-    return f"onnxruntime {ort.__version__} here offers {ort.get_available_providers()} and no CUDA device answers"
+def test_the_engine_offers_every_session_operation_through_the_method_the_table_names(engine):
+    assert engine.OPERATIONS == names.OPERATIONS and list(engine.operations()) == list(names.OPERATIONS)
+    methods = {name: getattr(engine, operation.method).__name__ for name, operation in engine.operations().items()}
+    assert methods == {name: operation.method for name, operation in SESSION_OPERATIONS.items()}
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_cuda_missing() is not None, reason=_cuda_missing() or "")
+@pytest.mark.skipif(cuda_missing() is not None, reason=cuda_missing() or "")
 def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(artifact_dir, original, tmp_path):
     """The engine as mha_session builds it on a CUDA host (docs/gpu.md has the proof's numbers)."""
     from serving.engine.settings import ENGINE_STATIC
@@ -191,8 +159,8 @@ def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(a
     }
     repository = write_repository(artifact_dir("gqa"), tmp_path, models=("mha_session",))  # with the digests
     engine = engines.session_engine(repository / "mha_session" / VERSION, original.cfg, parameters, 8, "test")
-    assert engine.pool.device == "cuda" and engine.pool.dtype is np.float16
-    assert engine.pool.cuda_graphs, engine.description
+    assert engine.cache.device == "cuda" and engine.cache.dtype is np.float16
+    assert engine.cache.cuda_graphs and engine.cache.full_rows, engine.description
     rng, reference = np.random.default_rng(4), Reference(original)
     for count in [6, *[1] * 20]:
         hidden = tokens(rng, count, original.cfg.d_model)

@@ -9,68 +9,26 @@ import subprocess
 import sys
 from pathlib import Path
 
-import onnx
 import pytest
 from tritonclient.grpc import model_config_pb2 as pb
 
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
-from export import build
-from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC, ENGINES, MAX_LIVE_SEQUENCES
+from contract.deployment import ENGINE_CONCAT, ENGINE_STATIC, ENGINES, MAX_LIVE_SEQUENCES
+from export import choices
 from serving.triton import config as triton_config
 from serving.triton import digests, engines, repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION, ServingSettings
+from tests.fixtures.configs import assert_fits, graph_io, loaded_onnx, model_filename_of, read_config
 from tests.serving.helpers import change_one_weight
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 COMMITTED = PROJECT_ROOT / "model_repository"
-ONNX_TYPES = {
-    onnx.TensorProto.FLOAT: pb.TYPE_FP32,
-    onnx.TensorProto.INT64: pb.TYPE_INT64,
-    onnx.TensorProto.INT32: pb.TYPE_INT32,
-}
 
 
 @pytest.fixture(scope="module")
 def built(artifact_dir, tmp_path_factory) -> Path:
     return repository.write_repository(artifact_dir("gqa"), tmp_path_factory.mktemp("repo"))
-
-
-def graph_io(path: Path) -> dict[str, tuple[int, list[int | None]]]:
-    """name -> (Triton data type, dims with None for dynamic axes), inputs and outputs alike."""
-    graph = onnx.load(str(path), load_external_data=False).graph
-    io = {}
-    for value in [*graph.input, *graph.output]:
-        tensor = value.type.tensor_type
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
-        io[value.name] = (ONNX_TYPES[tensor.elem_type], dims)
-    return io
-
-
-def loaded_onnx(repo: Path, config: pb.ModelConfig) -> Path:
-    version = repo / config.name / repository.VERSION
-    if config.backend == "onnxruntime":
-        return version / config.default_model_filename
-    return version / triton_config.parameter(config, triton_config.P_ONNX_FILE)
-
-
-def read_config(repo: Path, model: str) -> pb.ModelConfig:
-    return triton_config.parse((repo / model / triton_config.TRITON_CONFIG_FILENAME).read_text())
-
-
-def assert_fits(config_io, graph: dict, batch_axis_added: bool) -> None:
-    """Each config tensor exists in the graph with its dtype, its rank and its fixed sizes."""
-    for tensor in config_io:
-        dtype, graph_dims = graph[tensor.name]
-        dims = list(tensor.dims)
-        if batch_axis_added:  # max_batch_size > 0: Triton adds the batch axis in front
-            dims = [-1, *dims]
-            if len(dims) < len(graph_dims):  # a session step: [batch, T, ...] of the graph's [B, T, ...]
-                dims = dims[:1] + [-1] * (len(graph_dims) - len(dims)) + dims[1:]
-        assert tensor.data_type == dtype, tensor.name
-        assert len(dims) == len(graph_dims), (tensor.name, dims, graph_dims)
-        for mine, theirs in zip(dims, graph_dims, strict=True):
-            assert mine == (theirs if theirs is not None else -1), (tensor.name, dims, graph_dims)
 
 
 @pytest.mark.parametrize("model", [MHA, MHA_ONNX])
@@ -89,11 +47,6 @@ def test_stateless_configs_are_the_graphs_io_exactly(built, model):
         inspection = graph_io(built / MHA / repository.VERSION / model_filename_of(config))
         assert_fits([*config.input, *config.output], inspection, batch_axis_added=False)
         assert set(inspection) == {t.name for t in [*config.input, *config.output]}
-
-
-def model_filename_of(config: pb.ModelConfig) -> str:
-    """The inspection graph a python model's config names."""
-    return triton_config.parameter(config, triton_config.P_ONNX_FILE_INSPECT)
 
 
 def test_mha_leaves_mask_and_past_optional_mha_onnx_requires_them(built):
@@ -182,6 +135,50 @@ def test_triton_has_more_sequence_slots_than_the_engine_admits_sequences(budget_
     assert slots >= 3 * min(rows, MAX_LIVE_SEQUENCES) and slots >= 1024, (rows, slots)
 
 
+# The tiny preset's row of 512 positions is 2 x 2 layers x 4 heads x 8 x 512 = 65,536 values: 256 KiB in
+# fp32, 128 KiB in fp16, 64 KiB in int8, 32 KiB in int4 (and half of each at 256 positions).
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        (
+            ServingSettings(kv_cache_bytes=64 << 20),
+            [
+                "mha_session: KV cache budget 64 MiB = 256 sequences of up to 512 positions on the CPU (fp32), "
+                "512 on a GPU (fp16)",
+                "mha_session: rows sized to the session: up to 512 sequences of up to 256 positions on the CPU "
+                "(fp32) at once, each moving to a row twice as long as it grows",
+            ],
+        ),
+        (
+            ServingSettings(kv_cache_bytes=1 << 20, kv_dtype="int8"),
+            [
+                "mha_session: KV cache budget 1 MiB = 16 sequences of up to 512 positions on the CPU (int8)",
+                "mha_session: rows sized to the session: up to 32 sequences of up to 256 positions on the CPU "
+                "(int8) at once, each moving to a row twice as long as it grows",
+            ],
+        ),
+        (  # 65,536 rows of 256 positions fit: the engine holds MAX_LIVE_SEQUENCES at most
+            ServingSettings(kv_cache_bytes=1 << 30, kv_dtype="int4"),
+            [
+                "mha_session: KV cache budget 1024 MiB = 32768 sequences of up to 512 positions on the CPU (int4)",
+                "mha_session: rows sized to the session: up to 8192 sequences of up to 256 positions on the CPU "
+                "(int4) at once, each moving to a row twice as long as it grows",
+            ],
+        ),
+        (
+            ServingSettings(kv_cache_bytes=768 << 10, engine=ENGINE_CONCAT),
+            [
+                "mha_session: KV cache budget 1 MiB = 3 sequences of up to 512 positions on the CPU (fp32), "
+                "6 on a GPU (fp16)",
+                "warning: only 3 sessions fit at once on the CPU; raise --kv-cache-mib to hold more",
+            ],
+        ),
+    ],
+)
+def test_the_capacity_lines_count_what_the_budget_holds(settings, expected):
+    assert triton_config.capacity_lines(preset("tiny"), settings) == expected
+
+
 def test_mha_onnx_runs_on_the_gpu_with_tensorrt_in_fp16(built):
     config = read_config(built, MHA_ONNX)
     assert config.backend == "onnxruntime" and config.default_model_filename == "model.onnx"
@@ -268,7 +265,8 @@ def test_no_passing_variant_is_a_clear_error(artifact_dir, tmp_path):
 
 
 def test_the_committed_repository_is_what_the_generator_makes_for_the_default_preset():
-    every_variant = set(build.DEFAULT_VARIANTS)  # the default preset passes them all (the build tests prove it)
+    # what `make export` builds on a CPU host (the committed configs are this machine's; a GPU host writes its own)
+    every_variant = set(choices.variants_for(choices.CPU))
     configs = repository.model_configs(preset(DEFAULT_PRESET), every_variant)
     for name, config in configs.items():
         committed = (COMMITTED / name / triton_config.TRITON_CONFIG_FILENAME).read_text()
@@ -288,3 +286,28 @@ def test_the_repository_command(artifact_dir, tmp_path):
     bad_command = [*command[:4], "--artifacts", str(tmp_path / "nothing"), "--repository", str(tmp_path)]
     bad = subprocess.run(bad_command, capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and "error:" in bad.stderr
+
+
+def test_a_mistyped_flag_gets_its_commands_usage(capsys):
+    """`python -m serving repository` answers a flag it does not know with its own usage (its flags)."""
+    from serving.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["repository", "--artifacts", "a", "--repository", "r", "--threds", "2"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2
+    assert err.startswith("usage: python -m serving repository [-h] --artifacts ARTIFACTS"), err
+    assert err.endswith("python -m serving repository: error: unrecognized arguments: --threds 2\n"), err
+
+
+def test_the_commands_parse_without_loading_the_configs_protobuf():
+    """`python -m serving repository|ensure --help` answers at once: the Triton config and repository
+    modules (protobuf, tritonclient) load only when a command runs."""
+    script = (
+        "import argparse, sys\n"
+        "from serving.triton import cli\n"
+        "cli.add_commands(argparse.ArgumentParser().add_subparsers())\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in {'tritonclient', 'google', 'numpy', 'export'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -33,9 +33,11 @@ function randomTokens(count, dModel, seed) {
   return rows;
 }
 
-// The color of weight w on the shared scale: [r, g, b], integers (what the canvas stores).
+// The color of weight w on the shared scale: [r, g, b], integers (what the canvas stores). The square
+// root of w / scaleMax, as `python -m export inspect` draws (PowerNorm(0.5)): on a linear scale the
+// weights spread over many keys all look white beside the 1.0 of the first query.
 function color(w) {
-  const t = Math.min(1, Math.max(0, w / scaleMax));
+  const t = Math.sqrt(Math.min(1, Math.max(0, w / scaleMax)));
   return LOW.map((low, c) => Math.round(low + (HIGH[c] - low) * t));
 }
 
@@ -99,11 +101,12 @@ function showError(message) {
 async function inspect(event) {
   event.preventDefault();
   $("error").hidden = true;
+  $("request-body").textContent = "";
   document.body.dataset.state = "loading";
   $("inspect").disabled = true;
   try {
     const body = await requestBody();
-    window.lastRequest = body; // what was sent: the test asks the API the same
+    $("request-body").textContent = JSON.stringify(body); // to repeat it: curl -d @request.json
     const answer = await api("POST", "/v1/inspect", body);
     draw(answer);
     table(answer.statistics);
@@ -179,5 +182,4 @@ function table(statistics) {
   $("stats").innerHTML = rows.map((r) => "<tr>" + r + "</tr>").join("");
 }
 
-window.inspectColor = color; // the page's color scale, for the test
 $("form").addEventListener("submit", inspect);

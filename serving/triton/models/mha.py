@@ -13,6 +13,7 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from contract import names
+from contract.deployment import request_tokens
 from contract.inputs import (
     check_finite,
     check_inputs,
@@ -34,8 +35,8 @@ class TritonPythonModel:
             self.model.version, self.model.cfg, self.model.parameters, self.model.name
         )
         self.inspection = engines.inspection_runner(self.model.version, self.model.cfg, self.model.parameters)
-        tokens = self.model.parameters.get(triton_config.P_MAX_REQUEST_TOKENS, self.model.cfg.max_seq_len)
-        self.max_request_tokens = int(tokens)
+        given = self.model.parameters.get(triton_config.P_MAX_REQUEST_TOKENS)
+        self.max_request_tokens = request_tokens(self.model.cfg, int(given) if given else None)
         pb_utils.Logger.log_info(
             f"{self.model.name}: runner {self.runner.description}; at most {self.max_request_tokens} tokens a request"
         )

@@ -3,8 +3,10 @@ of one sequence (`hidden_states` [1, T, d_model], optional `attention_mask` [1, 
 each sequence's KV cache from START to END or eviction, in the engine the `engine` parameter names:
 by default the static one (serving/engine/static_engine.py: one row of a KV pool per sequence, the
 decode steps of one execute() in one graph run, new keys written in place), or `concat`
-(serving/engine/concat_engine.py). Errors are answered per request; the answer carries `held_length`,
-the positions the sequence holds after the step."""
+(serving/engine/concat/; what a model whose static graph could not be built gets). A request may ask
+for a session operation instead of a step: those the engine offers (serving/triton/operations.py),
+which the load line names. Errors are answered per request; the answer carries `held_length`, the
+positions the sequence holds after the step."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import triton_python_backend_utils as pb_utils
 
 from contract import names
 from serving.engine import factory
+from serving.engine.settings import MAX_LIVE_SEQUENCES
 from serving.engine.steps import StepRequest, Sweeper
 from serving.triton import config as triton_config
 from serving.triton import engines, operations
@@ -35,12 +38,7 @@ class TritonPythonModel:
         idle = float(parameters[triton_config.P_IDLE_TIMEOUT])
         self.metrics = SessionGauges(self.model.name, self.engine.cache_kind)
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
-        budget_mib = self.engine.stats().budget_bytes / (1 << 20)
-        pb_utils.Logger.log_info(
-            f"{self.model.name}: runner {factory.describe(self.engine)}; KV cache budget {budget_mib:.0f} MiB = "
-            f"{self.engine.full_length_capacity} sequences of up to {cfg.max_seq_len} positions "
-            f"({self.engine.cache_kind}), {self.engine.capacity} shorter ones at once; idle timeout {idle:g} s"
-        )
+        pb_utils.Logger.log_info(load_line(self.model.name, self.engine, idle))
 
     def execute(self, requests: list) -> list:
         steps = [_step_request(request) for request in requests]
@@ -93,6 +91,30 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.sweeper.stop()
+
+
+def load_line(model_name: str, engine: factory.SessionEngines, idle: float) -> str:
+    """What the model says once loaded, parts split by "; " (serving/host/launcher.py's `serving_lines`
+    prints each on a line of the console): the engine and where it runs, what its KV budget holds, the
+    session operations it offers, the idle timeout."""
+    budget_mib = engine.stats().budget_bytes / (1 << 20)
+    holds = (
+        f"KV cache budget {budget_mib:.0f} MiB = {_capped(engine.full_length_capacity)} sequences of up to "
+        f"{engine.cfg.max_seq_len} positions ({engine.cache_kind})"
+    )
+    if engine.capacity != engine.full_length_capacity:  # rows sized to the session
+        holds += f", {_capped(engine.capacity)} shorter ones at once"
+    return (
+        f"{model_name}: runner {factory.describe(engine)}; {holds}; "
+        f"session operations: {operations.offered(engine)}; idle timeout {idle:g} s"
+    )
+
+
+def _capped(sequences: int) -> str:
+    """The count, said to be the cap where it is MAX_LIVE_SEQUENCES (the budget would hold more)."""
+    if sequences != MAX_LIVE_SEQUENCES:
+        return str(sequences)
+    return f"{sequences} (a hard cap on live sequences, whatever the budget)"
 
 
 def _operation(request) -> dict | None:

@@ -1,0 +1,339 @@
+"""The static engine's one face onto its KV cache: everything it asks of the cache is asked here, by
+holder (a session's sequence id, or a named prefix's key `("prefix", owner, name)`): allocate, grow,
+free, run a step ({holder: tokens} -> {holder: output or error}), read and write (snapshot and
+restore), copy (fork), rewind, a holder's length, and the numbers of the engine's stats. Slabs, rows
+and their moves are this module's own business (the shape of onnxruntime-genai's `KeyValueCache`
+and vLLM v1's `kv_cache_manager`, whose blocks the scheduler never sees).
+
+Rows are sized to the holder. A row is one of a few sizes (`row_sizes`: max_seq_len halved down to
+the smallest); rows of a size live in slabs, a `KVPool` each (serving/engine/kv_pool.py) of rows of
+that size. A holder starts in the smallest row that holds its first step and moves up one size at
+a time as it grows, by one copy of what it holds, so a row is at most twice what its holder holds
+(a 1,000-token session in a 1,024-position row). Admission is by bytes: a row comes from an open
+slab of its size with a free row, else from a new slab while the budget has room for it; else the
+allocation (or the growth) is refused (`RowsFull`), and a refused one changes nothing.
+
+Why slabs and not one buffer per size or one per row: a decode step of several rows is one graph run
+only over rows of one buffer (GroupQueryAttention reads a batch of rows of one stride), so rows of a
+size share slabs of several rows; a slab of its own per size would fix how the budget splits between
+sizes before any session came. A decode step therefore costs one graph run per slab with stepping
+rows (bench/capacity.py measures what that costs against one pool).
+
+A slab whose last row is freed stays open, with its decode windows, for the next holder of its size:
+opening one per fork or prefix start (its buffers' pages faulted in again, its windows bound again)
+was most of what such a start cost (issue 29, point 10). Empty slabs are closed only when the budget
+needs their room for a slab of another size. The slabs of one size on a device share one row-copy
+kernel (serving/engine/kernels.py).
+
+With `full_rows` (what ONNX Runtime's CUDA graphs need) the cache is one slab of rows of the largest
+size, opened with the manager and never another: a captured graph holds its buffers' addresses,
+which a slab opened or closed later would not keep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Hashable, Iterable, Mapping
+
+import numpy as np
+
+from contract import names
+from contract.config import ModelConfig
+from serving.engine import snapshots
+from serving.engine.kernels import RowCopy
+from serving.engine.kv_pool import KVPool, cache_layout, dequantized
+from serving.engine.ort import CPU, session_device, session_float_dtype, uses_cuda_graphs
+from serving.engine.settings import MAX_LIVE_SEQUENCES, MIN_ROW_POSITIONS
+
+Holder = Hashable  # a sequence id, or a named prefix's key (`prefix_holder`)
+PREFIX = "prefix"
+
+# A slab holds 1 to 4 rows of the largest size, as many as a sixteenth of the budget holds (and as
+# many bytes of rows of a smaller one). Larger slabs step more sessions in one graph run; smaller ones
+# waste less: an empty slab stays open until the budget needs its room, so a size's open slabs can
+# stand mostly empty. On the CPU a run more costs little (kv_pool.py's MERGE_BYTES: a split run 1.65 ms
+# against 1.91 ms merged); bench/capacity.py measures 16 sessions in one slab against spread over several.
+SLAB_LARGEST_ROWS = 4
+SLAB_BUDGET_SHARE = 16
+
+
+def prefix_holder(owner: str, name: str) -> tuple[str, str, str]:
+    """The holder of the named prefix `name` of `owner` (a tuple: never a Triton sequence id)."""
+    return (PREFIX, owner, name)
+
+
+class RowsFull(Exception):
+    """The budget has no room for a row of `positions` positions (what is live holds it)."""
+
+    def __init__(self, positions: int, message: str) -> None:
+        super().__init__(message)
+        self.positions = positions
+
+
+def row_sizes(max_seq_len: int, smallest: int = MIN_ROW_POSITIONS) -> tuple[int, ...]:
+    """The row capacities for `max_seq_len`, smallest first: it halved while at least `smallest`."""
+    sizes = [max_seq_len]
+    while sizes[-1] // 2 >= smallest:
+        sizes.append(sizes[-1] // 2)
+    return tuple(reversed(sizes))
+
+
+def cache_kind(cache_dtype: type, width: int, head_dim: int) -> str:
+    """What a cache of `cache_dtype` and `width` values a position holds: float32, float16, int8, or
+    int4 (two values a byte: its rows are half as wide as a head)."""
+    dtype = np.dtype(cache_dtype)
+    return names.INT4_CACHE if width * 2 == head_dim and dtype == np.uint8 else dtype.name
+
+
+@dataclasses.dataclass
+class _Slab:
+    pool: KVPool
+    free: list[int]  # a heap: the lowest free row first, so live rows cluster and windows stay short
+
+    @property
+    def size(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def empty(self) -> bool:
+        return len(self.free) == self.pool.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    slab: _Slab
+    row: int  # the row inside the slab's pool
+
+
+class CacheManager:
+    """The KV cache of the static graph of `session` within `budget_bytes`, by holder."""
+
+    def __init__(
+        self,
+        session,
+        cfg: ModelConfig,
+        budget_bytes: int,
+        sizes: tuple[int, ...] | None = None,
+        max_rows: int = MAX_LIVE_SEQUENCES,
+        full_rows: bool = False,
+        graph: str = "",
+        graph_sha256: str = "",
+        scales: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """`sizes`: the row sizes (default: `row_sizes(cfg.max_seq_len)`); the largest is the most
+        positions a holder holds. At most `max_rows` holders at once. `full_rows`: one slab of rows of
+        the largest size, as many as the budget holds, opened now and never another. `graph` and its
+        `graph_sha256`: what its snapshots name (snapshots.fingerprint). `scales`: a quantized cache's
+        (kv_pool.cache_scales), what `read_floats` dequantizes with."""
+        sizes = sizes or row_sizes(cfg.max_seq_len)
+        assert list(sizes) == sorted(set(sizes)) and sizes[-1] <= cfg.max_seq_len, sizes
+        self.session, self.cfg, self.budget_bytes, self.max_rows = session, cfg, budget_bytes, max_rows
+        self.sizes = sizes[-1:] if full_rows else tuple(sizes)
+        self.full_rows = full_rows
+        self.cache_dtype, width = cache_layout(session)
+        self.cache_kind = cache_kind(self.cache_dtype, width, cfg.head_dim)
+        self.dtype, self.device = session_float_dtype(session), session_device(session)
+        self.cuda_graphs = uses_cuda_graphs(session)
+        self.scales = dict(scales or {})
+        self.identity = snapshots.fingerprint(cfg, self.cache_dtype, graph, graph_sha256)
+        largest = self.row_bytes(self.sizes[-1])
+        self._slab_bytes = largest * max(1, min(SLAB_LARGEST_ROWS, budget_bytes // SLAB_BUDGET_SHARE // largest))
+        self._slabs: list[_Slab] = []
+        self._places: dict[Holder, _Place] = {}
+        self._row_copies: dict[int, RowCopy] = {}  # size -> the kernel its slabs share (on a device)
+        self.slabs_opened = 0  # since the start: what a fork or a prefix start costs shows here
+        smallest = self.row_bytes(self.sizes[0])
+        if budget_bytes < smallest:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no row ({smallest} bytes the smallest)")
+        if full_rows:
+            self._open(self.sizes[-1], min(max_rows, budget_bytes // largest))
+        mib = budget_bytes / (1 << 20)
+        rows = (
+            f"{self._slabs[0].pool.rows} full rows of {self.sizes[-1]}"
+            if full_rows
+            else "rows of " + ", ".join(map(str, self.sizes))
+        )
+        self.description = f"caches on {self.device}, {self.cache_kind}: {rows} positions from a {mib:.0f} MiB budget"
+
+    # --- what the budget holds -----------------------------------------------------------------------
+
+    def row_bytes(self, size: int) -> int:
+        """Bytes a row of `size` positions takes of the budget (every buffer; not the scratch position
+        each row also has, kv_pool.py)."""
+        return KVPool.row_bytes_for(self.session, self.cfg, size)
+
+    @property
+    def capacity(self) -> int:
+        """The most positions a holder holds (the largest row)."""
+        return self.sizes[-1]
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the budget the open slabs take."""
+        return sum(slab.pool.rows * self.row_bytes(slab.size) for slab in self._slabs)
+
+    @property
+    def most_rows(self) -> int:
+        """The most holders the budget holds at once: each in a row of the smallest size."""
+        return self.most_rows_of(self.sizes[0])
+
+    def most_rows_of(self, size: int) -> int:
+        """The most rows of `size` positions the budget holds at once (at most `max_rows`)."""
+        if self.full_rows:
+            return self._slabs[0].pool.rows
+        return min(self.max_rows, self.budget_bytes // self.row_bytes(size))
+
+    @property
+    def bytes_per_position(self) -> int:
+        """Bytes one cached position takes in every buffer."""
+        return self.row_bytes(1)
+
+    def slab_count(self) -> int:
+        return len(self._slabs)
+
+    def holders(self) -> list[Holder]:
+        return list(self._places)
+
+    def holds(self, holder: Holder) -> bool:
+        return holder in self._places
+
+    def length(self, holder: Holder) -> int:
+        """Positions `holder` holds."""
+        place = self._places[holder]
+        return int(place.slab.pool.lengths[place.row])
+
+    def row_capacity(self, holder: Holder) -> int:
+        """The positions `holder`'s row holds now (it moves to a larger one as it grows)."""
+        return self._places[holder].slab.size
+
+    def reserved_bytes(self, holders: Iterable[Holder]) -> int:
+        """What the rows of `holders` take of the budget."""
+        return sum(self.row_bytes(self._places[holder].slab.size) for holder in holders)
+
+    # --- holders -------------------------------------------------------------------------------------
+
+    def allocate(self, holder: Holder, positions: int) -> None:
+        """An empty row for `holder` that holds `positions` positions; RowsFull when there is no room."""
+        assert holder not in self._places, f"{holder!r} holds a row already"
+        if len(self._places) >= self.max_rows:
+            raise RowsFull(positions, f"the engine holds its most sequences at once ({self.max_rows})")
+        self._places[holder] = self._place(self._size_for(positions), positions)
+
+    def free(self, holder: Holder) -> None:
+        """`holder`'s row goes back to its slab (which stays open for the next holder of its size)."""
+        place = self._places.pop(holder)
+        heapq.heappush(place.slab.free, place.row)
+
+    def grow(self, holder: Holder, positions: int) -> None:
+        """`holder` holds `positions` positions from now on: moved, with what it holds, to a larger row
+        when its own is too small (RowsFull when there is no room; it then stays as it was)."""
+        place = self._places[holder]
+        if positions <= place.slab.size:
+            return
+        target = self._place(self._size_for(positions), positions)
+        target.slab.pool.copy_row(place.row, target.row, place.slab.pool)
+        self._places[holder] = target
+        heapq.heappush(place.slab.free, place.row)
+
+    def _size_for(self, positions: int) -> int:
+        size = next((size for size in self.sizes if size >= positions), None)
+        if size is None:
+            raise ValueError(f"{positions} positions exceed the largest row ({self.sizes[-1]})")
+        return size
+
+    def _place(self, size: int, positions: int) -> _Place:
+        """A free row of `size`: in an open slab of that size, else in a new one (closing empty slabs of
+        other sizes when the budget needs their room)."""
+        for slab in self._slabs:
+            if slab.size == size and slab.free:
+                return self._taken(slab)
+        row_bytes = self.row_bytes(size)
+        if self.full_rows or not self._make_room(row_bytes):
+            raise RowsFull(positions, self._full_message(size))
+        rows = max(1, min(self._slab_bytes, self.budget_bytes - self.allocated_bytes) // row_bytes)
+        return self._taken(self._open(size, rows))
+
+    def _make_room(self, needed: int) -> bool:
+        """Whether the budget has `needed` bytes free, after closing empty slabs if that gives them."""
+        room = self.budget_bytes - self.allocated_bytes
+        empty = [slab for slab in self._slabs if slab.empty]
+        if room + sum(slab.pool.rows * self.row_bytes(slab.size) for slab in empty) < needed:
+            return False
+        for slab in empty:
+            if room >= needed:
+                break
+            self._slabs.remove(slab)  # its buffers' memory goes with the pool's last reference
+            room += slab.pool.rows * self.row_bytes(slab.size)
+        return True
+
+    def _taken(self, slab: _Slab) -> _Place:
+        row = heapq.heappop(slab.free)
+        slab.pool.reset(row)
+        return _Place(slab, row)
+
+    def _open(self, size: int, rows: int) -> _Slab:
+        pool = KVPool(self.session, self.cfg, rows=rows, capacity=size, row_copy=self._row_copies.get(size))
+        if pool.device != CPU:  # on the host rows move as array copies: no kernel
+            self._row_copies[size] = pool.row_copy
+        slab = _Slab(pool, list(range(rows)))
+        self._slabs.append(slab)
+        self.slabs_opened += 1
+        return slab
+
+    def _full_message(self, size: int) -> str:
+        mib = 1 << 20
+        return (
+            f"the KV cache budget is full: {len(self._places)} rows hold live sequences in "
+            f"{self.allocated_bytes / mib:.1f} of {self.budget_bytes / mib:.1f} MiB; a row of {size} positions "
+            f"({self.row_bytes(size) / mib:.2f} MiB) does not fit; retry later or end a sequence"
+        )
+
+    # --- steps and whole rows, by holder ---------------------------------------------------------------
+
+    def run(self, steps: Mapping[Holder, np.ndarray]) -> dict[Holder, np.ndarray | Exception]:
+        """Append each holder's new tokens steps[holder] (T, d_model) and return its output (T, d_model)
+        in the graph's float dtype, or the exception its graph run raised (it then holds what it held).
+        One graph run per slab with holders stepping one token (KVPool.run). Each holder must have
+        room for its new length (`grow` first)."""
+        by_slab: dict[int, tuple[_Slab, dict[int, Holder]]] = {}  # id(slab) -> (slab, {row: holder})
+        for holder in steps:
+            place = self._places[holder]
+            by_slab.setdefault(id(place.slab), (place.slab, {}))[1][place.row] = holder
+        results: dict[Holder, np.ndarray | Exception] = {}
+        for slab, rows in by_slab.values():
+            outputs = slab.pool.run({row: steps[holder] for row, holder in rows.items()})
+            results.update({rows[row]: output for row, output in outputs.items()})
+        return results
+
+    def read(self, holder: Holder, start: int = 0) -> dict[str, np.ndarray]:
+        """What `holder` holds from position `start`: past name -> (n_kv, length - start, width) in the
+        cache dtype (a quantized cache's codes), fresh host arrays."""
+        place = self._places[holder]
+        return {name: array[0] for name, array in place.slab.pool.read(place.row, start).items()}
+
+    def read_floats(self, holder: Holder) -> dict[str, np.ndarray]:
+        """What `holder` holds as float32 (n_kv, length, head_dim) by past name: a quantized cache's codes
+        dequantized on the host as the kernel reads them (with the graph's scales)."""
+        cache = self.read(holder)
+        if self.cache_kind not in (names.INT8_CACHE, names.INT4_CACHE):
+            return {name: array.astype(np.float32, copy=False) for name, array in cache.items()}
+        assert set(self.scales) == set(cache), f"a {self.cache_kind} cache read as floats needs its graph's scales"
+        return {name: dequantized(array, self.scales[name], self.cache_kind) for name, array in cache.items()}
+
+    def write(self, holder: Holder, cache: Mapping[str, np.ndarray], length: int) -> None:
+        """`holder` holds `cache` (as `read` gives it, `length` positions) from now on."""
+        self.grow(holder, length)
+        place = self._places[holder]
+        place.slab.pool.write(place.row, cache, length)
+
+    def copy(self, source: Holder, target: Holder) -> None:
+        """`target` holds what `source` holds (on the device when it has one)."""
+        self.grow(target, self.length(source))
+        (source_place, target_place) = self._places[source], self._places[target]
+        target_place.slab.pool.copy_row(source_place.row, target_place.row, source_place.slab.pool)
+
+    def rewind(self, holder: Holder, length: int) -> None:
+        """`holder` keeps its first `length` positions (0 to its length)."""
+        place = self._places[holder]
+        place.slab.pool.rewind(place.row, length)
