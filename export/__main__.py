@@ -172,7 +172,7 @@ def given_fields(args: argparse.Namespace) -> dict:
 def import_and_report(args: argparse.Namespace) -> int:
     """`build --weights`: import, prove against the source module, build; nothing is written when the
     weights do not fit or do not match their module."""
-    from export.build import BuildError, build_model
+    from export.build import build_model
     from export.importers import SourceMismatchError, import_weights
     from export.kv_quant import CalibrationError
     from export.report import origin_summary, printing
@@ -191,19 +191,31 @@ def import_and_report(args: argparse.Namespace) -> int:
     except CalibrationError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    try:
-        report = printing(
+    report = _built(
+        lambda: printing(
             lambda: build_model(imported.model, args.out, args.variants, origin=origin, calibration=calibration),
             args.out,
-        )
-    except BuildError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        print(cannot_write(args.out, error), file=sys.stderr)
+        ),
+        args.out,
+    )
+    if report is None:
         return 1
     print(origin_summary(report))
     return 0
+
+
+def _built(run, out) -> dict | None:
+    """The report of the build `run`; None when it failed, its error printed (a variant that failed, a
+    folder that cannot be written)."""
+    from export.build import BuildError
+
+    try:
+        return run()
+    except BuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+    except OSError as error:
+        print(cannot_write(out, error), file=sys.stderr)
+    return None
 
 
 def calibration_from(args: argparse.Namespace, cfg: ModelConfig):
@@ -255,7 +267,6 @@ def build_and_print(args: argparse.Namespace) -> int:
         return 2
     if args.weights:
         return import_and_report(args)
-    from export.build import BuildError
     from export.report import build_and_report
 
     try:
@@ -264,15 +275,11 @@ def build_and_print(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:  # kv_quant.CalibrationError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
-    try:
-        build_and_report(cfg, args.out, args.variants, seed=args.seed or 0, calibration=calibration)
-    except BuildError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        print(cannot_write(args.out, error), file=sys.stderr)
-        return 1
-    return 0
+    report = _built(
+        lambda: build_and_report(cfg, args.out, args.variants, seed=args.seed or 0, calibration=calibration),
+        args.out,
+    )
+    return 1 if report is None else 0
 
 
 if __name__ == "__main__":

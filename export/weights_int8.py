@@ -23,7 +23,11 @@ AVX512-VNNI; 4 interleaved rounds, prefill B1 T512 and decode B1 P1024) and on t
 * reduce_range off: 7-bit weights cost 1.2-1.9x the error at the same speed. The option exists for
   x86 CPUs without VNNI, whose u8 x s8 instruction (vpmaddubsw) saturates sums of two products in
   int16; VNNI accumulates in int32 and does not, and the graph matches its floor to 1.00-1.18x here.
-  A CPU without VNNI would serve this graph less accurately than the build measured it.
+  A CPU without VNNI would serve this graph less accurately than the build measured it: measured on
+  an AMD EPYC without AVX-512 (AVX2 only), the 8-bit graph missed its floor's bound on the tiny, gqa
+  and trained-scale configs. So a build on an x86 CPU without VNNI quantizes with `reduce_range`
+  (weights in 7 bits: codes -64..64, whose u8 x s8 pair sums fit int16) and its floor with the same
+  levels (`WEIGHT_LEVELS`, chosen once per process by `saturating_int8_products`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import platform
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -48,7 +54,24 @@ from serving.engine.ort import Arrays, Forward
 
 NAME = "fp32-fused-int8w"
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
-WEIGHT_LEVELS = 127  # QInt8 symmetric: codes -127..127, scale = max|w| / 127 per output channel
+
+
+def saturating_int8_products() -> bool:
+    """Whether ONNX Runtime's u8 x s8 products saturate here: an x86 CPU without VNNI (its vpmaddubsw
+    sums two products in int16). Elsewhere (VNNI, ARM's dot products) they accumulate in int32."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: assume a current CPU
+        return False
+    return re.search(r"\b(avx512_vnni|avx_vnni)\b", flags) is None
+
+
+REDUCE_RANGE = saturating_int8_products()
+# QInt8 symmetric: codes -127..127, scale = max|w| / 127 per output channel; with reduce_range -64..64
+# (onnxruntime.quantization's get_qmin_qmax_for_qType)
+WEIGHT_LEVELS = 64 if REDUCE_RANGE else 127
 ACTIVATION_LEVELS = 255  # uint8: codes 0..255 over [min(x, 0), max(x, 0)]
 QUANTIZED_OPS = ("MatMul", "Gemm")
 
@@ -88,7 +111,7 @@ def quantize_projections(fused: onnx.ModelProto, cfg: ModelConfig, path: Path) -
             nodes_to_quantize=projections,  # the projections only, never the attention op
             weight_type=QuantType.QInt8,  # the options and why: this module's doc
             per_channel=True,
-            reduce_range=False,
+            reduce_range=REDUCE_RANGE,  # 7-bit weights only where 8-bit products would saturate
         )
     quantized = onnx.load(str(path))
     attach_config(quantized, cfg)  # the tool adds metadata of its own; keep fp32-fused's

@@ -8,7 +8,6 @@ the placement chosen at load (TensorRT, CUDA, CPU, whichever is usable here) pic
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -30,12 +29,8 @@ from serving.engine.static_engine import StaticSessionEngine
 SessionEngines = StaticSessionEngine | ConcatSessionEngine
 
 
-def trt_cache(model_name: str) -> Path:
-    return Path(tempfile.gettempdir()) / "attention-serving-trt" / model_name
-
-
 def stateless_runner(files: Mapping[str, Path], cfg: ModelConfig, threads: int, model_name: str) -> Runner:
-    placement = choose_placement(cfg, tensorrt.Limits(), trt_cache(model_name))
+    placement = choose_placement(cfg, tensorrt.Limits(), tensorrt.trt_cache_dir(model_name))
     return Runner(model_file(files, placement), cfg, threads=threads, placement=placement)
 
 
@@ -58,7 +53,7 @@ def session_engine(
         cache, notes = static_cache(files, cfg, settings, model_name)
         description = "; ".join([f"static engine, {cache.description}", *notes])
         return StaticSessionEngine(cache, idle_timeout=idle, description=description, inspection=maps)
-    placement = choose_placement(cfg, tensorrt.Limits(max_batch=settings.max_batch), trt_cache(model_name))
+    placement = choose_placement(cfg, tensorrt.Limits(max_batch=settings.max_batch), tensorrt.trt_cache_dir(model_name))
     path = model_file(files, placement)
     runner = Runner(path, cfg, threads=threads, placement=placement)
     store = KVCacheStore(
@@ -77,12 +72,16 @@ def static_cache(
     """The cache on the best device; on CUDA with ONNX Runtime's CUDA graphs when a probe of them works
     (decode steps are launch-bound on a GPU; the cache is then one slab of full rows), else without
     (the reason goes to the log) and sized to the session as on the CPU."""
-    placement = choose_placement(cfg, tensorrt.Limits(), trt_cache(model_name), allow_tensorrt=False, cuda_graphs=True)
+    placement = choose_placement(
+        cfg, tensorrt.Limits(), tensorrt.trt_cache_dir(model_name), allow_tensorrt=False, cuda_graphs=True
+    )
     if placement.kind == CUDA:
         try:
             return _probed(_cache(files, cfg, settings, placement, full_rows=True)), placement.notes
         except Exception as error:  # the plain CUDA session still serves
-            placement = choose_placement(cfg, tensorrt.Limits(), trt_cache(model_name), allow_tensorrt=False)
+            placement = choose_placement(
+                cfg, tensorrt.Limits(), tensorrt.trt_cache_dir(model_name), allow_tensorrt=False
+            )
             placement.notes.append(f"CUDA graphs off: their probe failed ({type(error).__name__}: {error})")
     return _cache(files, cfg, settings, placement), placement.notes
 

@@ -32,6 +32,7 @@ from contract.deployment import (  # noqa: F401  (MODELS, PYTHON_MODELS: re-expo
     ENGINE_STATIC,
     FEW_SESSIONS,
     KV_FLOAT,
+    MAX_LIVE_SEQUENCES,
     MODELS,
     PYTHON_MODELS,
     ServingSettings,
@@ -172,9 +173,10 @@ def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
     smallest = min(settings.min_row_positions, cfg.max_seq_len)
     if settings.engine == ENGINE_STATIC and smallest < cfg.max_seq_len:
         short = most_sequences(cfg, budget, smallest_row=smallest, cache_bits=CPU_CACHE_BITS[dtype])
+        capped = " (the hard cap on live sequences, whatever the budget)" if short == MAX_LIVE_SEQUENCES else ""
         lines.append(
-            f"{MHA_SESSION}: rows sized to the session: up to {short} sequences of up to {smallest} positions "
-            f"on the CPU ({cache}) at once, each moving to a row twice as long as it grows"
+            f"{MHA_SESSION}: rows sized to the session: up to {short}{capped} sequences of up to {smallest} "
+            f"positions on the CPU ({cache}) at once, each moving to a row twice as long as it grows"
         )
     if on_cpu < FEW_SESSIONS:
         lines.append(f"warning: only {on_cpu} sessions fit at once on the CPU; raise --kv-cache-mib to hold more")

@@ -30,6 +30,23 @@ def test_settings_come_from_serving_variables(monkeypatch, tmp_path):
     assert Settings(sessions_per_key=5).sessions_per_key == 5  # arguments win over the environment
 
 
+@pytest.mark.parametrize(
+    ("environment", "expected"),
+    [
+        ({}, None),
+        ({"SERVING_SESSION_STORE": "none"}, ""),
+        ({"SERVING_SESSION_STORE": " None "}, ""),
+        ({"SERVING_SESSION_STORE": "redis://127.0.0.1:6379/0"}, "redis://127.0.0.1:6379/0"),
+    ],
+)
+def test_the_session_store_is_read_once_from_its_setting(monkeypatch, environment, expected):
+    """Unset: python -m serving gives its gateway a folder of its own; `none`: no store; else the store."""
+    monkeypatch.delenv("SERVING_SESSION_STORE", raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert Settings().session_store == expected
+
+
 def test_without_keys_the_gateway_binds_loopback_only_and_says_so(monkeypatch, caplog):
     monkeypatch.delenv("SERVING_API_KEYS", raising=False)
     monkeypatch.delenv("SERVING_API_KEYS_FILE", raising=False)

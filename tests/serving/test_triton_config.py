@@ -161,8 +161,9 @@ def test_triton_has_more_sequence_slots_than_the_engine_admits_sequences(budget_
             ServingSettings(kv_cache_bytes=1 << 30, kv_dtype="int4"),
             [
                 "mha_session: KV cache budget 1024 MiB = 32768 sequences of up to 512 positions on the CPU (int4)",
-                "mha_session: rows sized to the session: up to 8192 sequences of up to 256 positions on the CPU "
-                "(int4) at once, each moving to a row twice as long as it grows",
+                "mha_session: rows sized to the session: up to 8192 (the hard cap on live sequences, whatever the "
+                "budget) sequences of up to 256 positions on the CPU (int4) at once, each moving to a row twice as "
+                "long as it grows",
             ],
         ),
         (
