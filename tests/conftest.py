@@ -4,7 +4,7 @@
 - `slow`: takes tens of seconds on its own (the README run, benchmarks, the fault suite, anything
   that builds a whole artifact);
 - `gpu`: needs a CUDA GPU (skipped here with the reason);
-- `unit`: everything else: no server, `pytest -m unit` in about a minute.
+- `unit`: everything else: no server, `pytest -m unit` in about 3 minutes on 2 cores.
 
 A module that starts its own servers says so with `pytestmark = pytest.mark.served`; tests that use
 the `triton` or `artifact_dir` fixture are marked here; `unit` is what is left.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, ClassVar
@@ -174,12 +175,17 @@ class Sweeper:
 
     def __init__(self, engine, on_tick: Callable[[], None], interval: float) -> None:
         self.engine, self.on_tick, self.interval = engine, on_tick, interval
+        self._parent = os.getppid()  # inside Triton: the tritonserver whose stub this is
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-cache-sweeper", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
+            if os.getppid() != self._parent:
+                # the server is gone: a gauge update would wait for its answer forever, holding the GIL
+                # the stub needs to exit (measured: a stub of a killed server lived on for 40 s and more)
+                return
             self.engine.evict_idle()
             self.on_tick()
 
