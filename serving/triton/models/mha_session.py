@@ -11,6 +11,7 @@ positions the sequence holds after the step."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 from typing import ClassVar
 
@@ -161,6 +162,7 @@ class SessionGauges:
         self._families, self._metrics = [], {}
         self._sent: dict[str, float] = {}
         self._lock = threading.Lock()  # execute() and the sweeper both publish
+        self._server = os.getppid()  # the tritonserver whose stub this is
         for key, (name, description) in self.GAUGES.items():
             family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
             self._families.append(family)  # a family must outlive its metrics
@@ -172,6 +174,10 @@ class SessionGauges:
     def publish(self, values: dict[str, float]) -> None:
         with self._lock:
             for key, value in values.items():
+                if os.getppid() != self._server:
+                    # the server is gone: an update would wait for its answer forever, holding the GIL
+                    # the stub needs to exit (docs/reliability.md, "No orphans")
+                    return
                 if self._sent.get(key) != value:
                     self._metrics[key].set(value)
                     self._sent[key] = value
