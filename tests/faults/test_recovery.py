@@ -93,7 +93,7 @@ def test_a_killed_session_model_is_reloaded_and_its_sessions_are_lost(stack):
     again, (_, first_again) = attend(gateway), new_session(gateway)
     np.testing.assert_array_equal(again, before)
     np.testing.assert_array_equal(first_again, first)
-    assert "reloading mha_session" in served.output() and "serving again" in served.output()
+    served.wait_for_output("reloading mha_session", "serving again")
     assert served.process.poll() is None
 
 
@@ -153,7 +153,7 @@ def test_a_killed_stateless_model_is_reloaded(stack):
     recovered = wait_ready(gateway, killed_at)
     print(f"stateless model reloaded: serving {recovered:.1f} s after kill -9")
     np.testing.assert_array_equal(attend(gateway), before)
-    assert "reloading mha" in served.output()
+    served.wait_for_output("reloading mha")
 
 
 def test_a_killed_tritonserver_is_started_again(stack):
@@ -169,7 +169,7 @@ def test_a_killed_tritonserver_is_started_again(stack):
     assert_code(gateway.post(f"/v1/sessions/{session}/step", json={"hidden_states": hidden(1, 3)}), 409, "session_lost")
     np.testing.assert_array_equal(attend(gateway), before)
     np.testing.assert_array_equal(new_session(gateway)[1], first)
-    assert "tritonserver exited with -9" in served.output()
+    served.wait_for_output("tritonserver exited with -9")
 
 
 def test_the_shape_that_kills_triton_2_51s_http_front_end_costs_seconds_not_the_stack(stack):

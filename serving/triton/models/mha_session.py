@@ -25,6 +25,7 @@ from serving.engine.steps import StepRequest, Sweeper
 from serving.triton import config as triton_config
 from serving.triton import engines, operations
 from serving.triton.models import common
+from serving.triton.watchdog import ParentWatchdog
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -40,6 +41,7 @@ class TritonPythonModel:
         self.metrics = SessionGauges(self.model.name, self.engine.cache_kind)
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
         pb_utils.Logger.log_info(load_line(self.model.name, self.engine, idle))
+        self.watchdog = ParentWatchdog()  # after the load: no stub should outlive its server
 
     def execute(self, requests: list) -> list:
         steps = [_step_request(request) for request in requests]
@@ -92,6 +94,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.sweeper.stop()
+        self.watchdog.stop()
 
 
 def load_line(model_name: str, engine: factory.SessionEngines, idle: float) -> str:
