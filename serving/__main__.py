@@ -68,12 +68,29 @@ def triton_arguments(parser: argparse.ArgumentParser) -> None:
         help="Triton processes; more than 1 puts Envoy on the HTTP and gRPC ports in front of them, each on "
         "free ports of its own, and routes each session to the replica holding it (default: 1, no Envoy)",
     )
+    triton.add_argument(
+        "--ejection-seconds",
+        type=positive_float,
+        default=15.0,
+        help="with --replicas: how long Envoy keeps a replica that answered five errors in a row out of "
+        "new work, longer with each ejection (default: 15)",
+    )
 
 
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
     return value
 
 
@@ -195,7 +212,14 @@ def start_front(args: argparse.Namespace):
     )
     ports = FrontPorts(args.http_port, args.grpc_port, args.metrics_port)
     gateway = (gateway_host(args), args.gateway_port) if not args.no_gateway and args.gateway_port else None
-    return start_front(options, ports, args.replicas, gateway, say=lambda line: print(line, flush=True))
+    return start_front(
+        options,
+        ports,
+        args.replicas,
+        gateway,
+        say=lambda line: print(line, flush=True),
+        ejection_s=args.ejection_seconds,
+    )
 
 
 def gateway_host(args: argparse.Namespace) -> str:

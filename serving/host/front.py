@@ -40,6 +40,7 @@ def start_front(
     replicas: int,
     gateway: tuple[str, int] | None = None,
     say: Callable[[str], None] = print,
+    ejection_s: float = ProxySettings.ejection_s,
 ):
     """One supervised Triton on `ports`, or Envoy on the HTTP and gRPC ports in front of `replicas`
     of them. What a run killed before it could stop left is removed first (and named); then every
@@ -54,9 +55,21 @@ def start_front(
         check_ports_free(gateway[0], {"gateway": gateway[1]})
     if replicas == 1:
         return OneTriton(supervise(options, front_ports, options.log))
-    proxy = ProxySettings(http_port=ports.http, grpc_port=ports.grpc, listen_address=options.address)
+    proxy = proxy_settings(ports, options.address, ejection_s)
     say(f"starting {replicas} Triton replicas and Envoy in front of them")
     return start_fleet(replicas, lambda index: supervise(options, {}, replica_log(options.log, index)), proxy)
+
+
+def proxy_settings(ports: FrontPorts, address: str, ejection_s: float = ProxySettings.ejection_s) -> ProxySettings:
+    """Envoy on the front's HTTP and gRPC ports, ejecting an outlier for `ejection_s` (and looking for
+    ejections that are over at least that often)."""
+    return ProxySettings(
+        http_port=ports.http,
+        grpc_port=ports.grpc,
+        listen_address=address,
+        ejection_s=ejection_s,
+        ejection_check_s=min(ProxySettings.ejection_check_s, ejection_s),
+    )
 
 
 def replica_log(log: Path | None, index: int) -> Path | None:

@@ -5,6 +5,8 @@
   `start_replica`).
 - `proxy`: an Envoy over those three, new for each test (a fraction of a second); `Envoy.update`
   changes its replicas live.
+- `spare_replica`: a started Triton of a test's own, to kill or signal: one per test of the module
+  that asks for one, all started together in the background from the module's first test on.
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ def start_replica(tiny_repository, tmp_path_factory):
 def replicas(start_replica):
     with concurrent.futures.ThreadPoolExecutor(3) as pool:  # at once: about half the wait of one after another
         return list(pool.map(lambda _: start_replica(), range(3)))
+
+
+@pytest.fixture(scope="module")
+def spare_replicas(request, replicas, start_replica):
+    """Futures of the module's spare replicas (started after the shared ones), one per selected test
+    of the module taking `spare_replica`; all of them have started (or failed) by the module's end."""
+    wanted = sum(
+        getattr(item, "module", None) is request.module and "spare_replica" in item.fixturenames
+        for item in request.session.items
+    )
+    pool = concurrent.futures.ThreadPoolExecutor(max(wanted, 1))
+    futures = [pool.submit(start_replica) for _ in range(wanted)]
+    pool.shutdown(wait=False)
+    yield futures
+    concurrent.futures.wait(futures)  # none starts after `start_replica` has stopped the others
+
+
+@pytest.fixture
+def spare_replica(spare_replicas):
+    """A started Triton of this test's own; the other spares have finished starting too, so that no
+    start competes with the test for the CPU."""
+    concurrent.futures.wait(spare_replicas)
+    return spare_replicas.pop().result()
 
 
 def replica_of(server, draining: bool = False) -> Replica:

@@ -104,6 +104,14 @@ def test_grpc_goes_upstream_as_h2_and_every_replica_is_checked_on_its_http_port(
         assert check["http_health_check"] == {"path": HEALTH_PATH, "codec_client_type": "HTTP1"}
         assert check["no_traffic_interval"] == check["interval"]
         assert cluster["outlier_detection"]["consecutive_5xx"] > 0
+        assert cluster["outlier_detection"]["base_ejection_time"] == "15s"  # users' default
+        assert cluster["outlier_detection"]["interval"] == "5s"
+    short = bootstrap(EndpointFiles(tmp_path / "endpoints"), ProxySettings(ejection_s=1, ejection_check_s=0.5))
+    for cluster in _clusters(short).values():
+        assert cluster["outlier_detection"]["base_ejection_time"] == "1s"
+        assert cluster["outlier_detection"]["interval"] == "0.5s"
+    with pytest.raises(ValueError, match="positive"):
+        ProxySettings(ejection_s=0)
     grpc_file = yaml.safe_load(endpoints_path(tmp_path / "endpoints", "grpc").read_text())
     hosts = grpc_file["resources"][0]["endpoints"][0]["lb_endpoints"]
     assert [h["endpoint"]["address"]["socket_address"]["port_value"] for h in hosts] == [8001, 9001]
@@ -194,3 +202,17 @@ def test_the_health_listener_answers_ready_until_envoy_is_told_to_fail():
             urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5)
     finally:
         envoy.stop()
+
+
+def test_python_m_serving_takes_how_long_an_outlier_is_ejected():
+    from serving.__main__ import parser
+    from serving.host.front import FrontPorts, proxy_settings
+
+    ports = FrontPorts(http=8000, grpc=8001, metrics=8002)
+    default = parser().parse_args([]).ejection_seconds
+    assert proxy_settings(ports, "127.0.0.1", default) == ProxySettings(listen_address="127.0.0.1")
+    short = proxy_settings(ports, "127.0.0.1", parser().parse_args(["--ejection-seconds", "1"]).ejection_seconds)
+    assert (short.ejection_s, short.ejection_check_s) == (1.0, 1.0)
+    for bad in ("soon", "0"):
+        with pytest.raises(SystemExit):
+            parser().parse_args(["--ejection-seconds", bad])

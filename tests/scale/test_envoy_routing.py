@@ -32,7 +32,12 @@ from tests.scale.helpers import (
     step,
 )
 
-pytestmark = pytest.mark.timeout(120)
+# the spare replicas start in the background from the first test on (conftest.py)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("spare_replicas")]
+# for a replica seen failing and back soon: a health check every 0.5 s, an ejection of 1 s (not 15)
+FAST = ProxySettings(
+    http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5, ejection_s=1.0, ejection_check_s=0.5
+)
 
 
 def _lost(error: InferenceServerException) -> errors.ClientError:
@@ -82,10 +87,16 @@ def test_stateless_calls_go_to_every_replica_and_name_none(proxy, replicas, prot
             assert affinity.replica_from(answer) is None
     finally:
         stub.close()
-    time.sleep(0.5)  # the access log's flush interval is 0.2 s
-    entries = [e for e in proxy.access_log() if e["route"] == "stateless" and e["path"].lower().endswith("infer")]
+    deadline = time.monotonic() + 5  # until the access log (flushed every 0.2 s) has all 30
+    while len(entries := _stateless_infers(proxy)) < 30 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(entries) == 30, entries
     ports = {server.ports[protocol] for server in replicas}
     assert {int(e["upstream_host"].rsplit(":", 1)[1]) for e in entries} == ports
+
+
+def _stateless_infers(envoy) -> list[dict]:
+    return [e for e in envoy.access_log() if e["route"] == "stateless" and e["path"].lower().endswith("infer")]
 
 
 def test_no_pinned_session_moves_when_a_replica_joins(replicas):
@@ -152,11 +163,13 @@ def test_a_draining_replica_keeps_its_sessions_then_its_removal_loses_them(repli
         envoy.stop()
 
 
-def test_a_dead_replica_fails_its_sessions_precisely_and_its_return_takes_new_ones(replicas, start_replica):
-    doomed = start_replica()
+def test_a_dead_replica_fails_its_sessions_precisely_and_its_return_takes_new_ones(
+    replicas, start_replica, spare_replica
+):
+    doomed = spare_replica
     ports = dict(doomed.ports)
     others = [replica_of(server) for server in replicas[:2]]
-    envoy = start_envoy([*others, replica_of(doomed)])
+    envoy = start_envoy([*others, replica_of(doomed)], FAST)
     stub = client(envoy.grpc_url, "grpc")
     try:
         on_doomed = sessions_on(stub, doomed, at_least=1)
@@ -176,8 +189,8 @@ def test_a_dead_replica_fails_its_sessions_precisely_and_its_return_takes_new_on
 
         returned = start_replica(http_port=ports["http"], grpc_port=ports["grpc"], metrics_port=ports["metrics"])
         # STARTs that reached the dead replica before its health checks failed (retried elsewhere) may
-        # have ejected it as an outlier: it is back once the 15 s ejection is over and a check passes
-        envoy.wait_for_hosts({**dict.fromkeys(others, "healthy"), replica_of(returned): "healthy"}, timeout=40)
+        # have ejected it as an outlier: it is back once the ejection (1 s here) is over and a check passes
+        envoy.wait_for_hosts({**dict.fromkeys(others, "healthy"), replica_of(returned): "healthy"})
         with pytest.raises(InferenceServerException) as raised:  # a new process: it never held the session
             step(stub, session, pin)
         assert isinstance(_lost(raised.value), errors.UnknownSessionError)
@@ -187,11 +200,11 @@ def test_a_dead_replica_fails_its_sessions_precisely_and_its_return_takes_new_on
         envoy.stop()
 
 
-def test_a_signalled_replica_drains_its_grpc_sessions(replicas, start_replica):
+def test_a_signalled_replica_drains_its_grpc_sessions(replicas, spare_replica):
     """Kubernetes' way: SIGTERM. Triton closes its HTTP port (Envoy's health check fails, no new
     sessions) and serves its open sequences over gRPC until they end (or its exit timeout, 5 s in
     tests), then exits."""
-    leaving = start_replica()
+    leaving = spare_replica
     staying = [replica_of(server) for server in replicas[:2]]
     fast_checks = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
     envoy = start_envoy([*staying, replica_of(leaving)], fast_checks)
@@ -226,9 +239,10 @@ def _stub_of(server, model: str) -> int:
     raise AssertionError(f"no stub of {model} under {server.grpc_url}")
 
 
-def test_a_replica_whose_model_died_is_ejected_for_new_sessions(replicas, start_replica):
-    """Triton's readiness stays 200 when a stub dies; its answers (INTERNAL) eject it."""
-    broken = start_replica()
+def test_a_replica_whose_model_died_is_ejected_for_new_sessions(replicas, spare_replica):
+    """Triton's readiness stays 200 when a stub dies; its answers (INTERNAL) eject it (for the
+    default 15 s: it is still out after the checks below)."""
+    broken = spare_replica
     envoy = start_envoy([*(replica_of(server) for server in replicas[:2]), replica_of(broken)])
     stub = client(envoy.grpc_url, "grpc")
     try:
@@ -248,4 +262,6 @@ def test_a_replica_whose_model_died_is_ejected_for_new_sessions(replicas, start_
     finally:
         stub.close()
         envoy.stop()
-        broken.stop()
+        # a graceful stop would wait out Triton's exit timeout for the model whose stub died
+        broken.process.send_signal(signal.SIGKILL)
+        broken.stop()  # reaps it and its stubs

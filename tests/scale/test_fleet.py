@@ -35,9 +35,13 @@ PREFILL, DECODES = 5, 4
 @pytest.fixture(scope="module")
 def fleet(tiny_repository, tmp_path_factory):
     work = tmp_path_factory.mktemp("fleet")
-    args = ("--replicas", "3", "--probe-interval", "0.5")
-    # gateways that share a secret share a session store too (second_gateway)
-    env = {"SERVING_SESSION_SECRET": SECRET, "SERVING_SESSION_STORE": str(work / "sessions")}
+    args = ("--replicas", "3", "--probe-interval", "0.5", "--ejection-seconds", "1")
+    # gateways that share a secret share a session store too (second_gateway); a replica killed here
+    # is ejected as an outlier for 1 s, not 15, before it may take new sessions again
+    env = {
+        "SERVING_SESSION_SECRET": SECRET,
+        "SERVING_SESSION_STORE": str(work / "sessions"),
+    }
     with serving_process(tiny_repository, work, env=env, args=args) as served:
         yield served
 
@@ -259,89 +263,66 @@ def test_a_killed_replica_loses_only_its_sessions_and_serves_again_once_restarte
     client.close()
 
 
-def test_a_retired_replica_serves_its_sessions_until_they_end_and_takes_no_new_ones(tiny_repository, original):
-    """`Fleet.retire`: the drain mode. One session held on the leaving replica keeps stepping (and
-    equals the original) while new sessions go elsewhere; once it ends the replica stops at once,
-    long before the deadline. A second retirement with a session still open ends at its deadline
-    and the session is then lost."""
-    import threading
+def test_replicas_retired_by_migration_by_drain_and_at_a_deadline_leave_the_last_one_serving(
+    tiny_repository, original, tmp_path
+):
+    """`Fleet.retire` on one fleet of four, one replica after another (a fleet started once, not per mode):
 
+    - by migration (`migrate=True`) while 16 durable sessions step: the replica stops without waiting
+      for them, each of its sessions moves at its next step (rebuilt from the store on another
+      replica), and every step of every session equals the original;
+    - by drain: one session held on the leaving replica keeps stepping (and equals the original)
+      while new sessions go elsewhere; once it ends the replica stops at once, long before the deadline;
+    - by drain with a session still open: it ends at its deadline and the session is then lost;
+    - the last one serving is not retired."""
     from serving.host.envoy import ProxySettings
     from serving.host.fleet import start_fleet
     from serving.host.launcher import start_triton
     from serving.host.supervisor import Supervisor
 
     proxy = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
-    fleet = start_fleet(3, lambda _: Supervisor(lambda: start_triton(tiny_repository), interval=0.5), proxy)
-    client = Client(fleet.envoy.grpc_url, "grpc")
+    fleet = start_fleet(4, lambda _: Supervisor(lambda: start_triton(tiny_repository), interval=0.5), proxy)
     try:
-        d_model = client.metadata("mha_session").d_model
         ports = {s.server.grpc_url: i for i, s in enumerate(fleet.supervisors)}
-
-        def held_on(index: int, seed: int):
-            for _ in range(60):
-                session = client.session()
-                parts = chunks(seed, d_model)
-                session.step(parts[0])
-                if ports[base64.b64decode(session.replica).decode()] == index:
-                    return session, parts
-                session.close()
-            raise AssertionError(f"60 sessions and none on replica {index}")
-
-        session, parts = held_on(2, seed=300)
-        retiring = {}
-        thread = threading.Thread(target=lambda: retiring.setdefault("lost", fleet.retire(2, deadline_s=60)))
-        began = time.monotonic()
-        thread.start()
-        time.sleep(1.0)  # Envoy has read the draining mark
-        for _ in range(10):
-            fresh = client.session()
-            fresh.open()
-            assert ports[base64.b64decode(fresh.replica).decode()] != 2, "a new session reached the draining replica"
-            fresh.close()
-        out = [session.step(part) for part in parts[1:]]
-        np.testing.assert_allclose(
-            np.concatenate(out, axis=1), expected(original, parts)[:, PREFILL:], rtol=1e-5, atol=1e-5
-        )
-        assert thread.is_alive()  # still draining: its session is open
-        session.close()
-        thread.join(30)
-        assert retiring == {"lost": 0} and time.monotonic() - began < 30
-        assert not fleet.supervisors[2].server.is_running()
-
-        kept, parts = held_on(1, seed=301)
-        assert fleet.retire(1, deadline_s=1.0) == 1  # the deadline passed with one sequence held
-        with pytest.raises(SessionLostError):
-            kept.step(parts[1])
-        with pytest.raises(ValueError, match="last one serving"):
-            fleet.retire(0, deadline_s=1.0)
+        gone = [_drain_by_migration(fleet, ports, original, tmp_path)]
+        serving = [i for i in range(4) if i not in gone]
+        with Client(fleet.envoy.grpc_url, "grpc") as client:
+            _drain_until_the_session_ends(fleet, client, ports, serving[0], original)
+            kept, parts = _held_on(client, ports, serving[1], seed=301)
+            assert fleet.retire(serving[1], deadline_s=1.0, poll_s=0.1) == 1  # the deadline passed with one held
+            with pytest.raises(SessionLostError):
+                kept.step(parts[1])
+            with pytest.raises(ValueError, match="last one serving"):
+                fleet.retire(serving[2], deadline_s=1.0)
     finally:
-        client.close()
         fleet.stop()
 
 
-def test_a_drain_by_migration_moves_16_sessions_being_stepped_and_none_waits_for_its_end(
-    tiny_repository, original, tmp_path
-):
-    """`Fleet.retire(migrate=True)` while 16 durable sessions step: the replica stops without waiting
-    for them, each of its sessions moves at its next step (rebuilt from the store on another
-    replica), and every step of every session equals the original."""
+def _held_on(client: Client, ports: dict[str, int], index: int, seed: int):
+    """A session prefilled on replica `index` (new ones opened until one lands there), and its inputs."""
+    d_model = client.metadata("mha_session").d_model
+    for _ in range(60):
+        session = client.session()
+        parts = chunks(seed, d_model)
+        session.step(parts[0])
+        if ports[base64.b64decode(session.replica).decode()] == index:
+            return session, parts
+        session.close()
+    raise AssertionError(f"60 sessions and none on replica {index}")
+
+
+def _drain_by_migration(fleet, ports: dict[str, int], original, tmp_path) -> int:
+    """`Fleet.retire(migrate=True)` of the replica holding most of 16 durable sessions while they step
+    (the drain begins and ends between their rounds); returns that replica."""
     import threading
 
-    from serving.host.envoy import ProxySettings
-    from serving.host.fleet import start_fleet
-    from serving.host.launcher import start_triton
-    from serving.host.supervisor import Supervisor
-
-    proxy = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
-    fleet = start_fleet(3, lambda _: Supervisor(lambda: start_triton(tiny_repository), interval=0.5), proxy)
     client = Client(fleet.envoy.grpc_url, "grpc", session_store=tmp_path / "store", checkpoint_every=4)
     try:
         d_model = client.metadata("mha_session").d_model
-        ports = {s.server.grpc_url: i for i, s in enumerate(fleet.supervisors)}
         rng = np.random.default_rng(400)
         parts = [[rng.standard_normal((1, 5, d_model)).astype(np.float32)] for _ in range(16)]
         sessions = [client.session() for _ in parts]
+        outputs: list[list[np.ndarray]] = [[] for _ in sessions]
         for session, sequence in zip(sessions, parts, strict=True):
             session.step(sequence[0])
         on = [ports[base64.b64decode(s.replica).decode()] for s in sessions]
@@ -361,16 +342,17 @@ def test_a_drain_by_migration_moves_16_sessions_being_stepped_and_none_waits_for
                 thread.join(60)  # stopped: the last rounds reach the moved sessions
                 assert not thread.is_alive() and not fleet.supervisors[victim].server.is_running()
             began = time.monotonic()
-            for session, sequence in zip(sessions, parts, strict=True):
+            for session, sequence, out in zip(sessions, parts, outputs, strict=True):
                 sequence.append(rng.standard_normal((1, 1, d_model)).astype(np.float32))
-                out = session.step(sequence[-1])
-                reference = expected(original, sequence)[:, -1:]
-                np.testing.assert_allclose(out, reference, rtol=1e-5, atol=1e-5)
+                out.append(session.step(sequence[-1]))
             if k == 8:
                 print(
                     f"drain of replica {victim}: stopped {retiring['seconds']:.1f} s after retire(); the 16 "
                     f"sessions' next round {1000 * (time.monotonic() - began):.0f} ms"
                 )
+        for sequence, out in zip(parts, outputs, strict=True):  # every step, as the original over the whole
+            reference = expected(original, sequence)[:, sequence[0].shape[1] :]
+            np.testing.assert_allclose(np.concatenate(out, axis=1), reference, rtol=1e-5, atol=1e-5)
         assert retiring["held"] == on.count(victim)
         assert [s.recoveries for s in sessions] == [int(i == victim) for i in on]
         assert all(ports.get(base64.b64decode(s.replica).decode()) != victim for s in sessions)
@@ -378,7 +360,38 @@ def test_a_drain_by_migration_moves_16_sessions_being_stepped_and_none_waits_for
             session.close()
     finally:
         client.close()
-        fleet.stop()
+    return victim
+
+
+def _drain_until_the_session_ends(fleet, client: Client, ports: dict[str, int], index: int, original) -> None:
+    """`Fleet.retire(index)` with a session held there: new sessions go elsewhere while it steps to its
+    end, then the replica stops at once."""
+    import threading
+
+    session, parts = _held_on(client, ports, index, seed=300)
+    leaving = fleet.supervisors[index].server.grpc_url
+    retiring = {}
+    thread = threading.Thread(target=lambda: retiring.setdefault("lost", fleet.retire(index, 60, poll_s=0.1)))
+    began = time.monotonic()
+    thread.start()
+    deadline = time.monotonic() + 10
+    while fleet.envoy.hosts("triton_grpc_sessions").get(leaving) != "draining":  # Envoy read the mark
+        assert time.monotonic() < deadline, fleet.envoy.hosts("triton_grpc_sessions")
+        time.sleep(0.05)
+    for _ in range(10):
+        fresh = client.session()
+        fresh.open()
+        assert ports[base64.b64decode(fresh.replica).decode()] != index, "a new session reached the draining replica"
+        fresh.close()
+    out = [session.step(part) for part in parts[1:]]
+    np.testing.assert_allclose(
+        np.concatenate(out, axis=1), expected(original, parts)[:, PREFILL:], rtol=1e-5, atol=1e-5
+    )
+    assert thread.is_alive()  # still draining: its session is open
+    session.close()
+    thread.join(30)
+    assert retiring == {"lost": 0} and time.monotonic() - began < 30
+    assert not fleet.supervisors[index].server.is_running()
 
 
 def test_a_snapshot_restores_on_another_replica_and_a_fork_stays_on_its_sessions(fleet, original):

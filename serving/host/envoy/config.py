@@ -124,11 +124,23 @@ class ProxySettings:
     connect_timeout_s: float = 2.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
+    # an outlier (five 5xx answers in a row) is ejected this long, longer at each further ejection;
+    # Envoy looks for ejections that are over every `ejection_check_s`
+    ejection_s: float = 15.0
+    ejection_check_s: float = 5.0
     retries: int = 2  # for stateless calls and session starts that never ran
     max_connections: int = 10_000  # client connections, all listeners together
 
     def __post_init__(self) -> None:
-        if min(self.request_timeout_s, self.connect_timeout_s, self.health_interval_s, self.health_timeout_s) <= 0:
+        timings = (
+            self.request_timeout_s,
+            self.connect_timeout_s,
+            self.health_interval_s,
+            self.health_timeout_s,
+            self.ejection_s,
+            self.ejection_check_s,
+        )
+        if min(timings) <= 0:
             raise ValueError(f"timeouts and intervals must be positive: {self}")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
@@ -377,8 +389,8 @@ def _cluster(protocol: str, sessions: bool, upstreams: Upstreams, settings: Prox
         # bring it back (Envoy's default does)
         "outlier_detection": {
             "consecutive_5xx": 5,
-            "interval": "5s",
-            "base_ejection_time": "15s",
+            "interval": _seconds(settings.ejection_check_s),
+            "base_ejection_time": _seconds(settings.ejection_s),
             "max_ejection_percent": 50,
             "successful_active_health_check_uneject_host": False,
         },
