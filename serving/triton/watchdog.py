@@ -1,40 +1,76 @@
-"""A Python-backend stub that ends with its tritonserver, whatever holds its threads."""
+"""A Python-backend stub that ends with its tritonserver, whatever holds its threads.
+
+The Python backend's own exit path can wait forever: a gauge update or a log line on its way when
+the server dies waits for an answer while holding the GIL and the stub's message lock, and the
+backend's exit needs both (docs/reliability.md, "No orphans"). Nothing inside the stub can act
+then, so a small process beside it watches: `ParentWatchdog` starts this file as a script (standard
+library only, `python3 -I -S`), which checks every `INTERVAL_S` whether the stub still has its
+server as parent. Once the server is gone (the stub was handed to init), the stub gets `GRACE_S` to
+end on its own and is then killed. A server that is alive but slow or stopped (SIGSTOP) is not
+gone: its stub is left alone, its sessions kept. The watcher ends with the stub.
+"""
 
 from __future__ import annotations
 
-import faulthandler
 import os
+import shutil
+import signal
+import subprocess
 import sys
-import threading
+import time
+from pathlib import Path
+
+INTERVAL_S = 0.25
+GRACE_S = 2.0
 
 
 class ParentWatchdog:
-    """Ends this stub `deadline_s` after its tritonserver is gone, whatever holds its threads.
+    """The watcher process of this stub (started in `initialize`, stopped in `finalize`)."""
 
-    The Python backend's own exit path can wait forever: a gauge update or a log line on its way
-    when the server dies waits for an answer while holding the GIL and the stub's message lock,
-    which the backend's exit needs (docs/reliability.md, "No orphans"). So a thread of ours pets
-    faulthandler's watchdog, a C thread that needs neither, every `interval_s` while the parent
-    lives; once it is gone (or a blocked update starves the petting) the watchdog prints every
-    thread's stack to stderr and calls _exit(1). A live stub pets it every 0.25 s: only a GIL held
-    for `deadline_s` would starve it, which no step, operation or gauge update does."""
-
-    def __init__(self, deadline_s: float = 3.0, interval_s: float = 0.25) -> None:
-        self.deadline_s, self.interval_s = deadline_s, interval_s
-        self._parent = os.getppid()
-        self._stop = threading.Event()
-        self._pet()
-        self._thread = threading.Thread(target=self._loop, name="parent-watchdog", daemon=True)
-        self._thread.start()
-
-    def _pet(self) -> None:
-        faulthandler.dump_traceback_later(self.deadline_s, exit=True, file=sys.stderr)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s) and os.getppid() == self._parent:
-            self._pet()
+    def __init__(self) -> None:
+        python = shutil.which("python3") or sys.executable  # the launcher puts the serving venv first on PATH
+        command = [python, "-I", "-S", str(Path(__file__).resolve()), str(os.getpid()), str(os.getppid())]
+        self._watcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True)
 
     def stop(self) -> None:
-        """An orderly unload: the watchdog stands down."""
-        self._stop.set()
-        faulthandler.cancel_dump_traceback_later()
+        """An orderly unload: the watcher ends first, so that no process outlives the stub."""
+        self._watcher.kill()
+        self._watcher.wait()
+
+
+def parent_and_start(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, or None once it is gone or a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    if fields[0] == "Z":
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+def watch(stub: int, server: int) -> str:
+    """Wait until the stub ends (returns "ended") or its server is gone (kills a stub still there
+    after GRACE_S: returns "killed" or "ended")."""
+    first = parent_and_start(stub)
+    if first is None:
+        return "ended"
+    started = first[1]
+    while (now := parent_and_start(stub)) is not None and now == (server, started):
+        time.sleep(INTERVAL_S)
+    if now is None or now[1] != started:
+        return "ended"
+    deadline = time.monotonic() + GRACE_S
+    while (now := parent_and_start(stub)) is not None and now[1] == started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if now is None or now[1] != started:
+        return "ended"
+    os.kill(stub, signal.SIGKILL)
+    print(f"stub watchdog: the server {server} is gone and stub {stub} did not end in {GRACE_S:g} s: killed it")
+    return "killed"
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole group; the stub's end ends this
+    watch(int(sys.argv[1]), int(sys.argv[2]))

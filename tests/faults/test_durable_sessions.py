@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -109,27 +110,52 @@ def test_sessions_survive_a_killed_process_and_go_on_as_the_original(stack, orig
     client.close()
 
 
-def test_a_redis_store_keeps_sessions_across_a_killed_stub_and_a_redis_restart(stack, original, redis_server):
+def test_one_killed_stub_a_redis_session_goes_on_changed_or_foreign_entries_are_refused_rewinds_are_kept(
+    stack, original, redis_server, tmp_path
+):
+    """Three cases, one kill -9 of the session model's stub (each kill costs seconds of reload):
+
+    - a Redis store keeps a session across a restart of redis-server and across the kill;
+    - a store entry that was changed, or that is another owner's, is refused and the session reported
+      lost, never served wrong;
+    - a rewind below the last checkpoint truncates the store and checkpoints again; one within the
+      replay log trims the log. Rebuilt after the kill, each session goes on as one that never had
+      the dropped positions.
+    """
     served, gateway = stack
     wait_ready(gateway, time.monotonic())
+    checks = [  # the refusals first: they come while the stub is dead, as the others' recoveries begin
+        changed_and_foreign_entries(served, original, tmp_path / "store"),
+        redis_session(served, original, redis_server),
+        rewound_sessions(served, original, tmp_path / "rewound"),
+    ]
+    kill(served, "mha_session_0_0")
+    for check in checks:
+        check()
+
+
+def redis_session(served, original, redis_server):
+    """A session whose checkpoints went to Redis across its restart; the check after the kill."""
     client = Client(f"127.0.0.1:{served.grpc_port}", session_store=redis_server.url, checkpoint_every=EVERY)
     session, sequence = client.session(), Sequence(original, 30)
     session.step(sequence.next(6))
-    advance([(session, sequence)], gateway, [], steps=5)  # a checkpoint at 8 went to Redis
+    advance([(session, sequence)], None, [], steps=5)  # a checkpoint at 8 went to Redis
     redis_server.restart()  # the append-only file keeps it; the client reconnects
-    advance([(session, sequence)], gateway, [], steps=9)  # checkpoints resume: one at 16
+    advance([(session, sequence)], None, [], steps=9)  # checkpoints resume: one at 16
     assert [c.end for c in RedisStore(redis_server.url).chunks(session._key)] == [8, 16]
-    kill(served, "mha_session_0_0")
-    advance([(session, sequence)], gateway, [], steps=3)
-    assert session.recoveries == 1
-    session.close()
-    client.close()
+
+    def check() -> None:
+        advance([(session, sequence)], None, [], steps=3)
+        assert session.recoveries == 1
+        session.close()
+        client.close()
+
+    return check
 
 
-def test_a_changed_or_foreign_store_entry_is_refused_and_the_session_reported_lost(stack, original, tmp_path):
-    served, gateway = stack
-    wait_ready(gateway, time.monotonic())
-    store = tmp_path / "store"
+def changed_and_foreign_entries(served, original, store: Path):
+    """alice's session with its store entry changed by a byte, bob's with alice's entry in its place,
+    and another of alice's untouched; the check after the kill."""
     client = Client(f"127.0.0.1:{served.grpc_port}", session_store=store, checkpoint_every=EVERY)
     changed, sequence = client.session(owner="alice"), Sequence(original, 40)
     foreign = client.session(owner="bob")
@@ -144,24 +170,23 @@ def test_a_changed_or_foreign_store_entry_is_refused_and_the_session_reported_lo
     (good,) = (store / other._key.parts[0] / other._key.parts[1]).iterdir()
     shutil.copyfile(good, theirs)
 
-    kill(served, "mha_session_0_0")
-    with pytest.raises(SessionLostError, match=r"cannot be recovered: session store entry \w+ \[0, 9\) is corrupt"):
-        changed.step(sequence.next(1))
-    with pytest.raises(SessionLostError, match="belongs to another owner"):
-        foreign.step(sequence.next(1))
-    assert client.store.chunks(other._key)  # untouched by the refusals
-    for session in (changed, foreign, other):
-        session.close()
-    client.close()
+    def check() -> None:
+        with pytest.raises(SessionLostError, match=r"cannot be recovered: session store entry \w+ \[0, 9\) is corrupt"):
+            changed.step(sequence.next(1))
+        with pytest.raises(SessionLostError, match="belongs to another owner"):
+            foreign.step(sequence.next(1))
+        assert client.store.chunks(other._key)  # untouched by the refusals
+        for session in (changed, foreign, other):
+            session.close()
+        client.close()
+
+    return check
 
 
-def test_a_rewound_session_is_rebuilt_as_rewound(stack, original, tmp_path):
-    """A rewind below the last checkpoint truncates the store and checkpoints again; one within the
-    replay log trims the log. Rebuilt after a kill, each session goes on as one that never had the
-    dropped positions."""
-    served, gateway = stack
-    wait_ready(gateway, time.monotonic())
-    client = Client(f"127.0.0.1:{served.grpc_port}", session_store=tmp_path / "store", checkpoint_every=EVERY)
+def rewound_sessions(served, original, store: Path):
+    """Two sessions rewound, below their last checkpoint and within their replay log; the check
+    after the kill."""
+    client = Client(f"127.0.0.1:{served.grpc_port}", session_store=store, checkpoint_every=EVERY)
     below, within = (client.session(), Sequence(original, 50)), (client.session(), Sequence(original, 60))
     for (session, sequence), keep in ((below, 12), (within, 22)):
         session.step(sequence.next(20))  # a checkpoint at 20
@@ -172,9 +197,12 @@ def test_a_rewound_session_is_rebuilt_as_rewound(stack, original, tmp_path):
         sequence.parts = [whole]  # the original never saw the dropped positions
     assert [c.end for c in client.store.chunks(below[0]._key)] == [12]  # truncated, then checkpointed again
     assert [c.end for c in client.store.chunks(within[0]._key)] == [20]
-    kill(served, "mha_session_0_0")
-    advance([below, within], gateway, [], steps=3)
-    assert below[0].recoveries == within[0].recoveries == 1
-    for session, _ in (below, within):
-        session.close()
-    client.close()
+
+    def check() -> None:
+        advance([below, within], None, [], steps=3)
+        assert below[0].recoveries == within[0].recoveries == 1
+        for session, _ in (below, within):
+            session.close()
+        client.close()
+
+    return check

@@ -185,15 +185,16 @@ def infer_mha(server) -> np.ndarray:
 
 
 def reload_dead_mha(server, during=None) -> None:
-    """kill -9 of the mha stub, then `server.reload` (as the supervisor does), `during()` called
-    meanwhile if given; asserts that a new stub answers as the old one did."""
+    """kill -9 of the mha stub, then `server.reload` (as the supervisor does), `during(reloading)`
+    called meanwhile if given (`reloading`: the thread reloading); asserts that a new stub answers as
+    the old one did."""
     before = infer_mha(server)
     dead = stubs(server)["mha_0_0"]
     os.kill(dead, signal.SIGKILL)
     reloading = threading.Thread(target=server.reload, args=(["mha"],))
     reloading.start()
     if during is not None:
-        during()
+        during(reloading)
     reloading.join(60)
     assert stubs(server)["mha_0_0"] != dead
     np.testing.assert_array_equal(infer_mha(server), before)
@@ -210,10 +211,21 @@ def stop_and_check(server, caplog) -> int:
     return returncode
 
 
-def test_a_server_whose_stub_died_and_was_reloaded_stops_cleanly(tiny_repository, caplog):
-    server = start_triton(tiny_repository)
+def test_a_server_whose_stub_died_and_was_reloaded_stops_cleanly_and_logging_elsewhere_leaves_no_folder(
+    tiny_repository, tmp_path, caplog
+):
+    """One server for both (a start costs seconds): its log is outside its work directory, which the
+    stop removes all the same; its polls load nothing but the model reloaded."""
+    log_path = tmp_path / "triton.log"
+    server = start_triton(tiny_repository, log_path=log_path)
+    started = time.monotonic()
     reload_dead_mha(server)
+    time.sleep(max(0.0, 3 * POLL_SECONDS - (time.monotonic() - started)))  # at least 3 of Triton's polls
     assert stop_and_check(server, caplog) == 0
+    log = log_path.read_text()
+    # each model loaded once at the start, and mha once more by the reload: nothing is loaded twice
+    assert log.count("successfully loaded 'mha_session'") == 1, log
+    assert log.count("successfully loaded 'mha'") == 2, log
 
 
 def test_requests_that_reach_the_dead_model_during_its_reload_leave_nothing_behind(tiny_repository, caplog):
@@ -222,25 +234,18 @@ def test_requests_that_reach_the_dead_model_during_its_reload_leave_nothing_behi
     1, expected after a reload; nothing is kept or left."""
     server = start_triton(tiny_repository)
 
-    def knock() -> None:  # requests while the model is swapped: refused, or stuck until the client gives up
+    def knock(reloading: threading.Thread) -> None:
+        """Requests until the model is swapped in: refused, or stuck until the client gives up."""
         x = httpclient.InferInput("hidden_states", [1, 2, 32], "FP32")
         x.set_data_from_numpy(np.ones((1, 2, 32), np.float32))
-        for _ in range(20):
+        knocked = 0
+        while reloading.is_alive() or not knocked:
             client = httpclient.InferenceServerClient(server.http_url, network_timeout=2.0)
             with contextlib.suppress(Exception):
                 client.infer("mha", [x])
             client.close()
+            knocked += 1
             time.sleep(0.05)
 
     reload_dead_mha(server, during=knock)
     assert stop_and_check(server, caplog) in (0, 1)
-
-
-def test_a_server_that_logs_elsewhere_leaves_no_folder(tiny_repository, tmp_path):
-    log_path = tmp_path / "triton.log"
-    server = start_triton(tiny_repository, log_path=log_path)
-    stub_pids = list(stubs(server).values())
-    time.sleep(3 * POLL_SECONDS)  # Triton's polls find nothing changed: nothing is loaded twice
-    assert server.stop() == 0
-    assert_nothing_left(server, stub_pids)
-    assert log_path.read_text().count("successfully loaded 'mha'") == 1

@@ -71,11 +71,11 @@ def test_kill_9_of_python_m_serving_leaves_nothing_running_and_the_same_command_
         while still_running(started) and time.monotonic() - killed_at < LEFT_AFTER_S:
             time.sleep(0.05)
         gone_after = time.monotonic() - killed_at
-        time.sleep(max(0.0, LEFT_AFTER_S - gone_after))
+        # a process that ended stays gone: nothing is learned by waiting out the rest of the bound
         left = still_running(started)
         unmapped = [region.name for region in regions if region.exists()]
         print(f"{replicas} replica(s): {len(started)} processes, all gone {gone_after:.2f} s after kill -9")
-        print(f"left after {LEFT_AFTER_S:g} s: {len(folders)} folders, {len(unmapped)} of {len(regions)} regions")
+        print(f"left then: {len(folders)} folders, {len(unmapped)} of {len(regions)} regions")
         assert not left, f"running {LEFT_AFTER_S:g} s after kill -9 of python -m serving: {left}"
 
         second = start_serving(tiny_repository, _mkdir(tmp_path / "second"), args=args, ports=ports)

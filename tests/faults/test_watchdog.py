@@ -1,7 +1,7 @@
-"""The stub's parent watchdog (serving/triton/watchdog.py), in plain processes standing in for a
+"""The stub's watchdog (serving/triton/watchdog.py), in plain processes standing in for a
 tritonserver and its stub: a stub whose server died while one of its threads holds the GIL (as a
-gauge update on its way to the dead server does) still ends, and a stub whose server lives is left
-alone past the deadline."""
+gauge update on its way to the dead server does) is ended, a stub whose server is stopped (SIGSTOP)
+is left alone, and the watcher ends with an orderly unload."""
 
 from __future__ import annotations
 
@@ -14,29 +14,29 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
-DEADLINE_S = 1.0
+from serving.triton.watchdog import GRACE_S, INTERVAL_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 STUB = textwrap.dedent(
-    f"""
-    import ctypes, sys, time
+    """
+    import ctypes, sys
     from serving.triton.watchdog import ParentWatchdog
-    ParentWatchdog(deadline_s={DEADLINE_S}, interval_s=0.1)
-    print("armed", flush=True)
-    if sys.argv[1] == "hold-gil":
-        ctypes.PyDLL(None).sleep(60)  # libc's sleep called without releasing the GIL
-    else:
-        time.sleep(60)
+    watchdog = ParentWatchdog()
+    print(watchdog._watcher.pid, flush=True)
+    if sys.argv[1] == "unload":
+        watchdog.stop()
+        print("stopped", flush=True)
+    ctypes.PyDLL(None).sleep(60)  # libc's sleep called without releasing the GIL
     """
 )
 SERVER = textwrap.dedent(
     """
     import subprocess, sys, time
     stub = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE, text=True)
-    assert stub.stdout.readline().strip() == "armed"
-    print(stub.pid, flush=True)
+    print(stub.pid, stub.stdout.readline().strip(), flush=True)
+    print(stub.stdout.readline().strip(), flush=True) if sys.argv[2] == "unload" else None
     time.sleep(60)
     """
 )
@@ -49,33 +49,57 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("stub_does", ["hold-gil", "idle"])
-def test_a_stub_ends_within_the_deadline_once_its_server_is_killed(stub_does):
+def start(stub_does: str) -> tuple[subprocess.Popen, int, int]:
+    """A "server" and its "stub" holding the GIL: (server, stub pid, watcher pid)."""
     server = subprocess.Popen(
         [sys.executable, "-c", SERVER, STUB, stub_does], stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
-    stub = int(server.stdout.readline())
+    stub, watcher = map(int, server.stdout.readline().split())
+    return server, stub, watcher
+
+
+def end(*pids: int) -> None:
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stub_holding_the_gil_is_ended_once_its_server_is_killed():
+    server, stub, watcher = start("hold-gil")
     try:
+        time.sleep(2 * INTERVAL_S)  # the watcher has looked at least once with the server alive
+        assert alive(stub) and alive(watcher)
         server.send_signal(signal.SIGKILL)
         server.wait(10)
         killed_at = time.monotonic()
-        while alive(stub) and time.monotonic() - killed_at < 10 * DEADLINE_S:
+        while (alive(stub) or alive(watcher)) and time.monotonic() - killed_at < 3 * GRACE_S:
             time.sleep(0.02)
         gone_after = time.monotonic() - killed_at
         assert not alive(stub), f"the stub outlived its server by {gone_after:.1f} s"
-        # holding the GIL, the last pet came before the kill; idle, within an interval after it
-        assert gone_after < DEADLINE_S + 0.5, gone_after
+        assert not alive(watcher), "the watcher outlived the stub"
+        assert gone_after < GRACE_S + 2 * INTERVAL_S + 0.5, gone_after
     finally:
-        if alive(stub):
-            os.kill(stub, signal.SIGKILL)
+        end(stub, watcher)
+        server.kill()
 
 
-def test_a_stub_whose_server_lives_is_left_alone_past_the_deadline():
-    stub = subprocess.Popen([sys.executable, "-c", STUB, "idle"], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+def test_a_stub_whose_server_is_stopped_is_left_alone():
+    server, stub, watcher = start("hold-gil")
     try:
-        assert stub.stdout.readline().strip() == "armed"
-        time.sleep(3 * DEADLINE_S)
-        assert stub.poll() is None, "the watchdog ended a stub whose parent lives"
+        server.send_signal(signal.SIGSTOP)
+        time.sleep(GRACE_S + 4 * INTERVAL_S)
+        assert alive(stub) and alive(watcher), "a stopped server's stub was ended"
+        server.send_signal(signal.SIGCONT)
     finally:
-        stub.kill()
-        stub.wait()
+        end(stub, watcher)
+        server.kill()
+
+
+def test_an_orderly_unload_ends_the_watcher():
+    server, stub, watcher = start("unload")
+    try:
+        assert server.stdout.readline().strip() == "stopped"
+        assert not alive(watcher) and alive(stub)
+    finally:
+        end(stub, watcher)
+        server.kill()
