@@ -169,7 +169,7 @@ def _climb(
         floor = quantized_cache_runner(model, quantization)
     if variant.ladder == POOL:
         schedule = pool_schedule(model.cfg.max_seq_len)
-        pool = KVPool(ort_session(path), model.cfg, rows=POOL_ROWS, capacity=model.cfg.max_seq_len)
+        pool = KVPool(ort_session(path, threads=1), model.cfg, rows=POOL_ROWS, capacity=model.cfg.max_seq_len)
         total = len(schedule)
         return {
             POOL_SCENARIO: compare_pool_rung(
@@ -183,7 +183,7 @@ def _climb(
                 dequantize=quantization.dequantize if quantization else None,
             )
         }
-    candidate = ort_runner(ort_session(path))
+    candidate = ort_runner(ort_session(path, threads=1))
     results: dict[str, RungResult] = {}
     for name, scenario in SCENARIOS.items():
         total = scenario.steps + 1
@@ -240,9 +240,12 @@ def check_variant(
     quantization: kv_quant.CacheQuantization | None = None,
 ) -> dict:
     """Climb the ladder with the ONNX file at `path` (its cache quantized as `quantization` says, for a
-    variant with kv_bits) and check its fit; return its report entry."""
+    variant with kv_bits) and check its fit; return its report entry. The ladder runs PyTorch and ONNX
+    Runtime on one thread each (`one_thread`): a row and a token at a time, a second thread costs more
+    than it saves (on a busy 2-core machine, measured: a static variant's pool rung twice as fast)."""
     model_proto = onnx.load(str(path), load_external_data=False)
-    results = _climb(model, path, variant, progress, quantization)
+    with one_thread():
+        results = _climb(model, path, variant, progress, quantization)
     fused = graph_stats.fused_attention_count(model_proto)
     problems = [f"parity failed in scenario '{n}'" for n, r in results.items() if not r.passed]
     if variant.fused:
@@ -419,7 +422,7 @@ def _build_variant(
     quantization = calibrated.quantization(variant.kv_bits) if variant.kv_bits else None
     with progress.stage(f"{variant.name}: export"):
         variant.make(model, path, *([quantization] if quantization else []))
-    with progress.stage(f"{variant.name}: parity"), one_thread():
+    with progress.stage(f"{variant.name}: parity"):
         entry = check_variant(model, path, variant, progress, quantization)
     if quantization:  # the layouts' errors on the calibration data: why the default layout is the default
         entry["kv_cache"] = quantization.to_report() | {"calibration_errors": calibrated.errors(variant.kv_bits)}

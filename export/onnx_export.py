@@ -130,18 +130,26 @@ def export_onnx(model: AttentionModel, path: str | Path) -> Path:
     return save_onnx(plain_graph(model), Path(path))
 
 
-# The last model exported, by a fingerprint of its config and weights: the fused variants start
-# from the plain graph, and one build should pay for the exporter (seconds) once, not per variant.
-_last_export: dict[bytes, bytes] = {}
+# The models exported last, by a fingerprint of their config and weights, most recent last: the
+# fused variants start from the plain graph, and one build should pay for the exporter (seconds) once,
+# not per variant; a process that builds the same model again (a rebuild, the tests) pays nothing.
+# Bounded by count and by bytes: the serialized graphs hold the weights.
+_recent_exports: dict[bytes, bytes] = {}
+EXPORT_CACHE_ENTRIES, EXPORT_CACHE_BYTES = 16, 256 << 20
 
 
 def plain_graph(model: AttentionModel) -> onnx.ModelProto:
     """The plain graph of `model` (every op decomposed, opset 18), exported once per config and weights."""
     key = _fingerprint(model)
-    if key not in _last_export:
-        _last_export.clear()
-        _last_export[key] = _export(model).SerializeToString()
-    return onnx.load_from_string(_last_export[key])
+    serialized = _recent_exports.pop(key, None)
+    if serialized is None:
+        serialized = _export(model).SerializeToString()
+    _recent_exports[key] = serialized  # the most recent last
+    while len(_recent_exports) > 1 and (
+        len(_recent_exports) > EXPORT_CACHE_ENTRIES or sum(map(len, _recent_exports.values())) > EXPORT_CACHE_BYTES
+    ):
+        del _recent_exports[next(iter(_recent_exports))]  # the least recently used
+    return onnx.load_from_string(serialized)
 
 
 def _fingerprint(model: AttentionModel) -> bytes:

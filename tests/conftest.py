@@ -64,17 +64,18 @@ TEST_CONFIGS = {
 
 @pytest.fixture(scope="session")
 def artifact_dir(tmp_path_factory):
-    """`artifact_dir(name)` -> an artifact directory built from TEST_CONFIGS[name], once per session."""
+    """`artifact_dir(name)` -> an artifact directory built from TEST_CONFIGS[name] once per session,
+    with the variants tests/fixtures/builds.py's `artifact_build(name)` names."""
     from export.build import build
     from export.progress import Progress
-    from tests.fixtures.builds import FULL_BUILD
+    from tests.fixtures.builds import artifact_build
 
     built: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in built:
             out = tmp_path_factory.mktemp(f"artifact-{name}")
-            build(TEST_CONFIGS[name], out, FULL_BUILD, progress=Progress(enabled=False))
+            build(TEST_CONFIGS[name], out, artifact_build(name), progress=Progress(enabled=False))
             built[name] = out
         return built[name]
 

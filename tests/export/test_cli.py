@@ -1,6 +1,5 @@
 """`python -m export build` end to end, on a config no preset uses."""
 
-import copy
 import json
 import resource
 import shutil
@@ -11,12 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from onnx import numpy_helper
 
 from contract import files, names
 from contract.config import ModelConfig
 from export import __main__ as cli
 from export import build
-from export.onnx_export import export_onnx
+from export.onnx_export import plain_graph, save_onnx
 from serving.engine.ort import ort_runner, ort_session
 from tests import reference
 from tests.conftest import TEST_CONFIGS
@@ -143,9 +143,12 @@ def test_an_invalid_config_exits_2_naming_the_field(tmp_path, capsys):
 @pytest.mark.slow  # a whole build
 def test_a_variant_that_fails_parity_fails_the_command_and_is_not_kept(tmp_path, capsys, monkeypatch):
     def export_with_a_wrong_weight(model, path):
-        broken = copy.deepcopy(model)
-        broken.layers[0].attn.W_v.weight.data[0, 0] += 1e-3  # a small slip somewhere in the graph
-        return export_onnx(broken, path)
+        proto = plain_graph(model)  # the model's own export (one per process: export/onnx_export.py)
+        bias = next(t for t in proto.graph.initializer if t.name == "model.layers.0.attn.W_v.bias")
+        wrong = numpy_helper.to_array(bias).copy()
+        wrong[0] += 1e-3  # a small slip somewhere in the graph
+        bias.CopyFrom(numpy_helper.from_array(wrong, bias.name))
+        return save_onnx(proto, path)
 
     wrong = build.Variant("fp32", export_with_a_wrong_weight, build.TOLERANCES["fp32"])
     monkeypatch.setitem(build.VARIANTS, "fp32", wrong)
@@ -183,30 +186,46 @@ def test_an_out_path_inside_a_file_is_one_clear_error_and_nothing_is_made(tmp_pa
     assert tree(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
-@pytest.mark.slow  # two builds
+@pytest.mark.slow  # a build
 def test_a_full_disk_leaves_the_earlier_build_as_it_was_and_says_so_in_one_line(tmp_path):
-    """RLIMIT_FSIZE in the child (honest as root too, unlike chmod): the weights fit, the first graph
-    does not, as when a disk fills up mid-build; a rebuild over an earlier artifact and a first build."""
+    """RLIMIT_FSIZE in the child (honest as root too, unlike chmod): the config fits, the weights do
+    not, as when a disk fills up mid-build (the staging folder holds a file by then); a rebuild over
+    an earlier artifact and a first build, run side by side."""
     earlier = tmp_path / "earlier"
     assert cli.main(["build", "--preset", "tiny", "--out", str(earlier), "--variants", "fp32"]) == 0
-    limit = (earlier / files.WEIGHTS_FILENAME).stat().st_size + 4096
-    assert (earlier / files.model_filename("fp32")).stat().st_size > limit  # the graph is what hits the limit
+    limit = 4096
+    assert (earlier / files.MODEL_CONFIG_FILENAME).stat().st_size < limit  # the staging folder gets a file
+    assert (earlier / files.WEIGHTS_FILENAME).stat().st_size > limit  # the weights are what hits the limit
     before = tree(tmp_path)
 
     def small_disk() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes get EFBIG
 
-    for out in (earlier, tmp_path / "first"):
-        proc = subprocess.run(
-            build_command(out), capture_output=True, text=True, timeout=300, check=False, preexec_fn=small_disk
+    outs = (earlier, tmp_path / "first")
+    procs = [
+        subprocess.Popen(
+            build_command(out),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=small_disk,  # noqa: PLW1509  (the limit is set in the child before exec)
         )
-        assert proc.returncode == 1, proc.stderr
-        assert "Traceback" not in proc.stderr, proc.stderr
-        assert proc.stderr.strip().splitlines()[-1] == (
-            f"error: cannot write {out}: File too large (EFBIG); nothing was changed there"
-        )
-        assert tree(tmp_path) == before  # the earlier build byte for byte, no first/, no staging folder
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
+        for out in outs
+    ]
+    try:
+        for out, proc in zip(outs, procs, strict=True):
+            _, stderr = proc.communicate(timeout=300)
+            assert proc.returncode == 1, stderr
+            assert "Traceback" not in stderr, stderr
+            assert stderr.strip().splitlines()[-1] == (
+                f"error: cannot write {out}: File too large (EFBIG); nothing was changed there"
+            )
+    finally:
+        for proc in procs:
+            proc.kill()  # a no-op for one that has exited
+            proc.wait()
+    assert tree(tmp_path) == before  # the earlier build byte for byte, no first/, no staging folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier"]
 
 
 # The command with everything imported first, then (as root, who writes through any mode) as `nobody`,

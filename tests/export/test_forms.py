@@ -125,7 +125,7 @@ def test_a_build_refuses_a_graph_that_does_not_fit_its_target(monkeypatch, tmp_p
 
 @pytest.mark.slow  # a whole build
 def test_a_config_the_static_form_cannot_take_is_reported_and_refused_when_asked(tmp_path):
-    odd = ModelConfig(d_model=96, n_heads=8, n_kv_heads=4, n_layers=1, max_seq_len=64)  # head_dim 12
+    odd = ModelConfig(d_model=36, n_heads=3, n_kv_heads=3, n_layers=1, max_seq_len=64)  # head_dim 12
     assert "head_dim 12" in forms.static_problem(odd) and "multiple of 8" in forms.static_problem(odd)
     report = build.build(odd, tmp_path / "default", progress=build.Progress(enabled=False))
     entry = report["variants"]["fp32-static"]

@@ -146,7 +146,7 @@ def scaled(cfg: ModelConfig, factor: float) -> AttentionModel:
 
 
 @pytest.mark.slow  # builds and checks variants of its own: seconds each
-@pytest.mark.parametrize("factor", [1.0, 1.5, 2.0, 4.0])
+@pytest.mark.parametrize("factor", [1.0, 4.0])  # our init and the largest: what lies between passes if these do
 @pytest.mark.parametrize("block", list(SCALED_BLOCKS))
 def test_fp16_passes_with_weights_up_to_4x_our_init(tmp_path, block, factor):
     model = scaled(SCALED_BLOCKS[block], factor)
@@ -178,10 +178,14 @@ def test_the_floor_is_what_fp16_costs_the_original_itself():
 def test_a_wrong_weight_in_an_fp16_graph_still_fails(tmp_path):
     """The floor widens the bound only as far as rounding reaches: a slip in the graph shows through."""
     model = scaled(SCALED_BLOCKS["pre-norm-residual"], 1.0)
-    broken = scaled(SCALED_BLOCKS["pre-norm-residual"], 1.0)
-    with torch.no_grad():
-        broken.layers[0].attn.W_v.weight[0] *= 1.05
-    path = VARIANTS["fp16-fused"].make(broken, tmp_path / "broken.onnx")
+    path = VARIANTS["fp16-fused"].make(model, tmp_path / "broken.onnx")
+    proto = onnx.load(str(path))  # the slip made in the graph: no export of a second model
+    w_v = model.layers[0].attn.W_v.weight.detach().numpy().T.astype(np.float16)  # the graph holds (in, out)
+    (weight,) = [t for t in proto.graph.initializer if np.array_equal(numpy_helper.to_array(t), w_v)]
+    wrong = numpy_helper.to_array(weight).copy()
+    wrong[:, 0] *= 1.05  # W_v.weight[0] (its first output channel) 5% off
+    weight.CopyFrom(numpy_helper.from_array(wrong, weight.name))
+    onnx.save(proto, str(path))
     entry = check_variant(model, path, VARIANTS["fp16-fused"], Progress(enabled=False))
     assert not entry["passed"] and "parity failed" in entry["problems"][0]
 

@@ -10,6 +10,7 @@ row alone) and through a real Triton (a session and stateless calls)."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ from export.__main__ import main as export_main
 from export.hf_source import family_classes, forward, source_layer, windows
 from serving.engine.ort import ort_runner, ort_session
 from serving.host.launcher import start_triton
-from serving.triton.config import ServingSettings
+from serving.triton import config as triton_config
+from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
 
 COMMON = {
@@ -71,6 +73,7 @@ class Checkpoint:
     """A family's checkpoint on disk, its artifact, and its own attention layers to compare with."""
 
     def __init__(self, family: str, work) -> None:
+        self.family = family
         config = FAMILIES[family]()
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -108,9 +111,45 @@ class Checkpoint:
             return forward(self.layers, self.rotary, torch.from_numpy(hidden), windows(self.config)).numpy()
 
 
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> its Checkpoint, each made once for the module when first asked for."""
+    made: dict[str, Checkpoint] = {}
+
+    def get(family: str) -> Checkpoint:
+        if family not in made:
+            made[family] = Checkpoint(family, tmp_path_factory.mktemp(f"hf-{family}"))
+        return made[family]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def checkpoint(request, tmp_path_factory):
-    return Checkpoint(request.param, tmp_path_factory.mktemp(f"hf-{request.param}"))
+def checkpoint(request, checkpoints):
+    return checkpoints(request.param)
+
+
+def served_name(model: str, family: str) -> str:
+    return f"{model}-{family}"
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints, tmp_path_factory):
+    """One real Triton for the module, serving every family's `mha` and `mha_session` as its
+    repository has them, each pair under the family's name (`mha-llama`, `mha_session-llama`): the
+    config's name is the folder's; the rest is what `write_repository` wrote (Triton starts and stops
+    in seconds: once, not per family)."""
+    work = tmp_path_factory.mktemp("hf-served")
+    repository = work / "repository"
+    for family in FAMILIES:
+        own = write_repository(checkpoints(family).artifact, work / family, SETTINGS, models=(MHA, MHA_SESSION))
+        for model in (MHA, MHA_SESSION):
+            target = shutil.copytree(own / model, repository / served_name(model, family))
+            config = triton_config.parse((target / TRITON_CONFIG_FILENAME).read_text())
+            config.name = target.name
+            (target / TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
+    with start_triton(repository, log_path=work / "triton.log") as server:
+        yield server
 
 
 def tokens(width: int, count: int, seed: int, batch: int = 1) -> np.ndarray:
@@ -158,12 +197,13 @@ def test_a_left_padded_batch_equals_each_row_alone(checkpoint):
 
 
 @pytest.mark.served
-def test_served_a_session_and_stateless_calls_equal_the_checkpoints_attention(checkpoint, tmp_path):
+def test_served_a_session_and_stateless_calls_equal_the_checkpoints_attention(checkpoint, served):
     width = checkpoint.config.hidden_size
     hidden = tokens(width, PREFILL + STEPS, seed=3)
     expected = checkpoint.source(hidden)
-    repository = write_repository(checkpoint.artifact, tmp_path / "repository", SETTINGS, models=("mha", "mha_session"))
-    with start_triton(repository, log_path=tmp_path / "triton.log") as server, Client(server.grpc_url) as client:
+    family = checkpoint.family
+    models = {"model": served_name(MHA, family), "session_model": served_name(MHA_SESSION, family)}
+    with Client(served.grpc_url, **models) as client:
         with client.session() as session:
             outputs = [session.step(hidden[:, :PREFILL])]
             outputs += [session.step(hidden[:, t : t + 1]) for t in range(PREFILL, PREFILL + STEPS)]
