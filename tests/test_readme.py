@@ -6,14 +6,22 @@ the `text` block after `<!-- output -->` is what they must print. In it, `...` s
 within a line, a line of just `...` for any number of lines, and a decimal number for a measured one
 close to it: a measured error (`1.94e-07`) within a factor of 2 (the same seeds give other roundings
 on another CPU's kernels, never another order), a size or any other decimal within 10%.
+
+The examples that call no server (the builds, single-threaded) run two at a time in the background
+from the module's start, while the server starts; one that reads an earlier one's `--out` folder
+runs after it.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,12 +32,17 @@ from export.progress import Progress
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.serving_process import serving_process
+from tests.fixtures.triton import selected
 
 pytestmark = [pytest.mark.served, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 BLOCK = re.compile(r"<!-- readme-test -->\n```(\w+)\n(.*?)```\n(?:<!-- output -->\n```text\n(.*?)```)?", re.DOTALL)
+
+
+TIMEOUT = 300  # seconds an example may run
+BACKGROUND_WORKERS = 2  # the builds are single-threaded: two at a time fill two cores
 
 
 DECIMAL = re.compile(r"\d+\.\d+(?:e[-+]\d+)?")  # a measured error or size
@@ -69,24 +82,113 @@ def expected_pattern(expected: str) -> re.Pattern:
     return re.compile("".join(lines))
 
 
+def calls_a_server(code: str) -> bool:
+    return any(address in code for address in ("127.0.0.1:8080", "127.0.0.1:8001", "127.0.0.1:8000"))
+
+
+def reads_from(index: int, blocks: list[tuple[str, str, str]]) -> set[int]:
+    """The earlier examples whose `--out` folder example `index` reads (it runs after them)."""
+    code = blocks[index][1]
+    return {
+        earlier
+        for earlier in range(index)
+        for out in re.findall(r"--out (\S+)", blocks[earlier][1])
+        if re.search(re.escape(out) + r"(?![\w.-])", code.replace(f"--out {out}", ""))
+    }
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """`$WORK`: the examples' folder."""
+    return tmp_path_factory.mktemp("readme-work")
+
+
 @pytest.fixture(scope="module")
 def default_stack(tmp_path_factory):
     """`python -m serving` on a repository built from the default preset, as `make serve` runs it."""
-    work = tmp_path_factory.mktemp("readme")
-    artifacts = build(preset(DEFAULT_PRESET), work / "artifacts", progress=Progress(enabled=False))
+    stack = tmp_path_factory.mktemp("readme-stack")
+    artifacts = build(preset(DEFAULT_PRESET), stack / "artifacts", progress=Progress(enabled=False))
     assert artifacts["passed"]
-    repository = write_repository(work / "artifacts", work / "model_repository", ServingSettings(threads=1))
-    with serving_process(repository, work) as served:
-        yield served, work
+    repository = write_repository(stack / "artifacts", stack / "model_repository", ServingSettings(threads=1))
+    with serving_process(repository, stack) as served:
+        yield served
 
 
-def localize(code: str, served, work: Path) -> str:
-    return (
-        code.replace("127.0.0.1:8080", f"127.0.0.1:{served.gateway_port}")
-        .replace("127.0.0.1:8001", f"127.0.0.1:{served.grpc_port}")
-        .replace("127.0.0.1:8000", f"127.0.0.1:{served.http_port}")
-        .replace(".venv/bin/python", sys.executable)
-    )
+def localize(code: str, served) -> str:
+    if served is not None:
+        code = (
+            code.replace("127.0.0.1:8080", f"127.0.0.1:{served.gateway_port}")
+            .replace("127.0.0.1:8001", f"127.0.0.1:{served.grpc_port}")
+            .replace("127.0.0.1:8000", f"127.0.0.1:{served.http_port}")
+        )
+    return code.replace(".venv/bin/python", sys.executable)
+
+
+class Runs:
+    """Examples run as subprocesses (each in a process group of its own, killed if it outlives its
+    TIMEOUT or the module)."""
+
+    def __init__(self, work: Path) -> None:
+        self.work, self.lock, self.running, self.closed = work, threading.Lock(), set(), False
+
+    def run(
+        self, index: int, served=None, after: tuple[concurrent.futures.Future, ...] = ()
+    ) -> subprocess.CompletedProcess:
+        for earlier in after:
+            earlier.result()  # a failed one fails this one too
+        lang, code, _ = readme_blocks()[index]
+        command = ["bash", "-eo", "pipefail", "-c"] if lang == "sh" else [sys.executable, "-c"]
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the module ended before this example started")
+            proc = subprocess.Popen(
+                [*command, localize(code, served)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cwd=ROOT, env={**os.environ, "WORK": str(self.work)}, start_new_session=True,
+            )  # fmt: skip
+            self.running.add(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+        finally:
+            self.kill(proc)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        if proc.poll() is None:  # past its TIMEOUT, or the module ended: its children too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with self.lock:
+            self.running.discard(proc)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed, running = True, list(self.running)
+        for proc in running:
+            self.kill(proc)
+
+
+@pytest.fixture(scope="module")
+def examples(request, work):
+    """(the runner, index -> the Future of each example this run needs that calls no server nor reads
+    from one that does, started in the background now)."""
+    blocks = readme_blocks()
+    seen, pending = set(), list(selected(request, "index"))
+    while pending:  # the selected ones and those they read from
+        index = pending.pop()
+        if index not in seen:
+            seen.add(index)
+            pending += reads_from(index, blocks)
+    runs, futures = Runs(work), {}
+    pool = concurrent.futures.ThreadPoolExecutor(BACKGROUND_WORKERS, thread_name_prefix="readme-example")
+    for index in sorted(seen):  # in README order: what an example waits for is started before it
+        earlier = sorted(reads_from(index, blocks))
+        if not calls_a_server(blocks[index][1]) and all(e in futures for e in earlier):
+            futures[index] = pool.submit(runs.run, index, None, tuple(futures[e] for e in earlier))
+    try:
+        yield runs, futures
+    finally:
+        runs.close()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def test_the_readme_has_runnable_examples():
@@ -94,15 +196,22 @@ def test_the_readme_has_runnable_examples():
     assert langs.count("sh") >= 2 and langs.count("python") >= 2, langs
 
 
+def test_the_example_reading_anothers_build_runs_after_it():
+    blocks = readme_blocks()
+    native = next(i for i, (_, code, _) in enumerate(blocks) if "--layout native" in code)
+    mha = next(i for i, (_, code, _) in enumerate(blocks) if "--out $WORK/artifacts/mha " in code)
+    assert reads_from(native, blocks) == {mha}
+
+
 @pytest.mark.parametrize("index", range(len(readme_blocks())))
-def test_readme_example(index, default_stack):
-    served, work = default_stack
-    lang, code, expected = readme_blocks()[index]
-    command = ["bash", "-eo", "pipefail", "-c"] if lang == "sh" else [sys.executable, "-c"]
-    proc = subprocess.run(
-        [*command, localize(code, served, work)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT, check=False, env={**os.environ, "WORK": str(work)},
-    )  # fmt: skip
+def test_readme_example(index, examples, request):
+    runs, background = examples
+    if index in background:
+        proc = background[index].result()
+    else:
+        after = tuple(background[e] for e in sorted(reads_from(index, readme_blocks())) if e in background)
+        proc = runs.run(index, request.getfixturevalue("default_stack"), after)
+    _, _, expected = readme_blocks()[index]
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
     assert expected_pattern(expected).fullmatch(proc.stdout), (
         f"README shows:\n{expected}\nbut it printed:\n{proc.stdout}"
@@ -124,7 +233,7 @@ def test_a_stale_number_is_caught_and_a_close_one_passes():
 
 
 def test_the_curl_line_serving_prints_works(default_stack):
-    served, _ = default_stack
+    served = default_stack
     try_line = next(line for line in served.output().splitlines() if line.startswith("try "))
     proc = subprocess.run(
         ["bash", "-c", try_line.removeprefix("try").strip()],  # `| head -c 300` may cut curl short: no pipefail

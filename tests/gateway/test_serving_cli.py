@@ -22,10 +22,14 @@ pytestmark = pytest.mark.served
 
 @pytest.fixture(scope="module")
 def served_unseen(artifact_dir, tmp_path_factory):
+    """One `python -m serving` for the module, its temporary folder (TMPDIR) a folder of its own; the
+    last test stops it with Ctrl-C (serving_process checks, on leaving, that it exited 0 and left no
+    process)."""
     artifact = artifact_dir("unseen")
     work = tmp_path_factory.mktemp("serving-cli")
     repository = write_repository(artifact, work / "repository", ServingSettings(threads=1))
-    with serving_process(repository, work, env={"SERVING_API_KEYS": "k"}) as served:
+    (work / "tmp").mkdir()
+    with serving_process(repository, work, env={"SERVING_API_KEYS": "k", "TMPDIR": str(work / "tmp")}) as served:
         yield artifact, served
 
 
@@ -90,20 +94,24 @@ def test_the_console_tells_each_models_runner_and_how_many_sessions_fit(served_u
     assert any(f"= {sessions} sequences of up to {cfg.max_seq_len} positions" in line for line in lines), lines
 
 
-def test_ctrl_c_with_a_direct_clients_session_open_is_a_clean_stop(served_unseen, tmp_path):
+def test_ctrl_c_with_a_direct_clients_session_open_is_a_clean_stop(served_unseen):
     """Triton counts an open sequence as an in-flight inference: a stop once waited its exit timeout,
     exited 1 and kept its temporary folder as if it had failed. Now: exit 0, a line saying what was
-    dropped, nothing left in the temporary folder, no process left (serving_process checks)."""
+    dropped, nothing left in the temporary folder, no process left (serving_process checks).
+
+    Last in the module: it stops the module's server."""
+    import signal
+
     from client import Client
 
-    artifact, _ = served_unseen
-    repository = write_repository(artifact, tmp_path / "repository", ServingSettings(threads=1))
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
-    with serving_process(repository, tmp_path, env={"TMPDIR": str(temporary)}) as served:
-        triton = Client(f"127.0.0.1:{served.grpc_port}")
-        triton.session().step(np.zeros((1, 2, triton.metadata().d_model), np.float32))  # never ended
-        triton.close()
+    _, served = served_unseen
+    temporary = served.output_path.parent / "tmp"
+    assert [p.name for p in temporary.iterdir() if p.name.startswith("triton-")], "Triton's folder is not under TMPDIR"
+    triton = Client(f"127.0.0.1:{served.grpc_port}")
+    triton.session().step(np.zeros((1, 2, triton.metadata().d_model), np.float32))  # never ended
+    triton.close()
+    served.process.send_signal(signal.SIGINT)
+    assert served.process.wait(timeout=90) == 0, served.output()
     output = served.output()
     assert "Triton stopped with 1 session(s) still open" in output, output
     assert "its log is kept" not in output

@@ -34,15 +34,30 @@ QUANTIZED_MAPS_BOUND = {8: 5e-2, 4: 0.3}
 
 
 @pytest.fixture(scope="module")
-def rotary_graphs(tmp_path_factory):
-    """The rotary test model's static and inspection graphs, made without the build's parity ladder
-    (the build checks both; the whole rotary artifact costs minutes here)."""
+def rotary_graphs(request, artifact_dir, tmp_path_factory):
+    """The rotary test model's static and inspection graphs: those of the session's rotary artifact
+    (the same model, seed 0) where another module of this run builds it anyway (tests/export,
+    tests/serving/test_rotary.py) with both, else made here without the build's parity ladder (the
+    build checks both; the whole rotary artifact costs half a minute and more here)."""
+    graphs = [model_filename("fp32-static"), model_filename(names.INSPECTION_VARIANT)]
+    others = {item.path for item in request.session.items if getattr(item, "module", None) is not request.module}
+    built_anyway = any('artifact_dir("rotary")' in path.read_text() for path in others if path.suffix == ".py")
+    if built_anyway and all((artifact_dir("rotary") / graph).is_file() for graph in graphs):
+        return artifact_dir("rotary")
     directory = tmp_path_factory.mktemp("rotary-graphs")
     model = AttentionModel(TEST_CONFIGS["rotary"], seed=0).eval()
     save_artifact(model, directory)
-    forms.make_fp32_static(model, directory / model_filename("fp32-static"))
-    make_inspection_graph(model, directory / model_filename(names.INSPECTION_VARIANT))
+    forms.make_fp32_static(model, directory / graphs[0])
+    make_inspection_graph(model, directory / graphs[1])
     return directory
+
+
+@pytest.fixture(scope="module")
+def gqa_calibration(artifact_dir):
+    """The gqa model and its KV cache calibration (the build's, on generated hidden states), for both
+    bit widths."""
+    model = load_model(artifact_dir("gqa"))
+    return model, kv_quant.calibrate(model, kv_quant.generated(model.cfg))
 
 
 def new_engine(artifact: str, static: str = "fp32-static", inspection: bool = True) -> StaticSessionEngine:
@@ -87,15 +102,15 @@ def test_without_the_inspection_graph_a_request_for_maps_is_refused_naming_it(ar
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_a_quantized_sessions_maps_are_the_originals_over_its_cache_as_the_kernel_reads_it(
-    artifact_dir, tmp_path, bits
+    artifact_dir, gqa_calibration, tmp_path, bits
 ):
     """An int8 or int4 cache is dequantized on the host with the graph's own scales (int4: two codes a
     byte, + 8, the even channel low), as export's quantization reads the codes; the maps are then the
     PyTorch original's over that cache, and near the fp32 session's."""
     directory = artifact_dir("gqa")
-    model = load_model(directory)
+    model, calibration = gqa_calibration
     cfg = model.cfg
-    quantization = kv_quant.calibrate(model, kv_quant.generated(cfg)).quantization(bits)
+    quantization = calibration.quantization(bits)
     path = save_onnx(forms.quantized_static_proto(model, quantization), tmp_path / f"int{bits}.onnx")
     scales = cache_scales(path, cfg)
     assert sorted(scales) == sorted(names.past_names(cfg.n_layers))

@@ -4,12 +4,14 @@
 own module over the whole sequence within 1e-5 (fp32).
 
 One small Triton per layout (32 wide): torch.nn.MultiheadAttention, the teaching texts' module (seeds),
-and a Hugging Face-style GQA decoder without rotary embeddings.
+and a Hugging Face-style GQA decoder without rotary embeddings; each starts while the next layout builds.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +20,10 @@ import torch
 from contract import names
 from contract.config import ModelConfig
 from export.__main__ import main as export_main
-from serving.host.launcher import start_triton
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests import user_modules
+from tests.fixtures.triton import selected, started_together
 from tests.serving.helpers import Client, new_sequence_id
 
 D, HEADS, KV_HEADS = 32, 4, 2
@@ -50,10 +52,9 @@ def hf_gqa():
 LAYOUTS = {"torch-mha": torch_mha, "seeds": seeds, "hf": hf_gqa}
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def served(request, tmp_path_factory):
-    """(the layout, the user's forward over a whole sequence, a Triton serving the import, its config)."""
-    layout, work = request.param, tmp_path_factory.mktemp(f"imported-{request.param}")
+def import_and_fill(layout: str, work: Path) -> tuple[Callable, Path, ModelConfig]:
+    """The user's module saved as a state dict, built with the documented command and put in a
+    repository: (the user's forward over a whole sequence, the repository, the import's config)."""
     torch.manual_seed(7)
     module, forward, heads = LAYOUTS[layout]()
     weights = work / ("model.safetensors" if layout == "hf" else "weights.pt")
@@ -67,8 +68,29 @@ def served(request, tmp_path_factory):
     argv = ["build", "--weights", str(weights), "--layout", layout, *heads, "--config", str(work / "serving.json")]
     assert export_main([*argv, "--out", str(work / "artifact"), "--variants", "fp32-fused,fp32-static"]) == 0
     repository = write_repository(work / "artifact", work / "repository", SETTINGS, models=("mha", "mha_session"))
-    with start_triton(repository, log_path=work / "triton.log") as server:
-        yield layout, forward, server, ModelConfig.load(work / "artifact")
+    return forward, repository, ModelConfig.load(work / "artifact")
+
+
+@pytest.fixture(scope="module")
+def imports(request, tmp_path_factory):
+    """layout -> (the user's forward, a Future of the Triton serving the import, its config) for the
+    layouts this session runs: each built here in turn while the Tritons of those before it start in
+    the background; every Triton stopped at the end, together."""
+    runs = selected(request, "served")
+    with started_together() as start:
+        made = {}
+        for layout in (layout for layout in LAYOUTS if layout in runs):
+            work = tmp_path_factory.mktemp(f"imported-{layout}")
+            forward, repository, cfg = import_and_fill(layout, work)
+            made[layout] = forward, start(repository, log_path=work / "triton.log"), cfg
+        yield made
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def served(request, imports):
+    """(the layout, the user's forward over a whole sequence, a Triton serving the import, its config)."""
+    forward, server, cfg = imports[request.param]
+    return request.param, forward, server.result(), cfg
 
 
 def user_output(forward, hidden: np.ndarray) -> np.ndarray:

@@ -12,24 +12,39 @@ import pytest
 from client import Client, InvalidInputError
 from contract import files
 from serving.engine.settings import ENGINE_CONCAT, ENGINE_STATIC
-from serving.host.launcher import start_triton
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests import reference
 from tests.conftest import TEST_CONFIGS
+from tests.fixtures.triton import selected, started_together
 
 CFG = TEST_CONFIGS["rotary"]
 PREFILL, STEPS = 7, 24  # past the window of 24 in the windowed layer
 
 
-@pytest.fixture(scope="module", params=[ENGINE_STATIC, ENGINE_CONCAT])
-def served(request, artifact_dir, tmp_path_factory):
+ENGINES = [ENGINE_STATIC, ENGINE_CONCAT]
+
+
+@pytest.fixture(scope="module")
+def tritons(request, artifact_dir, tmp_path_factory):
+    """engine -> a Future of a Triton serving the rotary artifact with that session engine, for the
+    engines this run tests: started at once, stopped together at the end."""
     artifact = artifact_dir("rotary")
-    work = tmp_path_factory.mktemp(f"rotary-{request.param}")
-    settings = ServingSettings(threads=1, kv_cache_bytes=8 << 20, max_batch_size=4, engine=request.param)
-    repository = write_repository(artifact, work / "repository", settings, models=("mha", "mha_session"))
-    with start_triton(repository, log_path=work / "triton.log") as server, Client(server.grpc_url) as client:
-        yield client, reference.load_weights(artifact / files.WEIGHTS_FILENAME)
+    runs = selected(request, "served")
+    with started_together() as start:
+        started = {}
+        for engine in (engine for engine in ENGINES if engine in runs):
+            work = tmp_path_factory.mktemp(f"rotary-{engine}")
+            settings = ServingSettings(threads=1, kv_cache_bytes=8 << 20, max_batch_size=4, engine=engine)
+            repository = write_repository(artifact, work / "repository", settings, models=("mha", "mha_session"))
+            started[engine] = start(repository, log_path=work / "triton.log")
+        yield started
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def served(request, artifact_dir, tritons):
+    with Client(tritons[request.param].result().grpc_url) as client:
+        yield client, reference.load_weights(artifact_dir("rotary") / files.WEIGHTS_FILENAME)
 
 
 def tokens(count: int, seed: int, batch: int = 1) -> np.ndarray:
