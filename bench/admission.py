@@ -15,8 +15,10 @@ Writes `admission.json` and `admission.png` and prints a table.
   round started together.
 
 Conditions: the tiny model (max_seq_len 512) with a budget of `--rows` fp32 rows on the CPU, one
-Triton from the bundled binary on 127.0.0.1, ONNX Runtime on one thread; the blocking gRPC client
-on the same machine, no retries. Bounded by `--attempts` and `--timeout`.
+Triton per slot setting from the bundled binary on 127.0.0.1, ONNX Runtime on one thread; the
+blocking gRPC client on the same machine, no retries. Both settings' servers and the first memory
+round's start at once (one wait for every start) and stop together at the end: each setting's opens
+run while the other servers sit idle. Bounded by `--attempts` and `--timeout`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ VARIANTS = ("fp32-fused", "fp32-static")  # what mha and mha_session serve on th
 DERIVED, FIXED = "derived", "fixed-1024"
 FIXED_SLOTS = 1024
 SAMPLE = 50  # opened sessions stepped after the refusals
+SETTINGS = {DERIVED: None, FIXED: FIXED_SLOTS}  # the slot setting: derived (None) or given
 
 
 def artifact(root: Path) -> Path:
@@ -128,22 +131,17 @@ def steps_after(client, opened: list, d_model: int) -> dict:
     return {"sessions": len(sample), "answered": answered, "max_abs_diff": worst, "errors": errors[:3]}
 
 
-def run_setting(repository_dir: Path, attempts: int, timeout: float) -> dict:
+def run_setting(server, repository_dir: Path, attempts: int, timeout: float, ready_rss: float) -> dict:
+    """The opens on `server` (started on `repository_dir`; `ready_rss` its memory once ready)."""
     from client import Client
-    from serving.host.launcher import start_triton
 
-    server = start_triton(repository_dir)
-    try:
-        ready_rss = rss_mib(server)
-        client = Client(server.grpc_url, timeout=timeout, retries=0)
-        opened, record = attempt_opens(client, attempts)
-        after_rss = rss_mib(server)
-        steps = steps_after(client, opened, client.metadata("mha_session").d_model)
-        for session in opened:
-            session.close()
-        client.close()
-    finally:
-        server.stop()
+    client = Client(server.grpc_url, timeout=timeout, retries=0)
+    opened, record = attempt_opens(client, attempts)
+    after_rss = rss_mib(server)
+    steps = steps_after(client, opened, client.metadata("mha_session").d_model)
+    for session in opened:
+        session.close()
+    client.close()
     first = next((a for a in record if a.outcome != "opened"), None)
     refused = [a.ms for a in record if a.outcome == "ServerBusyError"]
     return {
@@ -161,26 +159,34 @@ def run_setting(repository_dir: Path, attempts: int, timeout: float) -> dict:
     }
 
 
-def slot_memory(source: Path, root: Path, rounds: int) -> dict:
-    """tritonserver's resident memory once ready with the default budget's derived slots and with
-    1,024, `rounds` times: the two servers of a round start together (each process's own memory)."""
+def memory_repositories(source: Path, root: Path) -> dict[str, Path]:
+    """The default budget with its derived slots and with 1,024."""
     from serving.triton.config import ServingSettings
 
     budget = ServingSettings().kv_cache_bytes
-    repositories = {
+    return {
         DERIVED: repository(source, root / "memory-derived", budget, None),
         FIXED: repository(source, root / "memory-fixed", budget, FIXED_SLOTS),
     }
+
+
+def slot_memory(repositories: dict[str, Path], rounds: int, first: list | None = None) -> dict:
+    """tritonserver's resident memory once ready with the default budget's derived slots and with
+    1,024, `rounds` times: the two servers of a round start together (each process's own memory);
+    `first`: the first round's servers, started already (stopped by the caller)."""
+    from serving.triton.config import ServingSettings
+
     samples: dict[str, list[float]] = {name: [] for name in repositories}
-    for _ in range(rounds):
-        servers = start_servers(list(repositories.values()))
+    for turn in range(rounds):
+        servers = first if turn == 0 and first else start_servers(list(repositories.values()))
         try:
             for name, server in zip(repositories, servers, strict=True):
                 samples[name].append(rss_mib(server))
         finally:
-            stop_all(servers)
+            if servers is not first:
+                stop_all(servers)
     return {
-        "kv_cache_bytes": budget,
+        "kv_cache_bytes": ServingSettings().kv_cache_bytes,
         "slots": {name: slots_of(where) for name, where in repositories.items()},
         "ready_rss_mib": samples,
     }
@@ -190,11 +196,21 @@ def benchmark(root: Path, rows: int, attempts: int, timeout: float, memory_round
     source = artifact(root)
     cfg = ModelConfig.load(source)
     budget = rows * cfg.kv_cache_bytes(1, cfg.max_seq_len)  # `rows` rows of the CPU's fp32 pool
-    settings = {DERIVED: None, FIXED: FIXED_SLOTS}
-    results = {
-        name: run_setting(repository(source, root / name, budget, slots), attempts, timeout)
-        for name, slots in settings.items()
-    }
+    settings = {name: repository(source, root / name, budget, slots) for name, slots in SETTINGS.items()}
+    memory = memory_repositories(source, root)
+    # one wait for every start: both slot settings' servers and the first memory round's, up at once
+    # (each memory sample is taken once it is ready, each setting's opens run with the others idle)
+    servers = start_servers([*settings.values(), *(memory.values() if memory_rounds else ())])
+    try:
+        setting_servers = dict(zip(settings, servers, strict=False))
+        ready = {name: rss_mib(server) for name, server in setting_servers.items()}
+        memory_results = slot_memory(memory, memory_rounds, first=servers[len(settings) :])
+        results = {
+            name: run_setting(server, settings[name], attempts, timeout, ready[name])
+            for name, server in setting_servers.items()
+        }
+    finally:
+        stop_all(servers)
     return {
         "conditions": {
             "model": PRESET,
@@ -205,7 +221,7 @@ def benchmark(root: Path, rows: int, attempts: int, timeout: float, memory_round
             "timeout_s": timeout,
         },
         "settings": results,
-        "slot_memory": slot_memory(source, root, memory_rounds),
+        "slot_memory": memory_results,
     }
 
 

@@ -201,28 +201,29 @@ def served_throughput(
 ) -> dict:
     """Per cache, steps per second of 16 concurrent sessions through a real Triton, by round."""
     import asyncio
-    import contextlib
 
-    from bench.serving import concurrent_steps
+    from bench.serving import concurrent_steps, start_servers, stop_all
     from contract.config import ModelConfig
-    from serving.host.launcher import start_triton
     from serving.triton.config import MHA_SESSION, ServingSettings
     from serving.triton.repository import write_repository
 
     cfg = ModelConfig.load(directory)
     rates: dict[str, list[float]] = {cache: [] for cache in caches}
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for cache in caches:
-            kv_dtype = "float" if cache == "fp32" else cache
-            settings = ServingSettings(threads=threads, kv_cache_bytes=1 << 30, kv_dtype=kv_dtype)
-            repository = write_repository(directory, root / f"repository-{cache}", settings, models=(MHA_SESSION,))
-            servers[cache] = stack.enter_context(start_triton(repository, log_path=root / f"triton-{cache}.log"))
+    repositories = []
+    for cache in caches:
+        kv_dtype = "float" if cache == "fp32" else cache
+        settings = ServingSettings(threads=threads, kv_cache_bytes=1 << 30, kv_dtype=kv_dtype)
+        repositories.append(write_repository(directory, root / f"repository-{cache}", settings, models=(MHA_SESSION,)))
+    started = start_servers(repositories, [root / f"triton-{cache}.log" for cache in caches])
+    try:
+        servers = dict(zip(caches, started, strict=True))
         for round_index in range(rounds):
             for cache, server in servers.items():
                 first_id = 1 + round_index * BATCH
                 rate = asyncio.run(concurrent_steps(server.grpc_url, cfg, MHA_SESSION, BATCH, past, steps, first_id))
                 rates[cache].append(rate)
+    finally:
+        stop_all(started)
     return {cache: {"steps_per_s": float(np.median(values)), "rounds": values} for cache, values in rates.items()}
 
 

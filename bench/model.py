@@ -78,13 +78,15 @@ class Plan:
 
     budgets: dict[str, Budget]
     passes: dict[str, int]
+    settle_s: float = SETTLE_S  # the pause after each candidate (its threads go to sleep)
+    bandwidth_mib: int = 256  # the copy that measures the memory bandwidth, and its runs
+    bandwidth_runs: int = 10
 
     @classmethod
     def make(cls, quick: bool) -> Plan:
-        if quick:
-            return cls(
-                {"prefill": Budget(0.02, min_runs=3), "decode": Budget(0.02, min_runs=3)}, {"prefill": 1, "decode": 1}
-            )
+        if quick:  # a smoke run: every candidate and shape, timed briefly
+            budgets = {"prefill": Budget(0.02, min_runs=3), "decode": Budget(0.02, min_runs=3)}
+            return cls(budgets, {"prefill": 1, "decode": 1}, settle_s=0.02, bandwidth_mib=64, bandwidth_runs=3)
         # small shapes run until the seconds are spent; a big prefill (seconds per call) runs once
         # per pass after its warm-up, so twice in all
         prefill, decode = Budget(1.5, min_runs=4, slow_runs=1), Budget(1.0, min_runs=12)
@@ -290,7 +292,7 @@ def measure_preset(
                         measure(prepare(shape), budget, into=timings.setdefault((name, shape), Timing()))
                     del prepare
                     gc.collect()
-                    time.sleep(SETTLE_S)
+                    time.sleep(plan.settle_s)
     return timings
 
 
@@ -516,13 +518,13 @@ def benchmark(
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     grid, plan = grid or shapes(quick), Plan.make(quick)
     with progress.stage("memory bandwidth"):
-        before = copy_bandwidth(threads)
+        before = copy_bandwidth(threads, plan.bandwidth_mib, plan.bandwidth_runs)
     measured = {}
     for name, cfg in configs.items():
         paths = prepare_artifacts(cfg, root / name, progress)
         measured[name] = (cfg, paths, measure_preset(root / name, paths, grid, plan, threads, progress))
     with progress.stage("memory bandwidth, again"):  # the machine may drift during the run
-        after = copy_bandwidth(threads)
+        after = copy_bandwidth(threads, plan.bandwidth_mib, plan.bandwidth_runs)
     bandwidth = {"before": before, "after": after, "gbps": max(before["gbps"], after["gbps"])}  # the best seen
     presets_out = {
         name: preset_results(cfg, grid, timings, bandwidth["gbps"], paths)

@@ -400,13 +400,18 @@ class TritonPythonModel:
 """
 
 
-def start_servers(repositories: list[Path]) -> list:
-    """A Triton on each repository, started at once (on 2 cores about half the wait of one after
-    another); if one fails, those that started are stopped again."""
+def start_servers(repositories: list[Path], log_paths: list[Path] | None = None) -> list:
+    """A Triton on each repository (its log at the `log_paths` entry when given), started at once (on
+    2 cores about half the wait of one after another); if one fails, those that started are stopped
+    again."""
     from serving.host.launcher import start_triton
 
+    logs = log_paths or [None] * len(repositories)
     with concurrent.futures.ThreadPoolExecutor(len(repositories)) as pool:
-        starting = [pool.submit(start_triton, repository) for repository in repositories]
+        starting = [
+            pool.submit(start_triton, repository, log_path=log)
+            for repository, log in zip(repositories, logs, strict=True)
+        ]
     servers = [future.result() for future in starting if future.exception() is None]
     failures = [future.exception() for future in starting if future.exception() is not None]
     if failures:

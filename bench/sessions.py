@@ -96,7 +96,14 @@ def operations(served, original, length: int) -> dict:
 
 
 def benchmark(
-    root: Path, preset_name: str, lengths: list[int], rounds: int, seconds: float, threads: int, others_past: int
+    root: Path,
+    preset_name: str,
+    lengths: list[int],
+    rounds: int,
+    seconds: float,
+    threads: int,
+    others_past: int,
+    others_seconds: float = 0.3,
 ) -> dict:
     import torch
 
@@ -135,15 +142,16 @@ def benchmark(
         "rounds": rounds,
         "bandwidth": bandwidth,
         "lengths": rows,
-        "cost_to_others": cost_to_others(directory, threads, rounds, others_past, max(lengths)),
+        "cost_to_others": cost_to_others(directory, threads, rounds, others_past, max(lengths), others_seconds),
     }
 
 
 OTHERS = 8
 
 
-def cost_to_others(directory: Path, threads: int, rounds: int, past: int, length: int) -> dict:
-    """The decode step of OTHERS sessions alone and after each operation on a `length`-position one."""
+def cost_to_others(directory: Path, threads: int, rounds: int, past: int, length: int, seconds: float = 0.3) -> dict:
+    """The decode step of OTHERS sessions alone and after each operation on a `length`-position one,
+    each timed for `seconds` a round."""
     from serving.engine.steps import StepRequest
 
     served = engine(directory, threads, rows=OTHERS + 4)
@@ -175,7 +183,7 @@ def cost_to_others(directory: Path, threads: int, rounds: int, past: int, length
                 operation()
                 steps()
 
-            measure(call, Budget(seconds=0.3, min_runs=5), into=timings[name])
+            measure(call, Budget(seconds=seconds, min_runs=5), into=timings[name])
     alone = timings["alone"].median_ms
     return {
         "others": OTHERS,
@@ -306,6 +314,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default: %(default)s)")
     parser.add_argument("--others-past", type=int, default=1024, help="the other sessions' past (default: %(default)s)")
     parser.add_argument(
+        "--others-seconds",
+        type=float,
+        default=0.3,
+        help="per operation per round, the other sessions' steps after it (default: %(default)s)",
+    )
+    parser.add_argument(
         "--served-lengths",
         default="1024,4096",
         help="prompt lengths through Triton, comma-separated; empty: none (default: %(default)s)",
@@ -317,7 +331,9 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(text) for text in args.lengths.split(",")]
     served_lengths = [int(text) for text in args.served_lengths.split(",") if text]
     with output.work_folder(args.work, "bench-sessions-") as root:
-        results = benchmark(root, args.preset, lengths, args.rounds, args.seconds, args.threads, args.others_past)
+        results = benchmark(
+            root, args.preset, lengths, args.rounds, args.seconds, args.threads, args.others_past, args.others_seconds
+        )
         results["served"] = (
             served(root, args.preset, served_lengths, args.rounds, args.threads) if served_lengths else []
         )

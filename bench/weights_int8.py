@@ -105,7 +105,10 @@ def ort_candidate(path: Path, cfg: ModelConfig, threads: int) -> Candidate:
 
 
 def prepare(root: Path, preset_name: str, threads: int) -> tuple[ModelConfig, dict[str, Candidate], dict]:
-    """The artifact folder (config, weights, both graphs), the int8w graph's rung, every candidate."""
+    """The artifact folder (config, weights, both graphs), the int8w graph's rung, every candidate.
+    A build of the preset already in the folder (`python -m export` of seed 0, passed) gives its
+    `fp32-fused` graph: the int8w graph is made from it without exporting the model again."""
+    import onnx
     import torch
 
     from export import artifacts
@@ -113,15 +116,17 @@ def prepare(root: Path, preset_name: str, threads: int) -> tuple[ModelConfig, di
     from export.fusion import make_fp32_fused
     from export.model import AttentionModel
     from export.progress import Progress
-    from export.weights_int8 import make_fp32_fused_int8w
+    from export.weights_int8 import quantize_projections
 
     torch.set_num_threads(threads)
     cfg = preset(preset_name)
     model = AttentionModel(cfg, seed=0).eval()
-    directory = artifacts.save_artifact(model, root / preset_name)
+    directory = root / preset_name
     paths = {FUSED: directory / files.model_filename(FUSED), INT8W: directory / files.model_filename(INT8W)}
-    make_fp32_fused(model, paths[FUSED])
-    make_fp32_fused_int8w(model, paths[INT8W])
+    if not _built(directory, cfg, paths[FUSED]):
+        artifacts.save_artifact(model, directory)
+        make_fp32_fused(model, paths[FUSED])
+    quantize_projections(onnx.load(str(paths[FUSED])), cfg, paths[INT8W])
     entry = check_variant(model, paths[INT8W], VARIANTS[INT8W], Progress(enabled=False))
     if not entry["passed"]:
         raise BenchError(f"{INT8W} failed its rung: {entry['problems']}")
@@ -132,6 +137,17 @@ def prepare(root: Path, preset_name: str, threads: int) -> tuple[ModelConfig, di
     sizes |= {name: paths[name].stat().st_size for name in ONNX_CANDIDATES}
     parity = {"passed": entry["passed"], "worst": entry["worst"]}
     return cfg, candidates, {"file_bytes": sizes, "parity": parity}
+
+
+def _built(directory: Path, cfg: ModelConfig, fused: Path) -> bool:
+    """Whether `directory` holds a passed build of `cfg` with seed 0's weights and its fp32-fused graph."""
+    import json
+
+    report = directory / files.REPORT_FILENAME
+    if not report.is_file() or not fused.is_file() or not (directory / files.WEIGHTS_FILENAME).is_file():
+        return False
+    content = json.loads(report.read_text())
+    return bool(content.get("passed")) and content.get("seed") == 0 and content.get("config") == cfg.to_dict()
 
 
 def _state_bytes(module) -> int:

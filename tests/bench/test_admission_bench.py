@@ -12,11 +12,17 @@ from bench.__main__ import main
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_the_admission_benchmark_refuses_past_the_budget_under_both_slot_settings(artifact_dir, tmp_path, capsys):
-    work, out = tmp_path / "work", tmp_path / "results"
-    shutil.copytree(artifact_dir("tiny"), work / "artifact")  # reuse the session's build
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
+    shutil.copytree(artifact_dir("tiny"), root / "work" / "artifact")  # reuse the session's build
     args = ["admission", "--rows", "30", "--attempts", "40", "--memory-rounds", "1"]
-    assert main([*args, "--out", str(out), "--work", str(work)]) == 0
+    return {"admission": lambda: main([*args, "--out", str(root / "results"), "--work", str(root / "work")])}
+
+
+def test_the_admission_benchmark_refuses_past_the_budget_under_both_slot_settings(bench_runs):
+    run = bench_runs["admission"]
+    assert run.result() == 0
+    out = run.root / "results"
     results = json.loads((out / "admission.json").read_text())
     assert (out / "admission.png").read_bytes().startswith(b"\x89PNG")
     for name, setting in results["settings"].items():
@@ -30,4 +36,4 @@ def test_the_admission_benchmark_refuses_past_the_budget_under_both_slot_setting
     memory = results["slot_memory"]
     assert memory["slots"]["derived"] > memory["slots"]["fixed-1024"]
     assert all(len(values) == 1 and values[0] > 0 for values in memory["ready_rss_mib"].values())
-    assert "budget of 30 rows" in capsys.readouterr().out
+    assert "budget of 30 rows" in run.stdout

@@ -13,11 +13,18 @@ from contract import files
 pytestmark = pytest.mark.slow
 
 
-def test_quick_model_benchmark_writes_json_png_and_a_table(artifact_dir, tmp_path, capsys):
-    shutil.copytree(artifact_dir("tiny"), tmp_path / "artifacts" / "tiny")  # reuse the session's build
-    out = tmp_path / "results"
-    argv = ["model", "--quick", "--presets", "tiny", "--out", str(out), "--artifacts", str(tmp_path / "artifacts")]
-    assert main(argv) == 0
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
+    shutil.copytree(artifact_dir("tiny"), root / "artifacts" / "tiny")  # reuse the session's build
+    argv = ["model", "--quick", "--presets", "tiny", "--threads", "1"]  # one thread: see test_sessions_bench
+    argv += ["--out", str(root / "results"), "--artifacts", str(root / "artifacts")]
+    return {"model": lambda: main(argv)}
+
+
+def test_quick_model_benchmark_writes_json_png_and_a_table(bench_runs):
+    run = bench_runs["model"]
+    assert run.result() == 0
+    out = run.root / "results"
 
     results = json.loads((out / "model.json").read_text())
     assert (out / "model_decode.png").read_bytes().startswith(b"\x89PNG")
@@ -31,9 +38,9 @@ def test_quick_model_benchmark_writes_json_png_and_a_table(artifact_dir, tmp_pat
         )
         assert (row["phase"] == "decode") == ("floor_ms" in row)
     assert set(results["targets"]) >= {"fused_vs_fp32_worst", "tiny_fp16_file_vs_fused"}
-    assert (tmp_path / "artifacts" / "tiny" / files.model_filename(model.QKV)).is_file()
+    assert (run.root / "artifacts" / "tiny" / files.model_filename(model.QKV)).is_file()
 
-    printed = capsys.readouterr().out
+    printed = run.stdout
     assert "decode B1 P1024" in printed and "fused/floor" in printed and "targets:" in printed
 
 

@@ -4,10 +4,11 @@ JSON, its plot and its table, and what it counted follows from the bytes (timing
 this is a smoke test)."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from bench.__main__ import main
 from contract.config import preset
 from serving.engine.settings import MIN_ROW_POSITIONS
 
@@ -16,12 +17,23 @@ pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 MAX_SEQ_LEN, BUDGET_MIB, TOKENS = 2048, 16, 300
 
 
-def test_the_capacity_benchmark_counts_sessions_by_cache_and_row_size(tmp_path, capsys):
-    out = tmp_path / "results"
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs. This one builds its artifact
+    (an export and three parity ladders: the longest run), so it runs as `python -m bench` in a process of
+    its own: its Python does not wait on the others' for the interpreter lock."""
     args = ["capacity", "--preset", "tiny", "--max-seq-len", str(MAX_SEQ_LEN), "--budget-mib", str(BUDGET_MIB)]
     args += ["--session-tokens", str(TOKENS), "--pasts", "256,512", "--batch-past", "300", "--rounds", "1"]
-    args += ["--seconds", "0.05", "--served-steps", "3"]
-    assert main([*args, "--out", str(out), "--work", str(tmp_path / "work")]) == 0
+    args += ["--seconds", "0.05", "--served-steps", "3", "--threads", "1"]  # one thread: see test_sessions_bench
+    args += ["--out", str(root / "results"), "--work", str(root / "work")]
+    command = [sys.executable, "-m", "bench", *args]
+    return {"capacity": lambda: subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)}
+
+
+def test_the_capacity_benchmark_counts_sessions_by_cache_and_row_size(bench_runs):
+    run = bench_runs["capacity"]
+    done = run.result()
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    out = run.root / "results"
     results = json.loads((out / "capacity.json").read_text())
     assert (out / "capacity.png").read_bytes().startswith(b"\x89PNG")
     cfg, budget = preset("tiny"), BUDGET_MIB << 20
@@ -39,4 +51,4 @@ def test_the_capacity_benchmark_counts_sessions_by_cache_and_row_size(tmp_path, 
     served = results["served"]  # 16 sessions through a real Triton per cache
     assert set(served) == {"fp32", "int8", "int4"} and all(entry["steps_per_s"] > 0 for entry in served.values())
     assert served["fp32"]["vs_fp32"] == 1.0
-    assert "sessions of 300 positions in 16 MiB" in capsys.readouterr().out
+    assert "sessions of 300 positions in 16 MiB" in done.stdout

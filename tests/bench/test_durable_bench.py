@@ -13,15 +13,19 @@ from bench.__main__ import main
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def test_the_durable_benchmark_times_each_store_sizes_what_it_holds_and_times_a_recovery(
-    artifact_dir, tmp_path, capsys
-):
-    work, out = tmp_path / "work", tmp_path / "results"
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
     # 64 + 20 positions fit the tiny preset's 512: the bench serves the preset as it is, the session's build
-    shutil.copytree(artifact_dir("tiny"), work / "artifact-tiny-512")
+    shutil.copytree(artifact_dir("tiny"), root / "work" / "artifact-tiny-512")
     args = ["durable", "--preset", "tiny", "--past", "64", "--steps", "20", "--rounds", "1", "--every", "8"]
-    args += ["--drain-sessions", "3"]
-    assert main([*args, "--out", str(out), "--work", str(work)]) == 0
+    args += ["--drain-sessions", "3", "--threads", "1"]  # one thread: see test_sessions_bench
+    return {"durable": lambda: main([*args, "--out", str(root / "results"), "--work", str(root / "work")])}
+
+
+def test_the_durable_benchmark_times_each_store_sizes_what_it_holds_and_times_a_recovery(bench_runs):
+    run = bench_runs["durable"]
+    assert run.result() == 0
+    out = run.root / "results"
     results = json.loads((out / "durable.json").read_text())
     assert (out / "durable.png").read_bytes().startswith(b"\x89PNG")
     assert set(results["steps_ms"]) == {"none", "directory", "redis"}
@@ -36,5 +40,5 @@ def test_the_durable_benchmark_times_each_store_sizes_what_it_holds_and_times_a_
     drain = results["drain"]  # 3 sessions over 3 replicas: the retired one held at least one, each moved
     assert drain["sessions"] == 3 and 1 <= drain["moved"] == drain["moved_step_ms"]["runs"] <= 3
     assert drain["replica_stopped_s"] > 0 and drain["all_served_s"] > 0
-    printed = capsys.readouterr().out
+    printed = run.stdout
     assert "recovering step" in printed and "drain by migration" in printed

@@ -1,10 +1,12 @@
-"""The GPU proof's code on this CPU host: every section runs (build, parity, latency with the peer,
-the served models), and the CPU placement it finds is reported as the fallback it would be on a GPU
-host; `python -m bench gpu` itself refuses a host without CUDA, with the reason."""
+"""The GPU proof's code on this CPU host: every section runs (the build, which reuses the session's
+build of the tiny preset, parity, latency with the peer, the served models), and the CPU placement it
+finds is reported as the fallback it would be on a GPU host; `python -m bench gpu` itself refuses a
+host without CUDA, with the reason."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +14,7 @@ import pytest
 
 from bench import gpu
 from bench.timing import Budget
-from contract import names
+from contract import files, names
 from export.progress import Progress
 
 pytestmark = pytest.mark.slow
@@ -24,14 +26,35 @@ PLAN = gpu.Plan(
     parity_steps=8,
     served_pasts=(8,),
     served_runs=3,
+    bandwidth_mib=16,
+    bandwidth_runs=3,
+    reuse_build=True,
 )
 
 
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs: the proof, and the command on
+    a host without CUDA (on one with CUDA it would run the whole proof)."""
+    import torch
+
+    # the session's build of the tiny preset holds every form the proof builds: its build step reuses it
+    shutil.copytree(artifact_dir("tiny"), root / "work" / "tiny")
+    jobs = {
+        "gpu-proof": lambda: gpu.benchmark(
+            ("tiny",), root / "work", gpu.CPU, PLAN, Progress(enabled=False), root / "out"
+        )
+    }
+    if not torch.cuda.is_available():
+        (root / "command").mkdir()
+        command = [sys.executable, "-m", "bench", "gpu", "--out", str(root / "command")]
+        jobs["gpu-refusal"] = lambda: subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    return jobs
+
+
 @pytest.fixture(scope="module")
-def proof(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-proof")
-    results = gpu.benchmark(("tiny",), root / "work", gpu.CPU, PLAN, Progress(enabled=False), root / "out")
-    return results, root / "out"
+def proof(bench_runs):
+    run = bench_runs["gpu-proof"]
+    return run.result(), run.root / "out"
 
 
 def test_every_section_ran_and_wrote_its_results(proof):
@@ -52,6 +75,11 @@ def test_every_section_ran_and_wrote_its_results(proof):
     assert json.loads((out / "gpu.json").read_text())["presets"]["tiny"]["latency"]["rows"] == rows
 
 
+def test_the_build_step_used_the_session_build_as_it_is(bench_runs, artifact_dir):
+    used = bench_runs["gpu-proof"].root / "work" / "tiny" / files.REPORT_FILENAME
+    assert used.read_bytes() == (artifact_dir("tiny") / files.REPORT_FILENAME).read_bytes()  # not built again
+
+
 def test_a_run_on_the_cpu_is_reported_as_a_fallback(proof):
     results, _ = proof
     problems = results["problems"]
@@ -66,18 +94,13 @@ def test_the_report_and_the_plots(proof, tmp_path):
     assert [p.name for p in gpu.write(results, tmp_path)] == ["gpu.json", "gpu_decode_tiny.png"]
 
 
-def test_the_command_refuses_a_host_without_cuda(tmp_path):
+def test_the_command_refuses_a_host_without_cuda(bench_runs):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this host has CUDA: the proof would run")
-    done = subprocess.run(
-        [sys.executable, "-m", "bench", "gpu", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    run = bench_runs["gpu-refusal"]
+    done = run.result()
     assert done.returncode == 2
     assert "error: PyTorch sees no CUDA device: the GPU proof needs a CUDA host" in done.stdout
-    assert not list(tmp_path.iterdir())  # nothing half-written
+    assert not list((run.root / "command").iterdir())  # nothing half-written

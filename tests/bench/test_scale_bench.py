@@ -11,11 +11,17 @@ from bench.__main__ import main
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_the_scale_benchmark_measures_both_paths_and_the_spread(artifact_dir, tmp_path, capsys):
-    work, out = tmp_path / "work", tmp_path / "results"
-    shutil.copytree(artifact_dir("tiny"), work / "artifacts")  # reuse the session's build
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
+    shutil.copytree(artifact_dir("tiny"), root / "work" / "artifacts")  # reuse the session's build
     args = ["scale", "--preset", "tiny", "--past", "8", "--rounds", "2", "--steps", "3", "--sessions", "9"]
-    assert main([*args, "--out", str(out), "--work", str(work)]) == 0
+    return {"scale": lambda: main([*args, "--out", str(root / "results"), "--work", str(root / "work")])}
+
+
+def test_the_scale_benchmark_measures_both_paths_and_the_spread(bench_runs):
+    run = bench_runs["scale"]
+    assert run.result() == 0
+    out = run.root / "results"
     results = json.loads((out / "scale.json").read_text())
     assert (out / "scale.png").stat().st_size > 0
     for mode, row in results["latency"].items():
@@ -23,4 +29,4 @@ def test_the_scale_benchmark_measures_both_paths_and_the_spread(artifact_dir, tm
     assert results["latency"]["envoy/noop"]["p50_ratio_to_direct"] > 0
     spread = results["spread"]
     assert sum(spread["per_replica"]) == 9 and len(spread["per_replica"]) == 3
-    assert "spread of 9 sessions over 3 replicas" in capsys.readouterr().out
+    assert "spread of 9 sessions over 3 replicas" in run.stdout

@@ -1,9 +1,11 @@
 """`python -m bench weights-int8` end to end, bounded: the tiny model, one prefill and one decode
 shape, one round; it writes its JSON, its plot and its table, and what it measured is coherent
-(timings are not asserted: this is a smoke test)."""
+(timings are not asserted: this is a smoke test). The int8w graph is made from the session's build of
+the tiny preset (its fp32-fused graph), as the bench reuses a build in its work folder."""
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -13,10 +15,18 @@ from bench.weights_int8 import CANDIDATES
 pytestmark = pytest.mark.slow
 
 
-def test_the_int8_weights_benchmark_times_errors_and_sizes_every_candidate(tmp_path, capsys):
-    out = tmp_path / "results"
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
+    shutil.copytree(artifact_dir("tiny"), root / "tiny")  # its fp32-fused graph: no export again
     args = ["weights-int8", "--preset", "tiny", "--prefill", "32", "--pasts", "64", "--rounds", "1"]
-    assert main([*args, "--seconds", "0.02", "--threads", "1", "--out", str(out), "--work", str(tmp_path)]) == 0
+    args += ["--seconds", "0.02", "--threads", "1", "--out", str(root / "results"), "--work", str(root)]
+    return {"weights-int8": lambda: main(args)}
+
+
+def test_the_int8_weights_benchmark_times_errors_and_sizes_every_candidate(bench_runs):
+    run = bench_runs["weights-int8"]
+    assert run.result() == 0
+    out = run.root / "results"
     results = json.loads((out / "weights_int8.json").read_text())
     assert (out / "weights_int8.png").read_bytes().startswith(b"\x89PNG")
 
@@ -34,4 +44,4 @@ def test_the_int8_weights_benchmark_times_errors_and_sizes_every_candidate(tmp_p
     assert set(sizes) == set(CANDIDATES) and all(size > 0 for size in sizes.values())
     assert sizes["fp32-fused-int8w"] < sizes["fp32-fused"] and results["parity"]["passed"]
     assert all(ratio > 0 for ratio in results["file_ratios"].values())
-    assert "vs torch-int8" in capsys.readouterr().out
+    assert "vs torch-int8" in run.stdout
