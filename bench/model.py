@@ -559,7 +559,9 @@ def machine(threads: int) -> dict:
 
 def write(results: dict, out: Path) -> None:
     from bench.plot import decode_plot
+    from bench.results import PLOT_LOCK
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "model.json").write_text(json.dumps(results, indent=2) + "\n")
-    decode_plot(results, out / "model_decode.png")
+    with PLOT_LOCK:
+        decode_plot(results, out / "model_decode.png")

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -32,9 +33,15 @@ def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
         yield root
 
 
+# pyplot keeps one global figure state: benchmarks run side by side in threads (the tests' smoke
+# runs) draw one plot at a time
+PLOT_LOCK = threading.Lock()
+
+
 def write(results: dict, out: Path, name: str, plot: Callable[[dict, Path], Path]) -> str:
     """`<name>.json` and `<name>.png` in `out`; the line that says so."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / f"{name}.png")
+    with PLOT_LOCK:
+        plot(results, out / f"{name}.png")
     return f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}"

@@ -11,9 +11,9 @@ second at shutdown, Envoy, a gateway process), so the runs overlap their waits a
 (measured on 2 cores, the session's tiny build included: tests/bench in 44 s three at a time, 86 s one
 at a time). Each run still does all it does alone, with servers of its own.
 
-What a run prints in this process goes to its own buffer (`Run.stdout`); the plots are drawn one at a
-time (matplotlib's pyplot is not thread-safe). Timings are not asserted anywhere here: the runs time
-each other too.
+What a run prints in this process goes to its own buffer (`Run.stdout`); bench/results.py's
+PLOT_LOCK draws the plots one at a time (matplotlib's pyplot is not thread-safe). Timings are not
+asserted anywhere here: the runs time each other too.
 """
 
 from __future__ import annotations
@@ -63,19 +63,8 @@ class ThreadStdout(io.TextIOBase):
         self.fallback.flush()
 
 
-def _one_at_a_time(lock: threading.Lock, function: Callable) -> Callable:
-    def call(*args, **kwargs):
-        with lock:
-            return function(*args, **kwargs)
-
-    return call
-
-
 @pytest.fixture(scope="session")
 def bench_runs(request, tmp_path_factory, artifact_dir) -> dict[str, Run]:
-    import bench.model
-    import bench.results
-
     def rank(module) -> tuple[int, str]:
         name = module.__name__.rsplit(".", 1)[-1]
         return (ORDER.index(name) if name in ORDER else len(ORDER), name)
@@ -96,11 +85,8 @@ def bench_runs(request, tmp_path_factory, artifact_dir) -> dict[str, Run]:
             runs[name].stdout = buffer.getvalue()
             del stdout.buffers[threading.get_ident()]
 
-    lock = threading.Lock()
     started = time.perf_counter()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bench.results, "write", _one_at_a_time(lock, bench.results.write))
-        patch.setattr(bench.model, "write", _one_at_a_time(lock, bench.model.write))
         patch.setattr(sys, "stdout", stdout)
         pool = concurrent.futures.ThreadPoolExecutor(WORKERS, thread_name_prefix="bench")
         try:
