@@ -23,6 +23,14 @@ ROPE_PAIRINGS = (HALF, INTERLEAVED)
 # Rotary frequency scaling as shipped: none, `linear` (positions divided by a factor) and Llama 3's
 # `llama3` (low frequencies divided by the factor, high ones kept, a smooth band between).
 ROPE_SCALINGS = ("none", "linear", "llama3")
+# The MLP after attention in each block of a whole model: none (an attention model), `dense`
+# (W_down(act(W_up x)): GPT-2) or `gated` (W_down(act(W_gate x) * W_up x): Llama, Mistral, Qwen, Phi-3)
+NO_MLP, DENSE, GATED = "none", "dense", "gated"
+MLPS = (NO_MLP, DENSE, GATED)
+# The MLP's activation: SiLU (Llama, Mistral, Qwen, Phi-3), GELU exact, GELU's tanh approximation (GPT-2's
+# `gelu_new`, Gemma's `gelu_pytorch_tanh`)
+SILU, GELU, GELU_TANH = "silu", "gelu", "gelu_tanh"
+ACTIVATIONS = (SILU, GELU, GELU_TANH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +64,16 @@ class ModelConfig:
     # or with `sliding_window_pattern` N in all but every N-th layer (Gemma 3: N = 6, five local, one global)
     sliding_window: int | None = None
     sliding_window_pattern: int = 1
+    # A whole decoder (token ids in, logits out) when vocab_size is set: token embeddings, an MLP after
+    # attention in each block (pre-norm and residual like attention's), a final norm of the block's
+    # kind and an LM head, tied to the embeddings or its own. Unset: hidden states in and out.
+    vocab_size: int | None = None
+    mlp: str = NO_MLP
+    mlp_width: int | None = None  # the MLP's inner width (intermediate_size)
+    mlp_activation: str = SILU
+    mlp_bias: bool = False  # biases on the MLP's projections (GPT-2)
+    learned_positions: bool = False  # a learned embedding per absolute position added to the tokens' (GPT-2)
+    tie_embeddings: bool = False  # the LM head is the token embeddings' matrix
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -66,6 +84,30 @@ class ModelConfig:
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_kv_heads ({self.n_kv_heads}) must divide n_heads ({self.n_heads})")
         self._check_rope()
+        self._check_whole()
+
+    def _check_whole(self) -> None:
+        if self.vocab_size is None:
+            changed = [name for name in WHOLE_ONLY_FIELDS if getattr(self, name) != _DEFAULTS[name]]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} set without vocab_size: an attention model has none")
+            return
+        _check_positive_int("vocab_size", self.vocab_size)
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp must be one of {list(MLPS)}, got {self.mlp!r}")
+        if self.mlp_activation not in ACTIVATIONS:
+            raise ValueError(f"mlp_activation must be one of {list(ACTIVATIONS)}, got {self.mlp_activation!r}")
+        if (self.mlp == NO_MLP) != (self.mlp_width is None):
+            raise ValueError(f"mlp_width must be set exactly when mlp is not {NO_MLP!r}, got {self.mlp_width!r}")
+        if self.mlp_width is not None:
+            _check_positive_int("mlp_width", self.mlp_width)
+        for name in ("mlp_bias", "learned_positions", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.learned_positions and self.rotary:
+            raise ValueError("learned_positions and rope_theta: a model places tokens one way")
+        if not self.residual:
+            raise ValueError("a whole model (vocab_size set) has residual blocks: residual must be true")
 
     def _check_types(self) -> None:
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "max_seq_len", "sliding_window_pattern"):
@@ -117,6 +159,16 @@ class ModelConfig:
             return 0
         return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
+    @property
+    def whole(self) -> bool:
+        """Whether this is a whole decoder: token ids in, logits out."""
+        return self.vocab_size is not None
+
+    @property
+    def positioned(self) -> bool:
+        """Whether the graph takes `position_ids`: rotary embeddings or learned positions read them."""
+        return self.rotary or self.learned_positions
+
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends everything before it)."""
         every = self.sliding_window_pattern
@@ -146,7 +198,25 @@ class ModelConfig:
             per_layer += self.q_dim + self.d_model + 2 * self.kv_dim
         if self.qk_norm == RMSNORM:
             per_layer += 2 * self.head_dim
+        return per_layer * self.n_layers + self.mlp_params() + self.embedding_params()
+
+    def mlp_params(self) -> int:
+        """The MLPs' weights and biases, with their norms, over all layers."""
+        if self.mlp == NO_MLP:
+            return 0
+        matrices = 3 if self.mlp == GATED else 2
+        per_layer = matrices * self.d_model * self.mlp_width
+        per_layer += (matrices - 1) * self.mlp_width + self.d_model if self.mlp_bias else 0
+        per_layer += {LAYERNORM: 2 * self.d_model, RMSNORM: self.d_model, NO_NORM: 0}[self.norm]
         return per_layer * self.n_layers
+
+    def embedding_params(self) -> int:
+        """Token (and position) embeddings, the final norm and the LM head of a whole model."""
+        if not self.whole:
+            return 0
+        total = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        total += self.max_seq_len * self.d_model if self.learned_positions else 0
+        return total + {LAYERNORM: 2 * self.d_model, RMSNORM: self.d_model, NO_NORM: 0}[self.norm]
 
     def kv_cache_bytes(self, batch: int, length: int, itemsize: int = 4) -> int:
         """Bytes of keys plus values over all layers for `length` positions."""
@@ -232,9 +302,17 @@ FIELD_HELP = {
     "qk_norm": f"a per-head norm of q and k before the rotation: one of {list(QK_NORMS)} (Qwen3: rmsnorm)",
     "sliding_window": "a query attends at most this many last positions, itself included (unset: all)",
     "sliding_window_pattern": "with sliding_window: every N-th layer attends globally (1: every layer is local)",
+    "vocab_size": "a whole decoder with this many tokens: token ids in, logits out (unset: hidden states in and out)",
+    "mlp": f"the MLP after attention in each block of a whole model: one of {list(MLPS)}",
+    "mlp_width": "the MLP's inner width (Hugging Face's intermediate_size)",
+    "mlp_activation": f"the MLP's activation: one of {list(ACTIVATIONS)} (gelu_tanh: GPT-2's gelu_new)",
+    "mlp_bias": "biases on the MLP's projections (GPT-2)",
+    "learned_positions": "a learned embedding per position added to the tokens' (GPT-2), instead of rotation",
+    "tie_embeddings": "the LM head reuses the token embeddings' matrix",
 }
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
 ROPE_ONLY_FIELDS = tuple(name for name in _DEFAULTS if name.startswith(("rope_", "rotary_")) and name != "rope_theta")
+WHOLE_ONLY_FIELDS = ("mlp", "mlp_width", "mlp_activation", "mlp_bias", "learned_positions", "tie_embeddings")
 
 PRESETS: dict[str, ModelConfig] = {
     # the product's default: one layer of 8-head attention, 512 wide
@@ -257,6 +335,21 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=500000.0,
         rope_scaling="llama3",
         rope_scaling_factor=8.0,
+    ),
+    # a whole Llama-shaped decoder small enough to bench on 2 cores (20M parameters, docs/importing.md)
+    "llama-whole": ModelConfig(
+        d_model=512,
+        n_heads=8,
+        n_kv_heads=4,
+        n_layers=4,
+        max_seq_len=2048,
+        bias=False,
+        norm=RMSNORM,
+        norm_eps=1e-6,
+        rope_theta=500000.0,
+        vocab_size=8192,
+        mlp=GATED,
+        mlp_width=1408,
     ),
 }
 

@@ -25,13 +25,15 @@ class InputError(ValueError):
 
 
 def named_inputs(
-    hidden_states: Any,
+    new_tokens: Any,
     attention_mask: Any | None = None,
     past: Sequence[tuple[Any, Any]] | None = None,
     position_ids: Any | None = None,
+    first: str = names.HIDDEN_STATES,
 ) -> dict[str, Any]:
-    """The graph's named inputs from positional ones; `past` is one (key, value) pair per layer."""
-    tensors = {names.HIDDEN_STATES: hidden_states}
+    """The graph's named inputs from positional ones; `past` is one (key, value) pair per layer; `first`
+    names the new tokens (`names.model_input`: hidden states, or a whole model's token ids)."""
+    tensors = {first: new_tokens}
     if attention_mask is not None:
         tensors[names.ATTENTION_MASK] = attention_mask
     if position_ids is not None:
@@ -42,20 +44,22 @@ def named_inputs(
     return tensors
 
 
-def with_defaults(cfg: names.Sizes, feeds: Mapping[str, Any]) -> dict[str, Any]:
+def with_defaults(cfg: names.Sizes, feeds: Mapping[str, Any], cache_dtype: Any = np.float32) -> dict[str, Any]:
     """`feeds` completed with what a caller may leave out, as the PyTorch original reads it: an empty
     past (zero-length caches of the hidden states' dtype), an all-ones attention mask, and for a
-    model with rotary embeddings the positions counted from the mask (`default_positions`)."""
-    hidden = feeds[names.HIDDEN_STATES]
-    batch, new = hidden.shape[:2]
+    model placing tokens by position the positions counted from the mask (`default_positions`). The
+    caches' dtype is the hidden states' (a whole model's: `cache_dtype`)."""
+    new_tokens = feeds[names.model_input(cfg)]
+    batch, new = new_tokens.shape[:2]
     filled = dict(feeds)
     if names.past_name(0, names.KEY) not in filled:
-        empty = np.zeros((batch, cfg.n_kv_heads, 0, cfg.head_dim), hidden.dtype)
+        dtype = cache_dtype if cfg.vocab_size is not None else new_tokens.dtype
+        empty = np.zeros((batch, cfg.n_kv_heads, 0, cfg.head_dim), dtype)
         filled.update(dict.fromkeys(names.past_names(cfg.n_layers), empty))
     if names.ATTENTION_MASK not in filled:
         past = filled[names.past_name(0, names.KEY)].shape[2]
         filled[names.ATTENTION_MASK] = np.ones((batch, past + new), np.int64)
-    if cfg.rotary and names.POSITION_IDS not in filled:
+    if cfg.positioned and names.POSITION_IDS not in filled:
         filled[names.POSITION_IDS] = default_positions(np.asarray(filled[names.ATTENTION_MASK]), new)
     return filled
 
@@ -81,16 +85,18 @@ def check_inputs(
 ) -> tuple[int, int, int]:
     """Check names, ranks, fixed sizes, dtypes and agreeing lengths; return (batch, past, new).
 
-    `tensors` holds `hidden_states`, optionally `attention_mask`, and either every
-    `past_key_values.*` or none of them (an empty past). `float_dtype=None` accepts any float dtype
-    for the hidden states and caches as long as they agree.
+    `tensors` holds `hidden_states` (a whole model: `input_ids`), optionally `attention_mask`, and
+    either every `past_key_values.*` or none of them (an empty past). `float_dtype=None` accepts any
+    float dtype for the hidden states and caches as long as they agree. A whole model's token ids are
+    checked against its vocabulary where `check_token_values` is called (numpy arrays).
     """
     expected = {spec.name: spec for spec in names.input_specs(cfg)}
+    first = names.model_input(cfg)
     unknown = sorted(set(tensors) - set(expected))
     if unknown:
         raise InputError(unknown[0], f"unknown input; expected some of {list(expected)}")
-    if names.HIDDEN_STATES not in tensors:
-        raise InputError(names.HIDDEN_STATES, "missing")
+    if first not in tensors:
+        raise InputError(first, "missing")
     if require_mask and names.ATTENTION_MASK not in tensors:
         raise InputError(names.ATTENTION_MASK, "missing")
     past_given = [n for n in names.past_names(cfg.n_layers) if n in tensors]
@@ -98,8 +104,8 @@ def check_inputs(
         missing = next(n for n in names.past_names(cfg.n_layers) if n not in tensors)
         raise InputError(missing, "missing; pass every past key and value, or none for an empty past")
 
-    hidden = tensors[names.HIDDEN_STATES]
-    model_dtype = float_dtype or _dtype_name(hidden)
+    floats = tensors.get(names.past_name(0, names.KEY)) if first == names.INPUT_IDS else tensors[first]
+    model_dtype = float_dtype or (_dtype_name(floats) if floats is not None else "float32")
     sizes: dict[str, int] = {}  # axis name -> size, filled by the first tensor that has it
     for name, array in tensors.items():
         spec = expected[name]
@@ -109,9 +115,9 @@ def check_inputs(
     batch, new = sizes[names.BATCH], sizes[names.SEQUENCE]
     past = sizes.get(names.PAST_SEQUENCE, 0)
     if batch < 1:
-        raise InputError(names.HIDDEN_STATES, f"{names.BATCH} must be at least 1, got {batch}")
+        raise InputError(first, f"{names.BATCH} must be at least 1, got {batch}")
     if new < 1:
-        raise InputError(names.HIDDEN_STATES, f"{names.SEQUENCE} must be at least 1, got 0")
+        raise InputError(first, f"{names.SEQUENCE} must be at least 1, got 0")
     total = sizes.get(names.TOTAL_SEQUENCE, past + new)
     if total != past + new:
         raise InputError(
@@ -130,10 +136,24 @@ def check_finite(tensors: Mapping[str, Any]) -> None:
             raise InputError(name, f"expected finite {array.dtype} values, got {array[where]} at index {list(where)}")
 
 
-def check_one_sequence(batch: int) -> None:
+def check_token_values(cfg: names.Sizes, tensors: Mapping[str, Any]) -> None:
+    """A whole model's token ids, where given, lie in [0, vocab_size): an id beyond the embeddings' table
+    has no row to read. numpy arrays only."""
+    ids = tensors.get(names.INPUT_IDS)
+    if ids is None or cfg.vocab_size is None or not ids.size:
+        return
+    outside = (ids < 0) | (ids >= cfg.vocab_size)
+    if outside.any():
+        where = tuple(int(i) for i in np.argwhere(outside)[0])
+        raise InputError(
+            names.INPUT_IDS, f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size), got {ids[where]} at index {list(where)}"
+        )
+
+
+def check_one_sequence(batch: int, name: str = names.HIDDEN_STATES) -> None:
     """A session holds one sequence: its steps have batch_size 1."""
     if batch != 1:
-        raise InputError(names.HIDDEN_STATES, f"a session holds one sequence, so {names.BATCH} must be 1, got {batch}")
+        raise InputError(name, f"a session holds one sequence, so {names.BATCH} must be 1, got {batch}")
 
 
 def check_mask_values(tensors: Mapping[str, Any]) -> None:
@@ -152,8 +172,9 @@ def check_mask_values(tensors: Mapping[str, Any]) -> None:
 
 
 def real_tokens(hidden: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-    """The tokens of one sequence's step (1, T, d) that its mask (1, T) marks real, (1, T_real, d): what a
-    session keeps of a step (its padded tokens never enter the cache). The one place padding is dropped."""
+    """The tokens of one sequence's step (1, T, d), or its token ids (1, T), that its mask (1, T) marks
+    real, (1, T_real, ...): what a session keeps of a step (its padded tokens never enter the cache). The
+    one place padding is dropped."""
     if mask is None:
         return hidden
     keep = np.asarray(mask)[0].astype(bool)
@@ -195,13 +216,15 @@ def _size(array: Any) -> int:
     return int(np.prod(tuple(array.shape)))
 
 
-def check_request_tokens(batch: int, new: int, limit: int, setting: str | None = None) -> None:
+def check_request_tokens(
+    batch: int, new: int, limit: int, setting: str | None = None, name: str = names.HIDDEN_STATES
+) -> None:
     """batch x new within the deployment's cap on the tokens one stateless request computes; `setting`
     names the knob that sets `limit`, for the message."""
     if batch * new > limit:
         knob = f" ({setting})" if setting else ""
         raise InputError(
-            names.HIDDEN_STATES,
+            name,
             f"batch x new = {batch} x {new} = {batch * new} tokens, more than this server's {limit} per request{knob}",
         )
 

@@ -18,6 +18,10 @@ MODEL, SESSION_MODEL, ONNX_MODEL = "mha", "mha_session", "mha_onnx"
 FACT_PREFIX = "model."
 
 HIDDEN_STATES = "hidden_states"
+# A whole decoder's (ModelConfig.whole): token ids (B, T) int64 in, logits (B, T, vocab_size) out, where an
+# attention model takes hidden states and answers `output`
+INPUT_IDS = "input_ids"
+LOGITS = "logits"
 ATTENTION_MASK = "attention_mask"
 # the new tokens' positions (B, T) int64, for models that rotate q and k by position (RoPE); optional
 # for a caller: counted from the attention mask when left out
@@ -129,14 +133,24 @@ def cache_width(head_dim: int, quantized: str | None = None) -> int:
     return head_dim // 2 if quantized == INT4_CACHE else head_dim
 
 
-def input_names(n_layers: int, rotary: bool = False) -> list[str]:
-    """Stateless graph inputs, in graph order (`position_ids` only for a model with rotary embeddings)."""
-    return [HIDDEN_STATES, ATTENTION_MASK, *([POSITION_IDS] if rotary else []), *past_names(n_layers)]
+def model_input(cfg: Sizes) -> str:
+    """The graph's first input: `input_ids` of a whole model, `hidden_states` of an attention model."""
+    return INPUT_IDS if cfg.vocab_size is not None else HIDDEN_STATES
 
 
-def output_names(n_layers: int) -> list[str]:
+def model_output(cfg: Sizes) -> str:
+    """The graph's first output: `logits` of a whole model, `output` of an attention model."""
+    return LOGITS if cfg.vocab_size is not None else OUTPUT
+
+
+def input_names(cfg: Sizes) -> list[str]:
+    """Stateless graph inputs, in graph order (`position_ids` only for a model that places tokens by it)."""
+    return [spec.name for spec in input_specs(cfg)]
+
+
+def output_names(cfg: Sizes) -> list[str]:
     """Stateless graph outputs, in graph order."""
-    return [OUTPUT, *present_names(n_layers)]
+    return [model_output(cfg), *present_names(cfg.n_layers)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +164,11 @@ class GraphSizes:
     n_kv_heads: int
     head_dim: int
     rotary: bool = False  # the graph takes position_ids
+    vocab_size: int | None = None  # a whole model's: input_ids in, logits out
+
+    @property
+    def positioned(self) -> bool:
+        return self.rotary
 
 
 Sizes = GraphSizes | ModelConfig
@@ -165,23 +184,38 @@ class TensorSpec:
     is_mask: bool = False
     is_length: bool = False  # an int32 length of the static-cache graphs
     is_position: bool = False  # int64 positions
+    is_token: bool = False  # int64 token ids
     quantized: str | None = None  # a static cache stored as INT8_CACHE or INT4_CACHE codes, not the model's float
 
     @property
     def is_int64(self) -> bool:
-        return self.is_mask or self.is_position
+        return self.is_mask or self.is_position or self.is_token
 
     @property
     def dynamic_axes(self) -> dict[int, str]:
         return {i: axis for i, axis in enumerate(self.shape) if isinstance(axis, str)}
 
 
+def model_input_spec(cfg: Sizes) -> TensorSpec:
+    """The new tokens: their ids (B, T) for a whole model, their hidden states (B, T, d_model) otherwise."""
+    if cfg.vocab_size is not None:
+        return TensorSpec(INPUT_IDS, (BATCH, SEQUENCE), is_token=True)
+    return TensorSpec(HIDDEN_STATES, (BATCH, SEQUENCE, cfg.d_model))
+
+
+def model_output_spec(cfg: Sizes) -> TensorSpec:
+    """The new tokens' logits (B, T, vocab_size) for a whole model, hidden states (B, T, d_model) otherwise."""
+    if cfg.vocab_size is not None:
+        return TensorSpec(LOGITS, (BATCH, SEQUENCE, cfg.vocab_size))
+    return TensorSpec(OUTPUT, (BATCH, SEQUENCE, cfg.d_model))
+
+
 def input_specs(cfg: Sizes) -> list[TensorSpec]:
     """Stateless graph inputs, in graph order."""
     cache_shape = (BATCH, cfg.n_kv_heads, PAST_SEQUENCE, cfg.head_dim)
-    positions = [TensorSpec(POSITION_IDS, (BATCH, SEQUENCE), is_position=True)] if cfg.rotary else []
+    positions = [TensorSpec(POSITION_IDS, (BATCH, SEQUENCE), is_position=True)] if cfg.positioned else []
     return [
-        TensorSpec(HIDDEN_STATES, (BATCH, SEQUENCE, cfg.d_model)),
+        model_input_spec(cfg),
         TensorSpec(ATTENTION_MASK, (BATCH, TOTAL_SEQUENCE), is_mask=True),
         *positions,
         *(TensorSpec(name, cache_shape) for name in past_names(cfg.n_layers)),
@@ -191,18 +225,17 @@ def input_specs(cfg: Sizes) -> list[TensorSpec]:
 def output_specs(cfg: Sizes) -> list[TensorSpec]:
     """Stateless graph outputs, in graph order."""
     cache_shape = (BATCH, cfg.n_kv_heads, TOTAL_SEQUENCE, cfg.head_dim)
-    return [
-        TensorSpec(OUTPUT, (BATCH, SEQUENCE, cfg.d_model)),
-        *(TensorSpec(name, cache_shape) for name in present_names(cfg.n_layers)),
-    ]
+    return [model_output_spec(cfg), *(TensorSpec(name, cache_shape) for name in present_names(cfg.n_layers))]
 
 
 def static_input_specs(cfg: ModelConfig, quantized: str | None = None) -> list[TensorSpec]:
     """Static-cache graph inputs, in graph order: the new tokens, the lengths, the cache buffers (in the
     model's float, or `quantized` codes)."""
     cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cache_width(cfg.head_dim, quantized))
+    positions = [TensorSpec(POSITION_IDS, (BATCH, SEQUENCE), is_position=True)] if cfg.learned_positions else []
     return [
-        TensorSpec(HIDDEN_STATES, (BATCH, SEQUENCE, cfg.d_model)),
+        model_input_spec(cfg),
+        *positions,
         TensorSpec(SEQLENS_K, (BATCH,), is_length=True),
         TensorSpec(TOTAL_SEQUENCE_LENGTH, (), is_length=True),
         *(TensorSpec(name, cache_shape, quantized=quantized) for name in past_names(cfg.n_layers)),
@@ -213,7 +246,7 @@ def static_output_specs(cfg: ModelConfig, quantized: str | None = None) -> list[
     """Static-cache graph outputs: each present is its past's buffer, updated in place."""
     cache_shape = (BATCH, cfg.n_kv_heads, CACHE_LENGTH, cache_width(cfg.head_dim, quantized))
     return [
-        TensorSpec(OUTPUT, (BATCH, SEQUENCE, cfg.d_model)),
+        model_output_spec(cfg),
         *(TensorSpec(name, cache_shape, quantized=quantized) for name in present_names(cfg.n_layers)),
     ]
 

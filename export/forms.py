@@ -324,12 +324,15 @@ def static_proto(model: AttentionModel) -> onnx.ModelProto:
     clean_up(graph_model)
     by_name = {value.name: value for value in graph.inputs}
     mask = by_name[names.ATTENTION_MASK]
-    _batch_from(by_name[names.HIDDEN_STATES], mask)
+    new_tokens = by_name[names.model_input(cfg)]
+    _batch_from(new_tokens, mask)
     assert not mask.uses(), "the attention mask still feeds a node after the rewrite"
     positions = by_name.get(names.POSITION_IDS)
-    assert positions is None or not positions.uses(), "the positions still feed a node: GQA counts them itself"
+    if cfg.rotary:
+        assert not positions.uses(), "the positions still feed a node: GQA counts them itself"
+    kept_positions = [positions] if cfg.learned_positions else []  # the learned table still reads them
     graph.inputs.clear()
-    graph.inputs.extend([by_name[names.HIDDEN_STATES], seqlens_k, total])
+    graph.inputs.extend([new_tokens, *kept_positions, seqlens_k, total])
     graph.inputs.extend(by_name[name] for name in names.past_names(cfg.n_layers))
     graph_model.opset_imports.setdefault(MICROSOFT_DOMAIN, 1)
     proto = ir.to_proto(graph_model)

@@ -1,12 +1,14 @@
 """The PyTorch original: multi-head attention layers with an explicit KV cache, each in a pre-norm
-residual block unless its config drops the norm or the residual.
+residual block unless its config drops the norm or the residual; with a vocabulary (`vocab_size`), a
+whole decoder: token embeddings, each block's attention followed by its MLP, a final norm, the LM head.
 
 Everything the product serves is judged against this file (docs/design.md, "Model math"). It reads like the math:
 normalize (LayerNorm or RMSNorm); project to queries, keys and values; split heads; normalize q and k
 per head (QK-norm) and rotate them by position (RoPE) where the config says so; append the new keys
 and values to the cache; scaled dot products; causal, sliding-window and padding masks; softmax;
-weighted sum of values; combine heads; output projection; residual. No export, device or serving
-code lives here.
+weighted sum of values; combine heads; output projection; residual. A whole model adds token (and
+learned position) embeddings before the blocks, normalize + MLP + residual after each attention, and
+the final norm and LM head after the last block. No export, device or serving code lives here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from contract.config import HALF, LAYERNORM, RMSNORM, ModelConfig
+from contract import names
+from contract.config import GATED, GELU, GELU_TANH, HALF, LAYERNORM, NO_MLP, RMSNORM, ModelConfig
 from contract.inputs import check_inputs, check_positions, default_positions, named_inputs
 
 
@@ -48,7 +51,7 @@ class KVCache(NamedTuple):
 
 
 class ModelOutput(NamedTuple):
-    output: Tensor  # (B, T, d_model)
+    output: Tensor  # (B, T, d_model); a whole model's logits (B, T, vocab_size)
     present: list[KVCache]  # per layer, (B, n_kv, P+T, hs) each
     attention_weights: list[Tensor] | None  # per layer, (B, n_heads, T, P+T), when asked for
 
@@ -181,37 +184,82 @@ class MultiHeadAttention(nn.Module):
         return self.W_o(self.combine_heads(context)), present, weights
 
 
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """The config's norm over d_model: LayerNorm, RMSNorm, or none (identity)."""
+    norms = {
+        LAYERNORM: lambda: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
+        RMSNORM: lambda: RMSNorm(cfg.d_model, cfg.norm_eps),
+    }
+    return norms.get(cfg.norm, nn.Identity)()
+
+
+ACTIVATION_FUNCTIONS = {
+    "silu": F.silu,
+    GELU: F.gelu,
+    GELU_TANH: lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's gelu_new
+}
+
+
+class MLP(nn.Module):
+    """dense: W_down(act(W_up x)) (GPT-2); gated: W_down(act(W_gate x) * W_up x) (Llama, Qwen, Phi-3)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.mlp == GATED:
+            self.W_gate = nn.Linear(cfg.d_model, cfg.mlp_width, bias=cfg.mlp_bias)
+        self.W_up = nn.Linear(cfg.d_model, cfg.mlp_width, bias=cfg.mlp_bias)
+        self.W_down = nn.Linear(cfg.mlp_width, cfg.d_model, bias=cfg.mlp_bias)
+        self.activation = ACTIVATION_FUNCTIONS[cfg.mlp_activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if hasattr(self, "W_gate"):
+            return self.W_down(self.activation(self.W_gate(x)) * self.W_up(x))  # (B, T, d_model)
+        return self.W_down(self.activation(self.W_up(x)))  # (B, T, d_model)
+
+
 class Layer(nn.Module):
     """One block: x + Attention(Norm(x)) by default (pre-norm, residual; LayerNorm or RMSNorm);
-    `norm: none` drops the norm and `residual: false` the skip connection, down to bare Attention(x)."""
+    `norm: none` drops the norm and `residual: false` the skip connection, down to bare Attention(x).
+    A whole model's block goes on with x + MLP(Norm(x)), its own norm of the same kind."""
 
     def __init__(self, cfg: ModelConfig, window: int | None) -> None:
         super().__init__()
-        norms = {
-            LAYERNORM: lambda: nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps),
-            RMSNORM: lambda: RMSNorm(cfg.d_model, cfg.norm_eps),
-        }
-        self.norm = norms.get(cfg.norm, nn.Identity)()
+        self.norm = make_norm(cfg)
         self.attn = MultiHeadAttention(cfg)
+        if cfg.mlp != NO_MLP:
+            self.mlp_norm = make_norm(cfg)
+            self.mlp = MLP(cfg)
         self.residual, self.window = cfg.residual, window
 
     def forward(
         self, x: Tensor, allowed: Tensor, past: KVCache, position_ids: Tensor | None
     ) -> tuple[Tensor, KVCache, Tensor]:
         attended, present, weights = self.attn(self.norm(x), allowed, past, position_ids)
-        return self.add_residual(x, attended), present, weights
+        x = self.add_residual(x, attended)
+        if hasattr(self, "mlp"):
+            x = x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
+        return x, present, weights
 
     def add_residual(self, x: Tensor, attended: Tensor) -> Tensor:
         return x + attended if self.residual else attended  # (B, T, d_model)
 
 
 class AttentionModel(nn.Module):
-    """A stack of `n_layers` attention layers over hidden states, each with its own KV cache."""
+    """A stack of `n_layers` attention layers over hidden states, each with its own KV cache; with a
+    vocabulary, the whole decoder around them: embeddings in, final norm and LM head out."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
+        if cfg.whole:
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            if cfg.learned_positions:
+                self.position_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.layers = nn.ModuleList(Layer(cfg, cfg.window(i)) for i in range(cfg.n_layers))
+        if cfg.whole:
+            self.final_norm = make_norm(cfg)
+            if not cfg.tie_embeddings:
+                self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_weights(seed)
 
     @torch.no_grad()
@@ -223,6 +271,8 @@ class AttentionModel(nn.Module):
                 parameter.copy_(1.0 + 0.1 * torch.randn(parameter.shape, generator=generator))
             elif name.endswith("bias"):
                 parameter.copy_(0.02 * torch.randn(parameter.shape, generator=generator))
+            elif name.endswith("embed.weight"):  # unit-variance states going in, as the projections expect
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
             else:  # a projection: unit-variance outputs for unit-variance inputs
                 fan_in = parameter.shape[1]
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) / math.sqrt(fan_in))
@@ -230,35 +280,55 @@ class AttentionModel(nn.Module):
     def empty_cache(self, batch: int, like: Tensor) -> list[KVCache]:
         return [KVCache.empty(self.cfg, batch, like) for _ in self.layers]
 
+    def float_like(self) -> Tensor:
+        """A tensor of the weights' dtype and device (what a whole model's empty cache is made like)."""
+        return self.embed.weight
+
+    def embed_tokens(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """Token ids (B, T) -> hidden states (B, T, d_model), with their positions' embeddings if learned."""
+        x = self.embed(input_ids)  # (B, T, d_model)
+        if hasattr(self, "position_embed"):
+            x = x + self.position_embed(position_ids)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """The last block's states (B, T, d_model) -> logits (B, T, vocab_size)."""
+        x = self.final_norm(x)
+        return F.linear(x, self.embed.weight) if self.cfg.tie_embeddings else self.lm_head(x)
+
     def forward(
         self,
-        hidden_states: Tensor,
+        new_tokens: Tensor,
         attention_mask: Tensor | None = None,
         past: list[KVCache] | None = None,
         return_attention: bool = False,
         position_ids: Tensor | None = None,
     ) -> ModelOutput:
-        """`position_ids` (B, T) int64 place the new tokens for the rotation; left out, they are counted
-        from the attention mask (`default_positions`)."""
+        """`new_tokens`: hidden states (B, T, d_model), or a whole model's token ids (B, T) int64.
+        `position_ids` (B, T) int64 place the new tokens for the rotation (or the learned positions);
+        left out, they are counted from the attention mask (`default_positions`)."""
         if not torch.compiler.is_compiling():  # eager callers get named errors; a traced graph's runtime checks its own
-            tensors = named_inputs(hidden_states, attention_mask, past, position_ids)
+            tensors = named_inputs(new_tokens, attention_mask, past, position_ids, names.model_input(self.cfg))
             check_inputs(self.cfg, tensors, float_dtype=None)
             check_positions(self.cfg, tensors)
-        B, T, _ = hidden_states.shape  # (B, T, d_model)
-        past = self.empty_cache(B, hidden_states) if past is None else past
+        B, T = new_tokens.shape[:2]
+        floats = self.float_like() if self.cfg.whole else new_tokens
+        past = self.empty_cache(B, floats) if past is None else past
         P = past[0].length
         if attention_mask is None:
-            attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=hidden_states.device)  # (B, P+T)
-        if self.cfg.rotary and position_ids is None:  # counted from the mask, as Hugging Face does (B, T)
+            attention_mask = torch.ones(B, P + T, dtype=torch.int64, device=new_tokens.device)  # (B, P+T)
+        if self.cfg.positioned and position_ids is None:  # counted from the mask, as Hugging Face does (B, T)
             position_ids = torch.from_numpy(default_positions(attention_mask.cpu().numpy(), T)).to(
                 attention_mask.device
             )
         # one mask per distinct window: (B, 1, T, P+T) each
         allowed = {w: attention_allowed(attention_mask, P, T, w) for w in {layer.window for layer in self.layers}}
 
-        x, present, attention = hidden_states, [], []
+        x = self.embed_tokens(new_tokens, position_ids) if self.cfg.whole else new_tokens  # (B, T, d_model)
+        present, attention = [], []
         for layer, layer_past in zip(self.layers, past, strict=True):
             x, layer_present, weights = layer(x, allowed[layer.window], layer_past, position_ids)
             present.append(layer_present)
             attention.append(weights)
-        return ModelOutput(x, present, attention if return_attention else None)
+        output = self.head(x) if self.cfg.whole else x
+        return ModelOutput(output, present, attention if return_attention else None)

@@ -38,34 +38,38 @@ class GraphSignature(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, hidden_states: Tensor, attention_mask: Tensor, past: list[tuple[Tensor, Tensor]]):
-        result = self.model(hidden_states, attention_mask, [KVCache(k, v) for k, v in past])
+    def forward(self, new_tokens: Tensor, attention_mask: Tensor, past: list[tuple[Tensor, Tensor]]):
+        result = self.model(new_tokens, attention_mask, [KVCache(k, v) for k, v in past])
         return (result.output, *(tensor for cache in result.present for tensor in cache))
 
 
-class RotaryGraphSignature(GraphSignature):
-    """The same with the new tokens' positions (a model with rotary embeddings)."""
+class PositionedGraphSignature(GraphSignature):
+    """The same with the new tokens' positions (a model with rotary embeddings or learned positions)."""
 
-    def forward(self, hidden_states, attention_mask, position_ids, past):  # type: ignore[override]
-        result = self.model(hidden_states, attention_mask, [KVCache(k, v) for k, v in past], position_ids=position_ids)
+    def forward(self, new_tokens, attention_mask, position_ids, past):  # type: ignore[override]
+        result = self.model(new_tokens, attention_mask, [KVCache(k, v) for k, v in past], position_ids=position_ids)
         return (result.output, *(tensor for cache in result.present for tensor in cache))
 
 
 def trace_inputs(cfg: ModelConfig) -> tuple:
-    """(hidden_states, attention_mask, [position_ids,] past): example inputs of the graph's signature."""
+    """(new tokens, attention_mask, [position_ids,] past): example inputs of the graph's signature, the
+    new tokens' hidden states or, for a whole model, their ids."""
     generator = torch.Generator().manual_seed(0)
     B, T, P = _TRACE_BATCH, _TRACE_NEW, _TRACE_PAST
-    hidden_states = torch.randn(B, T, cfg.d_model, generator=generator)  # (B, T, d_model)
+    if cfg.whole:
+        new_tokens = torch.randint(cfg.vocab_size, (B, T), generator=generator)  # (B, T)
+    else:
+        new_tokens = torch.randn(B, T, cfg.d_model, generator=generator)  # (B, T, d_model)
     attention_mask = torch.ones(B, P + T, dtype=torch.int64)  # (B, P+T)
     cache_shape = (B, cfg.n_kv_heads, P, cfg.head_dim)
     past = [
         (torch.randn(cache_shape, generator=generator), torch.randn(cache_shape, generator=generator))
         for _ in range(cfg.n_layers)
     ]
-    if cfg.rotary:
+    if cfg.positioned:
         position_ids = (torch.arange(T) + P).expand(B, T).contiguous()  # (B, T)
-        return hidden_states, attention_mask, position_ids, past
-    return hidden_states, attention_mask, past
+        return new_tokens, attention_mask, position_ids, past
+    return new_tokens, attention_mask, past
 
 
 def dynamic_shapes(cfg: ModelConfig) -> dict:
@@ -81,8 +85,8 @@ def dynamic_shapes(cfg: ModelConfig) -> dict:
         spec.name: {axis: dims[name] for axis, name in spec.dynamic_axes.items()} for spec in names.input_specs(cfg)
     }
     past = [(specs[names.past_name(i, names.KEY)], specs[names.past_name(i, names.VALUE)]) for i in range(cfg.n_layers)]
-    shapes = {"hidden_states": specs[names.HIDDEN_STATES], "attention_mask": specs[names.ATTENTION_MASK]}
-    if cfg.rotary:
+    shapes = {"new_tokens": specs[names.model_input(cfg)], "attention_mask": specs[names.ATTENTION_MASK]}
+    if cfg.positioned:
         shapes["position_ids"] = specs[names.POSITION_IDS]
     return shapes | {"past": past}
 
@@ -162,7 +166,7 @@ def _fingerprint(model: AttentionModel) -> bytes:
 
 def _export(model: AttentionModel) -> onnx.ModelProto:
     cfg = model.cfg
-    graph = (RotaryGraphSignature if cfg.rotary else GraphSignature)(model.eval())
+    graph = (PositionedGraphSignature if cfg.positioned else GraphSignature)(model.eval())
     with warnings.catch_warnings(), _quiet_exporter():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -170,8 +174,8 @@ def _export(model: AttentionModel) -> onnx.ModelProto:
             trace_inputs(cfg),
             dynamo=True,
             opset_version=PLAIN_OPSET,
-            input_names=names.input_names(cfg.n_layers, cfg.rotary),
-            output_names=names.output_names(cfg.n_layers),
+            input_names=names.input_names(cfg),
+            output_names=names.output_names(cfg),
             dynamic_shapes=dynamic_shapes(cfg),
             external_data=False,
             verbose=False,

@@ -251,7 +251,7 @@ def compare_rung(
     original a uniform row); every key of a real query is compared (padding weighs 0 in both).
     """
     map_names = names.attention_map_names(cfg.n_layers) if maps else []
-    tensors = {name: TensorError(name) for name in names.output_names(cfg.n_layers) + map_names}
+    tensors = {name: TensorError(name) for name in names.output_names(cfg) + map_names}
     step_errors = []
     ref_past = initial_past(cfg, scenario) if scenario.past else {}
     cand_past = {name: cast(array) for name, array in ref_past.items()}
@@ -328,7 +328,7 @@ def compare_pool_rung(
     `schedule`; compare every output as it comes and every row's cache at the end. `floor` as in
     `compare_rung`; `dequantize` (past name, codes) -> floats reads a quantized pool's cache."""
     rng = np.random.default_rng(seed)
-    tensors = {name: TensorError(name) for name in names.output_names(cfg.n_layers)}
+    tensors = {name: TensorError(name) for name in names.output_names(cfg)}
     ref_past: dict[int, Arrays] = {}
     floor_past: dict[int, Arrays] = {}
     step_errors = []

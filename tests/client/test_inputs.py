@@ -84,7 +84,7 @@ def arrays(cfg, batch=2, past=3, new=1):
 def test_good_inputs_are_named_by_the_table(tiny):
     cfg, info = tiny
     hidden, mask, pairs = arrays(cfg)
-    assert list(_wire.stateless_tensors(info, hidden, mask, pairs)) == names.input_names(cfg.n_layers)
+    assert list(_wire.stateless_tensors(info, hidden, mask, pairs)) == names.input_names(cfg)
     assert list(_wire.stateless_tensors(info, hidden)) == [names.HIDDEN_STATES]  # empty past: left out
     assert list(_wire.stateless_tensors(info, hidden, past=[])) == [names.HIDDEN_STATES]
 

@@ -73,7 +73,7 @@ def test_report_gives_every_outputs_error_and_where_it_is(cli_build):
     assert report["passed"] and entry["passed"] and entry["file"] == "model.fp32.onnx"
     assert entry["file_bytes"] == (out / "model.fp32.onnx").stat().st_size
     assert entry["op_histogram"]["MatMul"] >= 6 * UNSEEN.n_layers
-    assert set(entry["worst"]) == set(names.output_names(UNSEEN.n_layers))
+    assert set(entry["worst"]) == set(names.output_names(UNSEEN))
     for name, error in entry["worst"].items():
         assert 0 <= error["max_abs"] <= 1e-5, name
         assert error["max_rel"] >= 0 and len(error["index"]) in (3, 4) and error["scenario"] in build.SCENARIOS

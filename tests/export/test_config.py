@@ -35,7 +35,7 @@ def test_derived_sizes():
 
 
 def test_the_block_defaults_to_pre_norm_residual_and_ships_with_the_config(tmp_path):
-    classic = [cfg for name, cfg in PRESETS.items() if name != "llama"]  # llama: RMSNorm, as Llama ships
+    classic = [cfg for name, cfg in PRESETS.items() if not name.startswith("llama")]  # llama: RMSNorm, as Llama ships
     assert all((cfg.norm, cfg.residual, cfg.rotary) == ("layernorm", True, False) for cfg in classic)
     bare = ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3, norm="none", residual=False)
     assert bare.n_params() == ModelConfig(d_model=96, n_heads=6, n_kv_heads=2, n_layers=3).n_params() - 3 * 2 * 96
@@ -103,6 +103,6 @@ def test_unknown_fields_and_bad_json_are_rejected(tmp_path):
 
 def test_unknown_preset_lists_the_choices():
     with pytest.raises(
-        ValueError, match=r"unknown preset 'huge'; choose one of \['gqa', 'large', 'llama', 'seed', 'tiny'\]"
+        ValueError, match=r"unknown preset 'huge'; choose one of \['gqa', 'large', 'llama', 'llama-whole', 'seed', 'tiny'\]"
     ):
         preset("huge")

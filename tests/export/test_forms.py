@@ -63,7 +63,7 @@ def test_the_tensorrt_form_has_the_cache_concat_outside_a_single_output_attentio
     assert all(len(n.output) == 1 and len(n.input) == 4 for n in attention)  # q, K, V, mask: no past, one output
     concats = [n for n in proto.graph.node if n.op_type == "Concat" and n.output[0].startswith("present.")]
     assert sorted(n.output[0] for n in concats) == sorted(names.present_names(cfg.n_layers))
-    assert [i.name for i in proto.graph.input] == names.input_names(cfg.n_layers)
+    assert [i.name for i in proto.graph.input] == names.input_names(cfg)
 
 
 @pytest.mark.parametrize("variant", [*STATIC, *TRT])

@@ -68,7 +68,7 @@ def test_report_records_the_histogram_the_fused_count_and_parity_on_the_fp32_lad
     assert entry["passed"] and entry["file"] == files.model_filename(variant)
     assert entry["fused_attention_ops"] == cfg.n_layers == entry["op_histogram"]["Attention"]
     assert set(entry["parity"]) == set(build.SCENARIOS)
-    assert set(entry["worst"]) == set(names.output_names(cfg.n_layers))  # every present, every step
+    assert set(entry["worst"]) == set(names.output_names(cfg))  # every present, every step
     assert entry["tolerance"]["why"] == TOLERANCES[variant].why
 
 
@@ -79,7 +79,7 @@ def test_the_fused_graph_keeps_the_contract(built):
     assert config_from_onnx(proto) == cfg
     expected = {s.name: s.shape for s in [*names.input_specs(cfg), *names.output_specs(cfg)]}
     edges = [*proto.graph.input, *proto.graph.output]
-    assert [v.name for v in edges] == [*names.input_names(cfg.n_layers), *names.output_names(cfg.n_layers)]
+    assert [v.name for v in edges] == [*names.input_names(cfg), *names.output_names(cfg)]
     for value in edges:
         assert tuple(d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim) == expected[value.name]
     assert not any(node.metadata_props for node in proto.graph.node), "exporter debug info is stripped"

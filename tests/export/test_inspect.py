@@ -329,7 +329,7 @@ def test_the_build_checks_the_inspection_variants_maps_against_the_originals(art
     assert entry["passed"] and entry["file"] == files.model_filename(names.INSPECTION_VARIANT)
     maps = entry["attention_maps"]
     assert maps["passed"] and 0 < maps["max_abs"] <= 1e-5
-    layers = report["config"]["n_layers"]
-    assert sorted(maps["layers"]) == names.attention_map_names(layers)
-    assert sorted(entry["worst"]) == sorted(names.output_names(layers))  # no map among them
+    cfg = ModelConfig.from_dict(report["config"])
+    assert sorted(maps["layers"]) == names.attention_map_names(cfg.n_layers)
+    assert sorted(entry["worst"]) == sorted(names.output_names(cfg))  # no map among them
     assert entry["worst"][names.OUTPUT]["max_abs"] <= 1e-5

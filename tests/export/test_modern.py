@@ -107,7 +107,7 @@ def test_the_plain_graph_takes_positions_named_as_the_table_says():
     cfg = TEST_CONFIGS["rotary"]
     proto = plain_graph(AttentionModel(cfg).eval())
     inputs = [v.name for v in proto.graph.input]
-    assert inputs == names.input_names(cfg.n_layers, rotary=True)
+    assert inputs == names.input_names(cfg)
     position_ids = proto.graph.input[inputs.index(names.POSITION_IDS)]
     assert [d.dim_param for d in position_ids.type.tensor_type.shape.dim] == [names.BATCH, names.SEQUENCE]
     assert position_ids.type.tensor_type.elem_type == onnx.TensorProto.INT64

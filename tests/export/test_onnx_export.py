@@ -42,7 +42,7 @@ def test_onnx_matches_pytorch_for_every_output(built, past, new):
     inputs = make_inputs(cfg, 3, past, new)
     expected = torch_runner(model)(inputs)
     actual = ort_runner(session)(inputs)
-    assert set(actual) == set(names.output_names(cfg.n_layers))
+    assert set(actual) == set(names.output_names(cfg))
     real_queries = inputs[names.ATTENTION_MASK][:, -new:] == 1
     np.testing.assert_allclose(
         actual[names.OUTPUT][real_queries], expected[names.OUTPUT][real_queries], rtol=1e-5, atol=1e-5
@@ -67,8 +67,8 @@ def test_graph_is_valid_named_and_carries_its_config(built):
         shape = tuple(d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim)
         assert shape == expected.pop(value.name), value.name
     assert not expected, f"graph lacks {sorted(expected)}"
-    assert [i.name for i in proto.graph.input] == names.input_names(cfg.n_layers)
-    assert [o.name for o in proto.graph.output] == names.output_names(cfg.n_layers)
+    assert [i.name for i in proto.graph.input] == names.input_names(cfg)
+    assert [o.name for o in proto.graph.output] == names.output_names(cfg)
     assert fused_attention_count(proto) == 0, "the plain variant must stay decomposed"
     assert op_histogram(proto)["Softmax"] == cfg.n_layers
 

@@ -17,7 +17,7 @@ GQA = TEST_CONFIGS["unseen"]  # 96 wide, 6 heads of 16, 2 kv heads, 3 layers, ma
 
 def test_every_input_gets_min_opt_max_in_graph_order():
     shapes = tensorrt.profile(GQA, Limits())
-    assert list(shapes) == names.input_names(GQA.n_layers)
+    assert list(shapes) == names.input_names(GQA)
     for name, shape_range in shapes.items():
         for point in tensorrt.POINTS:
             assert len(getattr(shape_range, point)) == (

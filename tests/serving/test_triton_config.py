@@ -37,8 +37,8 @@ def test_stateless_configs_are_the_graphs_io_exactly(built, model):
     graph = graph_io(loaded_onnx(built, config))
     cfg = ModelConfig.load(built / model / repository.VERSION)
     maps = names.attention_map_names(cfg.n_layers) if model == MHA else []  # the inspection graph's, when asked
-    assert [t.name for t in config.input] == names.input_names(cfg.n_layers)
-    assert [t.name for t in config.output] == names.output_names(cfg.n_layers) + maps
+    assert [t.name for t in config.input] == names.input_names(cfg)
+    assert [t.name for t in config.output] == names.output_names(cfg) + maps
     assert config.max_batch_size == 0
     served = [t for t in [*config.input, *config.output] if t.name not in maps]
     assert_fits(served, graph, batch_axis_added=False)
