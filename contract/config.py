@@ -93,6 +93,16 @@ class ModelConfig:
                 raise ValueError(f"{', '.join(changed)} set without vocab_size: an attention model has none")
             return
         _check_positive_int("vocab_size", self.vocab_size)
+        self._check_mlp()
+        for name in ("learned_positions", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.learned_positions and self.rotary:
+            raise ValueError("learned_positions and rope_theta: a model places tokens one way")
+        if not self.residual:
+            raise ValueError("a whole model (vocab_size set) has residual blocks: residual must be true")
+
+    def _check_mlp(self) -> None:
         if self.mlp not in MLPS:
             raise ValueError(f"mlp must be one of {list(MLPS)}, got {self.mlp!r}")
         if self.mlp_activation not in ACTIVATIONS:
@@ -101,13 +111,8 @@ class ModelConfig:
             raise ValueError(f"mlp_width must be set exactly when mlp is not {NO_MLP!r}, got {self.mlp_width!r}")
         if self.mlp_width is not None:
             _check_positive_int("mlp_width", self.mlp_width)
-        for name in ("mlp_bias", "learned_positions", "tie_embeddings"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.learned_positions and self.rotary:
-            raise ValueError("learned_positions and rope_theta: a model places tokens one way")
-        if not self.residual:
-            raise ValueError("a whole model (vocab_size set) has residual blocks: residual must be true")
+        if not isinstance(self.mlp_bias, bool):
+            raise ValueError(f"mlp_bias must be true or false, got {self.mlp_bias!r}")
 
     def _check_types(self) -> None:
         for name in ("d_model", "n_heads", "n_kv_heads", "n_layers", "max_seq_len", "sliding_window_pattern"):

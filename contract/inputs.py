@@ -145,9 +145,8 @@ def check_token_values(cfg: names.Sizes, tensors: Mapping[str, Any]) -> None:
     outside = (ids < 0) | (ids >= cfg.vocab_size)
     if outside.any():
         where = tuple(int(i) for i in np.argwhere(outside)[0])
-        raise InputError(
-            names.INPUT_IDS, f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size), got {ids[where]} at index {list(where)}"
-        )
+        bad = f"got {ids[where]} at index {list(where)}"
+        raise InputError(names.INPUT_IDS, f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size), {bad}")
 
 
 def check_one_sequence(batch: int, name: str = names.HIDDEN_STATES) -> None:

@@ -103,6 +103,7 @@ def test_unknown_fields_and_bad_json_are_rejected(tmp_path):
 
 def test_unknown_preset_lists_the_choices():
     with pytest.raises(
-        ValueError, match=r"unknown preset 'huge'; choose one of \['gqa', 'large', 'llama', 'llama-whole', 'seed', 'tiny'\]"
+        ValueError,
+        match=r"unknown preset 'huge'; choose one of \['gqa', 'large', 'llama', 'llama-whole', 'seed', 'tiny'\]",
     ):
         preset("huge")
