@@ -59,6 +59,35 @@ TEST_CONFIGS = {
         rope_scaling_factor=2.0,
         max_seq_len=512,
     ),
+    # whole decoders (token ids in, logits out): Llama's block (RMSNorm, RoPE, GQA, a gated SiLU MLP, its
+    # own head) and GPT-2's (LayerNorm with biases, learned positions, a dense tanh-GELU MLP, a tied head)
+    "whole": ModelConfig(
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        n_layers=2,
+        bias=False,
+        norm="rmsnorm",
+        rope_theta=1e4,
+        max_seq_len=512,
+        vocab_size=256,
+        mlp="gated",
+        mlp_width=96,
+    ),
+    "whole-gpt2": ModelConfig(
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=4,
+        n_layers=2,
+        max_seq_len=512,
+        vocab_size=256,
+        mlp="dense",
+        mlp_width=128,
+        mlp_activation="gelu_tanh",
+        mlp_bias=True,
+        learned_positions=True,
+        tie_embeddings=True,
+    ),
 }
 
 
