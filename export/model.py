@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from contract import names
 from contract.config import GATED, GELU, GELU_TANH, HALF, LAYERNORM, NO_MLP, RMSNORM, ModelConfig
-from contract.inputs import check_inputs, check_positions, default_positions, named_inputs
+from contract.inputs import check_inputs, check_positions, check_token_values, default_positions, named_inputs
 
 
 class KVCache(NamedTuple):
@@ -311,6 +311,8 @@ class AttentionModel(nn.Module):
             tensors = named_inputs(new_tokens, attention_mask, past, position_ids, names.model_input(self.cfg))
             check_inputs(self.cfg, tensors, float_dtype=None)
             check_positions(self.cfg, tensors)
+            if self.cfg.whole:
+                check_token_values(self.cfg, {names.INPUT_IDS: new_tokens.cpu().numpy()})
         B, T = new_tokens.shape[:2]
         floats = self.float_like() if self.cfg.whole else new_tokens
         past = self.empty_cache(B, floats) if past is None else past

@@ -24,11 +24,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x**2).mean(axis=-1, keepdims=True) + eps) * weight
 
 
-def block_norm(cfg, x: np.ndarray, weights: dict, prefix: str) -> np.ndarray:
+def block_norm(cfg, x: np.ndarray, weights: dict, norm: str) -> np.ndarray:
+    """The config's norm whose weights are `{norm}.weight` (and `.bias`)."""
     if cfg.norm == "layernorm":
-        return layer_norm(x, weights[f"{prefix}.norm.weight"], weights[f"{prefix}.norm.bias"], cfg.norm_eps)
+        return layer_norm(x, weights[f"{norm}.weight"], weights[f"{norm}.bias"], cfg.norm_eps)
     if cfg.norm == "rmsnorm":
-        return rms_norm(x, weights[f"{prefix}.norm.weight"], cfg.norm_eps)
+        return rms_norm(x, weights[f"{norm}.weight"], cfg.norm_eps)
     return x
 
 
@@ -95,19 +96,26 @@ def attend_one_query(q: np.ndarray, keys: np.ndarray, values: np.ndarray, allowe
 
 
 def forward(cfg, weights, hidden, mask=None, past=None, positions=None):
-    """hidden (B, T, d); mask (B, P+T) of 1/0 or None; past: per layer (key, value) of
-    (B, n_kv, P, hd) or None; positions (B, T) for a model with rotary embeddings (None: counted from
-    the mask). Returns (output, presents)."""
-    hidden = np.asarray(hidden, dtype=np.float64)
-    B, T, _ = hidden.shape
+    """hidden (B, T, d), or a whole model's token ids (B, T); mask (B, P+T) of 1/0 or None; past: per
+    layer (key, value) of (B, n_kv, P, hd) or None; positions (B, T) for a model with rotary embeddings or
+    learned positions (None: counted from the mask). Returns (output, presents): a whole model's output
+    is its logits (B, T, vocab_size)."""
+    B, T = np.shape(hidden)[:2]
     hd, group = cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     P = 0 if past is None else past[0][0].shape[2]
     mask = np.ones((B, P + T)) if mask is None else np.asarray(mask)
     positions = positions_of(mask, T) if positions is None else np.asarray(positions)
-    x, presents = hidden.copy(), []
+    if cfg.vocab_size is None:
+        x = np.asarray(hidden, dtype=np.float64).copy()
+    else:  # each token's row of the embeddings (and of its position's, when learned)
+        ids = np.asarray(hidden)
+        x = np.array([[weights["embed.weight"][ids[b, t]] for t in range(T)] for b in range(B)])
+        if cfg.learned_positions:
+            x = x + np.array([[weights["position_embed.weight"][positions[b, t]] for t in range(T)] for b in range(B)])
+    presents = []
     for i in range(cfg.n_layers):
         prefix = f"layers.{i}"
-        h = block_norm(cfg, x, weights, prefix)
+        h = block_norm(cfg, x, weights, f"{prefix}.norm")
         q = linear(h, weights, f"{prefix}.attn.W_q").reshape(B, T, cfg.n_heads, hd)
         k = linear(h, weights, f"{prefix}.attn.W_k").reshape(B, T, cfg.n_kv_heads, hd)
         v = linear(h, weights, f"{prefix}.attn.W_v").reshape(B, T, cfg.n_kv_heads, hd).transpose(0, 2, 1, 3)
@@ -129,7 +137,28 @@ def forward(cfg, weights, hidden, mask=None, past=None, positions=None):
                     context[b, t, head] = attend_one_query(q[b, t, head], k[b, kv_head], v[b, kv_head], allowed)
         attended = linear(context.reshape(B, T, cfg.n_heads * hd), weights, f"{prefix}.attn.W_o")
         x = x + attended if cfg.residual else attended
-    return x, presents
+        if cfg.vocab_size is not None and cfg.mlp != "none":
+            x = x + mlp(cfg, weights, f"{prefix}.mlp", block_norm(cfg, x, weights, f"{prefix}.mlp_norm"))
+    if cfg.vocab_size is None:
+        return x, presents
+    head = weights["embed.weight"] if cfg.tie_embeddings else weights["lm_head.weight"]
+    return block_norm(cfg, x, weights, "final_norm") @ head.T, presents
+
+
+ACTIVATIONS = {
+    "silu": lambda x: x / (1 + np.exp(-x)),
+    "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2))),
+    "gelu_tanh": lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))),
+}
+
+
+def mlp(cfg, weights, prefix, h):
+    """dense: W_down act(W_up h); gated: W_down (act(W_gate h) * W_up h)."""
+    act = ACTIVATIONS[cfg.mlp_activation]
+    inner = act(linear(h, weights, f"{prefix}.W_up"))
+    if cfg.mlp == "gated":
+        inner = act(linear(h, weights, f"{prefix}.W_gate")) * linear(h, weights, f"{prefix}.W_up")
+    return linear(inner, weights, f"{prefix}.W_down")
 
 
 def place(cfg, weights, prefix, q, k, positions):

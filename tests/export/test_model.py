@@ -259,3 +259,78 @@ def test_mismatched_inputs_name_the_input_and_the_expected_value(make_inputs, me
     hidden, mask, past = make_inputs()
     with pytest.raises(InputError, match=message):
         model(hidden, mask, past)
+
+
+# whole decoders: token ids in, logits out (Llama's block with its own head; GPT-2's with learned positions, a
+# dense tanh-GELU MLP with biases and a tied head; a gated GELU MLP without biases, Gemma's kind)
+WHOLE = {
+    "llama": ModelConfig(**{**LLAMA.to_dict(), "vocab_size": 50, "mlp": "gated", "mlp_width": 80, "max_seq_len": 64}),
+    "gpt2": ModelConfig(
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=4,
+        n_layers=2,
+        max_seq_len=64,
+        vocab_size=50,
+        mlp="dense",
+        mlp_width=64,
+        mlp_activation="gelu_tanh",
+        mlp_bias=True,
+        learned_positions=True,
+        tie_embeddings=True,
+    ),
+    "gated-gelu": ModelConfig(
+        **{**QWEN3.to_dict(), "vocab_size": 40, "mlp": "gated", "mlp_width": 48, "mlp_activation": "gelu"}
+    ),
+}
+
+
+@pytest.mark.parametrize("cfg", list(WHOLE.values()), ids=list(WHOLE))
+@pytest.mark.parametrize("past_length", [0, 4])
+def test_a_whole_model_matches_the_naive_loop(cfg, past_length):
+    """Token ids through embeddings, blocks with their MLPs, the final norm and the head: the logits and the
+    caches equal the reference's on real rows, over a left-padded batch and onto a past."""
+    model = AttentionModel(cfg, seed=4).eval()
+    B, T = 3, 5
+    ids = torch.randint(cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    past = random_past(cfg, B, past_length) if past_length else None
+    mask = left_padded_mask(B, past_length + T, [0, 1, 3])
+    with torch.no_grad():
+        result = model(ids, mask, past)
+    expected, presents = reference.forward(
+        cfg, weights_of(model), ids.numpy(), mask.numpy(), [(k.numpy(), v.numpy()) for k, v in past] if past else None
+    )
+    assert result.output.shape == (B, T, cfg.vocab_size)
+    real = reference.real_rows(mask.numpy(), T)
+    scale = np.abs(expected[real]).max()
+    np.testing.assert_allclose(result.output.numpy()[real], expected[real], atol=1e-5 * scale, rtol=1e-5)
+    real_keys = mask.numpy() == 1
+    for cache, (key, _) in zip(result.present, presents, strict=True):
+        np.testing.assert_allclose(
+            cache.key.numpy().transpose(0, 2, 1, 3)[real_keys], key.transpose(0, 2, 1, 3)[real_keys], atol=1e-5
+        )
+
+
+def test_a_whole_model_refuses_ids_outside_its_vocabulary_and_hidden_states():
+    model = AttentionModel(WHOLE["llama"]).eval()
+    with pytest.raises(InputError, match=r"input 'input_ids': expected dtype int64, got float32"):
+        model(torch.zeros(1, 2))
+    with pytest.raises(InputError, match=r"input 'input_ids': expected rank 2"):
+        model(torch.zeros(1, 2, 64, dtype=torch.int64))
+    with pytest.raises(
+        InputError, match=r"input 'input_ids': token ids must lie in \[0, 50\).*got 50 at index \[0, 1\]"
+    ):
+        model(torch.tensor([[3, 50]]))
+
+
+def test_the_attention_model_is_unchanged_by_the_whole_models_fields():
+    """The defaults keep today's model: no whole-model field in its state dict, and every field of a whole
+    model refused without a vocabulary."""
+    assert not any(
+        key.startswith(("embed", "lm_head", "final_norm")) or ".mlp" in key
+        for key in AttentionModel(LLAMA).state_dict()
+    )
+    with pytest.raises(ValueError, match="mlp, mlp_width set without vocab_size"):
+        ModelConfig(mlp="gated", mlp_width=8)
+    with pytest.raises(ValueError, match="learned_positions and rope_theta"):
+        ModelConfig(vocab_size=8, rope_theta=1e4, learned_positions=True)
