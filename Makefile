@@ -11,8 +11,11 @@ STAMP := $(VENV)/.installed-$(ORT)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 GPU_VENV := .venv-gpu
+# onnxruntime-genai, the peer of `python -m bench model --presets llama-whole`: it brings onnxruntime 1.32,
+# which must not meet ours, so it has an environment of its own (bench/genai_peer.py runs there)
+GENAI_VENV := .venv-genai
 
-.PHONY: install browser test lint format serve bench export reference clean gpu-install gpu-proof
+.PHONY: install browser test lint format serve bench bench-peers export reference clean gpu-install gpu-proof
 
 install: $(STAMP)
 
@@ -56,6 +59,9 @@ serve: install
 bench: install
 	$(BIN)/python -m bench
 
+bench-peers: install
+	$(BIN)/python -c "from bench.whole_model import ensure_genai_venv; print(ensure_genai_venv())"
+
 # docs/reference.md from the code (tests/test_guide.py fails when it is stale)
 reference: install
 	$(BIN)/python docs/reference.py
@@ -74,4 +80,4 @@ gpu-proof: gpu-install
 	$(GPU_VENV)/bin/python -m bench gpu
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GPU_VENV) $(GENAI_VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,7 +1,9 @@
 """PyTorch eager (the original) against each ONNX variant on ONNX Runtime CPU: prefill and decode.
 
 Writes `model.json` (every latency, the measured memory bandwidth, the decode floors, the targets)
-and `model_decode.png` (decode latency against past length) and prints a table of ratios.
+and `model_decode.png` (decode latency against past length) and prints a table of ratios. A whole
+model's preset (`llama-whole`: token ids in, logits out) generates greedily instead, against
+transformers and onnxruntime-genai: bench/whole_model.py.
 
 Candidates: the PyTorch original (concat cache), the PyTorch static-cache peer (gpt-fast's
 `index_copy_` into a preallocated buffer, SDPA; `bench/peers.py`), the stateless ONNX variants
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import whole_model
 from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, measure
 from contract import files, names
 from contract.config import ModelConfig, preset
@@ -437,9 +440,9 @@ def targets_text(measured: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--presets",
-        default="seed,large",
-        help="comma-separated preset names (default: seed,large); a rotary preset (llama) is measured beside "
-        "its twin without rotary embeddings, for the rotation's cost per step",
+        help="comma-separated preset names (default: seed,large, none with --config); a rotary preset (llama) is "
+        "measured beside its twin without rotary embeddings, for the rotation's cost per step; a whole model's "
+        "(llama-whole) generates greedily against transformers and onnxruntime-genai (bench/whole_model.py)",
     )
     parser.add_argument("--quick", action="store_true", help="a few small shapes with short budgets")
     parser.add_argument(
@@ -453,6 +456,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--artifacts", type=Path, help="build (or reuse) artifacts under DIR/<preset>; default: temporary"
     )
+    parser.add_argument(
+        "--config", type=Path, help="a model config JSON besides the presets, measured under its file's stem"
+    )
+    whole_model.add_arguments(parser)
 
 
 WITHOUT_ROTARY = "-without-rotary"  # a rotary preset's twin, to measure what the rotation costs a step
@@ -466,10 +473,20 @@ def without_rotary(cfg: ModelConfig) -> ModelConfig:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        configs = {name: preset(name) for name in args.presets.split(",") if name}
+        chosen = args.presets if args.presets is not None else ("" if args.config else "seed,large")
+        configs = {name: preset(name) for name in chosen.split(",") if name}
     except ValueError as error:
         print(f"error: {error}")
         return 2
+    if args.config:
+        configs[args.config.stem] = ModelConfig.load(args.config)
+    # a whole model (token ids in, logits out) generates greedily against transformers and onnxruntime-genai
+    whole = {name: configs.pop(name) for name in list(configs) if configs[name].whole}
+    if whole:
+        with tempfile.TemporaryDirectory(prefix="bench-whole-") as scratch:
+            whole_model.run(whole, args, args.artifacts or Path(scratch))
+    if not configs:
+        return 0
     configs |= {f"{name}{WITHOUT_ROTARY}": without_rotary(cfg) for name, cfg in configs.items() if cfg.rotary}
     progress = Progress()
     with tempfile.TemporaryDirectory(prefix="bench-artifacts-") as scratch:

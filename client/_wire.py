@@ -28,7 +28,7 @@ Pairs = list[tuple[np.ndarray, np.ndarray]]
 class InferResult:
     """A stateless call's answer: the output and one (key, value) pair per layer to pass back as `past`."""
 
-    output: np.ndarray  # (batch, new, d_model)
+    output: np.ndarray  # (batch, new, d_model); a whole model's logits (batch, new, vocab_size)
     present: Pairs  # each (batch, n_kv_heads, past + new, head_dim)
     # per layer the attention weights (batch, n_heads, new, past + new) when the call asked for them, else
     # None; a padded query's row is unspecified (the server's are zeros)
@@ -126,7 +126,8 @@ def stateless_tensors(
     """Named inputs of a stateless call, checked against `info` when given; an omitted past, mask or
     positions are left out (the model's inputs are optional: an empty past, all ones, counted)."""
     positions = as_array(position_ids, names.POSITION_IDS)
-    tensors = named_inputs(as_array(hidden_states, names.HIDDEN_STATES), _mask(attention_mask), _pairs(past), positions)
+    first = tokens_name(info, hidden_states)
+    tensors = named_inputs(as_array(hidden_states, first), _mask(attention_mask), _pairs(past), positions, first)
     if info is not None:
         info.check(tensors)
     return tensors
@@ -135,10 +136,30 @@ def stateless_tensors(
 def step_tensors(info: ModelInfo | None, hidden_states: Any, attention_mask: Any = None) -> dict:
     """Named inputs of one session step (one sequence's new tokens and, optionally, their mask),
     checked against `info` when given."""
-    tensors = named_inputs(as_array(hidden_states, names.HIDDEN_STATES), _mask(attention_mask))
+    first = tokens_name(info, hidden_states)
+    tensors = named_inputs(as_array(hidden_states, first), _mask(attention_mask), first=first)
     if info is not None:
         info.check(tensors, session=True)
     return tensors
+
+
+def tokens_name(info: ModelInfo | None, tokens: Any) -> str:
+    """The input the new tokens go in: the model's (`input_ids` of a whole model, `hidden_states`
+    otherwise); without its metadata, what the tokens are (integers: ids)."""
+    if info is not None:
+        return info.new_tokens
+    try:
+        kind = np.asarray(tokens).dtype.kind
+    except (TypeError, ValueError):  # not an array: as_array names the input at fault
+        return names.HIDDEN_STATES
+    return names.INPUT_IDS if kind in "iu" else names.HIDDEN_STATES
+
+
+def no_tokens_like(sent: np.ndarray) -> dict[str, np.ndarray]:
+    """The new tokens, none of them, of the kind `sent` is (ids (1, 0), or hidden states (1, 0, d)): what
+    ends a session."""
+    empty = np.zeros((1, 0, *sent.shape[2:]), sent.dtype)
+    return {tokens_name(None, empty): empty}
 
 
 def _pairs(past: Sequence | None) -> Pairs:
@@ -171,7 +192,7 @@ def make_inputs(module, tensors: Mapping[str, np.ndarray]) -> list:
 def read_stateless(result, maps: bool = False) -> InferResult:
     """The output and every layer's present in the answer (counted from the answer itself, so
     that no metadata is needed to read it), and with `maps` every layer's attention weights."""
-    output = _output(result, names.OUTPUT)
+    output = _answer(result)
     present = []
     while (key := result.as_numpy(names.present_name(len(present), names.KEY))) is not None:
         present.append((key, _output(result, names.present_name(len(present), names.VALUE))))
@@ -189,7 +210,13 @@ def read_attention_maps(result, n_layers: int | None = None) -> list[np.ndarray]
 
 
 def read_step(result) -> np.ndarray:
-    return _output(result, names.OUTPUT)
+    return _answer(result)
+
+
+def _answer(result) -> np.ndarray:
+    """The answer to the new tokens, by its name in the answer: a whole model's `logits`, else `output`."""
+    logits = result.as_numpy(names.LOGITS)
+    return logits if logits is not None else _output(result, names.OUTPUT)
 
 
 def read_held_length(result) -> int | None:

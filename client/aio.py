@@ -127,7 +127,8 @@ class AsyncSession(SessionCore):
         return self
 
     async def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
-        """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model)."""
+        """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model).
+        A whole model's new tokens are int64 ids (1, T) and its answer their logits (1, T, vocab_size)."""
         return await self.client._run(self._step(hidden_states, attention_mask, end))
 
     async def close(self) -> None:

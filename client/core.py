@@ -34,7 +34,7 @@ from client.errors import (
     SessionLostError,
     UnknownSessionError,
 )
-from client.metadata import ModelInfo, parse_facts, parse_metadata
+from client.metadata import ModelInfo, parse_facts, parse_metadata, with_facts
 from client.retry import Call, Detach, Local, Operation, RetryPolicy, Sleep, retried
 from client.store import SessionStore, StoreError, StoreKey, open_store
 from contract import errors as kinds
@@ -139,8 +139,8 @@ class ClientCore:
 
     def _probe_stateless(self) -> Operation[Any]:
         info = yield from self._metadata(self.model)
-        token = np.zeros((1, 1, info.d_model), info.float_dtype)
-        inputs = _wire.make_inputs(self._module, {names.HIDDEN_STATES: token})
+        token = _one_token(info)
+        inputs = _wire.make_inputs(self._module, {info.new_tokens: token})
         return (
             yield from self._call(
                 f"probe of '{self.model}'", lambda s: s.infer(self.model, inputs, **self._timeout_kw), retry=False
@@ -149,7 +149,7 @@ class ClientCore:
 
     def _probe_session(self) -> Operation[Any]:
         info = yield from self._metadata(self.session_model)
-        token = {names.HIDDEN_STATES: np.zeros((1, 1, info.d_model), info.float_dtype)}
+        token = {info.new_tokens: _one_token(info)}
         answer = yield from self._send_step(_wire.new_sequence_id(), token, start=True, end=True)
         return answer.output
 
@@ -179,7 +179,7 @@ class ClientCore:
             kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
             raw = yield from self._call(f"metadata of '{model}'", lambda s: s.get_model_metadata(model, **kw))
             config = yield from self._call(f"config of '{model}'", lambda s: s.get_model_config(model, **kw))
-            self._infos[model] = dataclasses.replace(parse_metadata(raw), facts=parse_facts(config))
+            self._infos[model] = with_facts(parse_metadata(raw), parse_facts(config))
         return self._infos[model]
 
     def _infer(
@@ -234,10 +234,11 @@ class ClientCore:
         )
 
     def _put_prefix(self, name: str, tokens: Any, owner: str | None = None) -> Operation[int]:
-        """Prefill `tokens` (1, T, d_model) once as the prefix `name` (immutable; scoped to `owner`);
+        """Prefill `tokens` (1, T, d_model) (a whole model's ids (1, T)) once as the prefix `name`
+        (immutable; scoped to `owner`);
         sessions then start from it without a prefill (`session(prefix=name)`). Its length."""
         info = (yield from self._metadata(self.session_model)) if self.validate else None
-        tokens = _wire.step_tensors(info, tokens, None)[names.HIDDEN_STATES]
+        tokens = _wire.step_tensors(info, tokens, None)[_wire.tokens_name(info, tokens)]
         key = (owner or "", name)
         yield from self._send_prefix(key, names.PUT_PREFIX, tokens, _wire.new_sequence_id(), None)
         self._prefix_tokens[key] = tokens
@@ -249,7 +250,7 @@ class ClientCore:
         """One prefix operation as a sequence of its own (START and END in one request)."""
         parameters = {names.OPERATION: operation, names.PREFIX: key[1], **({names.OWNER: key[0]} if key[0] else {})}
         answer = yield from self._send_step(
-            sequence_id, {names.HIDDEN_STATES: tokens}, True, True, replica=replica, parameters=parameters
+            sequence_id, {_wire.tokens_name(None, tokens): tokens}, True, True, replica=replica, parameters=parameters
         )
         if operation == names.PUT_PREFIX:
             self._prefix_replicas.setdefault(key, set()).add(answer.replica or "")
@@ -260,7 +261,7 @@ class ClientCore:
         their own copies)."""
         key = (owner or "", name)
         info = yield from self._metadata(self.session_model)
-        empty = np.zeros((1, 0, info.d_model), info.float_dtype)
+        empty = info.no_tokens()
         replicas = self._prefix_replicas.pop(key, {""})
         self._prefix_tokens.pop(key, None)
         for replica in sorted(replicas):
@@ -331,7 +332,7 @@ class SessionCore:
             yield from self._open()
         info = (yield from client._metadata(client.session_model)) if client.validate else None
         tensors = _wire.step_tensors(info, hidden_states, attention_mask)
-        self._sent = tensors[names.HIDDEN_STATES]  # its width and dtype make the END request
+        self._sent = tensors[_wire.tokens_name(info, hidden_states)]  # its kind makes the END request
         try:
             answer = yield from self._send(tensors, end)
         except (SessionLostError, ServerUnavailableError) as error:
@@ -371,7 +372,8 @@ class SessionCore:
         if end:
             yield from self._forget()
             return
-        kept = real_tokens(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK))
+        new_tokens = next(tensors[name] for name in (names.INPUT_IDS, names.HIDDEN_STATES) if name in tensors)
+        kept = real_tokens(new_tokens, tensors.get(names.ATTENTION_MASK))
         if kept.shape[1]:
             self._since.append(kept)
         if self.length >= self._next_checkpoint:
@@ -435,7 +437,7 @@ class SessionCore:
         replayed = sum(tokens.shape[1] for tokens in self._since)
         for piece in _pieces(self._since, int(info.facts.get("max_request_tokens") or 0) or replayed):
             try:
-                answer = yield from self._send({names.HIDDEN_STATES: piece}, end=False)
+                answer = yield from self._send({info.new_tokens: piece}, end=False)
             except ClientError as failure:
                 raise gone(f"replaying the steps since its last checkpoint failed: {failure.message}") from None
             self.replica, self.length = answer.replica, answer.length_or(self.length)
@@ -455,7 +457,7 @@ class SessionCore:
     def _end_abandoned(self, sequence_id: int, replica: str | None, info: ModelInfo) -> Operation[None]:
         """A best-effort END of a sequence this session no longer uses (a dead server's is unknown
         there: any answer will do)."""
-        end = {names.HIDDEN_STATES: np.zeros((1, 0, info.d_model), info.float_dtype)}
+        end = {info.new_tokens: info.no_tokens()}
         with contextlib.suppress(ClientError):
             yield from self.client._send_step(sequence_id, end, start=False, end=True, replica=replica)
 
@@ -465,9 +467,9 @@ class SessionCore:
         new id: a START Triton's sequence batcher took holds a slot of the model until its END, and a
         model being reloaded is not let go while its slots are held (a new id a try kept it reloading
         past 30 s); a START of a live id restarts that sequence."""
-        empty = np.zeros((1, 0, info.d_model), info.float_dtype)
+        empty = info.no_tokens()
         self.id, self.replica, self.started, self.closed = _wire.new_sequence_id(), None, False, False
-        tensors, parameters = {names.HIDDEN_STATES: empty}, None
+        tensors, parameters = {info.new_tokens: empty}, None
         if blobs:
             tensors[names.SNAPSHOT] = np.array([blobs], dtype=np.object_)
             parameters = {names.OPERATION: names.RESTORE, **self._owner}
@@ -520,8 +522,8 @@ class SessionCore:
         if self.started or self.closed:
             raise UnknownSessionError(f"session {self.id} is already {'closed' if self.closed else 'open'}")
         info = yield from self.client._metadata(self.client.session_model)
-        self._sent = np.zeros((1, 0, info.d_model), info.float_dtype)
-        tensors, parameters, route_as, replica = {names.HIDDEN_STATES: self._sent}, None, None, None
+        self._sent = info.no_tokens()
+        tensors, parameters, route_as, replica = {info.new_tokens: self._sent}, None, None, None
         if self._restore is not None:
             tensors[names.SNAPSHOT] = np.array([[bytes(self._restore)]], dtype=np.object_)
             parameters = {names.OPERATION: names.RESTORE, **self._owner}
@@ -565,7 +567,7 @@ class SessionCore:
             # sequence batcher until END (or its idle timeout): give it back now, so that refusals
             # cannot fill the slots; open() may be tried again
             with contextlib.suppress(ClientError):
-                yield from self.client._send_step(self.id, {names.HIDDEN_STATES: self._sent}, start=False, end=True)
+                yield from self.client._send_step(self.id, _wire.no_tokens_like(self._sent), start=False, end=True)
             if not isinstance(error, InvalidInputError) or error.kind != kinds.PREFIX_UNKNOWN:
                 self._sent = None
             raise
@@ -601,7 +603,7 @@ class SessionCore:
         """An operation on the open session; `tensors`: what it carries (none: hidden states of 0 tokens)."""
         self._check_open()
         info = yield from self.client._metadata(self.client.session_model)
-        tensors = tensors or {names.HIDDEN_STATES: np.zeros((1, 0, info.d_model), info.float_dtype)}
+        tensors = tensors or {info.new_tokens: info.no_tokens()}
         answer = yield from self.client._send_step(
             self.id, tensors, start=False, end=False, replica=self.replica, parameters=parameters
         )
@@ -623,8 +625,8 @@ class SessionCore:
         if needs_end:
             if self._sent is None:  # resumed: the model says the width
                 info = yield from self.client._metadata(self.client.session_model)
-                self._sent = np.zeros((1, 0, info.d_model), info.float_dtype)
-            end = {names.HIDDEN_STATES: np.zeros((1, 0, self._sent.shape[-1]), dtype=self._sent.dtype)}
+                self._sent = info.no_tokens()
+            end = _wire.no_tokens_like(self._sent)
             with contextlib.suppress(UnknownSessionError):
                 yield from self.client._send_step(self.id, end, start=False, end=True, replica=self.replica)
 
@@ -639,3 +641,10 @@ def _pieces(steps: list[np.ndarray], cap: int) -> list[np.ndarray]:
         return []
     tokens = np.concatenate(steps, axis=1)
     return [tokens[:, begin : begin + cap] for begin in range(0, tokens.shape[1], cap)]
+
+
+def _one_token(info: ModelInfo) -> np.ndarray:
+    """One sequence's one new token, what a probe sends: id 0 of a whole model, else a zero hidden state."""
+    if info.vocab_size is not None:
+        return np.zeros((1, 1), np.int64)
+    return np.zeros((1, 1, info.d_model), info.float_dtype)

@@ -156,7 +156,8 @@ class Session(SessionCore):
         return self
 
     def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
-        """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model)."""
+        """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model).
+        A whole model's new tokens are int64 ids (1, T) and its answer their logits (1, T, vocab_size)."""
         return self.client._run(self._step(hidden_states, attention_mask, end))
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ python -m export build --preset seed --out build/artifacts/seed
 python -m export build --config my_config.json --out artifacts/mine
 python -m export build --weights mha.pt --layout torch-mha --n-heads 8 --out artifacts/trained
 python -m export build --weights hf_checkpoint/ --layout hf --out artifacts/llama
+python -m export build --weights hf_checkpoint/ --layout hf --attention-only --out artifacts/llama-attention
 python -m export build --preset seed --out artifacts/seed --variants cuda,fp32-static-int8kv
 python -m export build --preset seed --out artifacts/seed --calibration hidden.npy
 python -m export inspect build/artifacts/seed --tokens 24 --seed 0 --out maps.png
@@ -12,7 +13,9 @@ A build makes the variants this machine serves (the CPU's; a CUDA or TensorRT ho
 --variants names others, or a set of them: cpu, cuda, tensorrt, all. With --weights the weights are
 a trained model's state dict (a file, or a checkpoint folder) in one of the layouts of
 export/importers.py (seeds, torch-mha, hf, native); --config then gives only the fields the weights
-do not determine (max_seq_len, norm_eps, residual). See docs/importing.md. With --calibration the
+do not determine (max_seq_len, norm_eps, residual). `--layout hf` imports the whole decoder (token ids
+in, logits out; Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2), `--attention-only` its attention blocks
+alone. See docs/importing.md. With --calibration the
 quantized KV caches' scales are calibrated on your hidden states (N, T, d_model) instead of generated ones.
 `inspect` draws every head's attention weights, as the fused graph that serves computes them, and
 prints what each head attends to (export/inspect_form.py, contract/heads.py).
@@ -70,6 +73,12 @@ def parser() -> argparse.ArgumentParser:
         "model.safetensors, or a sharded checkpoint's index)",
     )
     own.add_argument("--layout", choices=sorted(LAYOUT_NAMES), help="how its keys are named (export/importers.py)")
+    own.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="with --layout hf: import each layer's attention block alone (x + Attention(Norm(x)), hidden states "
+        "in and out), the rest of the checkpoint left out and listed, instead of the whole decoder",
+    )
     own.add_argument("--n-heads", type=int, help="attention heads (the weights cannot tell)")
     own.add_argument("--n-kv-heads", type=int, help="key/value heads, instead of --n-heads (GQA)")
     _inspect_parser(commands)
@@ -148,6 +157,8 @@ def _misuse(args: argparse.Namespace) -> str | None:
     weights, layout = getattr(args, "weights", None), getattr(args, "layout", None)
     if layout and not weights:
         return "--layout goes with --weights"
+    if getattr(args, "attention_only", False) and layout != "hf":
+        return "--attention-only goes with --layout hf (a whole checkpoint's attention blocks)"
     if weights and not layout:
         return f"--weights needs --layout (one of {sorted(LAYOUT_NAMES)})"
     if weights and (args.preset or args.seed is not None):
@@ -178,7 +189,7 @@ def import_and_report(args: argparse.Namespace) -> int:
     from export.report import origin_summary, printing
 
     try:
-        imported = import_weights(args.weights, args.layout, given_fields(args))
+        imported = import_weights(args.weights, args.layout, given_fields(args), attention_only=args.attention_only)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

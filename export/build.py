@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 
 from contract import files, names
-from contract.config import RMSNORM, ModelConfig
+from contract.config import NO_MLP, RMSNORM, ModelConfig
 from export import artifacts, choices, forms, graph_stats, kv_quant, targets, weights_int8
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
@@ -219,9 +219,9 @@ def attention_maps_runner(model: AttentionModel) -> Forward:
                 KVCache(tensor[names.past_name(i, names.KEY)], tensor[names.past_name(i, names.VALUE)])
                 for i in range(n_layers)
             ]
-        hidden, mask = tensor[names.HIDDEN_STATES], tensor.get(names.ATTENTION_MASK)
-        result = model(hidden, mask, past, return_attention=True, position_ids=tensor.get(names.POSITION_IDS))
-        arrays = {names.OUTPUT: result.output.numpy()}
+        new_tokens, mask = tensor[names.model_input(model.cfg)], tensor.get(names.ATTENTION_MASK)
+        result = model(new_tokens, mask, past, return_attention=True, position_ids=tensor.get(names.POSITION_IDS))
+        arrays = {names.model_output(model.cfg): result.output.numpy()}
         for i, cache in enumerate(result.present):
             arrays[names.present_name(i, names.KEY)] = cache.key.numpy()
             arrays[names.present_name(i, names.VALUE)] = cache.value.numpy()
@@ -275,11 +275,18 @@ def check_variant(
 
 def fusion_shortfalls(cfg: ModelConfig, model_proto: onnx.ModelProto, rotations_inside: bool = False) -> list[str]:
     """What a "fused" graph lacks: one fused attention op per layer, and for the modern block one
-    RMSNormalization per RMSNorm (the block's, q's, k's) and one RotaryEmbedding per rotation of q and
-    k, unless the attention op rotates them itself (`rotations_inside`: the static form's GQA)."""
+    RMSNormalization per RMSNorm (the block's, q's, k's; a whole model's MLP norms and final norm) and one
+    RotaryEmbedding per rotation of q and k, unless the attention op rotates them itself
+    (`rotations_inside`: the static form's GQA)."""
     wanted = {"fused attention": (graph_stats.fused_attention_count(model_proto), cfg.n_layers)}
-    norms = (cfg.norm == RMSNORM) + 2 * (cfg.qk_norm == RMSNORM)
-    wanted[graph_stats.RMS_NORM_OP] = (graph_stats.op_count(model_proto, graph_stats.RMS_NORM_OP), norms * cfg.n_layers)
+    # per layer the block's norm (and a whole model's MLP norm) and q's and k's; a whole model's final norm once
+    block_norms = 1 + (cfg.mlp != NO_MLP)
+    norms = (cfg.norm == RMSNORM) * block_norms + 2 * (cfg.qk_norm == RMSNORM)
+    final = int(cfg.whole and cfg.norm == RMSNORM)
+    wanted[graph_stats.RMS_NORM_OP] = (
+        graph_stats.op_count(model_proto, graph_stats.RMS_NORM_OP),
+        norms * cfg.n_layers + final,
+    )
     if cfg.rotary and not rotations_inside:
         wanted[graph_stats.ROTARY_OP] = (graph_stats.op_count(model_proto, graph_stats.ROTARY_OP), 2 * cfg.n_layers)
     return [

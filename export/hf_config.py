@@ -17,7 +17,7 @@ from typing import Any
 
 # the families whose attention is proven against transformers' own classes (tests/export/test_hf_families.py);
 # another model_type with the same keys imports too, and its proof runs where transformers has its classes
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2")
 SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
@@ -31,16 +31,118 @@ def fields_from(data: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for theirs, ours in (
         ("num_attention_heads", "n_heads"),
+        ("n_head", "n_heads"),  # GPT-2's names
         ("num_key_value_heads", "n_kv_heads"),
         ("max_position_embeddings", "max_seq_len"),
+        ("n_positions", "max_seq_len"),
         ("head_dim", "head_dim"),
     ):
         if data.get(theirs) is not None:
             fields[ours] = data[theirs]
-    eps = data.get("rms_norm_eps", data.get("layer_norm_eps"))
+    eps = next((data[name] for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if name in data), None)
     if eps is not None:
         fields["norm_eps"] = eps
     return fields | rotary_fields(data) | window_fields(data)
+
+
+# The MLP's activation as transformers names it (`hidden_act`, GPT-2's `activation_function`) -> ours
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+}
+MOE = "a mixture of experts routes each token to some MLPs: this model has one MLP per block"
+# Config settings a whole import cannot represent, each with the reason (checked where the key is set and
+# not the value that means "off"): (key, its harmless values, why)
+UNREPRESENTED = (
+    (
+        "num_local_experts",
+        (None, 0, 1),
+        MOE,
+    ),
+    (
+        "num_experts",
+        (None, 0, 1),
+        MOE,
+    ),
+    (
+        "n_routed_experts",
+        (None, 0),
+        MOE,
+    ),
+    (
+        "use_parallel_residual",
+        (None, False),
+        "a parallel residual adds attention and MLP of the same input: this "
+        "model's blocks run them one after the other",
+    ),
+    (
+        "parallel_attn",
+        (None, False),
+        "a parallel residual adds attention and MLP of the same input: this "
+        "model's blocks run them one after the other",
+    ),
+    (
+        "scale_attn_by_inverse_layer_idx",
+        (None, False),
+        "scores divided by the layer's number too: this model scales every layer's by 1/sqrt(head_dim) alone",
+    ),
+    ("reorder_and_upcast_attn", (None, False), "GPT-2's reordered, upcast score computation is not this model's"),
+    ("scale_attn_weights", (None, True), "unscaled scores: this model divides them by sqrt(head_dim)"),
+    ("attn_logit_softcapping", (None,), "attention softcapping (tanh of the scores) is not in this model"),
+    ("final_logit_softcapping", (None,), "logit softcapping (tanh of the logits) is not in this model"),
+    ("embedding_multiplier", (None, 1, 1.0), "a multiplier on the embeddings is not in this model"),
+    ("scale_emb", (None, 1, 1.0), "a multiplier on the embeddings is not in this model"),
+    ("logits_scaling", (None, 1, 1.0), "a divisor on the logits is not in this model"),
+    ("residual_multiplier", (None, 1, 1.0), "a multiplier on the residual branches is not in this model"),
+    ("attention_multiplier", (None,), "a scale of the scores other than 1/sqrt(head_dim) is not in this model"),
+    ("pretraining_tp", (None, 0, 1), "tensor-parallel slicing of the projections is not in this model"),
+)
+# Families whose math differs from this model's where their configs do not say so
+GEMMA = "Gemma scales the embeddings by sqrt(d_model) and its RMSNorms by (1 + weight): not this model's math"
+PARALLEL = "runs attention and the MLP in parallel off one norm: this model's blocks run them one after the other"
+UNREPRESENTED_FAMILIES = {
+    "gemma": GEMMA,
+    "gemma2": GEMMA,
+    "gemma3_text": GEMMA,
+    "phi": f"Phi-2 {PARALLEL}",
+    "gptj": f"GPT-J {PARALLEL}",
+    "gpt_neox": f"GPT-NeoX {PARALLEL}",
+}
+
+
+def whole_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The config fields of a whole decoder the config.json gives (the MLP's activation; its vocabulary,
+    width and tied head, which the weights must agree with); refuses,
+    with the reason, what a whole model here cannot represent (ConfigRefusal)."""
+    refused = (
+        [f"model_type {data['model_type']!r}: {UNREPRESENTED_FAMILIES[data['model_type']]}"]
+        if data.get("model_type") in UNREPRESENTED_FAMILIES
+        else []
+    )
+    refused += [
+        f"{key} {data[key]!r}: {why}" for key, off, why in UNREPRESENTED if key in data and data[key] not in off
+    ]
+    activation = data.get("hidden_act", data.get("activation_function"))
+    if activation is not None and activation not in ACTIVATIONS:
+        refused.append(f"hidden_act {activation!r}: this model's MLP activations are {sorted(ACTIVATIONS)}")
+    if refused:
+        raise ConfigRefusal("; ".join(refused))
+    fields: dict[str, Any] = {} if activation is None else {"mlp_activation": ACTIVATIONS[activation]}
+    # the sizes the weights determine too: a config.json that says otherwise is refused as a conflict
+    width = data.get("intermediate_size", data.get("n_inner"))
+    if width is None and data.get("model_type") == "gpt2" and data.get("n_embd"):
+        width = 4 * data["n_embd"]  # GPT-2's n_inner None: four times the width
+    for ours, value in (
+        ("vocab_size", data.get("vocab_size")),
+        ("mlp_width", width),
+        ("tie_embeddings", data.get("tie_word_embeddings")),
+    ):
+        if value is not None:
+            fields[ours] = value
+    return fields
 
 
 def rotary_fields(data: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,6 @@
-"""The proof of a Hugging Face import against the checkpoint's own attention: transformers' classes for
+"""The proof of a Hugging Face import against the checkpoint's own model. A whole import
+(`check_causal_lm`): transformers' own *ForCausalLM from the folder against the imported decoder over a
+left-padded batch prefill and greedy decode steps. An attention-only import (`check`): transformers' classes for
 its family (`LlamaAttention`, `Qwen3Attention`, `Phi3Attention`, ... with the family's RMSNorm as the
 layer's `input_layernorm` and its rotary embedding module), built from the `config.json` beside the
 weights (no download), loaded with the same weights, and run over a causal prefill and decode steps
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from contract.files import MODEL_CONFIG_FILENAME
+from contract.inputs import default_positions
 
 SLIDING = "sliding_attention"
 
@@ -127,3 +130,59 @@ def forward(layers: list[SourceLayer], rotary: nn.Module, x: Tensor, layer_windo
         attended = layer.attention(layer.norm(x), position_embeddings=position_embeddings, attention_mask=mask)[0]
         x = x + attended
     return x
+
+
+# --- a whole decoder: transformers' *ForCausalLM against the imported model -------------------------
+
+
+def check_causal_lm(folder: Path, model: nn.Module, batch: int, prefill: int, padding: int, steps: int) -> dict:
+    """transformers' AutoModelForCausalLM from `folder` (local files only, fp32, eager attention) and
+    `model` over the same left-padded batch: random token ids (row 0's first `padding` positions padding),
+    a prefill of `prefill` positions, then `steps` greedy decode steps (the token transformers picks fed to
+    both), the attention mask and the positions counted from it (contract.inputs.default_positions) given
+    to both. Returns whether it could check and, if so, the module and both sides' logits at every real
+    position, (N, vocab) each (the caller judges them)."""
+    try:
+        import transformers
+    except ImportError:
+        return {
+            "checked": False,
+            "reason": "transformers is not installed here, so the checkpoint's own model could not be built "
+            "(pip install transformers, then build again)",
+        }
+    if not (folder / MODEL_CONFIG_FILENAME).is_file():
+        return {"checked": False, "reason": f"no {MODEL_CONFIG_FILENAME} beside the weights to build the model from"}
+    try:
+        source = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=torch.float32, attn_implementation="eager", local_files_only=True
+        ).eval()
+    except (ValueError, ImportError, KeyError, OSError) as error:
+        return {"checked": False, "reason": f"transformers cannot build a CausalLM from {folder}: {error}"}
+    cfg = model.cfg
+    steps = max(0, min(steps, cfg.max_seq_len - prefill))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (batch, prefill), generator=generator)  # (B, T)
+    mask = torch.ones(batch, prefill, dtype=torch.int64)  # (B, T)
+    mask[0, :padding] = 0
+    theirs_all, ours_all, real = [], [], [mask.bool()]
+    past_theirs, past_ours = None, None
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            positions = torch.from_numpy(default_positions(mask.numpy(), ids.shape[1]))  # (B, T)
+            out = source(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=past_theirs)
+            step = model(ids, mask, past_ours, position_ids=positions)
+            past_theirs, past_ours = out.past_key_values, step.present
+            theirs_all.append(out.logits.float())
+            ours_all.append(step.output)
+            ids = out.logits[:, -1:].argmax(-1)  # (B, 1): transformers' greedy token, fed to both
+            mask = torch.cat([mask, torch.ones(batch, 1, dtype=torch.int64)], dim=1)
+            real.append(torch.ones(batch, 1, dtype=torch.bool))
+    real = torch.cat(real[:-1], dim=1)  # (B, prefill + steps): the positions that are not padding
+    return {
+        "checked": True,
+        "module": f"transformers {transformers.__version__} {type(source).__name__}",
+        "scenario": f"batch {batch}, left-padded (row 0: {padding} padding positions): a prefill of {prefill} "
+        f"then {steps} greedy decode steps, attention_mask and position_ids given to both",
+        "expected": torch.cat(theirs_all, dim=1)[real],  # (N, vocab)
+        "actual": torch.cat(ours_all, dim=1)[real],
+    }

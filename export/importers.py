@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from contract.config import LAYERNORM, NO_NORM, RMSNORM, ModelConfig
+from contract.config import DENSE, GATED, LAYERNORM, NO_NORM, RMSNORM, ModelConfig
 from contract.files import MODEL_CONFIG_FILENAME, sha256
 from export import hf_config, hf_source
 from export.choices import LAYOUT_NAMES
@@ -46,6 +46,11 @@ PACKED_QKV = "qkv_proj"  # Phi-3: q, k and v in one Linear
 SOURCE_BATCH, SOURCE_PREFILL, SOURCE_STEPS = 2, 7, 32
 # Both sides are the same fp32 math summed in another order (measured below 1e-6 at our init's scale)
 SOURCE_TOLERANCE = 1e-5
+# A whole import against transformers' *ForCausalLM: a left-padded batch (row 0 padded), its prefill, then
+# decode steps; fp32 logits within WHOLE_TOLERANCE of their largest magnitude (the same math summed in
+# another order)
+WHOLE_BATCH, WHOLE_PREFILL, WHOLE_PADDING = 2, 7, 3
+WHOLE_TOLERANCE = 1e-5
 
 
 class WeightsError(ValueError):
@@ -500,10 +505,15 @@ def heads(d_model: int, q_width: int, kv_width: int, given: dict) -> tuple[int, 
 
 
 def import_config(
-    path: Path, layout: Layout, tensors: dict[str, Tensor], layers: list[SourceLayer], given: dict
+    path: Path,
+    layout: Layout,
+    tensors: dict[str, Tensor],
+    layers: list[SourceLayer],
+    given: dict,
+    also_determined: dict | None = None,
 ) -> ModelConfig:
-    """The config: what the weights determine, then what is given, then defaults; a given field that
-    contradicts the weights is refused."""
+    """The config: what the weights determine (the attention's, and `also_determined`: a whole model's
+    rest), then what is given, then defaults; a given field that contradicts the weights is refused."""
     given = {**beside(path, layout), **given}
     d_model, q_width, kv_width = layout.widths(tensors, layers[0], given)
     n_heads, n_kv_heads, head_dim = heads(d_model, q_width, kv_width, given)
@@ -518,7 +528,7 @@ def import_config(
         "bias": bool(layout.biased(tensors, layers)),
         "norm": layout.norm_kind(tensors, layers),
         "qk_norm": RMSNORM if layout.has_qk_norm(tensors, layers) else NO_NORM,
-    }
+    } | (also_determined or {})
     conflicts = [
         f"{field}: the config gives {given[field]!r}, the weights {value!r}"
         for field, value in determined.items()
@@ -559,8 +569,14 @@ def left_out_groups(keys: list[str]) -> dict[str, str]:
     return described
 
 
-def key_problems(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> list[str]:
-    """Each key missing, of the wrong shape, or unexpected, with the expected and the actual shape."""
+ATTENTION_ONLY = "this product serves attention layers only: an MLP, embeddings or a head cannot be served"
+
+
+def key_problems(
+    tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]], why_unexpected: str = ATTENTION_ONLY
+) -> list[str]:
+    """Each key missing, of the wrong shape, or unexpected, with the expected and the actual shape; an
+    unexpected key adds `why_unexpected` (why this import has no place for it)."""
     problems = [
         f"missing: {key} (expected shape {list(shape)})" for key, shape in expected.items() if key not in tensors
     ]
@@ -572,7 +588,7 @@ def key_problems(tensors: dict[str, Tensor], expected: dict[str, tuple[int, ...]
     unexpected = [key for key in tensors if key not in expected]
     problems += [f"unexpected: {key} (shape {list(tensors[key].shape)})" for key in unexpected]
     if unexpected:
-        problems.append("this product serves attention layers only: an MLP, embeddings or a head cannot be served")
+        problems.append(why_unexpected)
     return problems
 
 
@@ -594,14 +610,24 @@ def _finds_layers(layout: Layout, tensors: dict[str, Tensor]) -> bool:
         return False
 
 
-def import_weights(path: str | Path, layout_name: str, given: dict | None = None) -> Imported:
+def import_weights(
+    path: str | Path, layout_name: str, given: dict | None = None, attention_only: bool = False
+) -> Imported:
     """Read `path` in layout `layout_name`, check every key, build the model and prove it against the
     module the weights came from where that can be rebuilt; raises WeightsError (bad input) or
-    SourceMismatchError (the proof failed). `given`: config fields the weights do not determine."""
+    SourceMismatchError (the proof failed). `given`: config fields the weights do not determine.
+    `hf` imports the whole decoder (`import_whole`) unless `attention_only`: then its attention blocks,
+    the rest of the checkpoint left out and listed."""
     path = weights_file(Path(path))
     if layout_name not in LAYOUTS:
         raise WeightsError(path, [f"unknown layout {layout_name!r}; choose one of {sorted(LAYOUTS)}"])
+    if attention_only and layout_name != "hf":
+        raise WeightsError(
+            path, [f"attention_only goes with the `hf` layout (a whole checkpoint), not {layout_name!r}"]
+        )
     layout, tensors = LAYOUTS[layout_name], read_state_dict(path)
+    if layout_name == "hf" and not attention_only:
+        return import_whole(path, tensors, given or {})
     try:
         layers = layers_or_the_layout_that_fits(layout, tensors)
         refused = layout.refusals(tensors, layers)
@@ -632,6 +658,273 @@ def import_weights(path: str | Path, layout_name: str, given: dict | None = None
     if left_out:
         weights["left_out"] = left_out_groups(left_out)
     return Imported(model, weights, check_against_source(layout, tensors, layers, model, path))
+
+
+# --- a whole Hugging Face decoder --------------------------------------------------------------------
+
+
+class GPT2AttentionLayout(Layout):
+    """GPT-2's attention: `attn.c_attn` packs q, k and v along its outputs and `attn.c_proj` is the
+    output projection, both `Conv1D`s (weight stored (in, out): nn.Linear's transposed), all with biases;
+    `ln_1` the LayerNorm before it."""
+
+    def layers(self, tensors: dict[str, Tensor]) -> list[SourceLayer]:
+        prefixes = find_prefixes(list(tensors), "attn.c_attn.weight")  # the block's prefix: transformer.h.{i}.
+        if not prefixes:
+            raise LayoutProblems(["no 'attn.c_attn.weight' key: not GPT-2's attention"])
+        return [SourceLayer(f"{prefix}attn.", prefix) for prefix in prefixes]
+
+    def biased(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> tuple[str, ...]:
+        return PROJECTIONS if any(f"{layer.attention}c_attn.bias" in tensors for layer in layers) else ()
+
+    def has_qk_norm(self, tensors: dict[str, Tensor], layers: list[SourceLayer]) -> bool:
+        return False
+
+    def widths(self, tensors: dict[str, Tensor], layer: SourceLayer, given: dict) -> tuple[int, int, int]:
+        qkv = tensors[f"{layer.attention}c_attn.weight"]  # (d_model, 3 d_model)
+        if qkv.dim() != 2 or qkv.shape[1] != 3 * qkv.shape[0]:
+            raise LayoutProblems([f"{layer.attention}c_attn.weight is {list(qkv.shape)}, not (d_model, 3 d_model)"])
+        return int(qkv.shape[0]), int(qkv.shape[0]), int(qkv.shape[0])
+
+    def expected(
+        self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer, biased: tuple[str, ...]
+    ) -> dict[str, tuple[int, ...]]:
+        d, prefix = cfg.d_model, layer.attention
+        keys = {f"{prefix}c_attn.weight": (d, 3 * d), f"{prefix}c_proj.weight": (d, d)}
+        if biased:
+            keys |= {f"{prefix}c_attn.bias": (3 * d,), f"{prefix}c_proj.bias": (d,)}
+        kinds = NORM_KINDS if cfg.norm == LAYERNORM else NORM_KINDS[:1]
+        return keys | {f"{layer.block}{self.norm}.{kind}": (d,) for kind in kinds}
+
+    def convert(self, tensors: dict[str, Tensor], cfg: ModelConfig, layer: SourceLayer) -> dict[str, Tensor]:
+        prefix = layer.attention
+        w_q, w_k, w_v = tensors[f"{prefix}c_attn.weight"].t().split(cfg.d_model)  # (3d, d) -> 3 x (d, d), q k v
+        ours = {"attn.W_q.weight": w_q, "attn.W_k.weight": w_k, "attn.W_v.weight": w_v}
+        ours["attn.W_o.weight"] = tensors[f"{prefix}c_proj.weight"].t()
+        if cfg.bias:
+            b_q, b_k, b_v = tensors[f"{prefix}c_attn.bias"].split(cfg.d_model)
+            ours |= {"attn.W_q.bias": b_q, "attn.W_k.bias": b_k, "attn.W_v.bias": b_v}
+            ours["attn.W_o.bias"] = tensors[f"{prefix}c_proj.bias"]
+        kinds = NORM_KINDS if cfg.norm == LAYERNORM else NORM_KINDS[:1]
+        return ours | {f"norm.{kind}": tensors[f"{layer.block}{self.norm}.{kind}"] for kind in kinds}
+
+
+GPT2_ATTENTION = GPT2AttentionLayout("hf", "GPT-2: attn.c_attn, attn.c_proj under transformer.h.{i}.", {}, norm="ln_1")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderNames:
+    """Where a family keeps the rest of a decoder: the embeddings and final norm under the model's root
+    (`model.`, `transformer.`), each block's MLP norm and MLP under the block's prefix, the head at the top."""
+
+    embed: str
+    final_norm: str
+    mlp_norm: str
+    up: str  # the MLP's input projection (GPT-2's c_fc), or Phi-3's packed gate_up
+    down: str
+    gate: str | None = None  # a gated MLP's gate (None: dense, or packed with up)
+    packed_gate_up: bool = False  # Phi-3: rows [gate; up] in one Linear (Phi3MLP.forward chunks them so)
+    positions: str | None = None  # GPT-2's learned position embeddings
+    conv1d: bool = False  # GPT-2: the MLP's weights stored (in, out), nn.Linear's transposed
+    buffers: tuple[str, ...] = ("rotary_emb.inv_freq",)  # derived from the config, not weights (ignored)
+    head: str = "lm_head"
+
+
+LLAMA_NAMES = DecoderNames(
+    "embed_tokens", "norm", "post_attention_layernorm", "mlp.up_proj", "mlp.down_proj", "mlp.gate_proj"
+)
+PHI3_NAMES = dataclasses.replace(LLAMA_NAMES, up="mlp.gate_up_proj", gate=None, packed_gate_up=True)
+GPT2_NAMES = DecoderNames(
+    "wte",
+    "ln_f",
+    "ln_2",
+    "mlp.c_fc",
+    "mlp.c_proj",
+    positions="wpe",
+    conv1d=True,
+    buffers=(".attn.bias", ".attn.masked_bias"),
+)
+# Why a whole import has no place for a key: every weight must land somewhere
+WHOLE_UNEXPECTED = (
+    "a whole import maps every key (nothing is dropped silently): an unexpected key is a part of the model "
+    "this product cannot represent; --attention-only imports the attention blocks alone"
+)
+MOE_KEYS = (".experts.", "block_sparse_moe", ".router.", "shared_expert")
+
+
+class Decoder:
+    """A whole checkpoint's keys beyond the attention layout's: what they determine, expect and become."""
+
+    def __init__(self, names: DecoderNames, layers: list[SourceLayer]) -> None:
+        self.names, self.layers = names, layers
+        block = layers[0].block.rstrip(".").split(".")  # model.layers.0 -> the root, model.
+        self.root = ".".join(block[:-2]) + "." if len(block) > 2 else ""
+
+    def key(self, where: str, name: str, kind: str = "weight") -> str:
+        return f"{where}{name}.{kind}"
+
+    def determined(self, tensors: dict[str, Tensor]) -> dict:
+        """vocab_size, the MLP's kind, width and biases, learned positions and a tied head, from the weights."""
+        n, first = self.names, self.layers[0].block
+        embed, up = tensors.get(self.key(self.root, n.embed)), tensors.get(self.key(first, n.up))
+        if embed is None or embed.dim() != 2:
+            raise LayoutProblems(
+                [
+                    f"no token embeddings ({self.key(self.root, n.embed)}): not a whole checkpoint; "
+                    "--attention-only imports its attention blocks alone"
+                ]
+            )
+        if up is None or up.dim() != 2:
+            raise LayoutProblems([f"no MLP ({self.key(first, n.up)}) in the first layer: not a decoder this imports"])
+        width = up.shape[1] if n.conv1d else up.shape[0] // (2 if n.packed_gate_up else 1)
+        gated = n.packed_gate_up or (n.gate is not None and self.key(first, n.gate) in tensors)
+        determined = {
+            "vocab_size": int(embed.shape[0]),
+            "mlp": GATED if gated else DENSE,
+            "mlp_width": int(width),
+            "mlp_bias": self.key(first, n.up, "bias") in tensors,
+            "learned_positions": n.positions is not None and self.key(self.root, n.positions) in tensors,
+            "tie_embeddings": self.key("", n.head) not in tensors,
+        }
+        return determined
+
+    def expected(self, tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every key beyond the attention layout's, with its shape."""
+        n, d, width = self.names, cfg.d_model, cfg.mlp_width
+        kinds = NORM_KINDS if cfg.norm == LAYERNORM else NORM_KINDS[:1]
+        keys = {self.key(self.root, n.embed): (cfg.vocab_size, d)}
+        if cfg.learned_positions:  # as many rows as the file has, max_seq_len of them used
+            rows = tensors[self.key(self.root, n.positions)].shape[0]
+            keys[self.key(self.root, n.positions)] = (max(rows, cfg.max_seq_len), d)
+        keys |= {self.key(self.root, n.final_norm, kind): (d,) for kind in kinds}
+        if not cfg.tie_embeddings:
+            keys[self.key("", n.head)] = (cfg.vocab_size, d)
+        for layer in self.layers:
+            block = layer.block
+            keys |= {self.key(block, n.mlp_norm, kind): (d,) for kind in kinds}
+            if n.packed_gate_up:
+                shapes = {n.up: (2 * width, d), n.down: (d, width)}
+            elif n.conv1d:
+                shapes = {n.up: (d, width), n.down: (width, d)}
+            else:
+                shapes = {n.up: (width, d), n.down: (d, width)} | ({n.gate: (width, d)} if cfg.mlp == GATED else {})
+            keys |= {self.key(block, name): shape for name, shape in shapes.items()}
+            if cfg.mlp_bias:
+                out_width = 1 if n.conv1d else 0  # a bias has the width of its projection's outputs
+                keys |= {self.key(block, name, "bias"): shape[out_width:][:1] for name, shape in shapes.items()}
+        return keys
+
+    def convert(self, tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+        """The tensors under our names (embed.weight, layers.{i}.mlp.W_up.weight, ...)."""
+        n = self.names
+        kinds = NORM_KINDS if cfg.norm == LAYERNORM else NORM_KINDS[:1]
+        ours = {"embed.weight": tensors[self.key(self.root, n.embed)]}
+        if cfg.learned_positions:  # a position past max_seq_len is refused at the edges: its rows are unused
+            ours["position_embed.weight"] = tensors[self.key(self.root, n.positions)][: cfg.max_seq_len]
+        ours |= {f"final_norm.{kind}": tensors[self.key(self.root, n.final_norm, kind)] for kind in kinds}
+        if not cfg.tie_embeddings:
+            ours["lm_head.weight"] = tensors[self.key("", n.head)]
+        for i, layer in enumerate(self.layers):
+            mine, block = f"layers.{i}.", layer.block
+            ours |= {f"{mine}mlp_norm.{kind}": tensors[self.key(block, n.mlp_norm, kind)] for kind in kinds}
+            kinds_here = ("weight", "bias") if cfg.mlp_bias else ("weight",)
+            for kind in kinds_here:
+                up, down = tensors[self.key(block, n.up, kind)], tensors[self.key(block, n.down, kind)]
+                if n.conv1d and kind == "weight":
+                    up, down = up.t(), down.t()
+                if n.packed_gate_up:  # rows: the gate's, then up's
+                    ours[f"{mine}mlp.W_gate.{kind}"], up = up.chunk(2)
+                elif cfg.mlp == GATED:
+                    ours[f"{mine}mlp.W_gate.{kind}"] = tensors[self.key(block, n.gate, kind)]
+                ours |= {f"{mine}mlp.W_up.{kind}": up, f"{mine}mlp.W_down.{kind}": down}
+        return {key: tensor.contiguous() for key, tensor in ours.items()}
+
+    def buffer(self, key: str) -> bool:
+        """Whether `key` is a buffer older checkpoints saved that the config determines (not a weight)."""
+        return key.endswith(self.names.buffers)
+
+
+def hf_config_json(path: Path) -> tuple[Path, dict]:
+    """The Hugging Face config.json beside the weights ({} when there is none)."""
+    sidecar = path.parent / MODEL_CONFIG_FILENAME
+    data = json.loads(sidecar.read_text()) if sidecar.is_file() else {}
+    return sidecar, data if isinstance(data, dict) else {}
+
+
+def import_whole(path: Path, tensors: Mapping[str, Tensor], given: dict) -> Imported:
+    """A whole Hugging Face decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2): embeddings, each block's
+    attention and MLP with their norms, the final norm and the LM head, every key mapped or refused, and
+    proven against transformers' own *ForCausalLM (`check_whole`)."""
+    gpt2 = any(key.endswith(".attn.c_attn.weight") for key in tensors)
+    attention = GPT2_ATTENTION if gpt2 else LAYOUTS["hf"]
+    try:
+        layers = layers_or_the_layout_that_fits(attention, tensors)
+        packed_mlp = any(key.endswith(".mlp.gate_up_proj.weight") for key in tensors)
+        decoder = Decoder(GPT2_NAMES if gpt2 else PHI3_NAMES if packed_mlp else LLAMA_NAMES, layers)
+        sidecar, data = hf_config_json(path)
+        refused = [
+            f"{key}: a mixture of experts, {hf_config.MOE}" for key in tensors if any(m in key for m in MOE_KEYS)
+        ][:3]
+        try:
+            whole_fields = hf_config.whole_fields(data)
+        except hf_config.ConfigRefusal as refusal:
+            refused.append(f"{sidecar}: {refusal}")
+        if refused:
+            raise LayoutProblems(refused)
+        determined = decoder.determined(tensors)
+        if "mlp_activation" not in {**whole_fields, **given}:
+            raise LayoutProblems(
+                [f"no hidden_act in a config.json beside the weights ({sidecar}): give mlp_activation in --config"]
+            )
+        cfg = import_config(path, attention, tensors, layers, {**whole_fields, **given}, determined)
+        biased = attention.biased(tensors, layers)
+        expected = {k: v for layer in layers for k, v in attention.expected(tensors, cfg, layer, biased).items()}
+        expected |= decoder.expected(tensors, cfg)
+        weights_only = {key: tensor for key, tensor in tensors.items() if not decoder.buffer(key)}
+        problems = key_problems(weights_only, expected, WHOLE_UNEXPECTED)
+        if problems:
+            raise LayoutProblems(problems)
+    except LayoutProblems as error:
+        raise WeightsError(path, error.problems) from None
+    model = AttentionModel(cfg)
+    state = {
+        f"layers.{i}.{key}": tensor
+        for i, layer in enumerate(layers)
+        for key, tensor in attention.convert(tensors, cfg, layer).items()
+    }
+    model.load_state_dict(state | decoder.convert(tensors, cfg), strict=True)
+    model.eval()
+    weights = {"file": str(path), "layout": "hf", "sha256": sha256(path), "whole": True}
+    if isinstance(tensors, SafetensorsFiles) and len(tensors.shards) > 1:
+        weights["shards"] = {shard.name: sha256(shard) for shard in tensors.shards}
+    if cfg.bias and len(biased) < len(PROJECTIONS):
+        weights["zero_biases"] = [p for p in PROJECTIONS if p not in biased]
+    return Imported(model, weights, check_whole(path.parent, model))
+
+
+def check_whole(folder: Path, model: AttentionModel) -> dict:
+    """transformers' own *ForCausalLM from `folder` against the imported model (hf_source.check_causal_lm):
+    raises SourceMismatchError unless the logits agree within WHOLE_TOLERANCE of their scale and the
+    greedy token is the same at every real position."""
+    checked = hf_source.check_causal_lm(folder, model, WHOLE_BATCH, WHOLE_PREFILL, WHOLE_PADDING, SOURCE_STEPS)
+    if not checked["checked"]:
+        return checked
+    expected, actual = checked.pop("expected"), checked.pop("actual")  # logits of the real positions (N, vocab)
+    error, scale = float((actual - expected).abs().max()), float(expected.abs().max())
+    different = int((actual.argmax(-1) != expected.argmax(-1)).sum())
+    passed = error <= WHOLE_TOLERANCE * scale and different == 0
+    result = {
+        **checked,
+        "max_abs": error,
+        "scale": scale,
+        "relative": error / scale,
+        "greedy_different": different,
+        "tolerance": f"{WHOLE_TOLERANCE} of the logits' scale (largest |logit|), every greedy token the same",
+        "passed": passed,
+    }
+    if not passed:
+        raise SourceMismatchError(f"the imported model differs from {result['module']}: {result}")
+    return result
 
 
 # --- the proof against the user's own module ------------------------------------------------------

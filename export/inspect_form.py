@@ -72,7 +72,8 @@ def with_attention_maps(fused: onnx.ModelProto) -> onnx.ModelProto:
         raise InspectionError(
             f"the graph has {len(attention)} Attention nodes for {cfg.n_layers} layers: not a fused graph"
         )
-    hidden = next(value for value in graph.inputs if value.name == names.HIDDEN_STATES)
+    # the graph's float: its first output's (`output`, or a whole model's `logits`; its first input may be ids)
+    floats = graph.outputs[0]
     for layer, node in enumerate(attention):
         node.attributes["qk_matmul_output_mode"] = ir.AttrInt64("qk_matmul_output_mode", SOFTMAX_PROBABILITIES)
         node.resize_outputs(PROBABILITIES_OUTPUT + 1)
@@ -80,12 +81,12 @@ def with_attention_maps(fused: onnx.ModelProto) -> onnx.ModelProto:
         weights.type = node.inputs[0].type  # the op's T1: the query's type
         if weights.type is None:
             raise InspectionError(f"{node.name}: the type of its queries is unknown")
-        if weights.type != hidden.type:  # attention computed in fp32 inside an fp16 graph: back to its type
+        if weights.type != floats.type:  # attention computed in fp32 inside an fp16 graph: back to its type
             weights.name = f"{node.name}_out{PROBABILITIES_OUTPUT}_fp32"  # as export/fp16.py names the others
-            cast = ir.node("Cast", [weights], {"to": hidden.type.dtype})
+            cast = ir.node("Cast", [weights], {"to": floats.type.dtype})
             graph.insert_after(node, cast)
             weights = cast.outputs[0]
-            weights.type = hidden.type
+            weights.type = floats.type
         weights.name = attention_map_name(layer)
         weights.shape = ir.Shape([names.BATCH, cfg.n_heads, names.SEQUENCE, names.TOTAL_SEQUENCE])
         graph.outputs.append(weights)
@@ -157,7 +158,7 @@ class Inspection:
 
     variant: str
     source: str  # the graph's file, or how it was made
-    hidden_states: np.ndarray  # (1, T, d_model), fp32
+    hidden_states: np.ndarray  # (1, T, d_model), fp32; a whole model's token ids (1, T) int64
     maps: list[np.ndarray]  # per layer (1, n_heads, T, T), the variant's float type
     statistics: list[dict]  # contract/heads.py
     difference: list[np.ndarray] | None = None  # per layer, the variant's maps minus fp32-fused's (fp32)
@@ -203,8 +204,11 @@ def hidden_states_from_file(path: Path, cfg: ModelConfig) -> np.ndarray:
 
 
 def random_hidden_states(cfg: ModelConfig, tokens: int, seed: int) -> np.ndarray:
-    """Standard normal hidden states (1, tokens, d_model) fp32, the same for the same seed."""
+    """Standard normal hidden states (1, tokens, d_model) fp32, the same for the same seed; for a whole
+    model token ids (1, tokens) int64 uniform over its vocabulary."""
     _check_tokens(cfg, tokens, "--tokens")
+    if cfg.whole:
+        return np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, tokens), dtype=np.int64)
     return np.random.default_rng(seed).standard_normal((1, tokens, cfg.d_model)).astype(np.float32)
 
 
@@ -242,7 +246,8 @@ def _artifact_maps(directory: Path, variant: str, hidden: np.ndarray, progress) 
         proto, source = artifact_inspection_proto(directory, variant)
     with progress.stage(f"{variant}: attention maps of {hidden.shape[1]} tokens"):
         dtype = np.float16 if variant == FP16_FUSED else np.float32
-        _, maps = run_maps(proto, cfg, {names.HIDDEN_STATES: hidden.astype(dtype)})
+        new_tokens = hidden if cfg.whole else hidden.astype(dtype)  # a whole model's ids stay int64
+        _, maps = run_maps(proto, cfg, {names.model_input(cfg): new_tokens})
     return maps, source
 
 

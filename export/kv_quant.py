@@ -63,7 +63,8 @@ def lowest_code(bits: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationData:
-    """Hidden states (N, T, d_model) fp32 to calibrate on, and where they came from (for the report)."""
+    """Hidden states (N, T, d_model) fp32 to calibrate on, or a whole model's token ids (N, T) int64, and
+    where they came from (for the report)."""
 
     hidden: np.ndarray
     source: dict
@@ -72,16 +73,23 @@ class CalibrationData:
 def generated(
     cfg: ModelConfig, seed: int = CALIBRATION_SEED, sequences: int = CALIBRATION_SEQUENCES
 ) -> CalibrationData:
-    """`sequences` of CALIBRATION_LENGTH (at most max_seq_len) unit-variance hidden states from `seed`."""
+    """`sequences` of CALIBRATION_LENGTH (at most max_seq_len) unit-variance hidden states from `seed`, or
+    for a whole model token ids uniform over its vocabulary (its embeddings make the hidden states)."""
     length = min(CALIBRATION_LENGTH, cfg.max_seq_len)
     rng = np.random.default_rng(seed)
-    hidden = rng.standard_normal((sequences, length, cfg.d_model)).astype(np.float32)
+    if cfg.whole:
+        hidden = rng.integers(0, cfg.vocab_size, (sequences, length), dtype=np.int64)
+    else:
+        hidden = rng.standard_normal((sequences, length, cfg.d_model)).astype(np.float32)
     return CalibrationData(hidden, {"generated": {"seed": seed, "shape": list(hidden.shape)}})
 
 
 def from_file(path: str | Path, cfg: ModelConfig) -> CalibrationData:
-    """A user's hidden states: a `.npy` file of (N, T, d_model) floats, T at most max_seq_len."""
+    """A user's hidden states: a `.npy` file of (N, T, d_model) floats, T at most max_seq_len; for a
+    whole model its token ids, (N, T) integers in [0, vocab_size)."""
     path = Path(path)
+    if cfg.whole:
+        return _ids_from_file(path, cfg)
     expected = f"a .npy array of float (N, T, {cfg.d_model}) with 1 <= T <= {cfg.max_seq_len}"
     if path.suffix != ".npy":
         raise CalibrationError(f"calibration file {path}: expected {expected}, got a '{path.suffix}' file")
@@ -96,6 +104,21 @@ def from_file(path: str | Path, cfg: ModelConfig) -> CalibrationData:
         raise CalibrationError(f"calibration file {path}: expected {expected}, got non-finite values")
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     return CalibrationData(hidden.astype(np.float32), {"file": path.name, "sha256": digest})
+
+
+def _ids_from_file(path: Path, cfg: ModelConfig) -> CalibrationData:
+    expected = f"a .npy array of integer token ids (N, T) in [0, {cfg.vocab_size}) with 1 <= T <= {cfg.max_seq_len}"
+    if path.suffix != ".npy":
+        raise CalibrationError(f"calibration file {path}: expected {expected}, got a '{path.suffix}' file")
+    try:
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as error:
+        raise CalibrationError(f"calibration file {path}: expected {expected}, cannot read it ({error})") from None
+    shape_ok = ids.ndim == 2 and ids.shape[0] >= 1 and 1 <= ids.shape[1] <= cfg.max_seq_len
+    if not (shape_ok and ids.dtype.kind in "iu" and ids.size and ids.min() >= 0 and ids.max() < cfg.vocab_size):
+        raise CalibrationError(f"calibration file {path}: expected {expected}, got {ids.dtype} {list(ids.shape)}")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return CalibrationData(ids.astype(np.int64), {"file": path.name, "sha256": digest})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,14 +27,24 @@ def summary_table(report: dict) -> str:
             lines.append(f"{name:<{width}} {'-':>8} {'-':>5}  {'-':>10} {'-':>10}  {'-':>11}  " + _skipped(entry))
             continue
         worst = entry["worst"]
-        present_abs = max((e["max_abs"] for n, e in worst.items() if n != names.OUTPUT), default=0.0)
+        present_abs = max((e["max_abs"] for n, e in worst.items() if n != output_name(worst)), default=0.0)
         result = "pass" if entry["passed"] else "FAIL: " + "; ".join(entry["problems"])
-        output = worst[names.OUTPUT]
+        output = worst[output_name(worst)]
         lines.append(
             f"{name:<{width}} {entry['file_bytes'] / 1e6:>8.2f} {entry['fused_attention_ops']:>5}  "
             f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}  {present_abs:>11.2e}  {result}"
         )
     return "\n".join(lines + _precision_notes(report) + _cache_notes(report) + _maps_notes(report))
+
+
+def output_name(worst: dict) -> str:
+    """The model's output among a variant's worst errors: `output`, or a whole model's `logits`."""
+    return names.LOGITS if names.LOGITS in worst else names.OUTPUT
+
+
+def _output_error(entry: dict) -> dict:
+    worst = entry.get("worst", {})
+    return worst.get(output_name(worst), {})
 
 
 def _maps_notes(report: dict) -> list[str]:
@@ -57,8 +67,9 @@ def _cache_notes(report: dict) -> list[str]:
             if "file" in source:
                 origin = f"{source['file']} (sha256 {source['sha256'][:12]}...)"
             else:
-                origin = f"generated hidden states (seed {source['generated']['seed']})"
-            floor = entry.get("worst", {}).get(names.OUTPUT, {}).get("floor_rel") or 0.0
+                what = "token ids" if len(source["generated"]["shape"]) == 2 else "hidden states"
+                origin = f"generated {what} (seed {source['generated']['seed']})"
+            floor = _output_error(entry).get("floor_rel") or 0.0
             notes.append(
                 f"note: {name}: {cache['bits']}-bit cache ({cache['cache_dtype']}), {cache['layout'].lower()} "
                 f"scales calibrated on {origin}; its codes alone move the output by {floor:.2e} of its scale"
@@ -69,9 +80,10 @@ def _cache_notes(report: dict) -> list[str]:
 def _precision_notes(report: dict) -> list[str]:
     notes = []
     for name, entry in report["variants"].items():
-        floor = entry.get("worst", {}).get(names.OUTPUT, {}).get("floor_rel")
+        floor = _output_error(entry).get("floor_rel")
         # a quantized cache's floor is what its codes cost, not fp16's rounding (_cache_notes says so)
-        if floor is not None and floor > SHARP_FOR_FP16 and "kv_cache" not in entry:
+        # nor is int8 weights' (their floor is the int8 scheme's)
+        if floor is not None and floor > SHARP_FOR_FP16 and "kv_cache" not in entry and name.startswith("fp16"):
             notes.append(
                 f"note: {name}: rounding to fp16 alone moves this model's output by {floor:.2e} of its scale "
                 "(its attention logits are large); where that matters, serve an fp32 variant"

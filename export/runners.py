@@ -31,7 +31,7 @@ def torch_runner(model, device: str = "cpu", caches: Sequence[type] | None = Non
     @torch.no_grad()
     def run(inputs: Mapping[str, np.ndarray]) -> Arrays:
         tensor = {name: torch.from_numpy(np.ascontiguousarray(array)).to(device) for name, array in inputs.items()}
-        hidden = tensor[names.HIDDEN_STATES]
+        hidden = tensor[names.model_input(model.cfg)]  # (B, T, d_model), or a whole model's ids (B, T)
         past = None
         if names.past_name(0, names.KEY) in tensor:
             past = [
@@ -39,9 +39,10 @@ def torch_runner(model, device: str = "cpu", caches: Sequence[type] | None = Non
                 for i, cache in enumerate(caches)
             ]
         elif any(cache is not KVCache for cache in caches):
-            past = [cache(*KVCache.empty(model.cfg, hidden.shape[0], hidden)) for cache in caches]
-        result = model(hidden, tensor.get(names.ATTENTION_MASK), past)
-        arrays = {names.OUTPUT: result.output.cpu().numpy()}
+            floats = hidden if hidden.is_floating_point() else next(model.parameters())
+            past = [cache(*KVCache.empty(model.cfg, hidden.shape[0], floats)) for cache in caches]
+        result = model(hidden, tensor.get(names.ATTENTION_MASK), past, position_ids=tensor.get(names.POSITION_IDS))
+        arrays = {names.model_output(model.cfg): result.output.cpu().numpy()}
         for i, cache in enumerate(result.present):
             arrays[names.present_name(i, names.KEY)] = cache.key.cpu().numpy()
             arrays[names.present_name(i, names.VALUE)] = cache.value.cpu().numpy()

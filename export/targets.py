@@ -15,7 +15,10 @@ The op lists are the engines' own:
   1.24.4 wheel. ONNX Runtime matches a node to a kernel by the node's schema since-version: an
   open-ended registration (last None) only when it starts exactly there, a closed one when it
   contains it (`VerifyKernelDef`, onnxruntime kernel_registry.cc). `Attention` has none in 1.24
-  (onnxruntime#28025; its CUDA kernel came with PR #27542).
+  (onnxruntime#28025; its CUDA kernel came with PR #27542). A whole model's MLP activations (Sigmoid
+  of SiLU, Tanh of GPT-2's tanh GELU, Erf of the exact GELU) were added from onnxruntime's sources
+  (cuda/activations/activations.cc, cuda/math/unary_elementwise_ops.cc: versioned 6-12 (Erf 9-12) and
+  13 on), not re-read from the 1.24.4 wheel; TensorRT's parser imports all three ("Y" rows).
 """
 
 from __future__ import annotations
@@ -34,10 +37,11 @@ TARGETS = (STATIC, STATIC_CUDA, TENSORRT, ONNX_BACKEND)
 
 TENSORRT_OPS = frozenset(
     {
-        "Add", "And", "Attention", "Cast", "Concat", "Constant", "ConstantOfShape", "Div", "Equal", "Expand",
-        "Gather", "Identity", "LayerNormalization", "Less", "LessOrEqual", "MatMul", "Mul", "Neg", "Not", "Pow",
-        "Range", "ReduceMean", "Reshape", "RMSNormalization", "RotaryEmbedding", "Shape", "Slice", "Softmax",
-        "Split", "Sqrt", "Squeeze", "Sub", "Transpose", "Trilu", "Unsqueeze", "Where",
+        "Add", "And", "Attention", "Cast", "Concat", "Constant", "ConstantOfShape", "Div", "Equal", "Erf",
+        "Expand", "Gather", "Identity", "LayerNormalization", "Less", "LessOrEqual", "MatMul", "Mul", "Neg",
+        "Not", "Pow", "Range", "ReduceMean", "Reshape", "RMSNormalization", "RotaryEmbedding", "Shape",
+        "Sigmoid", "Slice", "Softmax", "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Transpose", "Trilu",
+        "Unsqueeze", "Where",
     }
 )  # fmt: skip
 
@@ -49,6 +53,7 @@ ORT_1_24_CUDA_KERNELS: dict[str, list[tuple[int, int | None]]] = {
     "ConstantOfShape": [(9, None)],
     "Div": [(7, 12), (13, 13), (14, None)],
     "Equal": [(7, 10), (11, 12), (13, None)],
+    "Erf": [(9, 12), (13, None)],
     "Expand": [(8, 12), (13, None)],
     "Gather": [(1, 10), (11, 12), (13, None)],
     "Identity": [(1, 12), (13, 13), (14, 18), (19, None)],
@@ -64,12 +69,14 @@ ORT_1_24_CUDA_KERNELS: dict[str, list[tuple[int, int | None]]] = {
     "ReduceMean": [(1, 17), (18, None)],
     "Reshape": [(1, 4), (5, 12), (13, 13), (14, 18), (19, 20), (21, 22), (23, None)],
     "Shape": [(1, 12), (13, 14), (15, 18), (19, 20), (21, 22), (23, None)],
+    "Sigmoid": [(6, 12), (13, None)],
     "Slice": [(1, 9), (10, 10), (11, 12), (13, None)],
     "Softmax": [(1, 10), (11, 12), (13, None)],
     "Split": [(2, 10), (11, 12), (13, 17), (18, None)],
     "Sqrt": [(6, 12), (13, None)],
     "Squeeze": [(1, 10), (11, 12), (13, 20), (21, 22), (23, None)],
     "Sub": [(7, 12), (13, 13), (14, None)],
+    "Tanh": [(6, 12), (13, None)],
     "Transpose": [(1, 12), (13, 20), (21, 22), (23, None)],
     "Trilu": [(14, None)],
     "Unsqueeze": [(1, 10), (11, 12), (13, 20), (21, 22), (23, None)],

@@ -292,8 +292,9 @@ class CacheManager:
     # --- steps and whole rows, by holder ---------------------------------------------------------------
 
     def run(self, steps: Mapping[Holder, np.ndarray]) -> dict[Holder, np.ndarray | Exception]:
-        """Append each holder's new tokens steps[holder] (T, d_model) and return its output (T, d_model)
-        in the graph's float dtype, or the exception its graph run raised (it then holds what it held).
+        """Append each holder's new tokens steps[holder] (T, d_model), or a whole model's ids (T,) int64,
+        and return its output (T, d_model) (logits (T, vocab)) in the graph's float dtype, or the
+        exception its graph run raised (it then holds what it held).
         One graph run per slab with holders stepping one token (KVPool.run). Each holder must have
         room for its new length (`grow` first)."""
         by_slab: dict[int, tuple[_Slab, dict[int, Holder]]] = {}  # id(slab) -> (slab, {row: holder})

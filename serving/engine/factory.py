@@ -118,7 +118,8 @@ def _probed(cache: CacheManager) -> CacheManager:
     """Three decode steps of one row (a plain run, the capture, a replay), then the row freed again."""
     cache.allocate(PROBE, 1)
     try:
-        token = np.zeros((1, cache.cfg.d_model), cache.dtype)
+        # one token: a whole model's id 0, or a hidden state of zeros
+        token = np.zeros(1, np.int64) if cache.cfg.whole else np.zeros((1, cache.cfg.d_model), cache.dtype)
         for _ in range(3):
             output = cache.run({PROBE: token})[PROBE]
             if isinstance(output, Exception):

@@ -115,47 +115,65 @@ class DecodeWindow:
     its second run and replays it from then on (the same addresses every time, which is what a
     replay needs).
 
+    The new tokens are what the graph's first input takes: hidden states (count, 1, d_model) in the
+    graph's float, or a whole model's token ids (count, 1) int64; its first output (`output` (count, 1,
+    d_model) or `logits` (count, 1, vocab)) is in `dtype`. A graph that takes `position_ids` (GPT-2's
+    learned positions) is given each row's (count, 1) as well.
+
     `total_sequence_length` is the rows' length, the same every step: in token generation (one new
     token, fewer than the total) the op reads each row's length from `seqlens_k` only, so a captured
     graph stays right whatever the lengths (the CPU and GPU parity rungs prove it)."""
 
-    def __init__(self, session, caches: CacheRows, d_model: int, dtype: type, run_options=None) -> None:
+    def __init__(self, session, caches: CacheRows, dtype: type, run_options=None) -> None:
         import onnxruntime as ort
 
         self.session, self.run_options = session, run_options
         count, device, device_id = caches.shape[0], caches.device, caches.device_id
         self.on_host = device == HOST
-        shape = (count, 1, d_model)
-        if self.on_host:  # host arrays the bound values share: writing them is the copy in
-            self.hidden_array = np.zeros(shape, dtype)
-            self.seqlens_array = np.zeros(count, np.int32)
-            self.output_array = np.zeros(shape, dtype)
-            self.hidden, self.seqlens_k, self.output_value = (
-                ort.OrtValue.ortvalue_from_numpy(a) for a in (self.hidden_array, self.seqlens_array, self.output_array)
-            )
+        first_input, first_output = session.get_inputs()[0], session.get_outputs()[0]
+        self.input_name, self.output_name = first_input.name, first_output.name
+        if first_input.name == names.INPUT_IDS:
+            new_shape, new_dtype = (count, 1), np.int64
         else:
-            self.hidden, self.seqlens_k, self.output_value = (
-                ort.OrtValue.ortvalue_from_shape_and_type(s, t, device, device_id)
-                for s, t in ((shape, dtype), ((count,), np.int32), (shape, dtype))
-            )
+            new_shape, new_dtype = (count, 1, first_input.shape[-1]), dtype
+        out_shape = (count, 1, first_output.shape[-1])
+        self.positioned = any(i.name == names.POSITION_IDS for i in session.get_inputs())
+        values = [(new_shape, new_dtype), ((count,), np.int32), (out_shape, dtype)]
+        values += [((count, 1), np.int64)] if self.positioned else []
+        self.dtypes = [value_dtype for _, value_dtype in values]
+        if self.on_host:  # host arrays the bound values share: writing them is the copy in
+            self.arrays = [np.zeros(shape, value_dtype) for shape, value_dtype in values]
+            self.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in self.arrays]
+        else:
+            self.values = [
+                ort.OrtValue.ortvalue_from_shape_and_type(shape, value_dtype, device, device_id)
+                for shape, value_dtype in values
+            ]
+        self.new_tokens, self.seqlens_k, self.output_value = self.values[:3]
+        self.positions = self.values[3] if self.positioned else None
         # a CPU input of the op: read when a graph is captured, so it must not change (it does not)
         self.total = ort.OrtValue.ortvalue_from_numpy(np.array(caches.shape[2], np.int32))
         self.binding = session.io_binding()
-        self.binding.bind_ortvalue_input(names.HIDDEN_STATES, self.hidden)
+        self.binding.bind_ortvalue_input(self.input_name, self.new_tokens)
+        if self.positioned:
+            self.binding.bind_ortvalue_input(names.POSITION_IDS, self.positions)
         self.binding.bind_ortvalue_input(names.SEQLENS_K, self.seqlens_k)
         self.binding.bind_ortvalue_input(names.TOTAL_SEQUENCE_LENGTH, self.total)
-        self.binding.bind_ortvalue_output(names.OUTPUT, self.output_value)
+        self.binding.bind_ortvalue_output(self.output_name, self.output_value)
         layers = len(caches.addresses) // 2
         caches.bind(self.binding, inputs=names.past_names(layers), outputs=names.present_names(layers))
 
-    def run(self, hidden: np.ndarray, seqlens_k: np.ndarray) -> np.ndarray:
-        """One step of `hidden` (count, 1, d_model) at lengths `seqlens_k` (count,); the output (count, 1,
-        d_model), a fresh array."""
+    def run(self, new_tokens: np.ndarray, seqlens_k: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+        """One step of `new_tokens` (count, 1, d_model) or ids (count, 1) at lengths `seqlens_k` (count,)
+        and, for a graph that takes them, `positions` (count, 1); the first output (count, 1, width), a
+        fresh array."""
+        inputs = [new_tokens, seqlens_k] + ([positions] if self.positioned else [])
+        targets = [0, 1] + ([3] if self.positioned else [])
         if self.on_host:
-            self.hidden_array[...] = hidden
-            self.seqlens_array[...] = seqlens_k
+            for index, array in zip(targets, inputs, strict=True):
+                self.arrays[index][...] = array
         else:
-            self.hidden.update_inplace(hidden)
-            self.seqlens_k.update_inplace(seqlens_k)
+            for index, array in zip(targets, inputs, strict=True):
+                self.values[index].update_inplace(np.ascontiguousarray(array, self.dtypes[index]))
         self.session.run_with_iobinding(self.binding, self.run_options)
-        return self.output_array.copy() if self.on_host else self.output_value.numpy()
+        return self.arrays[2].copy() if self.on_host else self.output_value.numpy()

@@ -7,7 +7,10 @@ bound (by address, through IOBinding) as both the graph's past and its present, 
 cache: GroupQueryAttention reads each row's first `seqlens_k + 1` positions and writes the new keys
 and values at the row's length. The buffers hold what the graph's past inputs declare (`cache_dtype`,
 and `width` values a position: head_dim floats, head_dim int8 codes, or head_dim / 2 bytes of two
-int4 codes each); hidden states and outputs stay in the graph's float (`dtype`). A quantized cache's
+int4 codes each); hidden states and outputs stay in the graph's float (`dtype`). A whole model's graph
+(`ModelConfig.whole`) takes each row's token ids instead of hidden states and answers logits, in the
+same float; GPT-2's (learned positions) also takes each new token's position, which is the row's length
+before it plus its place among the new tokens. A quantized cache's
 scales are inside the graph: the pool only moves its codes.
 
 A step of several rows runs as few graph runs as the op allows (onnxruntime's
@@ -63,10 +66,21 @@ class KVPool:
 
     `row_copy`: the kernel that moves its rows on a device (serving/engine/kernels.py), shared by the
     slabs of one row shape (a cache manager passes one; made at first use otherwise). On the CPU the
-    buffers are host arrays, and rows move as array copies of their used positions."""
+    buffers are host arrays, and rows move as array copies of their used positions.
+
+    `last_logits_session`: a whole model's same static graph answering only each run's last position's
+    logits (`last_logits_graph`), on the same device; `run(..., last_only=True)` prefills through it, so a
+    long prompt never writes (T, vocab) logits nobody reads."""
 
     def __init__(
-        self, session, cfg: ModelConfig, rows: int, capacity: int, device_id: int = 0, row_copy: RowCopy | None = None
+        self,
+        session,
+        cfg: ModelConfig,
+        rows: int,
+        capacity: int,
+        device_id: int = 0,
+        row_copy: RowCopy | None = None,
+        last_logits_session=None,
     ) -> None:
         import onnxruntime as ort
 
@@ -82,7 +96,10 @@ class KVPool:
         self._windows: dict[tuple[int, int], DecodeWindow] = {}
         self.session, self.cfg, self.rows, self.capacity = session, cfg, rows, capacity
         self.device, self.device_id = session_device(session), device_id
-        self.dtype = session_float_dtype(session)  # of hidden states and outputs
+        self.dtype = session_float_dtype(session)  # of hidden states, outputs and logits
+        self.new_tokens_name, self.output_name = names.model_input(cfg), names.model_output(cfg)
+        self.positioned = any(i.name == names.POSITION_IDS for i in session.get_inputs())  # learned positions
+        self.last_logits_session = last_logits_session
         self.cache_dtype, width = cache_layout(session)
         self.past_names = names.past_names(cfg.n_layers)
         self.present_names = names.present_names(cfg.n_layers)
@@ -138,11 +155,16 @@ class KVPool:
         addresses = tuple(buffer.data_ptr() + low * self.row_bytes for buffer in self.buffers)
         return CacheRows(addresses, (count, *self.row_shape), self.cache_dtype, self.device, self.device_id)
 
-    def run(self, steps: Mapping[int, np.ndarray]) -> dict[int, np.ndarray | Exception]:
-        """Append each row's new tokens, steps[row] (T_row, d_model), and return each row's output
-        (T_row, d_model) in the pool's float dtype, or the exception its graph run raised (its length
-        then stays as it was: what the run wrote past it is never read). Rows not named keep their
-        cache as it was."""
+    def run(self, steps: Mapping[int, np.ndarray], last_only: bool = False) -> dict[int, np.ndarray | Exception]:
+        """Append each row's new tokens and return each row's output in the pool's float dtype, or the
+        exception its graph run raised (its length then stays as it was: what the run wrote past it is
+        never read). Rows not named keep their cache as it was.
+
+        An attention model's rows take hidden states steps[row] (T_row, d_model) and return (T_row,
+        d_model). A whole model's rows take token ids steps[row] (T_row,) int64, each in [0, vocab)
+        (the caller checks them: `contract.inputs.check_token_values`), and return logits (T_row,
+        vocab); GPT-2's positions are the pool's to feed (row length + t). `last_only`: each row returns
+        its last position's only, (1, width), prefills through `last_logits_session` where given."""
         for row, hidden in steps.items():
             assert 0 <= row < self.rows, f"row {row} outside the pool of {self.rows}"
             if self.lengths[row] + hidden.shape[0] > self.capacity:
@@ -160,10 +182,23 @@ class KVPool:
         for row, hidden in steps.items():
             if hidden.shape[0] > 1:
                 try:
-                    results[row] = self._prefill(row, hidden)
+                    results[row] = self._prefill(row, hidden, last_only)
                 except Exception as error:
                     results[row] = error
         return results
+
+    @property
+    def _token_shape(self) -> tuple[int, ...]:
+        """A new token's shape in a row's steps: () for an id, (d_model,) for hidden states."""
+        return () if self.cfg.whole else (self.cfg.d_model,)
+
+    def _check_ids(self, row: int, tokens: np.ndarray) -> None:
+        """A whole model's row takes integer ids (T,): floats would otherwise be cast to ids silently."""
+        if self.cfg.whole and (tokens.dtype.kind not in "iu" or tokens.ndim != 1):
+            raise ValueError(
+                f"row {row}: {self.new_tokens_name} must be (T,) integer token ids, got {tokens.dtype} "
+                f"of shape {tokens.shape}"
+            )
 
     def decode_windows(self, rows: Sequence[int]) -> list[tuple[int, int]]:
         """(first row, row count) of each graph run for the decode rows `rows` (sorted).
@@ -191,39 +226,54 @@ class KVPool:
         window = self._windows.get((low, count))
         if window is None:
             graph = run_options({"gpu_graph_id": str(len(self._windows) + 1)}) if self.cuda_graphs else None
-            window = DecodeWindow(self.session, self.rows_at(low, count), self.cfg.d_model, self.dtype, graph)
+            window = DecodeWindow(self.session, self.rows_at(low, count), self.dtype, graph)
             self._windows[low, count] = window
-        hidden = np.zeros((count, 1, self.cfg.d_model), self.dtype)  # (B, 1, d_model): idle rows step a zero token
+        # (B, 1, d_model) or ids (B, 1): idle rows step a zero token (id 0) at position 0, whose key lands
+        # past their length and is never read (position 0: a full row's scratch position has no table row)
+        hidden = np.zeros((count, 1, *self._token_shape), np.int64 if self.cfg.whole else self.dtype)
+        positions = np.zeros((count, 1), np.int64)
         for row in rows:
+            self._check_ids(row, steps[row])
             hidden[row - low] = steps[row]
-        output = window.run(hidden, self.lengths[low : low + count].astype(np.int32))  # seqlens_k: length after - 1
+            positions[row - low] = self.lengths[row]
+        lengths = self.lengths[low : low + count].astype(np.int32)  # seqlens_k: length after - 1
+        output = window.run(hidden, lengths, positions)
         return self._advance(rows, [steps[row].shape[0] for row in rows], output, low)
 
-    def _prefill(self, row: int, hidden: np.ndarray) -> np.ndarray:
+    def _prefill(self, row: int, hidden: np.ndarray, last_only: bool = False) -> np.ndarray:
         """A row's several new tokens, in chunks of at most `PREFILL_CHUNK` (each chunk a run of its
         own: its attention scores, chunk x length, bound the run's memory). Afterwards the arena
-        gives back what the scores took."""
+        gives back what the scores took. `last_only`: the last position's output only (1, width),
+        every chunk through `last_logits_session` where there is one (its logits are (1, vocab))."""
+        self._check_ids(row, hidden)
+        session = self.last_logits_session if last_only and self.last_logits_session is not None else self.session
         outputs = []
         for start in range(0, hidden.shape[0], PREFILL_CHUNK):
             chunk = hidden[start : start + PREFILL_CHUNK]
-            outputs.append(self._run_rows(row, chunk))
+            outputs.append(self._run_rows(row, chunk, session))
+        if last_only:
+            return outputs[-1][-1:]
         return outputs[0] if len(outputs) == 1 else np.concatenate(outputs)
 
-    def _run_rows(self, row: int, chunk: np.ndarray) -> np.ndarray:
+    def _run_rows(self, row: int, chunk: np.ndarray, session) -> np.ndarray:
         new = chunk.shape[0]
         seqlens_k = np.array([self.lengths[row] + new - 1], np.int32)
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(names.HIDDEN_STATES, np.ascontiguousarray(chunk[None], self.dtype))
+        binding = session.io_binding()
+        new_tokens = np.ascontiguousarray(chunk[None], np.int64 if self.cfg.whole else self.dtype)  # (1, T[, d])
+        binding.bind_cpu_input(self.new_tokens_name, new_tokens)
+        if self.positioned:  # each new token's position: the row's length before it plus its place
+            binding.bind_cpu_input(names.POSITION_IDS, (self.lengths[row] + np.arange(new, dtype=np.int64))[None])
         binding.bind_cpu_input(names.SEQLENS_K, seqlens_k)
         binding.bind_cpu_input(names.TOTAL_SEQUENCE_LENGTH, np.array(int(seqlens_k[0]) + 1, np.int32))
-        binding.bind_output(names.OUTPUT, CPU)
+        binding.bind_output(self.output_name, CPU)
         self.rows_at(row).bind(binding, inputs=self.past_names, outputs=self.present_names)
-        self.session.run_with_iobinding(binding, self._prefill_options)
+        session.run_with_iobinding(binding, self._prefill_options)
         (output,) = self._advance([row], [new], binding.get_outputs()[0].numpy(), row).values()
         return output
 
     def _advance(self, rows: Sequence[int], added: Sequence[int], output: np.ndarray, low: int) -> dict:
-        """The rows' outputs out of the window's (B, T, d_model), their lengths moved on."""
+        """The rows' outputs out of the window's (B, T, width), their lengths moved on (a row's output is
+        its `count` new tokens', or the one last position's where the graph answers only that)."""
         results = {}
         for row, count in zip(rows, added, strict=True):
             self.lengths[row] += count
@@ -326,3 +376,46 @@ def dequantized(codes: np.ndarray, scale: np.ndarray, kind: str) -> np.ndarray:
         nibbles = np.stack([codes & 0x0F, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
         codes = nibbles.astype(np.int8) - 8
     return codes.astype(np.float32) * scale
+
+
+# what a whole model's final norm may be in its graphs (fused forms: RMSNormalization; GPT-2: LayerNormalization)
+NORMALIZATIONS = {"RMSNormalization", "LayerNormalization", "SimplifiedLayerNormalization"}
+
+
+def last_logits_graph(model):
+    """A whole model's graph (an `onnx.ModelProto`, any form whose final norm is one op) rewritten to
+    answer only the last position's logits (B, 1, vocab): the residual stream is sliced to its last
+    position before the final norm, so the norm and the head (the largest matmul of a prefill) read one
+    position instead of T. Norm and head act on each position alone, so the answer is the full graph's
+    last row. The caches are untouched. Raises ValueError when the graph has no such norm before
+    `logits`."""
+    import onnx
+    from onnx import helper
+
+    model = copy_model(model)
+    graph = model.graph
+    producer = {output: node for node in graph.node for output in node.output}
+    node = producer.get(names.LOGITS)
+    while node is not None and node.op_type not in NORMALIZATIONS:  # the data path is each node's first input
+        node = producer.get(node.input[0]) if node.input else None
+    if node is None:
+        raise ValueError(f"no final norm ({', '.join(sorted(NORMALIZATIONS))}) found before {names.LOGITS}")
+    states, last = node.input[0], "last_position.states"
+    bounds = {"last_position.starts": -1, "last_position.ends": np.iinfo(np.int64).max, "last_position.axes": 1}
+    graph.initializer.extend(helper.make_tensor(n, onnx.TensorProto.INT64, [1], [v]) for n, v in bounds.items())
+    slice_node = helper.make_node("Slice", [states, *bounds], [last], name="last_position")
+    node.input[0] = last
+    graph.node.insert(list(graph.node).index(node), slice_node)
+    logits = next(output for output in graph.output if output.name == names.LOGITS)
+    logits.type.tensor_type.shape.dim[1].Clear()
+    logits.type.tensor_type.shape.dim[1].dim_value = 1
+    del graph.value_info[:]  # shapes inferred for T positions after the norm no longer hold
+    return model
+
+
+def copy_model(model):
+    import onnx
+
+    copied = onnx.ModelProto()
+    copied.CopyFrom(model)
+    return copied

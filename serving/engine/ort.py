@@ -70,9 +70,10 @@ def uses_cuda_graphs(session) -> bool:
 
 
 def session_float_dtype(session) -> type:
-    """The float dtype of a graph's `hidden_states` (and so of its caches)."""
-    hidden = next(i for i in session.get_inputs() if i.name == names.HIDDEN_STATES)
-    return np.float16 if hidden.type == "tensor(float16)" else np.float32
+    """The float dtype of a graph's first output (`output`, or a whole model's `logits`), which is its
+    hidden states' and its float caches' (a whole model's first input is int64 token ids)."""
+    first = session.get_outputs()[0]
+    return np.float16 if first.type == "tensor(float16)" else np.float32
 
 
 def ort_runner(session) -> Forward:
@@ -81,12 +82,12 @@ def ort_runner(session) -> Forward:
 
     input_names = [i.name for i in session.get_inputs()]
     output_names = [o.name for o in session.get_outputs()]
-    sizes = graph_sizes(session)
+    sizes, cache_dtype = graph_sizes(session), session_float_dtype(session)
 
     def run(inputs: Mapping[str, np.ndarray]) -> Arrays:
         feeds = dict(inputs)
         if any(name not in feeds for name in input_names):
-            filled = with_defaults(sizes, feeds)
+            filled = with_defaults(sizes, feeds, cache_dtype)
             feeds.update({name: filled[name] for name in input_names if name not in feeds})
         return dict(zip(output_names, session.run(output_names, feeds), strict=True))
 
@@ -94,9 +95,14 @@ def ort_runner(session) -> Forward:
 
 
 def graph_sizes(session) -> names.GraphSizes:
-    """The sizes a stateless graph's inputs are made of, read from the session."""
+    """The sizes a graph's inputs are made of, read from the session. A whole model's (its first input
+    `input_ids`) d_model is inside the graph, not on its inputs: 0 there; its vocabulary is the width of
+    its `logits`."""
     specs = {i.name: i.shape for i in session.get_inputs()}
     n_layers = names.layer_count(list(specs))
     _, n_kv_heads, _, head_dim = specs[names.past_name(0, names.KEY)] if n_layers else (0, 0, 0, 0)
-    rotary = names.POSITION_IDS in specs
-    return names.GraphSizes(specs[names.HIDDEN_STATES][-1], n_layers, n_kv_heads, head_dim, rotary)
+    positioned = names.POSITION_IDS in specs
+    if names.INPUT_IDS in specs:
+        vocab_size = next(o.shape[-1] for o in session.get_outputs() if o.name == names.LOGITS)
+        return names.GraphSizes(0, n_layers, n_kv_heads, head_dim, positioned, vocab_size)
+    return names.GraphSizes(specs[names.HIDDEN_STATES][-1], n_layers, n_kv_heads, head_dim, positioned)

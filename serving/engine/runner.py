@@ -87,31 +87,33 @@ class Runner:
 
     def run(
         self,
-        hidden: np.ndarray,
+        tokens: np.ndarray,
         mask: np.ndarray,
         past: Sequence[ort.OrtValue],
         presents_on_host: bool = False,
         positions: np.ndarray | None = None,
     ) -> tuple[np.ndarray, list[ort.OrtValue]]:
-        """One graph run: hidden (B, T, d) and mask (B, P+T) from the host, past on the device; for a
-        model with rotary embeddings the new tokens' positions (B, T), counted from the mask when None
-        (so a batch left-padded by the concat engine places each row's tokens after its own past).
+        """One graph run: the new tokens (hidden states (B, T, d), or a whole model's ids (B, T) int64) and
+        mask (B, P+T) from the host, past on the device; for a model placing tokens by position (rotary or
+        learned positions) the new tokens' positions (B, T), counted from the mask when None (so a batch
+        left-padded by the concat engine places each row's tokens after its own past).
 
-        Returns the output on the host and the presents on the device (or the host if asked).
+        Returns the output (a whole model's logits (B, T, vocab)) on the host and the presents on the
+        device (or the host if asked).
         """
         binding = self.session.io_binding()
-        binding.bind_ortvalue_input(names.HIDDEN_STATES, self.to_device(hidden))
+        binding.bind_ortvalue_input(names.model_input(self.cfg), self.to_device(tokens))
         binding.bind_ortvalue_input(names.ATTENTION_MASK, self.to_device(mask))
-        if self.cfg.rotary:
-            positions = default_positions(mask, hidden.shape[1]) if positions is None else positions
+        if self.cfg.positioned:
+            positions = default_positions(mask, tokens.shape[1]) if positions is None else positions
             binding.bind_ortvalue_input(names.POSITION_IDS, self.to_device(positions))
         for name, value in zip(self.past_names, past, strict=True):
             binding.bind_ortvalue_input(name, value)
-        binding.bind_output(names.OUTPUT, CPU)
+        binding.bind_output(names.model_output(self.cfg), CPU)
         present_device = CPU if presents_on_host else self.device
         for name in self.present_names:
             binding.bind_output(name, present_device, self.device_id)
-        large = self.device == CPU and hidden.shape[0] * hidden.shape[1] >= LARGE_RUN_TOKENS
+        large = self.device == CPU and tokens.shape[0] * tokens.shape[1] >= LARGE_RUN_TOKENS
         self.session.run_with_iobinding(binding, self._give_back if large else None)
         values = binding.get_outputs()  # in binding order: output, then the presents
         return values[0].numpy(), list(values[1:])
@@ -121,13 +123,14 @@ class Runner:
         feeds = with_defaults(self.cfg, feeds)
         past = [self.to_device(feeds[name]) for name in self.past_names]
         output, presents = self.run(
-            feeds[names.HIDDEN_STATES],
+            feeds[names.model_input(self.cfg)],
             feeds[names.ATTENTION_MASK],
             past,
             presents_on_host=True,
             positions=feeds.get(names.POSITION_IDS),
         )
-        arrays = {names.OUTPUT: output} | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
+        outputs = {names.model_output(self.cfg): output}
+        arrays = outputs | {n: v.numpy() for n, v in zip(self.present_names, presents, strict=True)}
         return {name: array.astype(np.float32, copy=False) for name, array in arrays.items()}  # served IO is fp32
 
 
@@ -168,16 +171,19 @@ class InspectionRunner:
         return {name: array.astype(np.float32, copy=False) for name, array in zip(outputs, arrays, strict=True)}
 
     def session_step(self, past: Mapping[str, np.ndarray], tokens: np.ndarray) -> dict[str, np.ndarray]:
-        """The output (1, T, d_model) and each layer's maps `attention.{i}` (1, n_heads, T, length + T) of a
-        session's next step of `tokens` (T, d_model) over its cache `past` (past name -> (1, n_kv,
-        length, hd) fp32, real positions only, as a session's cache holds them)."""
+        """The output (1, T, d_model) (a whole model's logits (1, T, vocab)) and each layer's maps
+        `attention.{i}` (1, n_heads, T, length + T) of a session's next step of `tokens` (T, d_model) (a
+        whole model's ids (T,)) over its cache `past` (past name -> (1, n_kv, length, hd) fp32, real
+        positions only, as a session's cache holds them)."""
         length = next(iter(past.values())).shape[2]
+        new_tokens = tokens[None].astype(np.int64 if self.cfg.whole else np.float32, copy=False)
         feeds = {
-            names.HIDDEN_STATES: tokens[None].astype(np.float32, copy=False),
+            names.model_input(self.cfg): new_tokens,
             names.ATTENTION_MASK: np.ones((1, length + len(tokens)), np.int64),
             **past,
         }
-        if self.cfg.rotary:  # the new tokens sit after what the session holds, as its next step's would
+        if self.cfg.positioned:  # the new tokens sit after what the session holds, as its next step's would
             feeds[names.POSITION_IDS] = length + np.arange(len(tokens), dtype=np.int64)[None]
         outputs = self.run_arrays(feeds)
-        return {name: outputs[name] for name in [names.OUTPUT, *names.attention_map_names(self.cfg.n_layers)]}
+        answered = [names.model_output(self.cfg), *names.attention_map_names(self.cfg.n_layers)]
+        return {name: outputs[name] for name in answered}

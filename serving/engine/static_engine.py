@@ -31,7 +31,7 @@ from serving.engine import errors, snapshots
 from serving.engine.cache_manager import PREFIX, CacheManager, Holder, RowsFull, prefix_holder
 from serving.engine.runner import InspectionRunner
 from serving.engine.sequences import LiveSequences, SequenceId
-from serving.engine.steps import CacheStats, StepEngine, StepRequest, check_step
+from serving.engine.steps import CacheStats, StepEngine, StepRequest, check_step, no_result, step_tokens
 
 
 @dataclasses.dataclass
@@ -43,7 +43,7 @@ class Slot:
 @dataclasses.dataclass(frozen=True)
 class _Work:
     sequence_id: SequenceId
-    tokens: np.ndarray  # (T_real, d_model) in the graph's float dtype
+    tokens: np.ndarray  # (T_real, d_model) in the graph's float dtype, or a whole model's ids (T_real,) int64
     keep: np.ndarray | None  # (T,) bool: which of the request's tokens are real; None: all of them
 
 
@@ -98,7 +98,7 @@ class StaticSessionEngine(StepEngine):
         new = check_step(self.cfg, request)
         if new == 0 and not request.start:
             return None  # closing: the sequence is gone afterwards whatever the slots know
-        tokens = real_tokens(request.hidden, request.mask)[0]  # (T_real, d_model)
+        tokens = real_tokens(request.hidden, request.mask)[0]  # (T_real, d_model), or ids (T_real,)
         keep = None if len(tokens) == new else request.mask[0].astype(bool)
         if request.start:
             if len(tokens) > self.max_positions:
@@ -108,7 +108,7 @@ class StaticSessionEngine(StepEngine):
             self._grown(request.sequence_id, len(tokens))
         if len(tokens) == 0:
             return None
-        return _Work(request.sequence_id, tokens.astype(self.cache.dtype, copy=False), keep)
+        return _Work(request.sequence_id, step_tokens(self.cfg, tokens, self.cache.dtype), keep)
 
     def _run(self, prepared: dict[int, _Work], results: list) -> None:
         # a round holds each sequence at most once (steps.rounds): its id keys its step
@@ -119,9 +119,9 @@ class StaticSessionEngine(StepEngine):
             if isinstance(output, Exception):  # not the request's fault; its cache length is unchanged
                 results[index] = output
             elif item.keep is None:
-                results[index] = output.astype(np.float32, copy=False)[None]  # (1, T, d_model)
+                results[index] = output.astype(np.float32, copy=False)[None]  # (1, T, d_model) or (1, T, vocab)
             else:
-                full = np.zeros((1, len(item.keep), self.cfg.d_model), np.float32)
+                full = no_result(self.cfg, len(item.keep))
                 full[0, item.keep] = output
                 results[index] = full
 
@@ -206,8 +206,8 @@ class StaticSessionEngine(StepEngine):
 
     def attention_maps(self, sequence_id: SequenceId, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """The output (1, T, d_model) and each layer's attention weights `attention.{i}` (1, n_heads, T,
-        length + T) of a step of `tokens` (T, d_model) on the live sequence, computed by the inspection
-        graph (fp32) over a copy of its cache as floats (a quantized cache dequantized as its kernel
+        length + T) of a step of `tokens` (T, d_model) (ids (T,)) on the live sequence, computed by the
+        inspection graph (fp32) over a copy of its cache as floats (a quantized cache dequantized as its kernel
         reads it): its length and its cache are untouched."""
         with self._lock:
             length = self._touched(sequence_id)
@@ -219,7 +219,8 @@ class StaticSessionEngine(StepEngine):
     # --- named prefixes ------------------------------------------------------------------------------
 
     def put_prefix(self, owner: str, name: str, tokens: np.ndarray) -> int:
-        """Prefill `tokens` (T, d_model) once into a row of its own, kept as the prefix `name` of
+        """Prefill `tokens` (T, d_model) (a whole model's ids (T,)) once into a row of its own, kept as
+        the prefix `name` of
         `owner` until deleted (it takes a row of the budget); its length. A prefix is immutable: an
         existing name is refused."""
         if len(tokens) == 0 or len(tokens) > self.max_positions:
@@ -231,7 +232,7 @@ class StaticSessionEngine(StepEngine):
             if self.cache.holds(holder):
                 raise errors.InvalidRequest(f"prefix {name!r} exists and is immutable: delete it first")
             self._allocate(holder, name, len(tokens))
-        output = self.cache.run({holder: tokens.astype(self.cache.dtype, copy=False)})[holder]
+        output = self.cache.run({holder: step_tokens(self.cfg, tokens, self.cache.dtype)})[holder]
         if isinstance(output, Exception):
             self.delete_prefix(owner, name)
             raise output

@@ -21,7 +21,7 @@ import numpy as np
 
 from contract import names
 from contract.config import ModelConfig
-from contract.inputs import InputError, check_finite, check_inputs, check_mask_values
+from contract.inputs import InputError, check_finite, check_inputs, check_mask_values, check_token_values
 from serving.engine import errors
 
 
@@ -32,7 +32,9 @@ class StepRequest:
     sequence_id: Hashable
     start: bool
     end: bool
-    hidden: np.ndarray | None  # (1, T, d_model) float32; T may be 0 only with `start` or `end`
+    # the new tokens: hidden states (1, T, d_model) float32, or a whole model's token ids (1, T) int64
+    # (names.model_input); T may be 0 only with `start` or `end`
+    hidden: np.ndarray | None
     mask: np.ndarray | None = None  # (1, T) int64; all ones when left out
 
 
@@ -70,22 +72,41 @@ SESSION_OPERATIONS = {
 }
 
 
-Result = np.ndarray | Exception  # the output (1, T, d_model), or what to answer instead
+# the output (1, T, d_model) (a whole model's logits (1, T, vocab_size)), or what to answer instead
+Result = np.ndarray | Exception
+
+
+def result_width(cfg: ModelConfig) -> int:
+    """The last axis of a step's result: vocab_size for a whole model's logits, d_model for the output."""
+    return names.model_output_spec(cfg).shape[-1]
+
+
+def no_result(cfg: ModelConfig, new: int = 0) -> np.ndarray:
+    """The result of a step that computed nothing (or of `new` padded queries): zeros (1, new, width)."""
+    return np.zeros((1, new, result_width(cfg)), np.float32)
+
+
+def step_tokens(cfg: ModelConfig, tokens: np.ndarray, float_dtype: Any = np.float32) -> np.ndarray:
+    """One sequence's new tokens in the dtype its graph takes: a whole model's ids int64 (never a float:
+    an id is an index), hidden states in the graph's `float_dtype`."""
+    return tokens.astype(np.int64 if cfg.whole else float_dtype, copy=False)
 
 
 def check_step(cfg: ModelConfig, request: StepRequest) -> int:
     """The number of new tokens; raises InputError naming the input, expected and actual."""
-    hidden = request.hidden
+    hidden, name = request.hidden, names.model_input(cfg)
     if hidden is None:
-        raise InputError(names.HIDDEN_STATES, "missing")
-    if hidden.ndim == 3 and hidden.shape[1] == 0 and (request.start or request.end):
+        raise InputError(name, "missing")
+    rank = len(names.model_input_spec(cfg).shape)
+    if hidden.ndim == rank and hidden.shape[1] == 0 and (request.start or request.end):
         new = 0  # opening a session (its cache reserved) or closing one, without computing
     else:
-        check_inputs(cfg, {names.HIDDEN_STATES: hidden})
-        check_finite({names.HIDDEN_STATES: hidden})  # a NaN in the cache would poison every later step
+        check_inputs(cfg, {name: hidden})
+        check_finite({name: hidden})  # a NaN in the cache would poison every later step
+        check_token_values(cfg, {name: hidden})  # an id outside the vocabulary has no embedding
         new = hidden.shape[1]
     if hidden.shape[0] != 1:
-        raise InputError(names.HIDDEN_STATES, f"one sequence per step: expected batch 1, got {list(hidden.shape)}")
+        raise InputError(name, f"one sequence per step: expected batch 1, got {list(hidden.shape)}")
     if request.mask is not None and tuple(request.mask.shape) != (1, new):
         raise InputError(
             names.ATTENTION_MASK,
@@ -124,8 +145,8 @@ class StepEngine(abc.ABC):
                 results[index] = error
                 continue
             if item is None:  # nothing to compute (END without tokens, START without tokens)
-                new = 0 if request.hidden is None or request.hidden.ndim != 3 else request.hidden.shape[1]
-                results[index] = np.zeros((1, new, self.cfg.d_model), np.float32)
+                new = 0 if request.hidden is None or request.hidden.ndim < 2 else request.hidden.shape[1]
+                results[index] = no_result(self.cfg, new)
             else:
                 prepared[index] = item
         if prepared:

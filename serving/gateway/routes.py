@@ -145,7 +145,8 @@ def _describe(info: ModelInfo) -> dict:
         [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in group.values()]
         for group in (info.inputs, info.outputs)
     ]
-    sizes = {"d_model": info.d_model, "dtype": info.float_dtype, "inputs": tensors[0], "outputs": tensors[1]}
+    sizes = {"d_model": info.d_model or None, "dtype": info.float_dtype, "inputs": tensors[0], "outputs": tensors[1]}
+    sizes["vocab_size"] = info.vocab_size
     if info.n_layers:
         sizes |= {"n_layers": info.n_layers, "n_kv_heads": info.n_kv_heads, "head_dim": info.head_dim}
     # what the model's config publishes: its sizes and limits for both models (the session model's IO has no
@@ -173,7 +174,8 @@ async def attend(request: Request, encoding: ResponseEncoding = "json") -> Respo
         del raw, body  # megabytes, perhaps: not kept while Triton works
         call = gw.client.infer(valid.hidden_states, valid.attention_mask, valid.past or None, valid.position_ids)
         result = await gw.call(call, "stateless attention")
-        answer = {"output": result.output, "present": [{"key": k, "value": v} for k, v in result.present]}
+        present = [{"key": k, "value": v} for k, v in result.present]
+        answer = {info.answer: result.output, "present": present}  # a whole model's logits, else output
         return json_answer(await gw.offload(_nbytes(result.present), _render, answer, encoding))
 
 
@@ -328,7 +330,8 @@ async def step(session_id: str, request: Request, owner: Caller, encoding: Respo
     async with gw.sessions.using(session_id, owner) as session:
         info = await gw.model_info(gw.settings.session_model)
         output = await _step(gw, session, await gw.offload(len(raw), validated.step, body, info))
-        return json_answer(tensor_json({"output": encode(output, encoding), "length": session.upstream.length}))
+        answer = {info.answer: encode(output, encoding), "length": session.upstream.length}  # logits or output
+        return json_answer(tensor_json(answer))
 
 
 async def _step(gw: State, session: GatewaySession, valid: validated.ValidStep) -> np.ndarray:

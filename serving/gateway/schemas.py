@@ -35,6 +35,9 @@ class Documented:
 Tensor = list[Any] | EncodedTensor
 States = Annotated[Tensor, Documented(list[list[list[FiniteFloat]]] | EncodedTensor)]  # (batch, sequence, d_model)
 Mask = Annotated[Tensor, Documented(list[list[MaskBit]] | EncodedTensor)]  # (batch, length) of 0/1
+# (batch, sequence) int64: a whole model's token ids, each in [0, vocab_size)
+Ids = Annotated[Tensor, Documented(list[list[Annotated[int, Field(ge=0)]]] | EncodedTensor)]
+Logits = Annotated[Tensor, Documented(list[list[list[float]]] | EncodedTensor)]  # (batch, sequence, vocab_size)
 Positions = Annotated[Tensor, Documented(list[list[Annotated[int, Field(ge=0)]]] | EncodedTensor)]  # (batch, sequence)
 Cache = Annotated[Tensor, Documented(list[list[list[list[FiniteFloat]]]] | EncodedTensor)]
 # (batch, n_kv_heads, length, head_dim)
@@ -50,7 +53,12 @@ class KeyValue(Strict):
 
 
 class AttendRequest(Strict):
-    hidden_states: States = Field(description="(batch, sequence, d_model) float32: the new tokens")
+    # the new tokens: hidden states for an attention model, token ids for a whole model (GET /v1/models says
+    # which: its `vocab_size`); the one the model does not take is refused
+    hidden_states: States | None = Field(default=None, description="(batch, sequence, d_model) float32: the new tokens")
+    input_ids: Ids | None = Field(
+        default=None, description="a whole model's: (batch, sequence) int64 token ids, the new tokens"
+    )
     attention_mask: Mask | None = Field(
         default=None, description="(batch, past_length + sequence) of 1 (attend) / 0 (padding); default all ones"
     )
@@ -65,17 +73,22 @@ class AttendRequest(Strict):
 
 
 class AttendResponse(BaseModel):
-    output: States = Field(description="(batch, sequence, d_model) float32")
+    output: States | None = Field(default=None, description="(batch, sequence, d_model) float32")
+    logits: Logits | None = Field(default=None, description="a whole model's: (batch, sequence, vocab_size) float32")
     present: list[KeyValue] = Field(description="per layer, the past extended by the new tokens: send it back as past")
 
 
 class StepBody(Strict):
-    hidden_states: States = Field(description="(1, sequence, d_model) float32: the session's new tokens")
+    hidden_states: States | None = Field(
+        default=None, description="(1, sequence, d_model) float32: the session's new tokens"
+    )
+    input_ids: Ids | None = Field(default=None, description="a whole model's: (1, sequence) int64 token ids")
     attention_mask: Mask | None = Field(default=None, description="(1, sequence) of 1/0 for the new tokens only")
 
 
 class StepResponse(BaseModel):
-    output: States = Field(description="(1, sequence, d_model) float32")
+    output: States | None = Field(default=None, description="(1, sequence, d_model) float32")
+    logits: Logits | None = Field(default=None, description="a whole model's: (1, sequence, vocab_size) float32")
     length: int = Field(description="tokens the server now holds for this session")
 
 
@@ -152,6 +165,7 @@ class ModelDescription(BaseModel):
     kind: Literal["stateless", "session"]
     ready: bool
     d_model: int | None = None
+    vocab_size: int | None = Field(default=None, description="a whole model's: input_ids in, logits out")
     n_heads: int | None = None
     n_layers: int | None = None
     n_kv_heads: int | None = None

@@ -35,6 +35,7 @@ from contract.inputs import (
     check_mask_values,
     check_one_sequence,
     check_request_tokens,
+    check_token_values,
     named_inputs,
 )
 from serving.gateway.encoding import decode
@@ -89,28 +90,30 @@ def parse(raw: bytes, schema: type[BaseModel]) -> Body:
 
 def attend(body: Body, info: ModelInfo, max_request_tokens: int) -> ValidAttend:
     """A parsed /v1/attend body whose tensors fit the stateless model `info`, or 400."""
-    tensors, past = _decode_inputs(body, info.float_dtype)
+    tensors, past = _decode_inputs(body, info)
     try:
         batch, _, new = check_inputs(info.sizes, tensors, float_dtype=info.float_dtype)
-        check_request_tokens(batch, new, max_request_tokens, setting="SERVING_MAX_REQUEST_TOKENS")
+        check_request_tokens(batch, new, max_request_tokens, "SERVING_MAX_REQUEST_TOKENS", info.new_tokens)
         _check_values(tensors)
+        check_token_values(info.sizes, tensors)
     except InputError as error:
         raise InvalidInput(str(error)) from None
     return ValidAttend(
-        tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK), past, tensors.get(names.POSITION_IDS)
+        tensors[info.new_tokens], tensors.get(names.ATTENTION_MASK), past, tensors.get(names.POSITION_IDS)
     )
 
 
 def step(body: Body, info: ModelInfo) -> ValidStep:
     """A parsed session step whose tensors fit the session model `info`, or 400."""
-    tensors, _ = _decode_inputs(body, info.float_dtype)
+    tensors, _ = _decode_inputs(body, info)
     try:
         batch, _, _ = check_inputs(info.sizes, tensors, float_dtype=info.float_dtype)
-        check_one_sequence(batch)
+        check_one_sequence(batch, info.new_tokens)
         _check_values(tensors)
+        check_token_values(info.sizes, tensors)
     except InputError as error:
         raise InvalidInput(str(error)) from None
-    return ValidStep(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK))
+    return ValidStep(tensors[info.new_tokens], tensors.get(names.ATTENTION_MASK))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +135,7 @@ def inspect(body: Body, info: ModelInfo, max_request_tokens: int) -> ValidInspec
             "body.attention_mask: not taken with `session` (a session's positions are all real tokens); send "
             "only the real new tokens"
         )
-    tensors, _ = _decode_inputs(body, info.float_dtype)
+    tensors, _ = _decode_inputs(body, info)
     hidden = tensors[names.HIDDEN_STATES]
     if hidden.ndim not in (2, 3):
         raise InvalidInput(
@@ -191,12 +194,18 @@ def _why_not_json(raw: bytes, error: orjson.JSONDecodeError) -> str:
     return str(error)
 
 
-def _decode_inputs(body: Body, dtype: str) -> tuple[dict[str, np.ndarray], Pairs]:
+def _decode_inputs(body: Body, info: ModelInfo) -> tuple[dict[str, np.ndarray], Pairs]:
     """The graph's named inputs from the body's tensor fields (and the past as pairs), or 400 naming
-    the field."""
-    fields = body.fields
+    the field. The new tokens are the model's (`info.new_tokens`): a whole model's int64 ids, else
+    hidden states in its float dtype; the other field is refused."""
+    fields, dtype, first = body.fields, info.float_dtype, info.new_tokens
+    other = names.HIDDEN_STATES if first == names.INPUT_IDS else names.INPUT_IDS
+    if getattr(fields, other, None) is not None:
+        raise InvalidInput(f"input '{other}': this model takes '{first}' as its new tokens, not '{other}'")
+    if getattr(fields, first, None) is None:  # as the schema words a missing field (both are optional there)
+        raise SchemaViolation(f"body.{first}: Field required")
     try:
-        hidden = decode(fields.hidden_states, names.HIDDEN_STATES, dtype)
+        hidden = decode(getattr(fields, first), first, "int64" if first == names.INPUT_IDS else dtype)
         mask = None if fields.attention_mask is None else decode(fields.attention_mask, names.ATTENTION_MASK, "int64")
         given = getattr(fields, "position_ids", None)
         positions = None if given is None else decode(given, names.POSITION_IDS, "int64")
@@ -210,7 +219,7 @@ def _decode_inputs(body: Body, dtype: str) -> tuple[dict[str, np.ndarray], Pairs
     except InputError as error:
         raise InvalidInput(str(error)) from None
     _refuse_booleans(body)
-    return named_inputs(hidden, mask, past, positions), past
+    return named_inputs(hidden, mask, past, positions, first), past
 
 
 def _refuse_booleans(body: Body) -> None:
@@ -220,7 +229,8 @@ def _refuse_booleans(body: Body) -> None:
     if b"true" not in body.raw and b"false" not in body.raw:
         return
     fields = body.fields
-    tensors = {names.HIDDEN_STATES: fields.hidden_states, names.ATTENTION_MASK: fields.attention_mask}
+    tensors = {name: getattr(fields, name, None) for name in (names.HIDDEN_STATES, names.INPUT_IDS)}
+    tensors[names.ATTENTION_MASK] = fields.attention_mask
     tensors[names.POSITION_IDS] = getattr(fields, "position_ids", None)
     for layer, pair in enumerate(getattr(fields, "past_key_values", None) or ()):
         tensors |= {names.past_name(layer, kind): getattr(pair, kind) for kind in names.KV_KINDS}
@@ -251,6 +261,7 @@ def body_bound(info: ModelInfo, max_request_tokens: int, max_seq_len: int) -> in
     step of `max_seq_len` tokens, every number written as JSON text (the longer of the two forms;
     base64 takes 5.33 bytes a float32)."""
     cache = 2 * info.n_layers * (info.n_kv_heads or 0) * (info.head_dim or 0)
-    attend = max_request_tokens * (info.d_model + 1) + (max_request_tokens + max_seq_len) + cache * max_seq_len
-    step = max_seq_len * (info.d_model + 1)
+    token = 1 if info.vocab_size is not None else info.d_model  # numbers a new token takes: an id, or a state
+    attend = max_request_tokens * (token + 1) + (max_request_tokens + max_seq_len) + cache * max_seq_len
+    step = max_seq_len * (token + 1)
     return JSON_BYTES_PER_NUMBER * max(attend, step) + BODY_OVERHEAD_BYTES

@@ -8,7 +8,8 @@ the ONNX graph its model loads.
   batch axis in `dims` (`max_batch_size: 0`: Triton must not add a batch axis of its own, the
   graph already has one). The mask and the past are optional: a first call leaves the past out.
 - `mha_session` (python backend): Triton sequence batching. A step sends the new tokens only,
-  `hidden_states` [1, T, d_model] and optionally their `attention_mask` [1, T]; the server keeps
+  `hidden_states` [1, T, d_model] (a whole model's `input_ids` [1, T] int64, answered by `logits`
+  [1, T, vocab_size]) and optionally their `attention_mask` [1, T]; the server keeps
   each sequence's cache. Strategy `oldest` (`direct` fills empty batch slots with null requests
   that need answers too); `allow_ragged_batch` lets steps with different T share one execute().
 - `mha_onnx` (onnxruntime backend, GPU hosts): stateless like `mha`, with the TensorRT
@@ -67,6 +68,7 @@ P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one reque
 # The model's sizes and limits, published in both python models' configs so that any caller reads the
 # facts from Triton's model-config API (the session model's IO does not show its layers or cache)
 MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_seq_len")
+WHOLE_MODEL_FACTS = ("vocab_size",)  # a whole model's, beside MODEL_FACTS
 FACT_PREFIX = names.FACT_PREFIX
 
 _FLOAT_TYPES = {"float32": pb.TYPE_FP32, "float16": pb.TYPE_FP16}
@@ -87,7 +89,7 @@ def _add_stateless_io(config: pb.ModelConfig, cfg: ModelConfig, float_dtype: str
             name=spec.name,
             data_type=_data_type(spec, float_dtype),
             dims=_dims(spec.shape),
-            optional=optional and spec.name != names.HIDDEN_STATES,
+            optional=optional and spec.name != names.model_input(cfg),
         )
     for spec in names.output_specs(cfg):
         config.output.add(name=spec.name, data_type=_data_type(spec, float_dtype), dims=_dims(spec.shape))
@@ -99,7 +101,8 @@ def _python_model(name: str, cfg: ModelConfig, onnx_files: dict[str, str], setti
     # KIND_CPU: the runner picks the GPU itself when one exists; KIND_GPU would not load on a CPU host
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=1)
     _set_parameters(config, {P_IMPLEMENTATION: IMPLEMENTATIONS[name], P_THREADS: settings.threads, **onnx_files})
-    _set_parameters(config, {FACT_PREFIX + fact: getattr(cfg, fact) for fact in MODEL_FACTS})
+    facts = MODEL_FACTS + (WHOLE_MODEL_FACTS if cfg.whole else ())
+    _set_parameters(config, {FACT_PREFIX + fact: getattr(cfg, fact) for fact in facts})
     return config
 
 
@@ -133,9 +136,12 @@ def mha_session_config(
     config = _python_model(MHA_SESSION, cfg, onnx_files, settings)
     config.max_batch_size = settings.max_batch_size  # Triton's batch axis = one row per sequence
     ragged = {"allow_ragged_batch": True}  # steps with different T share one execute()
-    config.input.add(name=names.HIDDEN_STATES, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model], **ragged)
+    new_tokens, answer = names.model_input_spec(cfg), names.model_output_spec(cfg)  # without their batch axis
+    config.input.add(
+        name=new_tokens.name, data_type=_data_type(new_tokens, "float32"), dims=_dims(new_tokens.shape[1:]), **ragged
+    )
     config.input.add(name=names.ATTENTION_MASK, data_type=pb.TYPE_INT64, dims=[-1], optional=True, **ragged)
-    config.output.add(name=names.OUTPUT, data_type=pb.TYPE_FP32, dims=[-1, cfg.d_model])
+    config.output.add(name=answer.name, data_type=pb.TYPE_FP32, dims=_dims(answer.shape[1:]))
     config.output.add(name=names.HELD_LENGTH, data_type=pb.TYPE_INT64, dims=[1])
     # the session operations' blob: restored from at START (one, or a checkpoint's increments in order),
     # answered by a snapshot (names.OPERATION)

@@ -11,7 +11,7 @@ request on a session's sequence whose parameter `session_operation` names one of
 | `put_prefix` | START and END (its own sequence) | the prefix's | `prefix`: its name; `owner` | -1 |
 | `from_prefix` | START | none | `prefix`; `owner` | the session's length |
 | `delete_prefix` | START and END | none | `prefix`; `owner` | -1 |
-| `attention_maps` | none | a next step's, unpadded | none | its `output` and maps `attention.{i}`; the length |
+| `attention_maps` | none | a next step's, unpadded | none | its output (logits) and maps `attention.{i}`; the length |
 
 `owner` is optional (empty: anyone); the blob is serving/engine/snapshots.py's. `attention_maps`
 computes what a step of its tokens would and keeps nothing: the session's cache and length are as before.
@@ -64,11 +64,11 @@ def _check(engine: StepEngine, step: StepRequest, operation: dict) -> tuple[str,
     for flag, sent_with, given in (("START", wanted.start, step.start), ("END", wanted.end, step.end)):
         if given != sent_with:
             raise InvalidRequest(f"'{name}' is sent {'with' if sent_with else 'without'} the {flag} flag")
-    tokens = 0 if step.hidden is None else step.hidden.shape[1]
+    tokens, carried = 0 if step.hidden is None else step.hidden.shape[1], names.model_input(engine.cfg)
     if tokens and not wanted.tokens:
-        raise InvalidRequest(f"'{name}' carries no tokens: expected hidden_states of 0 tokens, got {tokens}")
+        raise InvalidRequest(f"'{name}' carries no tokens: expected {carried} of 0 tokens, got {tokens}")
     if wanted.tokens and not tokens:
-        raise InvalidRequest(f"'{name}' carries tokens: expected hidden_states of 1 or more, got 0")
+        raise InvalidRequest(f"'{name}' carries tokens: expected {carried} of 1 or more, got 0")
     if name != names.RESTORE and operation.get(names.SNAPSHOT) is not None:
         raise InvalidRequest(f"input '{names.SNAPSHOT}' goes with '{names.RESTORE}' only, not with '{name}'")
     return name, wanted
@@ -81,6 +81,11 @@ def _maps_arguments(engine: StepEngine, step: StepRequest, parameters: dict) -> 
             f"'{names.ATTENTION_MAPS_OPERATION}' takes the next step's real tokens: expected no padding in its mask"
         )
     return step.sequence_id, step.hidden[0]
+
+
+def _prefix_arguments(engine: StepEngine, step: StepRequest, parameters: dict) -> tuple:
+    check_step(engine.cfg, step)  # as a step's tokens are checked (a whole model's ids within the vocabulary)
+    return _owner(parameters), _prefix(parameters), real_tokens(step.hidden, step.mask)[0]
 
 
 def _owner(parameters: dict) -> str:
@@ -101,7 +106,7 @@ ARGUMENTS: dict[str, Callable[[StepEngine, StepRequest, dict], tuple]] = {
     names.RESTORE: lambda _, step, p: (step.sequence_id, _blobs(p.get(names.SNAPSHOT)), _owner(p)),
     names.FORK: lambda _, step, p: (_parameter(p, names.FORK_OF, (int, str)), step.sequence_id),
     names.REWIND: lambda _, step, p: (step.sequence_id, _parameter(p, names.REWIND_TO, (int,))),
-    names.PUT_PREFIX: lambda _, step, p: (_owner(p), _prefix(p), real_tokens(step.hidden, step.mask)[0]),
+    names.PUT_PREFIX: _prefix_arguments,
     names.FROM_PREFIX: lambda _, step, p: (step.sequence_id, _owner(p), _prefix(p)),
     names.DELETE_PREFIX: lambda _, step, p: (_owner(p), _prefix(p)),
     names.ATTENTION_MAPS_OPERATION: _maps_arguments,

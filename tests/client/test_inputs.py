@@ -8,7 +8,7 @@ import pytest
 from client import _wire
 from client.core import SessionCore, StepAnswer
 from client.errors import ClientError, InvalidInputError
-from client.metadata import parse_metadata
+from client.metadata import parse_metadata, with_facts
 from client.retry import run_blocking
 from contract import names
 from contract.config import ModelConfig
@@ -44,12 +44,17 @@ SESSION_METADATA = {
 def test_metadata_gives_the_model_sizes(name, as_grpc_json):
     cfg = TEST_CONFIGS[name]
     info = parse_metadata(metadata(cfg, as_grpc_json))
+    # a whole model's IO (ids in, logits out) does not show d_model: its config's fact gives it
+    d_model = 0 if cfg.whole else cfg.d_model
     assert (info.n_layers, info.d_model, info.n_kv_heads, info.head_dim) == (
         cfg.n_layers,
-        cfg.d_model,
+        d_model,
         cfg.n_kv_heads,
         cfg.head_dim,
     )
+    assert info.vocab_size == cfg.vocab_size
+    assert (info.new_tokens, info.answer) == (names.model_input(cfg), names.model_output(cfg))
+    assert with_facts(info, {"d_model": cfg.d_model}).d_model == cfg.d_model
     assert info.float_dtype == "float32"
     assert names.input_specs(info.sizes) == names.input_specs(cfg)  # what the inputs check runs on
 
@@ -189,3 +194,26 @@ def test_unknown_protocols_and_tls_are_refused():
         _wire.check_protocol("websocket")
     with pytest.raises(ValueError, match="TLS"):
         _wire.normalize_url("https://example:443", "http")
+
+
+@pytest.mark.parametrize("name", ["whole", "whole-gpt2"])
+def test_a_whole_models_token_ids_are_checked_before_sending(name):
+    cfg = TEST_CONFIGS[name]
+    info = parse_metadata(metadata(cfg))
+    ids = np.array([[1, 2, cfg.vocab_size - 1]], np.int64)
+    assert list(_wire.stateless_tensors(info, ids)) == [names.INPUT_IDS]
+    assert list(_wire.step_tensors(info, ids)) == [names.INPUT_IDS]
+    bad = [
+        (ids.astype(np.float32), "expected dtype int64, got float32"),
+        (ids + 1, f"token ids must lie in [0, {cfg.vocab_size})"),
+        (-ids, f"token ids must lie in [0, {cfg.vocab_size})"),
+        (ids[0], "expected rank 2"),
+    ]
+    for tokens, says in bad:
+        with pytest.raises(InvalidInputError) as caught:
+            _wire.stateless_tensors(info, tokens)
+        assert caught.value.input_name == names.INPUT_IDS
+        assert says in caught.value.message
+    assert list(_wire.no_tokens_like(ids)) == [names.INPUT_IDS]
+    (empty,) = _wire.no_tokens_like(ids).values()
+    assert (empty.shape, empty.dtype) == ((1, 0), np.int64) == (info.no_tokens().shape, info.no_tokens().dtype)

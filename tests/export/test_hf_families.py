@@ -1,11 +1,14 @@
-"""The checkpoints people have: a Llama (sharded, Llama 3's rotary scaling), a Mistral (a sliding
-window), a Qwen2 (q/k/v biases), a Qwen3 (q/k norms, its own head_dim) and a Phi-3 (packed qkv_proj,
-partial rotary), each made by transformers from a small config with random weights (no download),
-saved as `save_pretrained` saves them (embeddings, MLPs and the LM head included), imported through
-`python -m export build --weights ... --layout hf`, and proven against transformers' own attention
-classes: at import (report.json's source_check), through ONNX Runtime (the fused graph over a causal
-prefill and decode steps, fp32 within 1e-5, fp16 within its bound; a left-padded batch equal to each
-row alone) and through a real Triton (a session and stateless calls)."""
+"""The checkpoints people have, imported WHOLE (token ids in, logits out): a Llama (sharded, Llama 3's
+rotary scaling), a Mistral (a sliding window), a Qwen2 (q/k/v biases), a Qwen3 (q/k norms, its own
+head_dim), a Phi-3 (packed qkv_proj and gate_up_proj, partial rotary) and a GPT-2 (LayerNorm with biases,
+learned positions, Conv1D weights, a tied head), each made by transformers from a small config with random
+weights (no download), its logits spread wide (the head scaled) so that the greedy token is clear, saved with
+`save_pretrained`, imported through `python -m export build --weights FOLDER --layout hf`, and proven against
+transformers' own *ForCausalLM: at import (report.json's source_check), through ONNX Runtime (the fp32-fused
+graph, and the fp32-static graph through the serving engine's KVPool) over a left-padded batch prefill and
+32 greedy decode steps (logits within 1e-5 of their scale, every greedy token the same), and through a real
+Triton (a session and stateless calls). One family also imported `--attention-only`, its attention blocks
+proven against transformers' attention classes as before."""
 
 from __future__ import annotations
 
@@ -15,23 +18,30 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import transformers  # a dev dependency (make install): the source modules, built from configs
+import transformers  # a dev dependency (make install): the source models, built from configs
 
 from client import Client
 from contract import files, names
+from contract.config import ModelConfig
+from contract.inputs import default_positions
 from export.__main__ import main as export_main
-from export.hf_source import family_classes, forward, source_layer, windows
+from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_runner, ort_session
 from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
 from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
 
+VOCAB = 64
 COMMON = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
     "num_hidden_layers": 2,
-    "intermediate_size": 64,
-    "vocab_size": 32,
-    "max_position_embeddings": 128,
+    "intermediate_size": 96,
+    "vocab_size": VOCAB,
+    # short: the static form's pool rung at build decodes until its rows are full (export/parity.py)
+    "max_position_embeddings": 48,
     "rms_norm_eps": 1e-5,
     "pad_token_id": 0,
     "bos_token_id": 1,
@@ -47,68 +57,68 @@ LLAMA3 = {
     "original_max_position_embeddings": 64,
 }
 FAMILIES = {
-    "llama": lambda: transformers.LlamaConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3, **COMMON
-    ),
-    "mistral": lambda: transformers.MistralConfig(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, sliding_window=8, **COMMON
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, **COMMON),
-    "qwen3": lambda: transformers.Qwen3Config(
-        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, **COMMON
-    ),
-    "phi3": lambda: transformers.Phi3Config(
-        hidden_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    "llama": lambda: transformers.LlamaConfig(rope_parameters=LLAMA3, **COMMON),
+    "mistral": lambda: transformers.MistralConfig(sliding_window=8, **COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(head_dim=32, **COMMON),
+    "phi3": lambda: transformers.Phi3Config(  # 128 wide: a rotated width of 16, as GroupQueryAttention needs
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-        **COMMON,
+        **(COMMON | {"hidden_size": 128}),
+    ),
+    "gpt2": lambda: transformers.GPT2Config(
+        n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=48, bos_token_id=1, eos_token_id=2
     ),
 }
-PREFILL, STEPS = 7, 32
+CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+BATCH, PREFILL, PADDING, STEPS = 2, 7, 3, 32
+# the head scaled from transformers' init (std 0.02) so that logits spread to a scale of 20 to 50: greedy
+# margins far above the 1e-5 of it the sides may differ by (export/parity.py, LOGITS_SCALE)
+HEAD_SCALE = 40.0
 SETTINGS = ServingSettings(threads=1, kv_cache_bytes=4 << 20, max_batch_size=4)
 
 
 class Checkpoint:
-    """A family's checkpoint on disk, its artifact, and its own attention layers to compare with."""
+    """A family's checkpoint on disk, its artifact, and transformers' CausalLM read back from the folder."""
 
     def __init__(self, family: str, work) -> None:
         self.family = family
-        config = FAMILIES[family]()
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-        with torch.no_grad():  # norms and biases away from their initial ones and zeros
+        model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager")
+        with torch.no_grad():
             for parameter in model.parameters():
-                if parameter.dim() == 1:
+                if parameter.dim() == 1:  # norms and biases away from their initial ones and zeros
                     parameter.add_(0.1 * torch.randn_like(parameter))
+            model.get_output_embeddings().weight.mul_(HEAD_SCALE)  # GPT-2's is its token embeddings (tied)
         self.dir, self.artifact = work / "checkpoint", work / "artifact"
         model.save_pretrained(self.dir, max_shard_size="100KB" if family == "llama" else "50MB")  # llama: sharded
-        index = self.dir / "model.safetensors.index.json"
-        self.weights = index if index.is_file() else self.dir / "model.safetensors"
-        (work / "serving.json").write_text(json.dumps({"max_seq_len": 128}))
-        argv = ["build", "--weights", str(self.weights), "--layout", "hf", "--config", str(work / "serving.json")]
-        assert export_main([*argv, "--out", str(self.artifact), "--variants", "fp32-fused,fp16-fused,fp32-static"]) == 0
-        self.config = transformers.AutoConfig.from_pretrained(str(self.dir))
-        self.config._attn_implementation = "eager"
-        state = {k: v.float() for k, v in model.state_dict().items()}
-        classes = family_classes(self.config.model_type)
-        self.layers = [
-            source_layer(
-                classes,
-                self.config,
-                i,
-                state,
-                f"model.layers.{i}.self_attn.",
-                f"model.layers.{i}.input_layernorm.weight",
-            )
-            for i in range(self.config.num_hidden_layers)
-        ]
-        self.rotary = classes["RotaryEmbedding"](self.config)
+        argv = ["build", "--weights", str(self.dir), "--layout", "hf", "--out", str(self.artifact)]
+        assert export_main([*argv, "--variants", "fp32-fused,fp32-static"]) == 0
+        self.cfg = ModelConfig.load(self.artifact / files.MODEL_CONFIG_FILENAME)
+        self.source = transformers.AutoModelForCausalLM.from_pretrained(
+            str(self.dir), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
 
-    def source(self, hidden: np.ndarray) -> np.ndarray:
-        """transformers' layers over whole rows (positions from 0), as the checkpoint computes them."""
+    def greedy(self, ids: np.ndarray, mask: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """transformers over a (left-padded) prefill then `steps` greedy steps: every token fed (B, T + steps)
+        and the logits at each (B, T + steps, vocab)."""
+        tokens, logits, past, mask = [ids], [], None, torch.from_numpy(mask)
+        step = torch.from_numpy(ids)
         with torch.no_grad():
-            return forward(self.layers, self.rotary, torch.from_numpy(hidden), windows(self.config)).numpy()
+            for _ in range(steps + 1):
+                positions = torch.from_numpy(default_positions(mask.numpy(), step.shape[1]))
+                out = self.source(input_ids=step, attention_mask=mask, position_ids=positions, past_key_values=past)
+                past, step = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                logits.append(out.logits.numpy())
+                tokens.append(step.numpy())
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        return np.concatenate(tokens[:-1], axis=1), np.concatenate(logits, axis=1)
 
 
 @pytest.fixture(scope="module")
@@ -129,16 +139,102 @@ def checkpoint(request, checkpoints):
     return checkpoints(request.param)
 
 
+def left_padded(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random token ids (BATCH, PREFILL) and their mask, row 0's first PADDING positions padding."""
+    ids = np.random.default_rng(seed).integers(0, VOCAB, (BATCH, PREFILL), dtype=np.int64)
+    mask = np.ones((BATCH, PREFILL), np.int64)
+    mask[0, :PADDING] = 0
+    return ids, mask
+
+
+def real_positions(width: int) -> np.ndarray:
+    """(BATCH, width) True where a position is a token, not padding."""
+    real = np.ones((BATCH, width), bool)
+    real[0, :PADDING] = False
+    return real
+
+
+def assert_same_logits(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    """Within 1e-5 of the logits' scale, and the greedy token the same at every position."""
+    scale = float(np.abs(expected).max())
+    error = float(np.abs(actual.astype(np.float64) - expected).max())
+    print(f"{what}: max abs error {error:.2e} on logits of scale {scale:.1f} ({error / scale:.1e} of it)")
+    assert error <= 1e-5 * scale, what
+    np.testing.assert_array_equal(actual.argmax(-1), expected.argmax(-1), err_msg=what)
+
+
+def test_the_import_was_proven_against_the_causal_lm_at_build(checkpoint):
+    report = json.loads((checkpoint.artifact / files.REPORT_FILENAME).read_text())
+    check = report["source_check"]
+    assert check["checked"] and check["passed"], check
+    assert check["relative"] <= 1e-5 and check["greedy_different"] == 0, check
+    assert CLASSES[checkpoint.family] in check["module"]
+    assert report["weights"]["whole"] and "left_out" not in report["weights"]
+    assert checkpoint.cfg.whole and checkpoint.cfg.vocab_size == VOCAB
+    if checkpoint.family == "llama":
+        assert len(report["weights"]["shards"]) > 1
+    print(f"{checkpoint.family} at import: {check['max_abs']:.2e} of scale {check['scale']:.1f}")
+
+
+def test_the_fused_graph_equals_the_causal_lm_over_a_left_padded_prefill_and_greedy_steps(checkpoint):
+    ids, mask = left_padded(seed=1)
+    tokens, expected = checkpoint.greedy(ids, mask, STEPS)
+    run = ort_runner(ort_session(checkpoint.artifact / files.model_filename("fp32-fused")))
+    feeds = {names.INPUT_IDS: ids, names.ATTENTION_MASK: mask}
+    logits = []
+    for t in range(PREFILL, PREFILL + STEPS + 1):
+        feeds[names.POSITION_IDS] = default_positions(feeds[names.ATTENTION_MASK], feeds[names.INPUT_IDS].shape[1])
+        result = run(feeds)
+        logits.append(result[names.LOGITS])
+        feeds = {n.replace("present", "past_key_values"): v for n, v in result.items() if n.startswith("present.")}
+        feeds[names.INPUT_IDS] = tokens[:, t : t + 1]
+        feeds[names.ATTENTION_MASK] = np.ones((BATCH, t + 1), np.int64)
+        feeds[names.ATTENTION_MASK][0, :PADDING] = 0
+    real = real_positions(PREFILL + STEPS)
+    actual = np.concatenate(logits, axis=1)
+    assert_same_logits(actual[real], expected[real], f"{checkpoint.family} fp32-fused")
+
+
+def test_the_static_graph_in_the_serving_pool_equals_the_causal_lm(checkpoint):
+    """The engine's KVPool: each row's real tokens alone (no padding), positions counted from its length:
+    the left-padded row's logits are transformers' at its real positions."""
+    ids, mask = left_padded(seed=2)
+    tokens, expected = checkpoint.greedy(ids, mask, STEPS)
+    session = ort_session(checkpoint.artifact / files.model_filename("fp32-static"))
+    pool = KVPool(session, checkpoint.cfg, rows=BATCH, capacity=checkpoint.cfg.max_seq_len)
+    firsts = {row: PADDING if row == 0 else 0 for row in range(BATCH)}
+    results = pool.run({row: tokens[row, first:PREFILL] for row, first in firsts.items()})
+    logits = {row: [results[row]] for row in firsts}
+    for t in range(PREFILL, PREFILL + STEPS):
+        for row, result in pool.run({row: tokens[row, t : t + 1] for row in firsts}).items():
+            logits[row].append(result)
+    for row, first in firsts.items():
+        actual = np.concatenate(logits[row], axis=0)  # (T_row, vocab)
+        assert_same_logits(actual, expected[row, first:], f"{checkpoint.family} fp32-static row {row}")
+
+
+def test_attention_only_keeps_the_attention_blocks_proven_and_lists_the_rest(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3"](), attn_implementation="eager")
+    model.save_pretrained(tmp_path / "checkpoint")
+    argv = ["build", "--weights", str(tmp_path / "checkpoint"), "--layout", "hf", "--attention-only"]
+    assert export_main([*argv, "--out", str(tmp_path / "artifact"), "--variants", "fp32-fused"]) == 0
+    report = json.loads((tmp_path / "artifact" / files.REPORT_FILENAME).read_text())
+    check = report["source_check"]
+    assert check["passed"] and "Qwen3Attention" in check["module"] and check["max_abs"] <= 1e-5, check
+    assert {"model.embed_tokens", "lm_head", "model.norm", "model.layers.{i}.mlp"} <= set(report["weights"]["left_out"])
+    assert not ModelConfig.load(tmp_path / "artifact" / files.MODEL_CONFIG_FILENAME).whole
+
+
 def served_name(model: str, family: str) -> str:
     return f"{model}-{family}"
 
 
 @pytest.fixture(scope="module")
 def served(checkpoints, tmp_path_factory):
-    """One real Triton for the module, serving every family's `mha` and `mha_session` as its
-    repository has them, each pair under the family's name (`mha-llama`, `mha_session-llama`): the
-    config's name is the folder's; the rest is what `write_repository` wrote (Triton starts and stops
-    in seconds: once, not per family)."""
+    """One real Triton for the module, serving every family's `mha` and `mha_session` as its repository has
+    them, each pair under the family's name (`mha-llama`, `mha_session-llama`): the config's name is the
+    folder's; the rest is what `write_repository` wrote (Triton starts and stops in seconds: once)."""
     work = tmp_path_factory.mktemp("hf-served")
     repository = work / "repository"
     for family in FAMILIES:
@@ -152,62 +248,18 @@ def served(checkpoints, tmp_path_factory):
         yield server
 
 
-def tokens(width: int, count: int, seed: int, batch: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((batch, count, width)).astype(np.float32)
-
-
-def test_the_import_was_proven_at_build_and_the_rest_of_the_checkpoint_listed(checkpoint):
-    report = json.loads((checkpoint.artifact / files.REPORT_FILENAME).read_text())
-    check = report["source_check"]
-    assert check["checked"] and check["passed"] and check["max_abs"] <= 1e-5, check
-    assert type(checkpoint.layers[0].attention).__name__ in check["module"]
-    left_out = report["weights"]["left_out"]
-    assert {"model.embed_tokens", "lm_head", "model.norm", "model.layers.{i}.mlp"} <= set(left_out), left_out
-
-
-def test_the_graphs_equal_the_checkpoints_attention_over_a_prefill_and_decode_steps(checkpoint):
-    width = checkpoint.config.hidden_size
-    hidden = tokens(width, PREFILL + STEPS, seed=1, batch=2)
-    expected = checkpoint.source(hidden)
-    scale = float(np.abs(expected).max())
-    for variant, dtype, bound in (("fp32-fused", np.float32, 1e-5), ("fp16-fused", np.float16, 2e-3 * scale)):
-        run = ort_runner(ort_session(checkpoint.artifact / files.model_filename(variant)))
-        result = run({names.HIDDEN_STATES: hidden[:, :PREFILL].astype(dtype)})
-        outputs, past = [result[names.OUTPUT]], result
-        for t in range(PREFILL, PREFILL + STEPS):
-            feeds = {names.HIDDEN_STATES: hidden[:, t : t + 1].astype(dtype)}
-            feeds |= {n.replace("present", "past_key_values"): v for n, v in past.items() if n.startswith("present.")}
-            past = run(feeds)
-            outputs.append(past[names.OUTPUT])
-        error = float(np.abs(np.concatenate(outputs, axis=1).astype(np.float64) - expected).max())
-        family = checkpoint.config.model_type
-        print(f"{family} {variant}: max abs error against transformers {error:.2e} (output scale {scale:.2f})")
-        assert error <= bound
-
-
-def test_a_left_padded_batch_equals_each_row_alone(checkpoint):
-    """Positions counted from the mask as Hugging Face does: a padded row's tokens start at position 0."""
-    width = checkpoint.config.hidden_size
-    hidden = tokens(width, 9, seed=2, batch=2)
-    mask = np.array([[0, 0, 0] + [1] * 6, [1] * 9])
-    run = ort_runner(ort_session(checkpoint.artifact / files.model_filename("fp32-fused")))
-    output = run({names.HIDDEN_STATES: hidden, names.ATTENTION_MASK: mask})[names.OUTPUT]
-    np.testing.assert_allclose(output[0, 3:], checkpoint.source(hidden[:1, 3:])[0], atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(output[1], checkpoint.source(hidden[1:])[0], atol=1e-5, rtol=1e-5)
-
-
 @pytest.mark.served
-def test_served_a_session_and_stateless_calls_equal_the_checkpoints_attention(checkpoint, served):
-    width = checkpoint.config.hidden_size
-    hidden = tokens(width, PREFILL + STEPS, seed=3)
-    expected = checkpoint.source(hidden)
+def test_served_a_session_and_stateless_calls_equal_the_causal_lm(checkpoint, served):
+    """One row (no padding), a prefill then greedy steps: the session's logits and a stateless call over
+    the whole sequence against transformers'."""
+    ids = np.random.default_rng(3).integers(0, VOCAB, (1, PREFILL), dtype=np.int64)
+    tokens, expected = checkpoint.greedy(ids, np.ones_like(ids), STEPS)
     family = checkpoint.family
     models = {"model": served_name(MHA, family), "session_model": served_name(MHA_SESSION, family)}
     with Client(served.grpc_url, **models) as client:
         with client.session() as session:
-            outputs = [session.step(hidden[:, :PREFILL])]
-            outputs += [session.step(hidden[:, t : t + 1]) for t in range(PREFILL, PREFILL + STEPS)]
-        np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, atol=1e-5, rtol=1e-5)
-        first = client.infer(hidden[:, :PREFILL])
-        rest = client.infer(hidden[:, PREFILL:], past=first.present)  # positions counted after the past
-        np.testing.assert_allclose(np.concatenate([first.output, rest.output], axis=1), expected, atol=1e-5, rtol=1e-5)
+            logits = [session.step(tokens[:, :PREFILL])]
+            logits += [session.step(tokens[:, t : t + 1]) for t in range(PREFILL, PREFILL + STEPS)]
+        assert_same_logits(np.concatenate(logits, axis=1), expected, f"{family} served session")
+        stateless = client.infer(tokens).output  # (1, PREFILL + STEPS, vocab)
+        assert_same_logits(stateless, expected, f"{family} served stateless")

@@ -183,7 +183,9 @@ def hf_checkpoint(n_layers=2, d=D, heads=HEADS, kv_heads=2, qkv_bias=False, norm
 
 
 def test_hf_gqa_without_a_norm_is_a_stack_of_bare_attention(tmp_path):
-    imported = import_weights(save(tmp_path / "model.safetensors", hf_checkpoint()), "hf", {"n_heads": HEADS})
+    imported = import_weights(
+        save(tmp_path / "model.safetensors", hf_checkpoint()), "hf", {"n_heads": HEADS}, attention_only=True
+    )
     cfg = imported.model.cfg
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.n_layers, cfg.bias, cfg.norm, cfg.residual) == (
         4,
@@ -198,7 +200,9 @@ def test_hf_gqa_without_a_norm_is_a_stack_of_bare_attention(tmp_path):
 def test_hf_decoder_matches_the_module_it_came_from(tmp_path):
     torch.manual_seed(5)
     module = user_modules.HuggingFaceStyle(D, HEADS, 2, num_layers=2).eval()
-    imported = import_weights(save(tmp_path / "model.safetensors", module.state_dict()), "hf", {"n_kv_heads": 2})
+    imported = import_weights(
+        save(tmp_path / "model.safetensors", module.state_dict()), "hf", {"n_kv_heads": 2}, attention_only=True
+    )
     cfg = imported.model.cfg
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.norm, cfg.residual, cfg.bias) == (HEADS, 2, "layernorm", True, True)
     x = tokens(39)
@@ -211,7 +215,7 @@ def test_hf_with_input_layernorm_and_qwen_style_biases(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "tiny", "num_attention_heads": 4, "num_key_value_heads": 2, "layer_norm_eps": 1e-6})
     )
-    imported = import_weights(save(tmp_path / "model.safetensors", state), "hf")
+    imported = import_weights(save(tmp_path / "model.safetensors", state), "hf", attention_only=True)
     cfg = imported.model.cfg
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.norm, cfg.residual, cfg.bias, cfg.norm_eps) == (
         4,
@@ -258,7 +262,7 @@ def test_hf_what_this_model_cannot_express_is_refused_with_the_reason(tmp_path, 
     state = hf_checkpoint(norm=True)
     change(state, tmp_path / "config.json")
     with pytest.raises(WeightsError, match=message):
-        import_weights(save(tmp_path / "model.safetensors", state), "hf", {"n_heads": HEADS})
+        import_weights(save(tmp_path / "model.safetensors", state), "hf", {"n_heads": HEADS}, attention_only=True)
 
 
 def test_hf_a_whole_checkpoint_is_taken_for_its_attention_and_the_rest_listed(tmp_path):
@@ -275,7 +279,9 @@ def test_hf_a_whole_checkpoint_is_taken_for_its_attention_and_the_rest_listed(tm
             f"model.layers.{i}.mlp.{name}.weight": torch.ones(8, D) for name in ("gate_proj", "up_proj", "down_proj")
         }
         state[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(D)
-    imported = import_weights(save(tmp_path / "model.safetensors", state), "hf", {"n_heads": HEADS})
+    imported = import_weights(
+        save(tmp_path / "model.safetensors", state), "hf", {"n_heads": HEADS}, attention_only=True
+    )
     assert imported.weights["left_out"] == {
         "lm_head": "1 key",
         "model.embed_tokens": "1 key",
@@ -285,6 +291,71 @@ def test_hf_a_whole_checkpoint_is_taken_for_its_attention_and_the_rest_listed(tm
         "model.norm": "1 key",
     }
     assert imported.model.cfg.n_layers == 2
+
+
+# --- hf, whole: what a whole import cannot represent is refused before anything is written -----------
+# (the six families' whole imports, proven against transformers: tests/export/test_hf_families.py)
+
+
+def whole_llama(tmp_path, config: dict) -> dict:
+    """A whole Llama-shaped checkpoint's keys (2 layers, vocab 10, MLP 8 wide) with its config.json."""
+    state = hf_checkpoint()
+    state |= {"model.embed_tokens.weight": torch.ones(10, D), "model.norm.weight": torch.ones(D)}
+    state["lm_head.weight"] = torch.ones(10, D)
+    for i in range(2):
+        state |= {f"model.layers.{i}.{n}_layernorm.weight": torch.ones(D) for n in ("input", "post_attention")}
+        state |= {f"model.layers.{i}.mlp.{n}_proj.weight": torch.ones(8, D) for n in ("gate", "up")}
+        state[f"model.layers.{i}.mlp.down_proj.weight"] = torch.ones(D, 8)
+    defaults = {"model_type": "llama", "num_attention_heads": HEADS, "num_key_value_heads": 2, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(defaults | config))
+    return state
+
+
+@pytest.mark.parametrize(
+    ("config", "change", "message"),
+    [
+        ({"num_local_experts": 8}, None, "num_local_experts 8: a mixture of experts"),
+        ({"use_parallel_residual": True}, None, "use_parallel_residual True: a parallel residual"),
+        ({"hidden_act": "relu"}, None, "hidden_act 'relu': this model's MLP activations are"),
+        ({"model_type": "gemma"}, None, "model_type 'gemma': Gemma scales the embeddings"),
+        ({"attn_logit_softcapping": 50.0}, None, "attention softcapping"),
+        ({"scale_attn_by_inverse_layer_idx": True}, None, "scores divided by the layer's number"),
+        ({"vocab_size": 12}, None, "vocab_size: the config gives 12, the weights 10"),
+        ({}, lambda s: s.update({"model.layers.0.mlp.experts.0.w1.weight": torch.ones(8, D)}), "a mixture of experts"),
+        ({}, lambda s: s.update({"model.extra.weight": torch.ones(D)}), r"(?s)unexpected: model.extra.weight .*nothin"),
+        ({}, lambda s: s.pop("model.norm.weight"), r"missing: model.norm.weight \(expected shape \[32\]\)"),
+        ({}, lambda s: s.pop("model.embed_tokens.weight"), "no token embeddings .*--attention-only imports"),
+    ],
+    ids=[
+        "moe",
+        "parallel",
+        "relu",
+        "gemma",
+        "softcap",
+        "gpt2-inverse",
+        "vocab",
+        "experts",
+        "unknown",
+        "no-norm",
+        "no-embed",
+    ],
+)
+def test_hf_whole_what_this_model_cannot_represent_is_refused_with_the_reason(tmp_path, config, change, message):
+    state = whole_llama(tmp_path, config)
+    if change:
+        change(state)
+    weights = save(tmp_path / "model.safetensors", state)
+    with pytest.raises(WeightsError, match=message):
+        import_weights(weights, "hf")
+    assert export_main(["build", "--weights", weights, "--layout", "hf", "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_attention_only_goes_with_the_hf_layout(tmp_path, capsys):
+    weights = save(tmp_path / "mha.pt", torch.nn.MultiheadAttention(D, HEADS).state_dict())
+    argv = ["build", "--weights", weights, "--layout", "torch-mha", "--attention-only", "--out", str(tmp_path / "o")]
+    assert export_main(argv) == 2
+    assert "--attention-only goes with --layout hf" in capsys.readouterr().err
 
 
 # --- native and the config ----------------------------------------------------------------------

@@ -46,7 +46,7 @@ def seeds():
 
 def hf_gqa():
     module = user_modules.HuggingFaceStyle(D, HEADS, KV_HEADS, num_layers=2)
-    return module, module, ["--n-kv-heads", str(KV_HEADS)]
+    return module, module, ["--n-kv-heads", str(KV_HEADS), "--attention-only"]  # attention keys alone
 
 
 LAYOUTS = {"torch-mha": torch_mha, "seeds": seeds, "hf": hf_gqa}

@@ -31,7 +31,7 @@ from serving.engine.runner import Runner
 class Step:
     """One sequence's step: the new (real) tokens, and the sequence's cache before them."""
 
-    hidden: np.ndarray  # (T, d_model) float32
+    hidden: np.ndarray  # (T, d_model) float32, or a whole model's token ids (T,) int64
     past: list[Any]  # runner values, (1, n_kv, P, hd) each, naming-table order
     past_length: int  # P
 
@@ -42,7 +42,7 @@ class Step:
 
 @dataclasses.dataclass
 class StepResult:
-    output: np.ndarray  # (T, d_model)
+    output: np.ndarray  # (T, d_model), or a whole model's logits (T, vocab)
     present: list[Any]  # (1, n_kv, P+T, hd) each, on the runner's device
     length: int  # P+T
     nbytes: int
@@ -52,7 +52,7 @@ class StepResult:
 class Layout:
     """Where each step sits in the padded batch."""
 
-    hidden: np.ndarray  # (B, T_max, d_model)
+    hidden: np.ndarray  # (B, T_max, d_model), or token ids (B, T_max)
     mask: np.ndarray  # (B, P_max + T_max)
     starts: list[int]  # row r's left padding P_max - P_r, which is where its present starts
     ends: list[int]  # one past its last: P_max + T_r
@@ -63,8 +63,8 @@ class Layout:
 def layout(steps: Sequence[Step]) -> Layout:
     max_past = max(step.past_length for step in steps)
     max_new = max(step.new_length for step in steps)
-    d_model = steps[0].hidden.shape[1]
-    hidden = np.zeros((len(steps), max_new, d_model), np.float32)  # (B, T_max, d)
+    first = steps[0].hidden  # (T, d_model) states, or (T,) ids: padded by zeros (id 0), which the mask hides
+    hidden = np.zeros((len(steps), max_new, *first.shape[1:]), first.dtype)  # (B, T_max, d) or (B, T_max)
     mask = np.zeros((len(steps), max_past + max_new), np.int64)  # (B, P_max + T_max)
     starts, ends = [], []
     for r, step in enumerate(steps):

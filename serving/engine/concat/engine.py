@@ -26,7 +26,7 @@ from serving.engine.concat.copies import DeviceCopies, HostCopies, copies_for, n
 from serving.engine.concat.store import KVCacheStore
 from serving.engine.runner import InspectionRunner, Runner
 from serving.engine.sequences import SequenceId
-from serving.engine.steps import StepEngine, StepRequest, check_step
+from serving.engine.steps import StepEngine, StepRequest, check_step, no_result, step_tokens
 
 # a prepared request: the request, its step, which of its tokens are real (None: all)
 Prepared = tuple[StepRequest, Step, np.ndarray | None]
@@ -95,7 +95,7 @@ class ConcatSessionEngine(StepEngine):
             # closing: whatever the store knows, the sequence is gone afterwards (Triton ends it too),
             # so a client's close() succeeds also after an eviction or a refused START
             return None
-        tokens = real_tokens(request.hidden, request.mask)[0]  # (T_real, d_model)
+        tokens = real_tokens(request.hidden, request.mask)[0]  # (T_real, d_model), or ids (T_real,)
         if request.start:
             if len(tokens) > self.max_positions:
                 raise errors.SequenceTooLong(request.sequence_id, len(tokens), self.max_positions)
@@ -119,9 +119,9 @@ class ConcatSessionEngine(StepEngine):
         for (index, (request, _, keep)), outcome in zip(runnable.items(), outcomes, strict=True):
             self.store.update(request.sequence_id, outcome.present, outcome.length, outcome.nbytes)
             if keep is None:
-                results[index] = outcome.output[None]  # (1, T, d_model)
+                results[index] = outcome.output[None]  # (1, T, d_model), or logits (1, T, vocab)
             else:  # a padded query's output is zeros
-                results[index] = np.zeros((1, len(keep), self.cfg.d_model), np.float32)
+                results[index] = no_result(self.cfg, len(keep))
                 results[index][0, keep] = outcome.output
 
     # --- session operations: snapshot, restore, fork, rewind ------------------------------------------
@@ -173,7 +173,7 @@ class ConcatSessionEngine(StepEngine):
 
     def attention_maps(self, sequence_id: SequenceId, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """The output (1, T, d_model) and each layer's attention weights `attention.{i}` (1, n_heads, T,
-        length + T) of a step of `tokens` (T, d_model) on the live sequence, computed by the inspection
+        length + T) of a step of `tokens` (T, d_model) (ids (T,)) on the live sequence, computed by the inspection
         graph over its cache: its length and cache are untouched."""
         entry = self.store.get(sequence_id)
         self.store.check_length(sequence_id, entry, len(tokens))
@@ -186,7 +186,8 @@ class ConcatSessionEngine(StepEngine):
     # --- named prefixes ------------------------------------------------------------------------------
 
     def put_prefix(self, owner: str, name: str, tokens: np.ndarray) -> int:
-        """Prefill `tokens` (T, d_model) once, kept as the prefix `name` of `owner` until deleted (it
+        """Prefill `tokens` (T, d_model) (a whole model's ids (T,)) once, kept as the prefix `name` of
+        `owner` until deleted (it
         reserves max_seq_len positions of the budget, as a sequence does); its length. A prefix is
         immutable: an existing name is refused."""
         if len(tokens) == 0 or len(tokens) > self.max_positions:
@@ -194,7 +195,7 @@ class ConcatSessionEngine(StepEngine):
                 f"prefix {name!r}: expected 1 to {self.max_positions} tokens (max_seq_len), got {len(tokens)}"
             )
         self.store.check_prefix(owner, name)  # before the prefill: a refused prefix costs no compute
-        step = Step(tokens.astype(np.float32, copy=False), self.runner.empty_past(), 0)
+        step = Step(step_tokens(self.cfg, tokens), self.runner.empty_past(), 0)
         (outcome,) = run_steps(self.runner, self.copies, [step])
         self.store.put_prefix(owner, name, outcome.present, outcome.length, outcome.nbytes)
         return outcome.length

@@ -1,7 +1,8 @@
-"""`mha`: the stateless model. A request carries the hidden states, the mask and the whole past;
-the answer is the output and the presents (docs/design.md, "Contracts"). Each request is checked on
-its own (shapes, dtypes, finite values, a mask of 0 and 1, past + new within max_seq_len, batch x new
-within the repository's `max_request_tokens`) and a bad one gets its own INVALID_ARG answer naming
+"""`mha`: the stateless model. A request carries the hidden states (a whole model's token ids), the
+mask and the whole past; the answer is the output (a whole model's logits) and the presents
+(docs/design.md, "Contracts"). Each request is checked on its own (shapes, dtypes, finite values, a
+mask of 0 and 1, token ids within the vocabulary, past + new within max_seq_len, batch x new within
+the repository's `max_request_tokens`) and a bad one gets its own INVALID_ARG answer naming
 the input; execute() never raises. A request with the parameter `attention_maps` = true is answered
 by the inspection graph on the CPU (serving/engine/runner.py `InspectionRunner`, opened at the first
 such request): the output, the presents and each layer's attention weights `attention.{i}`."""
@@ -21,6 +22,7 @@ from contract.inputs import (
     check_mask_values,
     check_positions,
     check_request_tokens,
+    check_token_values,
 )
 from serving.engine.errors import InvalidRequest
 from serving.triton import config as triton_config
@@ -50,9 +52,10 @@ class TritonPythonModel:
             batch, past, new = check_inputs(self.model.cfg, arrays, float_dtype="float32")
             check_length(self.model.cfg, past, new)
             check_positions(self.model.cfg, arrays)
-            check_request_tokens(batch, new, self.max_request_tokens)
+            check_request_tokens(batch, new, self.max_request_tokens, name=names.model_input(self.model.cfg))
             check_finite(arrays)
             check_mask_values(arrays)
+            check_token_values(self.model.cfg, arrays)
             runner = self.inspection if _asks_for_maps(request) else self.runner
             return common.response(runner.run_arrays(arrays))
         except Exception as error:  # answered, never raised: the server keeps serving

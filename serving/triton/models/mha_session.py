@@ -1,5 +1,6 @@
 """`mha_session`: the stateful model under Triton's sequence batcher. A step carries the new tokens
-of one sequence (`hidden_states` [1, T, d_model], optional `attention_mask` [1, T]); the server keeps
+of one sequence (`hidden_states` [1, T, d_model], a whole model's `input_ids` [1, T] answered by its
+`logits` [1, T, vocab_size]; optional `attention_mask` [1, T]); the server keeps
 each sequence's KV cache from START to END or eviction, in the engine the `engine` parameter names:
 by default the static one (serving/engine/static_engine.py: one row of a KV pool per sequence, the
 decode steps of one execute() in one graph run, new keys written in place), or `concat`
@@ -21,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 from contract import names
 from serving.engine import factory
 from serving.engine.settings import MAX_LIVE_SEQUENCES
-from serving.engine.steps import StepRequest, Sweeper
+from serving.engine.steps import StepRequest, Sweeper, no_result
 from serving.triton import config as triton_config
 from serving.triton import engines, operations
 from serving.triton.models import common
@@ -37,6 +38,8 @@ class TritonPythonModel:
         cfg, parameters = self.model.cfg, self.model.parameters
         max_batch = int(self.model.model_config["max_batch_size"])
         self.engine = engines.session_engine(self.model.version, cfg, parameters, max_batch, self.model.name)
+        # a whole model's steps carry input_ids and answer logits; an attention model's hidden_states, output
+        self.new_tokens, self.answer = names.model_input(cfg), names.model_output(cfg)
         idle = float(parameters[triton_config.P_IDLE_TIMEOUT])
         self.metrics = SessionGauges(self.model.name, self.engine.cache_kind)
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
@@ -44,7 +47,7 @@ class TritonPythonModel:
         self.watchdog = ParentWatchdog()  # after the load: no stub should outlive its server
 
     def execute(self, requests: list) -> list:
-        steps = [_step_request(request) for request in requests]
+        steps = [_step_request(request, self.new_tokens) for request in requests]
         asked = {i: _operation(request) for i, request in enumerate(requests)}
         answers: list = [None] * len(requests)
         for i, operation in asked.items():  # before the steps: a fork copies the state they start from
@@ -55,7 +58,7 @@ class TritonPythonModel:
             answers[i] = (
                 common.error_response(self.model.name, result)
                 if isinstance(result, Exception)
-                else common.response({names.OUTPUT: result, names.HELD_LENGTH: self._held(steps[i].sequence_id)})
+                else common.response({self.answer: result, names.HELD_LENGTH: self._held(steps[i].sequence_id)})
             )
         self._publish(every_value=False)
         return answers
@@ -70,7 +73,7 @@ class TritonPythonModel:
         except Exception as error:  # the request's own answer; the others go on
             return common.error_response(self.model.name, error)
         outputs = {
-            names.OUTPUT: np.zeros((1, 0, self.model.cfg.d_model), np.float32),
+            self.answer: no_result(self.model.cfg),
             names.HELD_LENGTH: self._held(step.sequence_id),
         }
         return common.response(outputs | answered)
@@ -130,8 +133,8 @@ def _operation(request) -> dict | None:
     return {**parameters, names.SNAPSHOT: None if snapshot is None else snapshot.as_numpy()}
 
 
-def _step_request(request) -> StepRequest:
-    hidden = pb_utils.get_input_tensor_by_name(request, names.HIDDEN_STATES)
+def _step_request(request, new_tokens: str) -> StepRequest:
+    hidden = pb_utils.get_input_tensor_by_name(request, new_tokens)
     mask = pb_utils.get_input_tensor_by_name(request, names.ATTENTION_MASK)
     flags = request.flags()
     return StepRequest(

@@ -1,0 +1,84 @@
+"""A whole model behind the gateway over HTTP: `{"input_ids": [[...]]}` in (JSON or b64 int64), `logits` out,
+stateless and in a session, equal to the PyTorch original; bad ids answer 400 naming `input_ids`.
+
+Its own small Triton serving tests/conftest.py's `whole` artifact (the session's Triton serves an
+attention model)."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from export.artifacts import load_model
+from serving.triton.config import ServingSettings
+from serving.triton.repository import write_repository
+from tests.gateway.conftest import b64_tensor, from_b64, running
+from tests.gateway.test_api import assert_error
+
+pytestmark = pytest.mark.served
+KEY = "whole-key"
+SETTINGS = ServingSettings(threads=1, kv_cache_bytes=16 << 20, max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def whole(artifact_dir, tmp_path_factory):
+    """(an HTTP client of a gateway in front of a Triton serving the `whole` model, its PyTorch original)."""
+    from serving.host.launcher import start_triton
+
+    artifact, work = artifact_dir("whole"), tmp_path_factory.mktemp("whole-gateway")
+    repository = write_repository(artifact, work / "repository", SETTINGS, models=("mha", "mha_session"))
+    server = start_triton(repository, log_path=work / "triton.log")
+    try:
+        with running(api_keys=(KEY,), triton_url=server.grpc_url) as gateway:
+            headers = {"Authorization": f"Bearer {KEY}"}
+            with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as api:
+                yield api, load_model(artifact).eval()
+    finally:
+        server.stop()
+
+
+@torch.no_grad()
+def original(model, ids: np.ndarray) -> np.ndarray:
+    return model(torch.from_numpy(ids)).output.numpy()
+
+
+def test_input_ids_over_http_answer_the_originals_logits(whole):
+    api, model = whole
+    ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (1, 5), dtype=np.int64)
+    expected = original(model, ids)
+    tolerance = 1e-5 * float(np.abs(expected).max())  # fp32 rounding, relative to the logits' scale
+    described = {m["kind"]: m for m in api.get("/v1/models").json()["models"]}
+    assert described["stateless"]["vocab_size"] == model.cfg.vocab_size
+
+    as_json = api.post("/v1/attend", json={"input_ids": ids.tolist()}).json()
+    as_b64 = api.post("/v1/attend?encoding=b64", json={"input_ids": b64_tensor(ids)}).json()
+    np.testing.assert_allclose(np.asarray(as_json["logits"], np.float32), expected, rtol=0, atol=tolerance)
+    np.testing.assert_allclose(from_b64(as_b64["logits"]), expected, rtol=0, atol=tolerance)
+    assert "output" not in as_json and len(as_json["present"]) == model.cfg.n_layers
+
+    session = api.post("/v1/sessions").json()["id"]
+    first = api.post(f"/v1/sessions/{session}/step", json={"input_ids": ids[:, :4].tolist()}).json()
+    second = api.post(f"/v1/sessions/{session}/step?encoding=b64", json={"input_ids": b64_tensor(ids[:, 4:])}).json()
+    served = np.concatenate([np.asarray(first["logits"], np.float32), from_b64(second["logits"])], axis=1)
+    np.testing.assert_allclose(served, expected, rtol=0, atol=tolerance)
+    assert second["length"] == 5
+    assert api.delete(f"/v1/sessions/{session}").status_code in (200, 204)
+
+
+def test_bad_ids_answer_400_naming_the_input(whole):
+    api, model = whole
+    vocab = model.cfg.vocab_size
+    assert_error(
+        api.post("/v1/attend", json={"input_ids": [[1, vocab]]}), 400, "invalid_input", "input_ids", "[0, 256)"
+    )
+    assert_error(api.post("/v1/attend", json={"input_ids": [[-1]]}), 400, "invalid_input", "input_ids", "got -1")
+    assert_error(api.post("/v1/attend", json={"hidden_states": [[[0.5] * 64]]}), 400, "invalid_input", "input_ids")
+    floats = b64_tensor(np.ones((1, 2), np.float32))
+    assert_error(api.post("/v1/attend", json={"input_ids": floats}), 400, "invalid_input", "input_ids", "int64")
+    session = api.post("/v1/sessions").json()["id"]
+    step = f"/v1/sessions/{session}/step"
+    assert_error(api.post(step, json={"input_ids": [[vocab + 7]]}), 400, "invalid_input", "input_ids", str(vocab + 7))
+    assert api.post(step, json={"input_ids": [[1, 2]]}).json()["length"] == 2  # the session goes on
+    api.delete(f"/v1/sessions/{session}")
