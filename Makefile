@@ -39,7 +39,8 @@ browser:
 			|| echo "apt-get could not install chromium: the browser test will be skipped"; \
 	else echo "no /usr/bin/chromium or /usr/bin/chromedriver, and not root with apt-get: the browser test will be skipped"; fi
 
-test: install
+# the tests run the whole-model bench's onnxruntime-genai peer too: its venv is made here, not in their time
+test: install bench-peers
 	$(BIN)/python -m pytest
 
 lint: install

@@ -18,7 +18,8 @@ SHARP_FOR_FP16 = 1e-2
 
 
 def summary_table(report: dict) -> str:
-    columns = ("variant", "size MB", "fused", "output abs", "output rel", "present abs", "result")
+    output = "logits" if report.get("config", {}).get("vocab_size") else "output"  # a whole model's are logits
+    columns = ("variant", "size MB", "fused", f"{output} abs", f"{output} rel", "present abs", "result")
     width = max([12, *map(len, report["variants"])])  # the quantized caches' names are longer
     header = f"{{:<{width}}} {{:>8}} {{:>5}}  {{:>10}} {{:>10}}  {{:>11}}  {{}}".format(*columns)
     lines = [header, "-" * len(header)]

@@ -114,7 +114,23 @@ def default_stack(tmp_path_factory):
         yield served
 
 
+# An example that starts a server of its own (a whole model's) names ports 8100-8102: each run gives them
+# free ports of its own, as it gives the default stack's
+OWN_SERVER_PORTS = ("8100", "8101", "8102")
+_own_ports: dict[str, str] = {}
+
+
+def own_server_ports() -> dict[str, str]:
+    from serving.host.launcher import free_port
+
+    while len(set(_own_ports.values())) < len(OWN_SERVER_PORTS):  # three distinct ones
+        _own_ports.update({port: str(free_port()) for port in OWN_SERVER_PORTS})
+    return _own_ports
+
+
 def localize(code: str, served) -> str:
+    for shown, free in own_server_ports().items():
+        code = re.sub(rf"(?<![\d.]){shown}(?!\d)", free, code)
     if served is not None:
         code = (
             code.replace("127.0.0.1:8080", f"127.0.0.1:{served.gateway_port}")

@@ -167,14 +167,21 @@ def mha_session_config(
 def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
     """What `mha_session`'s KV budget holds, as the repository commands print it: sequences of
     max_seq_len in the deployment's cache on the CPU (and an fp16 one on a GPU), with rows sized to
-    the session how many shorter ones, and a warning when few full-length ones fit."""
+    the session how many shorter ones, and a warning when few full-length ones fit; first, the memory
+    the model's weights take beside the budget (a whole model's embeddings, MLPs and head are most of it)."""
     budget, dtype = settings.kv_cache_bytes, settings.kv_dtype
+    weights = cfg.n_params() * 4  # the fp32 graphs' initializers
+    held = (
+        f"{MHA_SESSION}: weights {weights / (1 << 20):.2f} MiB ({cfg.n_params():,} parameters, fp32) held beside the "
+        f"KV cache budget: {(weights + budget) / (1 << 20):.2f} MiB in all"
+    )
     on_cpu = sequences_fitting(cfg, budget, CPU_CACHE_BITS[dtype])
     cache = "fp32" if dtype == KV_FLOAT else dtype
     lines = [
+        held,
         f"{MHA_SESSION}: KV cache budget {budget / (1 << 20):.0f} MiB = {on_cpu} sequences of up to {cfg.max_seq_len} "
         f"positions on the CPU ({cache})"
-        + (f", {most_sequences(cfg, budget)} on a GPU (fp16)" if dtype == KV_FLOAT else "")
+        + (f", {most_sequences(cfg, budget)} on a GPU (fp16)" if dtype == KV_FLOAT else ""),
     ]
     smallest = min(settings.min_row_positions, cfg.max_seq_len)
     if settings.engine == ENGINE_STATIC and smallest < cfg.max_seq_len:

@@ -12,8 +12,11 @@ proven against transformers' attention classes as before."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import multiprocessing
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,6 +34,7 @@ from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
 from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
+from tests.fixtures.triton import selected
 
 VOCAB = 64
 COMMON = {
@@ -84,22 +88,28 @@ HEAD_SCALE = 40.0
 SETTINGS = ServingSettings(threads=1, kv_cache_bytes=4 << 20, max_batch_size=4)
 
 
+def save_and_import(family: str, work: Path) -> None:
+    """A family's checkpoint saved in `work`/checkpoint and imported by the documented command into
+    `work`/artifact (run in a process of its own: `checkpoints` builds two families at a time)."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:  # norms and biases away from their initial ones and zeros
+                parameter.add_(0.1 * torch.randn_like(parameter))
+        model.get_output_embeddings().weight.mul_(HEAD_SCALE)  # GPT-2's is its token embeddings (tied)
+    model.save_pretrained(work / "checkpoint", max_shard_size="100KB" if family == "llama" else "50MB")  # sharded
+    argv = ["build", "--weights", str(work / "checkpoint"), "--layout", "hf", "--out", str(work / "artifact")]
+    assert export_main([*argv, "--variants", "fp32-fused,fp32-static"]) == 0
+
+
 class Checkpoint:
     """A family's checkpoint on disk, its artifact, and transformers' CausalLM read back from the folder."""
 
-    def __init__(self, family: str, work) -> None:
+    def __init__(self, family: str, work: Path) -> None:
         self.family = family
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation="eager")
-        with torch.no_grad():
-            for parameter in model.parameters():
-                if parameter.dim() == 1:  # norms and biases away from their initial ones and zeros
-                    parameter.add_(0.1 * torch.randn_like(parameter))
-            model.get_output_embeddings().weight.mul_(HEAD_SCALE)  # GPT-2's is its token embeddings (tied)
         self.dir, self.artifact = work / "checkpoint", work / "artifact"
-        model.save_pretrained(self.dir, max_shard_size="100KB" if family == "llama" else "50MB")  # llama: sharded
-        argv = ["build", "--weights", str(self.dir), "--layout", "hf", "--out", str(self.artifact)]
-        assert export_main([*argv, "--variants", "fp32-fused,fp32-static"]) == 0
         self.cfg = ModelConfig.load(self.artifact / files.MODEL_CONFIG_FILENAME)
         self.source = transformers.AutoModelForCausalLM.from_pretrained(
             str(self.dir), dtype=torch.float32, attn_implementation="eager"
@@ -122,16 +132,26 @@ class Checkpoint:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """family -> its Checkpoint, each made once for the module when first asked for."""
+def checkpoints(request, tmp_path_factory):
+    """family -> its Checkpoint: the families this run's tests take, saved and imported two at a time in
+    processes of their own (each build is single-threaded: two fill two cores) when first asked for."""
+    families = sorted(selected(request, "checkpoint"))
     made: dict[str, Checkpoint] = {}
+    work = {family: tmp_path_factory.mktemp(f"hf-{family}") for family in FAMILIES}
+    spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's torch threads
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) as pool:
+        built = {family: pool.submit(save_and_import, family, work[family]) for family in families}
 
-    def get(family: str) -> Checkpoint:
-        if family not in made:
-            made[family] = Checkpoint(family, tmp_path_factory.mktemp(f"hf-{family}"))
-        return made[family]
+        def get(family: str) -> Checkpoint:
+            if family not in made:
+                if family in built:
+                    built[family].result()
+                else:
+                    save_and_import(family, work[family])
+                made[family] = Checkpoint(family, work[family])
+            return made[family]
 
-    return get
+        yield get
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -231,13 +251,13 @@ def served_name(model: str, family: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints, tmp_path_factory):
+def served(request, checkpoints, tmp_path_factory):
     """One real Triton for the module, serving every family's `mha` and `mha_session` as its repository has
     them, each pair under the family's name (`mha-llama`, `mha_session-llama`): the config's name is the
     folder's; the rest is what `write_repository` wrote (Triton starts and stops in seconds: once)."""
     work = tmp_path_factory.mktemp("hf-served")
     repository = work / "repository"
-    for family in FAMILIES:
+    for family in sorted(selected(request, "checkpoint")):
         own = write_repository(checkpoints(family).artifact, work / family, SETTINGS, models=(MHA, MHA_SESSION))
         for model in (MHA, MHA_SESSION):
             target = shutil.copytree(own / model, repository / served_name(model, family))

@@ -177,7 +177,23 @@ def test_triton_has_more_sequence_slots_than_the_engine_admits_sequences(budget_
     ],
 )
 def test_the_capacity_lines_count_what_the_budget_holds(settings, expected):
-    assert triton_config.capacity_lines(preset("tiny"), settings) == expected
+    # tiny's weights: per layer a LayerNorm (64), W_q, W_k, W_v, W_o (4 x 32 x 32) and their biases (4 x 32): 4,288
+    # parameters, 8,576 in its two layers, 34,304 bytes in fp32
+    budget = settings.kv_cache_bytes
+    weights = "mha_session: weights 0.03 MiB (8,576 parameters, fp32) held beside the KV cache budget: "
+    weights += f"{(budget + 34_304) / (1 << 20):.2f} MiB in all"
+    assert triton_config.capacity_lines(preset("tiny"), settings) == [weights, *expected]
+
+
+def test_a_whole_models_capacity_counts_its_embeddings_mlps_and_head():
+    """llama-whole: 512 wide, 4 layers, MLP 1408, vocab 8192, its own head: about 20M parameters, 80 MiB."""
+    cfg = preset("llama-whole")
+    attention = 4 * (512 + 2 * 512 * 512 + 2 * 256 * 512)  # RMSNorm, W_q, W_o, W_k, W_v (4 kv heads of 64)
+    mlps = 4 * (512 + 3 * 512 * 1408)  # its norm, W_gate, W_up, W_down
+    embeddings = 2 * 8192 * 512 + 512  # token embeddings, the head, the final norm
+    assert cfg.n_params() == attention + mlps + embeddings == 20_189_696
+    (first, *_) = triton_config.capacity_lines(cfg, ServingSettings(kv_cache_bytes=64 << 20))
+    assert first.startswith("mha_session: weights 77.02 MiB (20,189,696 parameters, fp32)"), first
 
 
 def test_mha_onnx_runs_on_the_gpu_with_tensorrt_in_fp16(built):
