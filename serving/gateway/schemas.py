@@ -97,9 +97,18 @@ OneSequence = Annotated[Tensor, Documented(list[list[list[FiniteFloat]]] | list[
 OneMask = Annotated[Tensor, Documented(list[list[MaskBit]] | list[MaskBit] | EncodedTensor)]
 
 
+# a whole model's one sequence of token ids: (sequence,) or (1, sequence)
+OneSequenceIds = Annotated[
+    Tensor, Documented(list[list[Annotated[int, Field(ge=0)]]] | list[Annotated[int, Field(ge=0)]] | EncodedTensor)
+]
+
+
 class InspectRequest(Strict):
-    hidden_states: OneSequence = Field(
-        description="(sequence, d_model) or (1, sequence, d_model) float32: one sequence's tokens"
+    hidden_states: OneSequence | None = Field(
+        default=None, description="(sequence, d_model) or (1, sequence, d_model) float32: one sequence's tokens"
+    )
+    input_ids: OneSequenceIds | None = Field(
+        default=None, description="a whole model's: (sequence,) or (1, sequence) int64 token ids, one sequence"
     )
     attention_mask: OneMask | None = Field(
         default=None,

@@ -118,8 +118,9 @@ def step(body: Body, info: ModelInfo) -> ValidStep:
 
 @dataclasses.dataclass(frozen=True)
 class ValidInspect:
-    """A /v1/inspect request: one sequence's new tokens (1, T, d_model) and, stateless only, their mask
-    (1, T); `session` names the session whose next step is inspected (None: stateless)."""
+    """A /v1/inspect request: one sequence's new tokens (1, T, d_model) (a whole model's ids (1, T)) and,
+    stateless only, their mask (1, T); `session` names the session whose next step is inspected (None:
+    stateless)."""
 
     hidden_states: np.ndarray
     attention_mask: np.ndarray | None
@@ -136,27 +137,32 @@ def inspect(body: Body, info: ModelInfo, max_request_tokens: int) -> ValidInspec
             "only the real new tokens"
         )
     tensors, _ = _decode_inputs(body, info)
-    hidden = tensors[names.HIDDEN_STATES]
-    if hidden.ndim not in (2, 3):
-        raise InvalidInput(
-            f"input '{names.HIDDEN_STATES}': expected one sequence, (sequence, d_model) or (1, sequence, d_model) = "
-            f"(T, {info.d_model}) or (1, T, {info.d_model}), got shape {list(hidden.shape)}"
+    first = info.new_tokens
+    new_tokens = tensors[first]
+    whole = first == names.INPUT_IDS  # ids (T,) or (1, T); hidden states (T, d) or (1, T, d)
+    if new_tokens.ndim not in ((1, 2) if whole else (2, 3)):
+        one = (
+            "(sequence,) or (1, sequence) = (T,) or (1, T)"
+            if whole
+            else (f"(sequence, d_model) or (1, sequence, d_model) = (T, {info.d_model}) or (1, T, {info.d_model})")
         )
-    if hidden.ndim == 2:  # (T, d_model): one sequence, its batch axis left out (and its mask's)
-        tensors[names.HIDDEN_STATES] = hidden[None]
+        raise InvalidInput(f"input '{first}': expected one sequence, {one}, got shape {list(new_tokens.shape)}")
+    if new_tokens.ndim == (1 if whole else 2):  # one sequence, its batch axis left out (and its mask's)
+        tensors[first] = new_tokens[None]
         mask = tensors.get(names.ATTENTION_MASK)
         if mask is not None and mask.ndim == 1:
             tensors[names.ATTENTION_MASK] = mask[None]
     try:
         batch, _, new = check_inputs(info.sizes, tensors, float_dtype=info.float_dtype)
-        check_one_sequence(batch)
-        check_request_tokens(batch, new, max_request_tokens, setting="SERVING_MAX_REQUEST_TOKENS")
+        check_one_sequence(batch, first)
+        check_request_tokens(batch, new, max_request_tokens, setting="SERVING_MAX_REQUEST_TOKENS", name=first)
         if new == 0:
-            raise InputError(names.HIDDEN_STATES, "no tokens: the maps need at least one query")
+            raise InputError(first, "no tokens: the maps need at least one query")
         _check_values(tensors)
+        check_token_values(info.sizes, tensors)
     except InputError as error:
         raise InvalidInput(str(error)) from None
-    return ValidInspect(tensors[names.HIDDEN_STATES], tensors.get(names.ATTENTION_MASK), fields.session)
+    return ValidInspect(tensors[first], tensors.get(names.ATTENTION_MASK), fields.session)
 
 
 def check_map_size(info: ModelInfo, past: int, new: int) -> None:

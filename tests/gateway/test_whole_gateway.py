@@ -82,3 +82,26 @@ def test_bad_ids_answer_400_naming_the_input(whole):
     assert_error(api.post(step, json={"input_ids": [[vocab + 7]]}), 400, "invalid_input", "input_ids", str(vocab + 7))
     assert api.post(step, json={"input_ids": [[1, 2]]}).json()["length"] == 2  # the session goes on
     api.delete(f"/v1/sessions/{session}")
+
+
+def test_inspect_answers_a_whole_models_attention_maps_for_token_ids(whole):
+    """/v1/inspect with `input_ids` (one sequence, its batch axis optional): every layer's maps equal the
+    original's attention weights, stateless and for a session's next step (the session unchanged)."""
+    api, model = whole
+    ids = np.random.default_rng(1).integers(0, model.cfg.vocab_size, (1, 6), dtype=np.int64)
+    with torch.no_grad():
+        expected = [w.numpy()[0] for w in model(torch.from_numpy(ids), return_attention=True).attention_weights]
+    stateless = api.post("/v1/inspect", json={"input_ids": ids[0].tolist()}).json()
+    assert stateless["layers"] == model.cfg.n_layers and stateless["queries"] == stateless["keys"] == 6
+    for layer, weights in enumerate(expected):
+        np.testing.assert_allclose(np.asarray(stateless["maps"][layer], np.float32), weights, atol=1e-5)
+
+    session = api.post("/v1/sessions").json()["id"]
+    assert api.post(f"/v1/sessions/{session}/step", json={"input_ids": ids[:, :4].tolist()}).json()["length"] == 4
+    inspected = api.post("/v1/inspect", json={"input_ids": ids[:, 4:].tolist(), "session": session}).json()
+    assert (inspected["queries"], inspected["keys"]) == (2, 6)
+    for layer, weights in enumerate(expected):
+        np.testing.assert_allclose(np.asarray(inspected["maps"][layer], np.float32), weights[:, 4:], atol=1e-5)
+    assert api.post(f"/v1/sessions/{session}/step", json={"input_ids": ids[:, 4:].tolist()}).json()["length"] == 6
+    assert_error(api.post("/v1/inspect", json={"input_ids": [[1, 99999]]}), 400, "invalid_input", "input_ids")
+    api.delete(f"/v1/sessions/{session}")
