@@ -29,6 +29,10 @@ ENGINE_OPERATIONS = {ENGINE_STATIC: names.OPERATIONS, ENGINE_CONCAT: names.OPERA
 # fp16 with the static graph on CUDA), int8, int4 (serving/triton/repository.py picks the graph)
 KV_FLOAT, KV_INT8, KV_INT4 = "float", "int8", "int4"
 KV_DTYPES = (KV_FLOAT, KV_INT8, KV_INT4)
+# The projections' weights of the graphs served: the graph's float, or int8 (fp32-fused-int8w for `mha`,
+# fp32-static-int8w for `mha_session`'s static engine, CPU only): a quarter of the bytes a decode step reads
+WEIGHTS_FLOAT, WEIGHTS_INT8 = "float", "int8"
+WEIGHT_DTYPES = (WEIGHTS_FLOAT, WEIGHTS_INT8)
 NARROWEST_CACHE_BITS = {KV_FLOAT: 16, KV_INT8: 8, KV_INT4: 4}  # on any placement
 CPU_CACHE_BITS = {KV_FLOAT: 32, KV_INT8: 8, KV_INT4: 4}
 # The smallest row of the static engine (serving/engine/sized_pool.py): a session's first row (a 2-layer,
@@ -118,6 +122,7 @@ class ServingSettings:
     # or int8/int4 (the quantized static graphs, CPU), and the smallest row a session starts in
     kv_dtype: str = KV_FLOAT
     min_row_positions: int = _SESSION.min_row_positions
+    weights_dtype: str = WEIGHTS_FLOAT  # both python models: the projections' weights (WEIGHT_DTYPES)
 
     def __post_init__(self) -> None:
         self.session()  # the engine's checks, once
@@ -125,6 +130,13 @@ class ServingSettings:
             raise ValueError(f"max_request_tokens must be at least 1, got {self.max_request_tokens}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {list(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weights_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weights_dtype!r}")
+        if self.weights_dtype != WEIGHTS_FLOAT and self.kv_dtype != KV_FLOAT:
+            raise ValueError(
+                f"weights_dtype {self.weights_dtype} with kv_dtype {self.kv_dtype}: no graph holds both int8 "
+                "weights and a quantized cache; choose one"
+            )
 
     def session(self) -> SessionSettings:
         """The settings `mha_session`'s engine is made with from these."""

@@ -124,6 +124,16 @@ VARIANTS: dict[str, Variant] = {
         fused=True,
         precision_floor=weights_int8.int8_weights_floor,
     ),
+    weights_int8.STATIC_NAME: Variant(
+        weights_int8.STATIC_NAME,
+        weights_int8.make_fp32_static_int8w,
+        weights_int8.INT8_WEIGHTS_TOLERANCE,
+        fused=True,
+        ladder=POOL,
+        target=targets.STATIC,
+        unsupported=forms.static_problem,
+        precision_floor=weights_int8.int8_weights_floor,
+    ),
     "fp32-trt": Variant("fp32-trt", forms.make_fp32_trt, TOLERANCES["fp32-trt"], fused=True, target=targets.TENSORRT),
     "fp16-trt": Variant(
         "fp16-trt", forms.make_fp16_trt, TOLERANCES["fp16-trt"], np.float16, fused=True, target=targets.TENSORRT

@@ -14,7 +14,7 @@ from contract.deployment import CPU, CUDA, HOST_KINDS, TENSORRT
 FP32_FUSED, FP16_FUSED = "fp32-fused", "fp16-fused"
 INSPECT = names.INSPECTION_VARIANT
 INT8_CACHE, INT4_CACHE = "fp32-static-int8kv", "fp32-static-int4kv"
-INT8_WEIGHTS = "fp32-fused-int8w"
+INT8_WEIGHTS, STATIC_INT8_WEIGHTS = "fp32-fused-int8w", "fp32-static-int8w"
 VARIANT_NAMES = (
     "fp32",
     FP32_FUSED,
@@ -25,6 +25,7 @@ VARIANT_NAMES = (
     INT8_CACHE,
     INT4_CACHE,
     INT8_WEIGHTS,
+    STATIC_INT8_WEIGHTS,
     "fp32-trt",
     "fp16-trt",
 )
@@ -34,7 +35,8 @@ INSPECTED_VARIANTS = (FP32_FUSED, FP16_FUSED)  # the fused graphs: one Attention
 # fp32-fused, `mha_session` on fp32-static (fp32-fused with the concat engine), `mha_onnx` on fp32 and
 # the attention maps on the inspection graph; CUDA adds the fp16 forms, TensorRT its own. The
 # quantized caches and weights are built when asked for: a deployment asks for one by its kv_dtype
-# (`python -m serving ensure --kv-dtype int8` adds fp32-static-int8kv).
+# (`python -m serving ensure --kv-dtype int8` adds fp32-static-int8kv), and INT8 weights by its
+# weights_dtype (`--weights-dtype int8` adds fp32-fused-int8w and fp32-static-int8w).
 SERVED = {
     CPU: ("fp32", FP32_FUSED, INSPECT, "fp32-static"),
     CUDA: (FP16_FUSED, "fp16-static"),

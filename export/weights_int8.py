@@ -61,6 +61,8 @@ from export.parity import Tolerance
 from serving.engine.ort import Arrays, Forward
 
 NAME = "fp32-fused-int8w"
+# the static-cache form with the same int8 weights: what a session serves with `--weights-dtype int8`
+STATIC_NAME = "fp32-static-int8w"
 PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
 MLP_PROJECTIONS = ("W_gate", "W_up", "W_down")  # a whole model's MLP (W_gate: gated MLPs only)
 
@@ -106,9 +108,18 @@ def make_fp32_fused_int8w(model: AttentionModel, path: Path) -> Path:
     return quantize_projections(fused, model.cfg, path)
 
 
+def make_fp32_static_int8w(model: AttentionModel, path: Path) -> Path:
+    """The `fp32-static-int8w` variant at `path`: the `fp32-static` graph of `model` (GroupQueryAttention over
+    the shared cache buffers), its projections quantized as `fp32-fused-int8w`'s: the sessions' form of INT8
+    weights. The attention op and the caches stay fp32."""
+    from export.forms import static_proto
+
+    return quantize_projections(static_proto(model), model.cfg, path)
+
+
 def quantize_projections(fused: onnx.ModelProto, cfg: ModelConfig, path: Path) -> Path:
-    """`fused` (an `fp32-fused` graph of `cfg`) with its projections quantized by ONNX Runtime, written to
-    `path` with the config attached as every variant carries it, checked by onnx.checker."""
+    """`fused` (an `fp32-fused` graph of `cfg`, or its static form) with its projections quantized by ONNX
+    Runtime, written to `path` with the config attached as every variant carries it, checked by onnx.checker."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     fused = _constant_transposed_weights(fused)
@@ -122,6 +133,9 @@ def quantize_projections(fused: onnx.ModelProto, cfg: ModelConfig, path: Path) -
             weight_type=QuantType.QInt8,  # the options and why: this module's doc
             per_channel=True,
             reduce_range=REDUCE_RANGE,  # 7-bit weights only where 8-bit products would saturate
+            # the static form's GroupQueryAttention (com.microsoft) leaves shape inference without the
+            # types after it: every weight quantized here is fp32
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )
     quantized = onnx.load(str(path))
     attach_config(quantized, cfg)  # the tool adds metadata of its own; keep fp32-fused's

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
-from contract.deployment import ENGINES, HOST_KINDS, KV_DTYPES, MODELS, PYTHON_MODELS, ServingSettings
+from contract.deployment import ENGINES, HOST_KINDS, KV_DTYPES, MODELS, PYTHON_MODELS, WEIGHT_DTYPES, ServingSettings
 
 if TYPE_CHECKING:
     from export.progress import Progress
@@ -94,6 +94,13 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         "static graphs: 4x/8x the sessions of fp32 per byte, CPU only)",
     )
     add(
+        "--weights-dtype",
+        choices=WEIGHT_DTYPES,
+        default=defaults.weights_dtype,
+        help="both python models: the projections' weights: the graph's float (default), or int8 (the INT8-weight "
+        "graphs: a quarter of the weight bytes a step reads, CPU only; not with a quantized --kv-dtype)",
+    )
+    add(
         "--min-row-positions",
         type=int,
         default=defaults.min_row_positions,
@@ -110,6 +117,7 @@ def settings_from(args: argparse.Namespace) -> ServingSettings:
         max_batch_size=args.max_batch_size,
         engine=args.engine,
         kv_dtype=args.kv_dtype,
+        weights_dtype=args.weights_dtype,
         min_row_positions=args.min_row_positions,
         max_request_tokens=args.max_request_tokens,
     )
@@ -134,10 +142,9 @@ def export_to(
     """
     from export.build import HOST, BuildError, build
     from export.progress import Progress
-    from serving.triton.repository import P_CPU, QUANTIZED_STATIC_FILES, write_repository
+    from serving.triton.repository import asked_variants, write_repository
 
-    wanted = QUANTIZED_STATIC_FILES.get((settings or ServingSettings()).kv_dtype, {}).get(P_CPU, ())
-    variants = (host or HOST, *wanted)
+    variants = (host or HOST, *asked_variants(settings or ServingSettings()))
     try:
         report = build(cfg, artifacts, variants, progress=progress or Progress(enabled=False))
     except BuildError:

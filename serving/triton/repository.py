@@ -21,7 +21,7 @@ from pathlib import Path
 
 from contract import names
 from contract.config import ModelConfig
-from contract.deployment import ENGINE_CONCAT, ENGINE_OPERATIONS, ENGINE_STATIC, KV_INT4, KV_INT8
+from contract.deployment import ENGINE_CONCAT, ENGINE_OPERATIONS, ENGINE_STATIC, KV_INT4, KV_INT8, WEIGHTS_INT8
 from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
 from serving.triton import config as triton_config
 from serving.triton import digests
@@ -54,13 +54,40 @@ PYTHON_FILES: dict[str, dict[str, tuple[str, ...]]] = {
     ENGINE_CONCAT: {P_CPU: ("fp32-fused", "fp32"), P_CUDA: ("fp32-fused", "fp32")},
 }
 QUANTIZED_STATIC_FILES = {KV_INT8: {P_CPU: ("fp32-static-int8kv",)}, KV_INT4: {P_CPU: ("fp32-static-int4kv",)}}
+# With INT8 weights (`weights_dtype`): the graphs whose projections are int8, on the CPU only (ONNX Runtime's
+# dynamic quantization is a CPU kernel): the fused one for `mha` and the concat engine, the static one for
+# the static engine. Asked for by name, they are never given up silently for the float graphs.
+INT8_WEIGHTS_FILES = {
+    triton_config.MHA: {P_CPU: ("fp32-fused-int8w",)},
+    ENGINE_STATIC: {P_CPU: ("fp32-static-int8w",)},
+    ENGINE_CONCAT: {P_CPU: ("fp32-fused-int8w",)},
+}
 
 
 def session_choices(settings: ServingSettings, engine: str) -> dict[str, tuple[str, ...]]:
-    """mha_session's graphs per placement for `engine` and the deployment's KV cache dtype."""
+    """mha_session's graphs per placement for `engine` and the deployment's KV cache and weights dtypes."""
+    if settings.weights_dtype == WEIGHTS_INT8:
+        return INT8_WEIGHTS_FILES[engine]
     if engine == ENGINE_STATIC and settings.kv_dtype in QUANTIZED_STATIC_FILES:
         return QUANTIZED_STATIC_FILES[settings.kv_dtype]
     return PYTHON_FILES[engine]
+
+
+def stateless_choices(settings: ServingSettings) -> dict[str, tuple[str, ...]]:
+    """mha's graphs per placement for the deployment's weights dtype."""
+    return (
+        INT8_WEIGHTS_FILES[triton_config.MHA]
+        if settings.weights_dtype == WEIGHTS_INT8
+        else PYTHON_FILES[triton_config.MHA]
+    )
+
+
+def asked_variants(settings: ServingSettings) -> tuple[str, ...]:
+    """The variants a build makes only when asked for that these settings serve (a quantized cache, INT8
+    weights): `python -m serving ensure` adds them to its build."""
+    if settings.weights_dtype == WEIGHTS_INT8:
+        return tuple(dict.fromkeys(v for files in INT8_WEIGHTS_FILES.values() for v in files[P_CPU]))
+    return QUANTIZED_STATIC_FILES.get(settings.kv_dtype, {}).get(P_CPU, ())
 
 
 # mha_onnx loads the plain fp32 graph: (1) every op of it has a CUDA kernel in the ONNX Runtime of
@@ -128,10 +155,15 @@ def session_engine(settings: ServingSettings, passing: set[str]) -> str:
     if settings.engine == ENGINE_STATIC and P_CPU not in python_files(
         session_choices(settings, ENGINE_STATIC), passing
     ):
-        if settings.kv_dtype in QUANTIZED_STATIC_FILES:  # a cache asked for by name is not given up silently
-            wanted = QUANTIZED_STATIC_FILES[settings.kv_dtype][P_CPU][0]
+        if settings.kv_dtype in QUANTIZED_STATIC_FILES or settings.weights_dtype == WEIGHTS_INT8:
+            (wanted,) = session_choices(settings, ENGINE_STATIC)[P_CPU]  # asked for by name: never given up silently
+            setting = (
+                f"weights_dtype {settings.weights_dtype}"
+                if settings.weights_dtype == WEIGHTS_INT8
+                else (f"kv_dtype {settings.kv_dtype}")
+            )
             raise RepositoryError(
-                f"kv_dtype {settings.kv_dtype} needs the {wanted} variant, which the artifact does not have "
+                f"{setting} needs the {wanted} variant, which the artifact does not have "
                 f"(passing: {sorted(passing)}); build it: python -m export build --variants {wanted}"
             )
         return ENGINE_CONCAT
@@ -143,7 +175,7 @@ def model_files(passing: set[str], settings: ServingSettings | None = None) -> d
     settings = settings or ServingSettings()
     engine = session_engine(settings, passing)
     return {
-        triton_config.MHA: python_files(PYTHON_FILES[triton_config.MHA] | INSPECTION_FILES, passing),
+        triton_config.MHA: python_files(stateless_choices(settings) | INSPECTION_FILES, passing),
         triton_config.MHA_SESSION: python_files(session_choices(settings, engine) | INSPECTION_FILES, passing),
     }
 
@@ -178,8 +210,11 @@ def write_repository(
     files = model_files(passing, settings)
     for name in triton_config.PYTHON_MODELS:
         if name in models and P_CPU not in files[name]:
+            build = ""
+            if settings.weights_dtype == WEIGHTS_INT8:  # asked for by name: say how to build it
+                build = f" (weights_dtype int8: python -m export build --variants {','.join(asked_variants(settings))})"
             raise RepositoryError(
-                f"{artifact_dir}: no passing variant for {name} on the CPU; passing: {sorted(passing)}"
+                f"{artifact_dir}: no passing variant for {name} on the CPU{build}; passing: {sorted(passing)}"
             )
     if triton_config.MHA_ONNX in models and ONNX_BACKEND_VARIANT not in passing:
         raise RepositoryError(f"{artifact_dir}: {triton_config.MHA_ONNX} needs the passing `{ONNX_BACKEND_VARIANT}`")

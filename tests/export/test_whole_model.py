@@ -21,6 +21,7 @@ from export.forms import last_logits_proto
 from export.parity import TOLERANCES
 from export.weights_int8 import MLP_PROJECTIONS, PROJECTIONS, projection_matmuls
 from export.weights_int8 import NAME as INT8_WEIGHTS
+from export.weights_int8 import STATIC_NAME as STATIC_INT8_WEIGHTS
 from serving.engine.kv_pool import KVPool
 from serving.engine.ort import CPU_PROVIDER, graph_sizes, ort_session
 from tests.fixtures.builds import artifact_build
@@ -60,10 +61,15 @@ def test_the_ladder_compares_logits_and_presents(whole):
     assert set(worst) == {names.LOGITS, *names.present_names(cfg_layers)}
 
 
-def test_int8_weights_quantize_the_mlps_and_the_head(whole):
-    _, directory, _ = whole
+@pytest.mark.parametrize(
+    ("name", "variant"),
+    [("whole", INT8_WEIGHTS), ("whole", STATIC_INT8_WEIGHTS), ("whole-gpt2", INT8_WEIGHTS)],  # as builds.py builds
+)
+def test_int8_weights_quantize_the_mlps_and_the_head(artifact_dir, name, variant):
+    """Both forms of INT8 weights (the fused graph's, and the static cache's that sessions serve)."""
+    directory = artifact_dir(name)
     cfg = load_model(directory).cfg
-    graph = onnx.load(str(directory / files.model_filename(INT8_WEIGHTS)))
+    graph = onnx.load(str(directory / files.model_filename(variant)))
     ops = [node.op_type for node in graph.graph.node]
     mlp = sum(1 for projection in MLP_PROJECTIONS if projection != "W_gate" or cfg.mlp == "gated")
     assert ops.count("MatMulInteger") == cfg.n_layers * (len(PROJECTIONS) + mlp) + 1  # + the head
