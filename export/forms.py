@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime  # noqa: F401  (the float16 converter below comes from it; import errors show here)
@@ -339,8 +340,102 @@ def static_proto(model: AttentionModel) -> onnx.ModelProto:
     proto = ir.to_proto(graph_model)
     proto.ir_version = IR_VERSION
     del proto.graph.value_info[:]  # shapes inferred for the concat form; the buffers keep their length now
+    pack_qkv(proto)
     name_axes(proto, cfg, names.static_input_specs(cfg) + names.static_output_specs(cfg))
     return proto
+
+
+# --- q, k and v in one MatMul ------------------------------------------------------------------------
+#
+# GroupQueryAttention takes q, k and v packed in its query input ((B, T, (n_heads + 2 n_kv) hd), key and
+# value left empty), as onnxruntime-genai's graphs feed it: one MatMul of the normalized states with the
+# three weights side by side instead of three, a third of the projections' kernel launches of a decode
+# step. Where a layer's q, k and v are the three MatMuls of one input with constant weights (a bias
+# each, or none), reshaped only (no transpose, no per-head norm: Qwen3's q/k norms keep them apart), they
+# become one MatMul (and one Add) of the concatenated weights, the same numbers in another order of the
+# output axis, which is the order the op unpacks.
+LAYOUT_OPS = ("Reshape", "Identity")
+
+
+def pack_qkv(proto: onnx.ModelProto) -> int:
+    """Pack each GroupQueryAttention's q, k and v projections into one MatMul where they allow it (above),
+    in place; the number of layers packed."""
+    graph = proto.graph
+    producer = {output: node for node in graph.node for output in node.output}
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    packed = 0
+    for node in [n for n in graph.node if (n.domain, n.op_type) == (MICROSOFT_DOMAIN, "GroupQueryAttention")]:
+        projections = [_projection(name, producer, initializers) for name in node.input[:3]]
+        if None in projections or len({p[0].input[0] for p in projections}) != 1:
+            continue
+        if len({add is None for _, add in projections}) != 1:
+            continue  # some biased, some not: never exported so (the importer zero-fills a missing bias)
+        _pack(graph, node, projections, initializers)
+        packed += 1
+    _drop_unused(graph)
+    return packed
+
+
+def _projection(value: str, producer: dict, initializers: dict):
+    """(the MatMul, its bias Add or None) whose output reaches `value` through reshapes only, when the
+    MatMul's weight (and the Add's bias) are 2D (1D) initializers; else None."""
+    node = producer.get(value)
+    while node is not None and node.op_type in LAYOUT_OPS:
+        node = producer.get(node.input[0])
+    add = None
+    if node is not None and node.op_type == "Add":
+        add, bias = node, next((name for name in node.input if name in initializers), None)
+        others = [i for i in node.input if i != bias]
+        if bias is None or len(others) != 1 or len(initializers[bias].dims) != 1:
+            return None
+        node = producer.get(others[0])
+    if node is None or node.op_type != "MatMul" or node.input[1] not in initializers:
+        return None
+    return (node, add) if len(initializers[node.input[1]].dims) == 2 else None
+
+
+def _pack(graph, attention, projections, initializers) -> None:
+    from onnx import helper, numpy_helper
+
+    layer = layer_of_name(attention.output[1])
+    weights = [numpy_helper.to_array(initializers[matmul.input[1]]) for matmul, _ in projections]
+    weight = numpy_helper.from_array(np.concatenate(weights, axis=1), f"packed_qkv.{layer}.weight")
+    graph.initializer.append(weight)
+    packed = f"packed_qkv.{layer}"
+    nodes = [helper.make_node("MatMul", [projections[0][0].input[0], weight.name], [packed], name=packed)]
+    if projections[0][1] is not None:
+        biases = [numpy_helper.to_array(initializers[_bias_of(add, initializers)]) for _, add in projections]
+        bias = numpy_helper.from_array(np.concatenate(biases), f"packed_qkv.{layer}.bias")
+        graph.initializer.append(bias)
+        nodes.append(helper.make_node("Add", [packed, bias.name], [f"{packed}.biased"], name=f"{packed}.bias"))
+    first = min(list(graph.node).index(matmul) for matmul, _ in projections)
+    for offset, new in enumerate(nodes):
+        graph.node.insert(first + offset, new)
+    attention.input[0] = nodes[-1].output[0]
+    attention.input[1] = attention.input[2] = ""  # packed: the op reads k and v from the query input
+
+
+def layer_of_name(present: str) -> int:
+    """The layer of a present key's graph output name (`present.{i}.key`)."""
+    return int(present.split(".")[1])
+
+
+def _bias_of(add, initializers) -> str:
+    return next(name for name in add.input if name in initializers)
+
+
+def _drop_unused(graph) -> None:
+    """Nodes none of whose outputs is read (and initializers nothing reads), until none is left."""
+    while True:
+        used = {name for node in graph.node for name in node.input} | {value.name for value in graph.output}
+        dead = [node for node in graph.node if not any(output in used for output in node.output)]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    used = {name for node in graph.node for name in node.input}
+    for tensor in [t for t in graph.initializer if t.name not in used]:
+        graph.initializer.remove(tensor)
 
 
 def quantized_static_proto(model: AttentionModel, quantization: CacheQuantization) -> onnx.ModelProto:

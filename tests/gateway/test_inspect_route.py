@@ -74,7 +74,8 @@ BAD_BODIES = [
     ({"hidden_states": "ONE_TOO_WIDE"}, 400, ["input 'hidden_states'", "expected shape", "got [1, 2, D+1]"]),
     ({"hidden_states": [[[[0.0]]]]}, 400, ["input 'hidden_states'", "expected one sequence", "got shape [1, 1, 1, 1]"]),
     ({"hidden_states": [[float("1e39")] * 4]}, 400, ["input 'hidden_states'"]),
-    ({"tokens": 3}, 422, ["body.hidden_states", "body.tokens"]),
+    ({"tokens": 3}, 422, ["body.tokens"]),  # (hidden_states or a whole model's input_ids: which, the model says)
+    ({}, 422, ["body.hidden_states: Field required"]),
     ({"hidden_states": "zeros"}, 422, ["body.hidden_states"]),
     ({"hidden_states": None, "session": "x"}, 422, ["body.hidden_states"]),
     ({"hidden_states": WIDE, "attention_mask": [1, 1], "session": "x"}, 422, ["attention_mask", "session"]),
