@@ -1,8 +1,8 @@
 """A whole model behind the gateway over HTTP: `{"input_ids": [[...]]}` in (JSON or b64 int64), `logits` out,
 stateless and in a session, equal to the PyTorch original; bad ids answer 400 naming `input_ids`.
 
-Its own small Triton serving tests/conftest.py's `whole` artifact (the session's Triton serves an
-attention model)."""
+In front of the session's whole-model Triton (tests/fixtures/triton.py `whole_triton`: tests/conftest.py's
+`whole` artifact; the session's main Triton serves an attention model)."""
 
 from __future__ import annotations
 
@@ -12,31 +12,21 @@ import pytest
 import torch
 
 from export.artifacts import load_model
-from serving.triton.config import ServingSettings
-from serving.triton.repository import write_repository
+from tests.fixtures.triton import WHOLE_ARTIFACT
 from tests.gateway.conftest import b64_tensor, from_b64, running
 from tests.gateway.test_api import assert_error
 
 pytestmark = pytest.mark.served
 KEY = "whole-key"
-SETTINGS = ServingSettings(threads=1, kv_cache_bytes=16 << 20, max_batch_size=4)
 
 
 @pytest.fixture(scope="module")
-def whole(artifact_dir, tmp_path_factory):
-    """(an HTTP client of a gateway in front of a Triton serving the `whole` model, its PyTorch original)."""
-    from serving.host.launcher import start_triton
-
-    artifact, work = artifact_dir("whole"), tmp_path_factory.mktemp("whole-gateway")
-    repository = write_repository(artifact, work / "repository", SETTINGS, models=("mha", "mha_session"))
-    server = start_triton(repository, log_path=work / "triton.log")
-    try:
-        with running(api_keys=(KEY,), triton_url=server.grpc_url) as gateway:
-            headers = {"Authorization": f"Bearer {KEY}"}
-            with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as api:
-                yield api, load_model(artifact).eval()
-    finally:
-        server.stop()
+def whole(artifact_dir, whole_triton):
+    """(an HTTP client of a gateway in front of the session's whole-model Triton, the PyTorch original)."""
+    with running(api_keys=(KEY,), triton_url=whole_triton.grpc_url) as gateway:
+        headers = {"Authorization": f"Bearer {KEY}"}
+        with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as api:
+            yield api, load_model(artifact_dir(WHOLE_ARTIFACT)).eval()
 
 
 @torch.no_grad()

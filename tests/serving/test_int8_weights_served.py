@@ -18,11 +18,11 @@ from export import choices
 from export.artifacts import load_model
 from serving.engine.ort import ort_runner, ort_session
 from serving.engine.steps import StepRequest
-from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
 from serving.triton.config import MHA, MHA_SESSION
-from serving.triton.repository import RepositoryError, model_files, write_repository
+from serving.triton.repository import RepositoryError, model_files
 from tests.fixtures.engine import full_rows_engine
+from tests.fixtures.triton import INT8_WEIGHTS, WHOLE_ARTIFACT
 
 PROMPT, STEPS = 7, 12
 # The int8 weights' error against the original: the build holds each graph within 2x of what quantizing
@@ -31,20 +31,21 @@ PROMPT, STEPS = 7, 12
 # unquantized where its scale is applied) moves every logit by its whole size. 0.2 of the scale holds the
 # first and fails the second; the served path itself is held to the graph in process (1e-5).
 ORIGINAL_SCALE_BOUND = 0.2
-SETTINGS = ServingSettings(threads=1, kv_cache_bytes=4 << 20, weights_dtype="int8")
+SETTINGS = ServingSettings(weights_dtype="int8")
 
 
 @pytest.fixture(scope="module")
-def served(artifact_dir, tmp_path_factory):
-    artifact, work = artifact_dir("whole"), tmp_path_factory.mktemp("int8-weights")
-    repository = write_repository(artifact, work / "repository", SETTINGS, models=(MHA, MHA_SESSION))
-    with start_triton(repository, log_path=work / "triton.log") as server, Client(server.grpc_url) as client:
-        yield client, artifact, repository
+def served(artifact_dir, whole_triton):
+    """(a client of the INT8-weight models of the session's whole-model Triton, the artifact, their repository)."""
+    models = {"model": f"{MHA}{INT8_WEIGHTS}", "session_model": f"{MHA_SESSION}{INT8_WEIGHTS}"}
+    with Client(whole_triton.grpc_url, **models) as client:
+        yield client, artifact_dir(WHOLE_ARTIFACT), whole_triton.repository
 
 
 def served_graph(repository, model: str) -> str:
-    config = triton_config.parse((repository / model / triton_config.TRITON_CONFIG_FILENAME).read_text())
-    return triton_config.parameter(config, triton_config.P_ONNX_FILE)
+    """The ONNX file the INT8-weight copy of `model` serves on the CPU."""
+    path = repository / f"{model}{INT8_WEIGHTS}" / triton_config.TRITON_CONFIG_FILENAME
+    return triton_config.parameter(triton_config.parse(path.read_text()), triton_config.P_ONNX_FILE)
 
 
 @pytest.mark.served

@@ -1,7 +1,7 @@
 """Whole models served: token ids in, logits out, through a real Triton and the client library.
 
-One Triton per whole config of tests/conftest.py (Llama's block, `whole`; GPT-2's, `whole-gpt2`), started
-together while the next artifact builds. Against the PyTorch original (export.artifacts.load_model):
+A Triton per whole config of tests/conftest.py: Llama's block (`whole`) on the session's whole-model Triton,
+GPT-2's (`whole-gpt2`) on one of its own. Against the PyTorch original (export.artifacts.load_model):
 
 - a session over a left-padded prefill and 16 greedy decode steps: the logits within 1e-5 of their scale
   and the same greedy token at every step;
@@ -12,6 +12,8 @@ together while the next artifact builds. Against the PyTorch original (export.ar
 """
 
 from __future__ import annotations
+
+import concurrent.futures
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from contract import names
 from export.artifacts import load_model
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
-from tests.fixtures.triton import selected, started_together
+from tests.fixtures.triton import WHOLE_ARTIFACT, selected, started_together
 from tests.serving.helpers import Client as Triton
 
 pytestmark = pytest.mark.served
@@ -38,14 +40,20 @@ SETTINGS = ServingSettings(threads=1, kv_cache_bytes=16 << 20, max_batch_size=4)
 
 @pytest.fixture(scope="module")
 def servers(request, artifact_dir, tmp_path_factory):
-    """config name -> (a Future of its Triton, its PyTorch original) for the configs this run's tests take."""
+    """config name -> (a Future of its Triton, its PyTorch original) for the configs this run's tests take:
+    `whole` on the session's whole-model Triton (tests/fixtures/triton.py), `whole-gpt2` on one of its own."""
     with started_together() as start:
         made = {}
         for name in (name for name in CONFIGS if name in selected(request, "name")):
-            work = tmp_path_factory.mktemp(f"served-{name}")
             artifact = artifact_dir(name)
-            repository = write_repository(artifact, work / "repository", SETTINGS, models=("mha", "mha_session"))
-            made[name] = start(repository, log_path=work / "triton.log"), load_model(artifact).eval()
+            if name == WHOLE_ARTIFACT:
+                server = concurrent.futures.Future()
+                server.set_result(request.getfixturevalue("whole_triton"))
+            else:
+                work = tmp_path_factory.mktemp(f"served-{name}")
+                repository = write_repository(artifact, work / "repository", SETTINGS, models=("mha", "mha_session"))
+                server = start(repository, log_path=work / "triton.log")
+            made[name] = server, load_model(artifact).eval()
         yield made
 
 
