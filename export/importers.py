@@ -642,22 +642,39 @@ def import_weights(
             raise LayoutProblems(problems)
     except LayoutProblems as error:
         raise WeightsError(path, error.problems) from None
+    model = loaded_model(cfg, layout, tensors, layers)
+    weights = provenance(path, layout.name, tensors, cfg, biased)
+    if left_out:
+        weights["left_out"] = left_out_groups(left_out)
+    return Imported(model, weights, check_against_source(layout, tensors, layers, model, path))
+
+
+def loaded_model(
+    cfg: ModelConfig, layout: Layout, tensors: Mapping[str, Tensor], layers: list[SourceLayer], rest: dict | None = None
+) -> AttentionModel:
+    """The model of `cfg` holding each layer's tensors under our names (and `rest`: a whole model's
+    embeddings, MLPs, final norm and head), every key of it given (strict), in eval mode."""
     model = AttentionModel(cfg)
     state = {
         f"layers.{i}.{key}": tensor
         for i, layer in enumerate(layers)
         for key, tensor in layout.convert(tensors, cfg, layer).items()
     }
-    model.load_state_dict(state, strict=True)
-    model.eval()
-    weights = {"file": str(path), "layout": layout.name, "sha256": sha256(path)}
+    model.load_state_dict(state | (rest or {}), strict=True)
+    return model.eval()
+
+
+def provenance(
+    path: Path, layout: str, tensors: Mapping[str, Tensor], cfg: ModelConfig, biased: tuple[str, ...]
+) -> dict:
+    """Where the weights came from (report.json `weights`): the file, its layout and sha256, a sharded
+    checkpoint's shards, and the projection biases imported as zeros."""
+    weights = {"file": str(path), "layout": layout, "sha256": sha256(path)}
     if isinstance(tensors, SafetensorsFiles) and len(tensors.shards) > 1:
         weights["shards"] = {shard.name: sha256(shard) for shard in tensors.shards}
     if cfg.bias and len(biased) < len(PROJECTIONS):
         weights["zero_biases"] = [p for p in PROJECTIONS if p not in biased]
-    if left_out:
-        weights["left_out"] = left_out_groups(left_out)
-    return Imported(model, weights, check_against_source(layout, tensors, layers, model, path))
+    return weights
 
 
 # --- a whole Hugging Face decoder --------------------------------------------------------------------
@@ -886,19 +903,8 @@ def import_whole(path: Path, tensors: Mapping[str, Tensor], given: dict) -> Impo
             raise LayoutProblems(problems)
     except LayoutProblems as error:
         raise WeightsError(path, error.problems) from None
-    model = AttentionModel(cfg)
-    state = {
-        f"layers.{i}.{key}": tensor
-        for i, layer in enumerate(layers)
-        for key, tensor in attention.convert(tensors, cfg, layer).items()
-    }
-    model.load_state_dict(state | decoder.convert(tensors, cfg), strict=True)
-    model.eval()
-    weights = {"file": str(path), "layout": "hf", "sha256": sha256(path), "whole": True}
-    if isinstance(tensors, SafetensorsFiles) and len(tensors.shards) > 1:
-        weights["shards"] = {shard.name: sha256(shard) for shard in tensors.shards}
-    if cfg.bias and len(biased) < len(PROJECTIONS):
-        weights["zero_biases"] = [p for p in PROJECTIONS if p not in biased]
+    model = loaded_model(cfg, attention, tensors, layers, decoder.convert(tensors, cfg))
+    weights = {**provenance(path, "hf", tensors, cfg, biased), "whole": True}
     return Imported(model, weights, check_whole(path.parent, model))
 
 

@@ -91,12 +91,7 @@ def from_file(path: str | Path, cfg: ModelConfig) -> CalibrationData:
     if cfg.whole:
         return _ids_from_file(path, cfg)
     expected = f"a .npy array of float (N, T, {cfg.d_model}) with 1 <= T <= {cfg.max_seq_len}"
-    if path.suffix != ".npy":
-        raise CalibrationError(f"calibration file {path}: expected {expected}, got a '{path.suffix}' file")
-    try:
-        hidden = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as error:
-        raise CalibrationError(f"calibration file {path}: expected {expected}, cannot read it ({error})") from None
+    hidden = _read_npy(path, expected)
     shape_ok = hidden.ndim == 3 and hidden.shape[0] >= 1 and 1 <= hidden.shape[1] <= cfg.max_seq_len
     if not (shape_ok and hidden.shape[-1] == cfg.d_model and hidden.dtype.kind == "f"):
         raise CalibrationError(f"calibration file {path}: expected {expected}, got {hidden.dtype} {list(hidden.shape)}")
@@ -106,14 +101,19 @@ def from_file(path: str | Path, cfg: ModelConfig) -> CalibrationData:
     return CalibrationData(hidden.astype(np.float32), {"file": path.name, "sha256": digest})
 
 
-def _ids_from_file(path: Path, cfg: ModelConfig) -> CalibrationData:
-    expected = f"a .npy array of integer token ids (N, T) in [0, {cfg.vocab_size}) with 1 <= T <= {cfg.max_seq_len}"
+def _read_npy(path: Path, expected: str) -> np.ndarray:
+    """The array of a `.npy` calibration file (never a pickle), or a CalibrationError saying what was expected."""
     if path.suffix != ".npy":
         raise CalibrationError(f"calibration file {path}: expected {expected}, got a '{path.suffix}' file")
     try:
-        ids = np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as error:
         raise CalibrationError(f"calibration file {path}: expected {expected}, cannot read it ({error})") from None
+
+
+def _ids_from_file(path: Path, cfg: ModelConfig) -> CalibrationData:
+    expected = f"a .npy array of integer token ids (N, T) in [0, {cfg.vocab_size}) with 1 <= T <= {cfg.max_seq_len}"
+    ids = _read_npy(path, expected)
     shape_ok = ids.ndim == 2 and ids.shape[0] >= 1 and 1 <= ids.shape[1] <= cfg.max_seq_len
     if not (shape_ok and ids.dtype.kind in "iu" and ids.size and ids.min() >= 0 and ids.max() < cfg.vocab_size):
         raise CalibrationError(f"calibration file {path}: expected {expected}, got {ids.dtype} {list(ids.shape)}")
