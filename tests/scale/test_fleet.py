@@ -169,7 +169,9 @@ def gateway_sessions(fleet, hidden: np.ndarray, victim: int) -> dict[str, int]:
     held: dict[str, int] = {}
     while list(held.values()).count(victim) < 2 or len(held) < 6:
         assert len(held) < 40, f"40 gateway sessions and fewer than 2 on replica {victim}: {held}"
-        session_id = httpx.post(f"{fleet.gateway_url}/v1/sessions", timeout=60).json()["id"]
+        opened = httpx.post(f"{fleet.gateway_url}/v1/sessions", timeout=60)
+        assert "id" in opened.json(), (opened.status_code, opened.text)  # what the gateway said, if it refused
+        session_id = opened.json()["id"]
         assert step_on(fleet.gateway_url, session_id, hidden).status_code == 200
         held[session_id] = replica_index(fleet, SessionIds(SECRET).read(session_id).replica)
     return held
