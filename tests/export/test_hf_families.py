@@ -28,6 +28,7 @@ from contract import files, names
 from contract.config import ModelConfig
 from contract.inputs import default_positions
 from export.__main__ import main as export_main
+from export.importers import import_weights
 from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_runner, ort_session
 from serving.host.launcher import start_triton
@@ -234,16 +235,17 @@ def test_the_static_graph_in_the_serving_pool_equals_the_causal_lm(checkpoint):
 
 
 def test_attention_only_keeps_the_attention_blocks_proven_and_lists_the_rest(tmp_path):
+    """The import `--attention-only` makes (export/importers.py; the CLI passes the flag through, and
+    tests/serving/test_imported_models.py builds and serves one): the attention blocks of a whole checkpoint,
+    proven against the family's attention classes, the rest listed."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES["qwen3"](), attn_implementation="eager")
     model.save_pretrained(tmp_path / "checkpoint")
-    argv = ["build", "--weights", str(tmp_path / "checkpoint"), "--layout", "hf", "--attention-only"]
-    assert export_main([*argv, "--out", str(tmp_path / "artifact"), "--variants", "fp32-fused"]) == 0
-    report = json.loads((tmp_path / "artifact" / files.REPORT_FILENAME).read_text())
-    check = report["source_check"]
+    imported = import_weights(tmp_path / "checkpoint", "hf", attention_only=True)
+    check = imported.source_check
     assert check["passed"] and "Qwen3Attention" in check["module"] and check["max_abs"] <= 1e-5, check
-    assert {"model.embed_tokens", "lm_head", "model.norm", "model.layers.{i}.mlp"} <= set(report["weights"]["left_out"])
-    assert not ModelConfig.load(tmp_path / "artifact" / files.MODEL_CONFIG_FILENAME).whole
+    assert {"model.embed_tokens", "lm_head", "model.norm", "model.layers.{i}.mlp"} <= set(imported.weights["left_out"])
+    assert not imported.model.cfg.whole
 
 
 def served_name(model: str, family: str) -> str:
