@@ -57,7 +57,9 @@ def start_front(
         return OneTriton(supervise(options, front_ports, options.log))
     proxy = proxy_settings(ports, options.address, ejection_s)
     say(f"starting {replicas} Triton replicas and Envoy in front of them")
-    return start_fleet(replicas, lambda index: supervise(options, {}, replica_log(options.log, index)), proxy)
+    # the replicas' own ports are picked before Envoy binds the front's: never one of those, nor another's
+    taken = {port for port in (ports.http, ports.grpc, gateway[1] if gateway else 0) if port}
+    return start_fleet(replicas, lambda index: supervise(options, {}, replica_log(options.log, index), taken), proxy)
 
 
 def proxy_settings(ports: FrontPorts, address: str, ejection_s: float = ProxySettings.ejection_s) -> ProxySettings:
@@ -79,10 +81,14 @@ def replica_log(log: Path | None, index: int) -> Path | None:
     return log.with_name(f"{log.stem}-{index}{log.suffix}")
 
 
-def supervise(options: TritonOptions, ports: dict[str, int], log: Path | None) -> Supervisor:
+def supervise(
+    options: TritonOptions, ports: dict[str, int], log: Path | None, taken: set[int] | None = None
+) -> Supervisor:
     """Triton started and kept serving (serving/host/supervisor.py): the same ports and log at every
-    restart, so the gateway and the clients find it again. A port not given is picked now, once."""
-    ports = {name: ports.get(name) or free_port(options.address) for name in ("http", "grpc", "metrics")}
+    restart, so the gateway and the clients find it again. A port not given is picked now, once, and
+    never one of `taken` (ports promised to others that may not be bound yet), which it joins."""
+    taken = set() if taken is None else taken
+    ports = {name: ports.get(name) or free_port_but(options.address, taken) for name in ("http", "grpc", "metrics")}
 
     def start():
         return start_triton(
@@ -96,6 +102,19 @@ def supervise(options: TritonOptions, ports: dict[str, int], log: Path | None) -
         )
 
     return Supervisor(start, interval=options.probe_interval)
+
+
+_PICKING = threading.Lock()  # the replicas pick their ports in threads of their own (start_fleet)
+
+
+def free_port_but(address: str, taken: set[int]) -> int:
+    """A free port that is not in `taken`, added to it."""
+    with _PICKING:
+        port = free_port(address)
+        while port in taken:
+            port = free_port(address)
+        taken.add(port)
+        return port
 
 
 class OneTriton:
