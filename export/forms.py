@@ -42,7 +42,6 @@ from export.fusion import clean_up, fused_proto
 from export.kv_quant import CacheQuantization
 from export.model import AttentionModel
 from export.onnx_export import IR_VERSION, name_axes, plain_graph, save_onnx
-from serving.engine.kv_pool import last_logits_graph
 
 MICROSOFT_DOMAIN = "com.microsoft"
 # GroupQueryAttention's inputs before its scales (0-based): ..., cos_cache 7, sin_cache 8, position_ids 9,
@@ -244,7 +243,7 @@ def _rotary_attributes(node: ir.Node) -> dict:
 
 def layer_of(present: ir.Value) -> int:
     """The layer a present key belongs to, from its graph output name (`present.{i}.key`)."""
-    return int(present.name.split(".")[1])
+    return layer_of_name(present.name)
 
 
 class ToSingleOutputAttention4D(_Attention4DRewrite):
@@ -491,19 +490,6 @@ def tensorrt_proto(model: AttentionModel) -> onnx.ModelProto:
     proto = ir.to_proto(graph_model)
     proto.ir_version = IR_VERSION
     return proto
-
-
-def last_logits_proto(proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A whole model's form (static, fused, fp16 alike) that answers only the last position's logits
-    (B, 1, vocab): its final norm and head read the last position of the residual stream (a Slice
-    before the final norm), so a prefill of T tokens computes and writes one row of logits instead of
-    T. The caches are the full graph's. Made where a graph is opened (`KVPool`'s
-    `last_logits_session`); the function itself lives beside the pool (serving/engine/kv_pool.py,
-    `last_logits_graph`), which may not import the export."""
-    try:
-        return last_logits_graph(proto)
-    except ValueError as error:
-        raise FormError(str(error)) from None
 
 
 def make_fp32_static(model: AttentionModel, path) -> object:

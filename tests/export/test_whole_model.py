@@ -17,12 +17,11 @@ from contract import files, names
 from export import report as report_module
 from export.artifacts import load_model
 from export.choices import expand
-from export.forms import last_logits_proto
 from export.parity import TOLERANCES
 from export.weights_int8 import MLP_PROJECTIONS, PROJECTIONS, projection_matmuls
 from export.weights_int8 import NAME as INT8_WEIGHTS
 from export.weights_int8 import STATIC_NAME as STATIC_INT8_WEIGHTS
-from serving.engine.kv_pool import KVPool
+from serving.engine.kv_pool import KVPool, last_logits_graph
 from serving.engine.ort import CPU_PROVIDER, graph_sizes, ort_session
 from tests.fixtures.builds import artifact_build
 
@@ -93,7 +92,7 @@ def test_the_static_form_through_the_pool_equals_the_original_and_its_last_logit
     model = load_model(directory).eval()
     path = directory / files.model_filename("fp32-static")
     session = ort_session(path)
-    last = ort.InferenceSession(last_logits_proto(onnx.load(str(path))).SerializeToString(), providers=[CPU_PROVIDER])
+    last = ort.InferenceSession(last_logits_graph(onnx.load(str(path))).SerializeToString(), providers=[CPU_PROVIDER])
     assert graph_sizes(session).vocab_size == model.cfg.vocab_size
     full = KVPool(session, model.cfg, rows=3, capacity=32)
     short = KVPool(ort_session(path), model.cfg, rows=3, capacity=32, last_logits_session=last)
