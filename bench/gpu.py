@@ -35,7 +35,7 @@ import numpy as np
 
 from bench.timing import Budget, Timing, measure
 from contract import files, names
-from contract.config import ModelConfig, preset
+from contract.config import NO_NORM, ModelConfig, preset
 from export import artifacts
 from export.progress import Progress
 
@@ -47,13 +47,15 @@ BUILT_VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-trt", "fp16-trt", "f
 BUILD = (*BUILT_VARIANTS, "fp32-static")  # what a proof builds: fp32-static too, for the served mha_session
 PARITY_VARIANTS = (*BUILT_VARIANTS, GRAPHS)
 LATENCY_VARIANTS = ("fp16-fused", "fp16-trt", "fp16-static", GRAPHS)
-TORCH, PEER = "torch-fp16", "torch-static-fp16"
+TORCH, PEER, TRANSFORMERS = "torch-fp16", "torch-static-fp16", "transformers-fp16"
 # both PyTorch candidates are fp16: they differ by fp16 roundings of the same sums (a few 2^-11)
 PEER_BOUND = 5e-3
-CANDIDATES = (TORCH, PEER, *LATENCY_VARIANTS)
 PASTS = (128, 512, 1024, 2048, 4096, 8192, 16384)
 BATCHES = (1, 8, 32)
-PRESETS = ("seed", "large")
+PRESETS = ("seed", "large", "llama-whole", "seed-bare")
+# shapes the proof measures beside the contract's presets: an imported bare module (no norm before
+# attention, no residual), whose fp16 forms run the attention node in fp32 between Casts (docs/importing.md)
+BENCH_PRESETS = {"seed-bare": dataclasses.replace(preset("seed"), norm=NO_NORM, residual=False)}
 
 
 class GPUProofError(RuntimeError):
@@ -81,7 +83,7 @@ CPU = Device("cpu", "CPUExecutionProvider", "cpu")
 
 def bench_config(name: str, longest_past: int = max(PASTS)) -> ModelConfig:
     """The preset, sized for the longest past measured plus the steps that follow it."""
-    return dataclasses.replace(preset(name), max_seq_len=longest_past + 64)
+    return dataclasses.replace(BENCH_PRESETS.get(name) or preset(name), max_seq_len=longest_past + 64)
 
 
 # --- the host ------------------------------------------------------------------------------------------
@@ -218,7 +220,7 @@ def cpu_compute_nodes(path: Path, placement: dict) -> list[str]:
 
 
 def parity(directory: Path, device: Device, progress: Progress, decode_steps: int = 128) -> dict:
-    from export.build import POOL, VARIANTS
+    from export.build import POOL, VARIANTS, precision_floor
     from export.parity import POOL_ROWS, Scenario, compare_pool_rung, compare_rung, pool_schedule
     from export.runners import torch_runner
     from serving.engine.kv_pool import KVPool
@@ -231,14 +233,17 @@ def parity(directory: Path, device: Device, progress: Progress, decode_steps: in
     results = {}
     for name in PARITY_VARIANTS:
         variant = VARIANTS[name.removesuffix("+graphs")]
+        # the fp16 bound is the build's: 2e-3 of the scale, or 8x the precision floor's error where larger
+        floor = precision_floor(model, variant)
         with progress.stage(f"parity on {device.torch}: {name}"):
             session = candidate_session(directory, name, device)
             if variant.ladder == POOL:
                 pool = KVPool(session, cfg, rows=POOL_ROWS, capacity=cfg.max_seq_len)
                 schedule = pool_schedule(cfg.max_seq_len, decode_steps)
-                rung = compare_pool_rung(cfg, reference, pool, schedule, variant.tolerance)
+                rung = compare_pool_rung(cfg, reference, pool, schedule, variant.tolerance, floor=floor)
             else:
-                rung = compare_rung(cfg, reference, ort_runner(session), scenario, variant.tolerance, cast=variant.cast)
+                runner = ort_runner(session)
+                rung = compare_rung(cfg, reference, runner, scenario, variant.tolerance, cast=variant.cast, floor=floor)
             placement = node_placement(session) if session.get_session_options().enable_profiling else {}
         worst = {tensor: error.to_dict() for tensor, error in rung.tensors.items()}
         results[name] = {
@@ -266,29 +271,88 @@ def torch_step(model, device: Device, batch: int, past: int) -> Step:
     cfg, like = model.cfg, next(model.parameters())
     shape = (batch, cfg.n_kv_heads, past, cfg.head_dim)
     cache = [KVCache(like.new_empty(shape).normal_(), like.new_empty(shape).normal_()) for _ in model.layers]
-    hidden = like.new_empty((batch, 1, cfg.d_model)).normal_()
+    new_tokens = step_tokens(cfg, batch, like)
     mask = torch.ones(batch, past + 1, dtype=torch.int64, device=like.device)
+    # given, not counted from the mask on the host (the original's default for eager callers)
+    positions = torch.full((batch, 1), past, dtype=torch.int64, device=like.device) if cfg.positioned else None
 
     def step():
         with torch.inference_mode():
-            model(hidden, mask, cache)
+            model(new_tokens, mask, cache, position_ids=positions)
         device.synchronize()
 
     return step
+
+
+def step_tokens(cfg: ModelConfig, batch: int, like):
+    """One new token per row on `like`'s device: ids (B, 1) of a whole model, else states in `like`'s dtype."""
+    from bench.peers import random_tokens
+
+    tokens = random_tokens(cfg, batch, 1).to(like.device)
+    return tokens if cfg.whole else tokens.to(like.dtype)
 
 
 def peer_step(model, device: Device, batch: int, past: int) -> Step:
     from bench.peers import StaticCacheDecoder
 
     decoder = StaticCacheDecoder(model, batch, capacity=past + 1)
-    hidden = next(model.parameters()).new_empty((batch, 1, model.cfg.d_model)).normal_()
+    new_tokens = step_tokens(model.cfg, batch, next(model.parameters()))
 
     def step():
         decoder.length = past
-        decoder.step(hidden)
+        decoder.step(new_tokens)
         device.synchronize()
 
     return step
+
+
+def transformers_step(model, device: Device, batch: int, past: int) -> Step:
+    """transformers' LlamaForCausalLM with our weights, as its users run it: eager, its dynamic cache
+    (each step concatenates the new key and value), cropped back to `past` after every step."""
+    import torch
+    import transformers
+
+    cfg, like = model.cfg, next(model.parameters())
+    hf = transformers_model(model)
+    cache = transformers.DynamicCache(config=hf.config)
+    shape = (batch, cfg.n_kv_heads, past, cfg.head_dim)
+    for layer in range(cfg.n_layers):
+        cache.update(like.new_empty(shape).normal_(), like.new_empty(shape).normal_(), layer)
+    new_tokens = step_tokens(cfg, batch, like)
+    positions = torch.full((batch, 1), past, dtype=torch.int64, device=like.device)
+
+    def step():
+        with torch.inference_mode():
+            hf(input_ids=new_tokens, position_ids=positions, past_key_values=cache, use_cache=True)
+        cache.crop(-1)  # the step's key and value off again: the cache holds `past` positions
+        device.synchronize()
+
+    return step
+
+
+def transformers_model(model):
+    """transformers' LlamaForCausalLM holding `model`'s weights, on its device in its dtype."""
+    import transformers
+
+    from bench.whole_model import hf_config, hf_name
+
+    like = next(model.parameters())
+    hf = transformers.LlamaForCausalLM(hf_config(model.cfg)).to(device=like.device, dtype=like.dtype).eval()
+    hf.load_state_dict({hf_name(name): tensor for name, tensor in model.state_dict().items()}, strict=True)
+    return hf
+
+
+def check_transformers(model) -> float:
+    """transformers' logits against the original's over a 9-token prompt of 2 rows, relative to their scale."""
+    import torch
+
+    from bench.peers import random_tokens
+
+    ids = random_tokens(model.cfg, 2, 9, torch.Generator().manual_seed(0)).to(next(model.parameters()).device)
+    with torch.inference_mode():
+        expected = model(ids).output.float()
+        actual = transformers_model(model)(input_ids=ids).logits.float()
+    return float((actual - expected).abs().max() / expected.abs().max())
 
 
 def stateless_step(session, device: Device, cfg: ModelConfig, batch: int, past: int) -> Step:
@@ -304,13 +368,14 @@ def stateless_step(session, device: Device, cfg: ModelConfig, batch: int, past: 
         torch.randn(shape, device=device.torch).to(getattr(torch, np.dtype(dtype).name))
         for _ in names.past_names(cfg.n_layers)
     ]
-    rng = np.random.default_rng(0)
     binding = session.io_binding()
-    binding.bind_cpu_input(names.HIDDEN_STATES, rng.standard_normal((batch, 1, cfg.d_model)).astype(dtype))
+    binding.bind_cpu_input(names.model_input(cfg), host_tokens(cfg, batch, dtype)[:, None])
     binding.bind_cpu_input(names.ATTENTION_MASK, np.ones((batch, past + 1), np.int64))
+    if cfg.positioned:
+        binding.bind_cpu_input(names.POSITION_IDS, np.full((batch, 1), past, np.int64))
     for name, cache in zip(names.past_names(cfg.n_layers), caches, strict=True):
         binding.bind_input(name, device.ort, 0, dtype, list(shape), cache.data_ptr())
-    binding.bind_output(names.OUTPUT, "cpu")
+    binding.bind_output(names.model_output(cfg), "cpu")
     for name in names.present_names(cfg.n_layers):
         binding.bind_output(name, device.ort, 0)
 
@@ -321,12 +386,19 @@ def stateless_step(session, device: Device, cfg: ModelConfig, batch: int, past: 
     return step
 
 
+def host_tokens(cfg: ModelConfig, batch: int, dtype) -> np.ndarray:
+    """One new token for each of `batch` rows on the host: ids (B,) int64 of a whole model, else states (B, d_model)."""
+    rng = np.random.default_rng(0)
+    if cfg.whole:
+        return rng.integers(cfg.vocab_size, size=batch, dtype=np.int64)
+    return rng.standard_normal((batch, cfg.d_model)).astype(dtype)
+
+
 def static_step(pool, cfg: ModelConfig, batch: int, past: int) -> Step:
     """A static-cache graph: `batch` rows of the pool at length `past`, every row adding one token.
     One pool per batch size and session, as long as the longest past: a CUDA graph is captured once
     per window and replayed whatever the lengths, as the serving engine replays it."""
-    rng = np.random.default_rng(0)
-    tokens = {row: rng.standard_normal((1, cfg.d_model)).astype(pool.dtype) for row in range(batch)}
+    tokens = dict(enumerate(host_tokens(cfg, batch, pool.dtype)[:, None]))
 
     def step():
         pool.lengths[:batch] = past
@@ -346,8 +418,11 @@ class Shape:
 
 
 def decode_floor_ms(cfg: ModelConfig, shape: Shape, gbps: float) -> float:
-    """Reading the fp16 cache and weights once at the measured HBM bandwidth."""
-    nbytes = cfg.kv_cache_bytes(shape.batch, shape.past, 2) + cfg.n_params() * 2
+    """Reading the fp16 cache and weights once at the measured HBM bandwidth (a whole model's step
+    gathers one row of its embedding tables: the table is read whole only as a tied LM head)."""
+    gathered = cfg.vocab_size * cfg.d_model if cfg.whole and not cfg.tie_embeddings else 0
+    gathered += cfg.max_seq_len * cfg.d_model if cfg.learned_positions else 0
+    nbytes = cfg.kv_cache_bytes(shape.batch, shape.past, 2) + (cfg.n_params() - gathered) * 2
     return nbytes / (gbps * 1e9) * 1e3
 
 
@@ -369,13 +444,16 @@ def latency(directory: Path, device: Device, grid: Grid, budget: Budget, passes:
     model = artifacts.load_model(directory).to(device.torch).half()
     cfg = model.cfg
     peer_error = check_peer(model, device.torch, torch.float16)
+    transformers_error = check_transformers(model) if TRANSFORMERS in candidates(cfg) else None
     sessions = {name: candidate_session(directory, name, device) for name in LATENCY_VARIANTS}
     capacity = max(grid.pasts) + 1
     makers = {
         TORCH: lambda s: torch_step(model, device, s.batch, s.past),
+        TRANSFORMERS: lambda s: transformers_step(model, device, s.batch, s.past),
         PEER: lambda s: peer_step(model, device, s.batch, s.past),
         **{name: _session_maker(directory, sessions[name], device, cfg, name, capacity) for name in LATENCY_VARIANTS},
     }
+    makers = {name: makers[name] for name in candidates(cfg)}
     rows = []
     for shape in grid.shapes():
         with progress.stage(f"{cfg_label(cfg)} decode {shape.label}"):
@@ -392,17 +470,26 @@ def latency(directory: Path, device: Device, grid: Grid, budget: Budget, passes:
     return {
         "config": cfg.to_dict(),
         "peer_error": peer_error,
+        "transformers_error": transformers_error,
         "rows": rows,
         "placement": placement,
         "cpu_compute_ops": cpu_nodes,
     }
 
 
+def candidates(cfg: ModelConfig) -> tuple[str, ...]:
+    """What a decode step is timed for, in this order: the PyTorch original, transformers' own model of a
+    Llama-shaped whole model, the static-cache peer, each fp16 ONNX form."""
+    from bench.whole_model import llama_shaped
+
+    return (TORCH, *((TRANSFORMERS,) if llama_shaped(cfg) else ()), PEER, *LATENCY_VARIANTS)
+
+
 def _measure_shape(shape: Shape, makers: dict[str, Callable[[Shape], Step]], budget: Budget, passes: int) -> dict:
     steps = {name: make(shape) for name, make in makers.items()}
-    timings = {name: Timing() for name in CANDIDATES}
+    timings = {name: Timing() for name in makers}
     for turn in range(passes):
-        for name in CANDIDATES if turn % 2 == 0 else CANDIDATES[::-1]:
+        for name in list(makers) if turn % 2 == 0 else list(makers)[::-1]:
             measure(steps[name], budget, into=timings[name])
     candidates = {name: timing.to_dict() for name, timing in timings.items()}
     return {"batch": shape.batch, "past": shape.past, "label": shape.label, "candidates": candidates}
@@ -477,6 +564,136 @@ def runner_lines(log_path: Path) -> list[str]:
     return [line.split("] ", 1)[-1] for line in lines if ": runner " in line and ".onnx on " in line]
 
 
+# --- (e) greedy generation -------------------------------------------------------------------------------
+
+
+def generation(directory: Path, device: Device, plan: Plan, progress: Progress) -> dict:
+    """Greedy generation of a Llama-shaped whole model: a `plan.generation_prompt`-token prompt per row,
+    then `plan.generation_tokens` tokens, at each of `plan.generation_batches`: the serving engine's GPU
+    form (fp16-static with CUDA graphs through KVPool, the prompt through the last-position-logits graph)
+    against transformers' LlamaForCausalLM in fp16 with its dynamic cache, the same weights, one warm-up
+    then `plan.generation_rounds` rounds in alternating order. Each token is read back to the host (a
+    loop that checks stop tokens must). Reported per batch: time to the first token, a decode step's
+    median and 90th percentile, tokens/s over the whole generation, and how long the two greedy
+    sequences agree (fp16 roundings can part them where two logits are nearly equal)."""
+    import onnx
+
+    from bench.whole_model import agreement
+    from serving.engine.kv_pool import KVPool, last_logits_graph
+
+    model = artifacts.load_model(directory).to(device.torch).half()
+    cfg = model.cfg
+    path = variant_file(directory, GRAPHS)
+    last_path = directory / f"last_logits.{path.name}"
+    onnx.save(last_logits_graph(onnx.load(str(path))), str(last_path))
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in plan.generation_batches:
+        prompts = rng.integers(cfg.vocab_size, size=(batch, plan.generation_prompt), dtype=np.int64)
+        pool = KVPool(
+            device_session(path, device, profile=False, cuda_graphs=device.provider == CUDA),
+            cfg,
+            rows=batch,
+            capacity=plan.generation_prompt + plan.generation_tokens,
+            last_logits_session=device_session(last_path, device, profile=False),
+        )
+        generators = {GRAPHS: engine_generator(pool), TRANSFORMERS: transformers_generator(model, device)}
+        with progress.stage(f"{cfg_label(cfg)} greedy generation, batch {batch}"):
+            runs = {name: [] for name in generators}
+            for turn in range(plan.generation_rounds + 1):  # the first is the warm-up
+                for name in list(generators) if turn % 2 == 0 else list(generators)[::-1]:
+                    generated = generators[name](prompts, plan.generation_tokens)
+                    if turn:
+                        runs[name].append(generated)
+        rows.append({"batch": batch, "candidates": {name: generation_summary(r) for name, r in runs.items()}})
+        rows[-1]["agreement"] = agreement(runs[GRAPHS][-1].tokens, runs[TRANSFORMERS][-1].tokens)
+        del pool
+        gc.collect()
+    return {"prompt": plan.generation_prompt, "tokens": plan.generation_tokens, "rows": rows}
+
+
+def engine_generator(pool) -> Callable:
+    """Greedy generation through a KVPool with as many rows as prompts: the prompts prefilled (last
+    position's logits only), then one decode run for every row per token."""
+    from bench.whole_model import Generation
+
+    def pick(answers: dict) -> np.ndarray:
+        for row, answer in answers.items():
+            if isinstance(answer, Exception):
+                raise GPUProofError(f"generation: row {row} failed: {answer}") from answer
+        return np.array([answers[row][-1].argmax() for row in sorted(answers)], np.int64)
+
+    def generate(prompts: np.ndarray, tokens: int) -> Generation:
+        for row in range(len(prompts)):
+            pool.reset(row)
+        started = time.perf_counter()
+        chosen = [pick(pool.run(dict(enumerate(prompts)), last_only=True))]
+        prefill_ms, step_ms = (time.perf_counter() - started) * 1e3, []
+        for _ in range(tokens - 1):
+            t0 = time.perf_counter()
+            chosen.append(pick(pool.run({row: chosen[-1][row : row + 1] for row in range(len(prompts))})))
+            step_ms.append((time.perf_counter() - t0) * 1e3)
+        return Generation(prefill_ms, step_ms, np.stack(chosen, axis=1))
+
+    return generate
+
+
+def transformers_generator(model, device: Device) -> Callable:
+    """Greedy generation by transformers' model of `model` (its weights, dtype and device) with its
+    dynamic cache, the prompt's logits at its last position only (as its `generate` asks for them)."""
+    import torch
+    import transformers
+
+    from bench.whole_model import Generation
+
+    hf = transformers_model(model)
+
+    def generate(prompts: np.ndarray, tokens: int) -> Generation:
+        ids = torch.from_numpy(prompts).to(device.torch)
+        cache = transformers.DynamicCache(config=hf.config)
+        with torch.inference_mode():
+            started = time.perf_counter()
+            logits = hf(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
+            chosen = [logits[:, -1].argmax(-1).cpu()]
+            prefill_ms, step_ms = (time.perf_counter() - started) * 1e3, []
+            for _ in range(tokens - 1):
+                t0 = time.perf_counter()
+                logits = hf(input_ids=chosen[-1][:, None].to(device.torch), past_key_values=cache).logits
+                chosen.append(logits[:, -1].argmax(-1).cpu())
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+        return Generation(prefill_ms, step_ms, torch.stack(chosen, dim=1).numpy())
+
+    return generate
+
+
+def generation_summary(runs: list) -> dict:
+    """A candidate's rounds: the median time to the first token, every decode step's median and 90th
+    percentile, and tokens/s of the median round (all rows' tokens over the round's whole time)."""
+    totals = [run.prefill_ms + sum(run.step_ms) for run in runs]
+    steps = np.concatenate([run.step_ms for run in runs])
+    batch, tokens = runs[0].tokens.shape
+    return {
+        "ttft_ms": float(np.median([run.prefill_ms for run in runs])),
+        "step_p50_ms": float(np.percentile(steps, 50)),
+        "step_p90_ms": float(np.percentile(steps, 90)),
+        "tokens_per_s": batch * tokens / (float(np.median(totals)) / 1e3),
+    }
+
+
+def generation_table(results: dict) -> str:
+    header = f"{'preset':<11} {'batch':>5} {'candidate':<20} {'TTFT ms':>9} {'step p50':>9} {'step p90':>9}"
+    lines = [header + f" {'tok/s':>9}"]
+    for preset_name, entry in results["presets"].items():
+        for row in (entry.get("generation") or {}).get("rows", []):
+            for name, c in row["candidates"].items():
+                times = f"{c['ttft_ms']:>9.2f} {c['step_p50_ms']:>9.3f} {c['step_p90_ms']:>9.3f}"
+                lines.append(f"{preset_name:<11} {row['batch']:>5} {name:<20} {times} {c['tokens_per_s']:>9.0f}")
+            per_row = row["agreement"]["per_row"]
+            agreed = f"{min(per_row)} (fewest), {int(np.median(per_row))} (median over {len(per_row)} rows)"
+            lines.append(f"{'':<18} greedy tokens agree before the first difference: {agreed}")
+    return "\n".join(lines)
+
+
 # --- (d) the run, its files and its table -------------------------------------------------------------------
 
 
@@ -490,6 +707,10 @@ class Plan:
     served_runs: int = 60
     bandwidth_mib: int = 2048  # the device-to-device copy that measures the HBM bandwidth, and its runs
     bandwidth_runs: int = 20
+    generation_prompt: int = 512  # (e), for a Llama-shaped whole model: prompt and new tokens per row
+    generation_tokens: int = 128
+    generation_batches: tuple[int, ...] = (1, 16)
+    generation_rounds: int = 3
     reuse_build: bool = False  # use a build already in the work folder (see `_build`); the command always builds
 
     @classmethod
@@ -500,6 +721,8 @@ class Plan:
 def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, progress: Progress, out: Path) -> dict:
     """Every section in turn; a section that raises is recorded as failed and the next one still runs,
     and the results are written after each (a long run loses nothing it measured)."""
+    from bench.whole_model import llama_shaped
+
     results: dict = {"host": host() if device == GPU else {"device": "cpu"}, "started": time.strftime("%Y-%m-%d %H:%M")}
     results["errors"], results["presets"] = {}, {}
 
@@ -528,7 +751,11 @@ def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, 
         entry["latency"] = section(
             f"{name} latency", lambda d=directory: latency(d, device, plan.grid, plan.budget, plan.passes, progress)
         )
-        if name == presets[0]:
+        if llama_shaped(bench_config(name, max(plan.grid.pasts))) and plan.generation_batches:
+            entry["generation"] = section(
+                f"{name} generation", lambda d=directory: generation(d, device, plan, progress)
+            )
+        if name == presets[0] and plan.served_pasts:
             results["served"] = section(
                 "served", lambda d=directory: served(d, root / "served", plan.served_pasts, plan.served_runs, progress)
             )
@@ -589,6 +816,9 @@ def problems(results: dict) -> list[str]:
         peer_error = (entry.get("latency") or {}).get("peer_error", 0.0)
         if peer_error > PEER_BOUND:
             found.append(f"{preset_name}: the PyTorch static-cache peer is off the original by {peer_error:.1e}")
+        transformers_error = (entry.get("latency") or {}).get("transformers_error") or 0.0
+        if transformers_error > PEER_BOUND:
+            found.append(f"{preset_name}: transformers' model is off the original by {transformers_error:.1e}")
     if results.get("served") and results["served"]["on_cpu"]:
         found.append(f"served models on the CPU: {results['served']['on_cpu']}")
     return found
@@ -599,16 +829,21 @@ def median(row: dict, name: str) -> float:
 
 
 def latency_table(results: dict) -> str:
-    header = f"{'preset':<6} {'shape':<12} {'torch ms':>9} " + " ".join(f"{n + ' (x)':>24}" for n in CANDIDATES[1:])
-    header += f" {'floor ms':>9} {'static/floor':>12}"
-    lines = [header, "-" * len(header)]
+    lines = []
     for preset_name, entry in results["presets"].items():
-        for row in (entry.get("latency") or {}).get("rows", []):
+        rows = (entry.get("latency") or {}).get("rows", [])
+        if not rows:
+            continue
+        others = [name for name in rows[0]["candidates"] if name != TORCH]
+        header = f"{'preset':<11} {'shape':<12} {'torch ms':>9} " + " ".join(f"{n + ' (x)':>24}" for n in others)
+        header += f" {'floor ms':>9} {'static/floor':>12}"
+        lines += [header, "-" * len(header)]
+        for row in rows:
             base = median(row, TORCH)
-            cells = " ".join(f"{median(row, n):>14.4f} ({base / median(row, n):>5.2f}x)" for n in CANDIDATES[1:])
+            cells = " ".join(f"{median(row, n):>14.4f} ({base / median(row, n):>5.2f}x)" for n in others)
             floor = row["floor_ms"]
             ratio = median(row, GRAPHS) / floor
-            lines.append(f"{preset_name:<6} {row['label']:<12} {base:>9.4f} {cells} {floor:>9.4f} {ratio:>12.2f}")
+            lines.append(f"{preset_name:<11} {row['label']:<12} {base:>9.4f} {cells} {floor:>9.4f} {ratio:>12.2f}")
     lines.append(
         f"(x) = {TORCH} median / candidate median; floor = fp16 cache + weights read once at the HBM bandwidth"
     )
@@ -616,17 +851,17 @@ def latency_table(results: dict) -> str:
 
 
 def parity_table(results: dict) -> str:
-    lines = [f"{'preset':<6} {'variant':<12} {'output abs':>10} {'output rel':>10} {'result':<8} where it ran"]
+    lines = [f"{'preset':<11} {'variant':<12} {'output abs':>10} {'output rel':>10} {'result':<8} where it ran"]
     for preset_name, entry in results["presets"].items():
         for variant, outcome in (entry.get("parity") or {}).items():
-            output = outcome["worst"][names.OUTPUT]
+            output = outcome["worst"].get(names.LOGITS) or outcome["worst"][names.OUTPUT]
             placed = (outcome["placement"] or {}).get("providers", {})
             providers = ", ".join(f"{p.replace('ExecutionProvider', '')}: {sum(c.values())}" for p, c in placed.items())
             result = "pass" if outcome["passed"] else "FAIL"
             if outcome["cpu_compute_ops"]:
                 result += " (CPU!)"
             errors = f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}"
-            lines.append(f"{preset_name:<6} {variant:<12} {errors} {result:<8} {providers}")
+            lines.append(f"{preset_name:<11} {variant:<12} {errors} {result:<8} {providers}")
     return "\n".join(lines)
 
 
@@ -652,6 +887,8 @@ def report(results: dict) -> str:
         parts.append(parity_table(results))
     if any(entry.get("latency") and "floor_ms" in entry["latency"]["rows"][0] for entry in results["presets"].values()):
         parts.append(latency_table(results))
+    if any(entry.get("generation") for entry in results["presets"].values()):
+        parts.append(generation_table(results))
     if results.get("served"):
         parts.append(served_table(results))
     return "\n\n".join(parts)
@@ -676,7 +913,7 @@ def plot(results: dict, out: Path) -> list[Path]:
         for axis, batch in zip(axes[0], batches, strict=True):
             rows = [r for r in entry["latency"]["rows"] if r["batch"] == batch]
             pasts = [r["past"] for r in rows]
-            for name in CANDIDATES:
+            for name in rows[0]["candidates"]:
                 axis.plot(pasts, [median(r, name) for r in rows], marker="o", label=name)
             axis.plot(pasts, [r["floor_ms"] for r in rows], "k:", label="HBM floor (fp16)")
             axis.set(title=f"{preset_name}, batch {batch}", xlabel="past length", ylabel="ms per step")
@@ -697,12 +934,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="short budgets, one pass")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
     parser.add_argument("--artifacts", type=Path, help="build artifacts under DIR/<preset> (default: temporary)")
+    parser.add_argument("--pasts", help=f"comma-separated past lengths (default {','.join(map(str, PASTS))})")
+    parser.add_argument("--batches", help=f"comma-separated batch sizes (default {','.join(map(str, BATCHES))})")
+    parser.add_argument("--no-served", action="store_true", help="leave out (c), the models served by Triton")
 
 
 def run(args) -> int:
     progress = Progress()
     presets = tuple(name for name in args.presets.split(",") if name)
     plan = Plan.quick() if args.quick else Plan()
+    grid = Grid(
+        pasts=tuple(int(p) for p in args.pasts.split(",")) if args.pasts else PASTS,
+        batches=tuple(int(b) for b in args.batches.split(",")) if args.batches else BATCHES,
+    )
+    plan = dataclasses.replace(plan, grid=grid, served_pasts=() if args.no_served else plan.served_pasts)
     try:
         host()  # before any work: a host without CUDA stops here with the reason
     except GPUProofError as error:

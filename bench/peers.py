@@ -33,11 +33,12 @@ class StaticCacheDecoder:
         self.length = 0
 
     @torch.inference_mode()
-    def step(self, hidden: Tensor) -> Tensor:
-        """hidden (B, 1, d_model) at position `length`; returns (B, 1, d_model) and advances by one."""
-        position = torch.tensor([self.length], device=hidden.device)
-        positions = position.expand(hidden.shape[0], 1)  # (B, 1)
-        x = hidden
+    def step(self, new_tokens: Tensor) -> Tensor:
+        """new_tokens at position `length`: hidden states (B, 1, d_model), or a whole model's token ids
+        (B, 1); returns the states (B, 1, d_model) or logits (B, 1, vocab) and advances by one."""
+        position = torch.tensor([self.length], device=new_tokens.device)
+        positions = position.expand(new_tokens.shape[0], 1)  # (B, 1)
+        x = self.model.embed_tokens(new_tokens, positions) if self.cfg.whole else new_tokens
         for layer, keys, values in zip(self.model.layers, self.keys, self.values, strict=True):
             attn = layer.attn
             h = layer.norm(x)
@@ -59,15 +60,27 @@ class StaticCacheDecoder:
                 enable_gqa=True,
             )  # (B, nh, 1, hs): one query sees every filled position (in its window)
             x = layer.add_residual(x, attn.W_o(attn.combine_heads(context)))
+            if hasattr(layer, "mlp"):
+                x = x + layer.mlp(layer.mlp_norm(x))
         self.length += 1
-        return x
+        return self.model.head(x) if self.cfg.whole else x
+
+
+def random_tokens(cfg, batch: int, length: int, generator: torch.Generator | None = None) -> Tensor:
+    """What the model takes for `length` new tokens per row: token ids (B, T) of a whole model, hidden
+    states (B, T, d_model) in fp32 otherwise."""
+    if cfg.whole:
+        return torch.randint(cfg.vocab_size, (batch, length), generator=generator)
+    return torch.randn(batch, length, cfg.d_model, generator=generator)
 
 
 def check_peer(model: AttentionModel, device: str, dtype: torch.dtype) -> float:
     """Prefill the peer token by token and compare its outputs with the original's; returns the worst
     error relative to the output's scale."""
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randn(2, 9, model.cfg.d_model, generator=generator).to(device=device, dtype=dtype)
+    tokens = random_tokens(model.cfg, 2, 9, generator).to(device)
+    if not model.cfg.whole:
+        tokens = tokens.to(dtype)
     with torch.inference_mode():
         expected = model(tokens).output
     peer = StaticCacheDecoder(model, batch=2, capacity=16)

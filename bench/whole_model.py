@@ -104,12 +104,18 @@ Generate = Callable[[np.ndarray, int], Generation]  # (prompts (B, T) int64, tok
 # --- the checkpoint and what is built from it ------------------------------------------------------
 
 
+def llama_shaped(cfg: ModelConfig) -> bool:
+    """Whether transformers' LlamaForCausalLM computes `cfg`'s model: RMSNorm, rotary, a gated SiLU MLP,
+    no biases, an LM head of its own."""
+    block = cfg.whole and cfg.norm == "rmsnorm" and cfg.rotary and cfg.mlp == "gated" and cfg.mlp_activation == "silu"
+    return block and not (cfg.bias or cfg.mlp_bias or cfg.tie_embeddings)
+
+
 def hf_config(cfg: ModelConfig):
     """transformers' LlamaConfig of `cfg` (a Llama-shaped whole model: RMSNorm, rotary, gated SiLU MLP)."""
     import transformers
 
-    llama_shaped = cfg.whole and cfg.norm == "rmsnorm" and cfg.rotary and cfg.mlp == "gated"
-    if not llama_shaped or cfg.mlp_activation != "silu" or cfg.bias or cfg.mlp_bias or cfg.tie_embeddings:
+    if not llama_shaped(cfg):
         raise BenchError(f"the whole-model bench takes a Llama-shaped config, got {cfg}")
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
@@ -503,7 +509,12 @@ def agreement(tokens: np.ndarray, reference: np.ndarray) -> dict:
     over the rows), and how many equal in all."""
     equal = tokens == reference
     first_difference = np.where(equal.all(axis=1), equal.shape[1], np.argmin(equal, axis=1))
-    return {"agree_before_first_difference": int(first_difference.min()), "equal": int(equal.sum()), "of": equal.size}
+    return {
+        "agree_before_first_difference": int(first_difference.min()),
+        "per_row": first_difference.tolist(),
+        "equal": int(equal.sum()),
+        "of": equal.size,
+    }
 
 
 # --- floors ----------------------------------------------------------------------------------------

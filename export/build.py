@@ -174,7 +174,7 @@ def _climb(
     quantization: kv_quant.CacheQuantization | None = None,
 ) -> dict[str, RungResult]:
     reference = attention_maps_runner(model) if variant.maps else torch_runner(model)
-    floor = variant.precision_floor(model, variant.float_dtype) if variant.tolerance.floor else None
+    floor = precision_floor(model, variant)
     if quantization is not None:
         floor = quantized_cache_runner(model, quantization)
     if variant.ladder == POOL:
@@ -209,6 +209,11 @@ def _climb(
             maps=variant.maps,
         )
     return results
+
+
+def precision_floor(model: AttentionModel, variant: Variant) -> Forward | None:
+    """The runner a reduced-precision variant's bound is relative to (export/parity.py), None for the others."""
+    return variant.precision_floor(model, variant.float_dtype) if variant.tolerance.floor else None
 
 
 def attention_maps_runner(model: AttentionModel) -> Forward:

@@ -67,7 +67,7 @@ def test_every_section_ran_and_wrote_its_results(proof):
         assert outcome["worst"][names.OUTPUT]["max_abs"] < (1e-4 if variant.startswith("fp32") else 1e-2)
     rows = entry["latency"]["rows"]
     assert [(r["batch"], r["past"]) for r in rows] == [(1, 8), (1, 16), (2, 8), (2, 16)]
-    assert all(set(r["candidates"]) == set(gpu.CANDIDATES) and r["floor_ms"] > 0 for r in rows)
+    assert all(set(r["candidates"]) == set(gpu.candidates(gpu.preset("tiny"))) and r["floor_ms"] > 0 for r in rows)
     assert entry["latency"]["peer_error"] < gpu.PEER_BOUND  # the PyTorch static-cache peer is the original
     served = results["served"]
     assert [r["past"] for r in served["rows"]] == [8] and served["noop_grpc"]["p50_ms"] > 0
@@ -104,3 +104,24 @@ def test_the_command_refuses_a_host_without_cuda(bench_runs):
     assert done.returncode == 2
     assert "error: PyTorch sees no CUDA device: the GPU proof needs a CUDA host" in done.stdout
     assert not list((run.root / "command").iterdir())  # nothing half-written
+
+
+def test_greedy_generation_runs_the_engine_and_transformers_on_the_same_prompts(artifact_dir, tmp_path):
+    """(e) on the CPU, over the session's Llama-shaped whole artifact: every batch, both candidates,
+    every generated token an id of the vocabulary, and the report's table."""
+    import dataclasses
+
+    work = tmp_path / "whole"
+    shutil.copytree(artifact_dir("whole"), work)
+    plan = dataclasses.replace(
+        PLAN, generation_prompt=8, generation_tokens=4, generation_batches=(1, 2), generation_rounds=1
+    )
+    result = gpu.generation(work, gpu.CPU, plan, Progress(enabled=False))
+    assert [row["batch"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert set(row["candidates"]) == {gpu.GRAPHS, gpu.TRANSFORMERS}
+        for summary in row["candidates"].values():
+            assert summary["ttft_ms"] > 0 and summary["step_p50_ms"] > 0 and summary["tokens_per_s"] > 0
+        assert len(row["agreement"]["per_row"]) == row["batch"]
+        assert all(0 <= agreed <= 4 for agreed in row["agreement"]["per_row"])
+    assert "greedy tokens agree" in gpu.generation_table({"presets": {"whole": {"generation": result}}})
