@@ -4,17 +4,20 @@ awaited over tritonclient's grpc.aio / http.aio."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
 from client._wire import Health, InferResult, grpc_channel_args
-from client.core import ClientCore, SessionCore
+from client.core import ClientCore, SessionCore, generation_request
 from client.errors import ClientError
+from client.generation import AsyncGeneration
 from client.metadata import ModelInfo
 from client.retry import Operation, run_async
 from contract import names
+from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest
 
 T = TypeVar("T")
 
@@ -39,6 +42,10 @@ class AsyncClient(ClientCore):
             else:
                 self._stub_instance = self._module.InferenceServerClient(self.url, conn_timeout=self.timeout)
         return self._stub_instance
+
+    def _new_stream_stub(self):
+        """A gRPC client of its own for one generation's stream (closed with it)."""
+        return self._module.InferenceServerClient(self.url, channel_args=grpc_channel_args(self.policy))
 
     async def _run(self, operation: Operation[T]) -> T:
         return await run_async(operation, self._stub)
@@ -103,6 +110,14 @@ class AsyncClient(ClientCore):
             self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix, store_key=store_key
         )
 
+    def generate(
+        self, ids: Any, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop_token_ids: Sequence[int] = (), **sampling
+    ) -> AsyncGeneration:
+        """As `Client.generate`: `async for token in client.generate(...)`."""
+        session = AsyncSession(self)
+        session._key = None  # nothing to keep: the server ends it
+        return session._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling), end=True)
+
     async def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
         """As `Client.put_prefix`."""
         return await self._run(self._put_prefix(name, tokens, owner))
@@ -125,6 +140,36 @@ class AsyncSession(SessionCore):
         """`Session.open` for asyncio: START now, without tokens, so admission fails here."""
         await self.client._run(self._open(fork_of))
         return self
+
+    def generate(
+        self,
+        ids: Any = None,
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids: Sequence[int] = (),
+        **sampling,
+    ) -> AsyncGeneration:
+        """As `Session.generate`: `async for token in session.generate(...)`; a bad input is raised at
+        the first iteration."""
+        return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling))
+
+    def _generation(self, ids: Any, request: GenerationRequest, end: bool = False) -> AsyncGeneration:
+        request = dataclasses.replace(request, session_end=end)
+        client = self.client
+        self._prompt = np.zeros((1, 0), np.int64)
+
+        async def open_stream():
+            stream, headers, self._prompt = await client._run(self._prepare_generation(ids, request))
+            return client._new_stream_stub(), stream, headers
+
+        async def recover(error) -> bool:
+            return await client._run(self._recover_for_generation(error))
+
+        async def ended(outcome, failure) -> None:
+            await client._run(self._generated(self._prompt, outcome.tokens, outcome.held_length))
+            self.closed = self.closed or end
+
+        return AsyncGeneration(open_stream, recover, client.timeout, ended)
 
     async def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
         """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model).

@@ -34,12 +34,14 @@ from client.errors import (
     SessionLostError,
     UnknownSessionError,
 )
+from client.generation import stream_request
 from client.metadata import ModelInfo, parse_facts, parse_metadata, with_facts
 from client.retry import Call, Detach, Local, Operation, RetryPolicy, Sleep, retried
 from client.store import SessionStore, StoreError, StoreKey, open_store
 from contract import errors as kinds
-from contract import names
-from contract.inputs import real_tokens
+from contract import generation, names
+from contract.inputs import InputError, check_token_values, real_tokens
+from contract.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class ClientCore:
         model: str = names.MODEL,
         session_model: str = names.SESSION_MODEL,
         *,
+        generate_model: str = generation.MODEL,
         timeout: float = 30.0,
         retries: int = 3,
         backoff: float = 0.1,
@@ -90,7 +93,7 @@ class ClientCore:
         self.checkpoint_every, self.recovery_timeout = checkpoint_every, recovery_timeout
         self.protocol = _wire.check_protocol(protocol)
         self.url = _wire.normalize_url(url, protocol)
-        self.model, self.session_model = model, session_model
+        self.model, self.session_model, self.generate_model = model, session_model, generate_model
         self.timeout, self.validate = timeout, validate
         self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max(backoff, 2.0))
         self._module = importlib.import_module(f"tritonclient.{protocol}{self._module_suffix}")
@@ -316,6 +319,10 @@ class SessionCore:
         # a resumed session: ended through this process, it is marked ended in the store
         self._ends = StoreKey(owner or "", store_key) if client.store is not None and store_key else None
         self._checkpointed, self._since, self._replayable = 0, [], True
+        # a whole model's last token id, where this process saw it (its steps and generations): a generation
+        # without ids on a server that kept no logits after it sends it again after a rewind by one
+        self._last_token: int | None = None
+        self._resend_last = False
         self._next_checkpoint = client.checkpoint_every
         self.recoveries = 0  # times this session was rebuilt after its server lost it
 
@@ -342,6 +349,7 @@ class SessionCore:
             answer = yield from self._send(tensors, end)
         self.started, self.closed, self.replica = True, end, answer.replica
         self.length = answer.length_or(self.length + answer.output.shape[1])
+        self._remember_last(tensors)
         if self._key is not None:
             yield from self._keep(tensors, end)
         return answer.output
@@ -545,6 +553,8 @@ class SessionCore:
             answer = yield from self._start(tensors, parameters, route_as, replica)
         self.replica, self._restore, self._prefix = answer.replica, None, None
         self.started = True
+        if fork_of is not None:
+            self._last_token = fork_of._last_token
         self.length = answer.length_or(0)
         if self._key is not None and self.length:  # its start is in no log: only a checkpoint keeps it
             self._replayable = False
@@ -584,7 +594,10 @@ class SessionCore:
 
     def _rewind(self, length: int) -> Operation[int]:
         """Keep the first `length` positions; the next step continues from there. The new length."""
+        before = self.length
         yield from self._operate({names.OPERATION: names.REWIND, names.REWIND_TO: int(length)})
+        if self.length != before:
+            self._last_token = None  # the token before the new end was never seen here as a last one
         if self._key is not None:
             yield from self._after_rewind(self.length)
         return self.length
@@ -630,9 +643,97 @@ class SessionCore:
             with contextlib.suppress(UnknownSessionError):
                 yield from self.client._send_step(self.id, end, start=False, end=True, replica=self.replica)
 
+    # --- generation on the server (contract/generation.py, client/generation.py) -----------------------
+
+    def _prepare_generation(self, ids: Any, request: generation.GenerationRequest) -> Operation[tuple]:
+        """A generation's stream request and headers, checked against the served model; a session that
+        starts from a snapshot or a prefix is opened first. Only gRPC streams (the gateway streams over
+        HTTP as Server-Sent Events)."""
+        if self.closed:
+            raise UnknownSessionError(f"session {self.id} is closed", status=None)
+        client = self.client
+        if client.protocol != "grpc":
+            raise ClientError("generation streams over gRPC: open the client with protocol='grpc'")
+        if (self._restore is not None or self._prefix is not None) and not self.started:
+            yield from self._open()
+        info = yield from client._metadata(client.session_model)
+        if info.vocab_size is None:
+            raise InvalidInputError(
+                f"'{client.session_model}' is an attention model (hidden states in and out): only a whole model "
+                "(token ids in, logits out) generates",
+                input_name=names.INPUT_IDS,
+            )
+        if ids is None and self._resend_last:  # the server asked for the last token again (after a rewind)
+            ids, self._resend_last = [self._last_token], False
+        prompt = _wire.as_array([] if ids is None else ids, names.INPUT_IDS)
+        prompt = prompt.reshape(1, -1).astype(np.int64) if prompt.ndim <= 1 else prompt
+        request = dataclasses.replace(request, session_start=not self.started)
+        try:
+            request.check(info.vocab_size, int(info.facts.get("max_seq_len", 1 << 62)))
+            if prompt.ndim != 2 or prompt.shape[0] != 1:
+                raise InputError(names.INPUT_IDS, f"expected shape [1, T] or [T], got {list(prompt.shape)}")
+            check_token_values(info.sizes, {names.INPUT_IDS: prompt})
+        except InputError as error:
+            raise InvalidInputError(str(error), input_name=error.input_name) from None
+        module = importlib.import_module(f"tritonclient.grpc{client._module_suffix}")
+        stream = stream_request(client.generate_model, self.id, prompt, request, module)
+        self._sent = prompt
+        return stream, affinity.step_headers(self.id, self.replica), prompt
+
+    def _recover_for_generation(self, error: ClientError) -> Operation[bool]:
+        """Before any token: a durable session its server lost is rebuilt, and a server that kept no
+        logits after the session's last token is sent that token again after a rewind by one; the
+        generation is then sent again. Anything else is the generation's error."""
+        if error.kind == kinds.NO_NEXT_LOGITS and self._last_token is not None and not self._resend_last:
+            last = self._last_token
+            yield from self._rewind(self.length - 1)
+            self._last_token, self._resend_last = last, True
+            return True
+        held_and_forgotten = isinstance(error, UnknownSessionError) and error.kind == kinds.SEQUENCE_UNKNOWN
+        lost = isinstance(error, SessionLostError | ServerUnavailableError) or held_and_forgotten
+        if self._key is None or not self.started or not lost:
+            return False
+        yield from self._recover(error)
+        return True
+
+    def _remember_last(self, tensors: dict) -> None:
+        """The last real token id of what was just sent (a whole model's steps)."""
+        ids = tensors.get(names.INPUT_IDS)
+        if ids is not None and ids.shape[-1]:
+            kept = real_tokens(ids, tensors.get(names.ATTENTION_MASK))
+            self._last_token = int(kept[0, -1]) if kept.shape[-1] else self._last_token
+
+    def _generated(self, prompt: np.ndarray, answered: list[int], held: int | None) -> Operation[None]:
+        """After a generation (whole, stopped early or failed): the session holds the prompt and every
+        token the server answered (each was stepped in before it was answered); a durable session's log
+        keeps them, so that a rebuilt session continues the same text."""
+        if not self.started and held is None and not answered:
+            return  # nothing reached the server's session: it may not even have started
+        self.started = True
+        self.length = held if held is not None and held >= 0 else self.length + prompt.shape[1] + len(answered)
+        if answered or prompt.shape[1]:
+            self._last_token = int(answered[-1]) if answered else int(prompt[0, -1])
+        if self._key is not None:
+            kept = np.concatenate([prompt, np.array([answered], np.int64).reshape(1, -1)], axis=1)
+            yield from self._keep({names.INPUT_IDS: kept}, end=False)
+
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open" if self.started else "new"
         return f"<{type(self).__name__} {self.id} {state}, {self.length} tokens>"
+
+
+def generation_request(
+    max_new_tokens: int = generation.DEFAULT_MAX_NEW_TOKENS,
+    stop_token_ids: Sequence[int] = (),
+    **sampling: Any,
+) -> generation.GenerationRequest:
+    """The request of `generate`'s keyword arguments (SamplingParams' fields besides these two)."""
+    unknown = sorted(set(sampling) - set(generation.SAMPLING_FIELDS))
+    if unknown:
+        raise TypeError(f"unknown generation arguments {unknown}; sampling takes {list(generation.SAMPLING_FIELDS)}")
+    return generation.GenerationRequest(
+        max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids), sampling=SamplingParams(**sampling)
+    )
 
 
 def _pieces(steps: list[np.ndarray], cap: int) -> list[np.ndarray]:

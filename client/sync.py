@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -10,11 +11,13 @@ from typing import Any, TypeVar
 import numpy as np
 
 from client._wire import Health, InferResult, grpc_channel_args
-from client.core import ClientCore, SessionCore
+from client.core import ClientCore, SessionCore, generation_request
 from client.errors import ClientError
+from client.generation import Generation
 from client.metadata import ModelInfo
 from client.retry import Operation, run_blocking
 from contract import names
+from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest
 
 T = TypeVar("T")
 
@@ -127,6 +130,15 @@ class Client(ClientCore):
         session's key in this client's session store (`Session.store_key` where it was opened)."""
         return Session(self, sequence_id, replica, restore=restore, owner=owner, prefix=prefix, store_key=store_key)
 
+    def generate(
+        self, ids: Any, *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop_token_ids: Sequence[int] = (), **sampling
+    ) -> Generation:
+        """A stateless generation: `ids` (T,) or (1, T) prompt a new sequence the server ends afterwards.
+        As `Session.generate`."""
+        session = Session(self)
+        session._key = None  # nothing to keep: the server ends it
+        return session._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling), end=True)
+
     def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
         """Prefill `tokens` (1, T, d_model) once as the immutable prefix `name`; sessions then start
         from it (`session(prefix=name)`) with a copy of its cache instead of a prefill. Behind a proxy,
@@ -159,6 +171,41 @@ class Session(SessionCore):
         """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model).
         A whole model's new tokens are int64 ids (1, T) and its answer their logits (1, T, vocab_size)."""
         return self.client._run(self._step(hidden_states, attention_mask, end))
+
+    def generate(
+        self,
+        ids: Any = None,
+        *,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        stop_token_ids: Sequence[int] = (),
+        **sampling,
+    ) -> Generation:
+        """Generate on the server after `ids` (T,) or (1, T) (None: after what the session holds, where
+        this server generated last): iterate the result for the token ids as they come; then its
+        `finish_reason`, `tokens`, `logprobs`. `sampling`: contract.sampling.SamplingParams' fields
+        (temperature 0.0 greedy by default, top_k, top_p, min_p, the penalties, seed, logprobs). The
+        session keeps the prompt and every token answered; leaving the loop early stops the server
+        within one step (`close()` does too). gRPC only."""
+        return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling))
+
+    def _generation(self, ids: Any, request: GenerationRequest, end: bool = False) -> Generation:
+        request = dataclasses.replace(request, session_end=end)
+        client = self.client
+        prepared = [client._run(self._prepare_generation(ids, request))]  # bad input fails here, not when iterated
+        self._prompt = prepared[0][2]
+
+        def open_stream():
+            stream, headers, self._prompt = (
+                prepared.pop() if prepared else client._run(self._prepare_generation(ids, request))
+            )
+            return client._new_stub(), stream, headers
+
+        def ended(outcome, failure) -> None:
+            client._run(self._generated(self._prompt, outcome.tokens, outcome.held_length))
+            self.closed = self.closed or end
+
+        recover = lambda error: client._run(self._recover_for_generation(error))  # noqa: E731
+        return Generation(open_stream, recover, client.timeout, ended)
 
     def close(self) -> None:
         """End the session on the server (idempotent; a session the server already forgot is fine)."""

@@ -18,8 +18,12 @@ SEQUENCE_LOST = "sequence_lost"  # its cache died with the process that held it
 SEQUENCE_TOO_LONG = "sequence_too_long"  # the step would pass max_seq_len
 CACHE_FULL = "cache_full"  # no room for another sequence now: retry later
 PREFIX_UNKNOWN = "prefix_unknown"  # a session started from a prefix this server does not hold
+# a generation without new ids on a server that holds no logits after the session's last token (it did not
+# generate it last, or the session changed since): the client sends that token again after a rewind by one
+NO_NEXT_LOGITS = "no_next_logits"
 KINDS = frozenset(
     {
+        NO_NEXT_LOGITS,
         INVALID_INPUT,
         SEQUENCE_UNKNOWN,
         SEQUENCE_ENDED,

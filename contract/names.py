@@ -35,6 +35,10 @@ HELD_LENGTH = "held_length"
 # START (one blob, or a checkpoint's increments in order) and a BYTES output of a snapshot.
 SNAPSHOT = "snapshot"
 OPERATION = "session_operation"  # request parameter: one of OPERATIONS
+# request parameter (a bool) of an `mha_session` step: true answers only the last real position's output
+# (1, 1, width), as a prompt chunk of a generation loop needs; a whole model's static engine then computes
+# no logits but that position's (kv_pool.last_logits_graph). Absent or false: every position's (1, T, width)
+LAST_ONLY = "last_only"
 SNAPSHOT_OPERATION, RESTORE, FORK, REWIND = "snapshot", "restore", "fork", "rewind"
 # named prefixes: put (its tokens prefilled once), a session started from one, delete
 PUT_PREFIX, FROM_PREFIX, DELETE_PREFIX = "put_prefix", "from_prefix", "delete_prefix"

@@ -120,12 +120,15 @@ class CacheManager:
         graph: str = "",
         graph_sha256: str = "",
         scales: Mapping[str, np.ndarray] | None = None,
+        last_logits_session=None,
     ) -> None:
         """`sizes`: the row sizes (default: `row_sizes(cfg.max_seq_len)`); the largest is the most
         positions a holder holds. At most `max_rows` holders at once. `full_rows`: one slab of rows of
         the largest size, as many as the budget holds, opened now and never another. `graph` and its
         `graph_sha256`: what its snapshots name (snapshots.fingerprint). `scales`: a quantized cache's
-        (kv_pool.cache_scales), what `read_floats` dequantizes with."""
+        (kv_pool.cache_scales), what `read_floats` dequantizes with. `last_logits_session`: a whole model's
+        graph answering the last position's logits only (kv_pool.last_logits_graph), given to every slab:
+        `run(..., last_only=True)` prefills through it."""
         sizes = sizes or row_sizes(cfg.max_seq_len)
         assert list(sizes) == sorted(set(sizes)) and sizes[-1] <= cfg.max_seq_len, sizes
         self.session, self.cfg, self.budget_bytes, self.max_rows = session, cfg, budget_bytes, max_rows
@@ -136,6 +139,7 @@ class CacheManager:
         self.dtype, self.device = session_float_dtype(session), session_device(session)
         self.cuda_graphs = uses_cuda_graphs(session)
         self.scales = dict(scales or {})
+        self.last_logits_session = last_logits_session
         self.identity = snapshots.fingerprint(cfg, self.cache_dtype, graph, graph_sha256)
         largest = self.row_bytes(self.sizes[-1])
         self._slab_bytes = largest * max(1, min(SLAB_LARGEST_ROWS, budget_bytes // SLAB_BUDGET_SHARE // largest))
@@ -273,7 +277,14 @@ class CacheManager:
         return _Place(slab, row)
 
     def _open(self, size: int, rows: int) -> _Slab:
-        pool = KVPool(self.session, self.cfg, rows=rows, capacity=size, row_copy=self._row_copies.get(size))
+        pool = KVPool(
+            self.session,
+            self.cfg,
+            rows=rows,
+            capacity=size,
+            row_copy=self._row_copies.get(size),
+            last_logits_session=self.last_logits_session,
+        )
         if pool.device != CPU:  # on the host rows move as array copies: no kernel
             self._row_copies[size] = pool.row_copy
         slab = _Slab(pool, list(range(rows)))
@@ -291,10 +302,11 @@ class CacheManager:
 
     # --- steps and whole rows, by holder ---------------------------------------------------------------
 
-    def run(self, steps: Mapping[Holder, np.ndarray]) -> dict[Holder, np.ndarray | Exception]:
+    def run(self, steps: Mapping[Holder, np.ndarray], last_only: bool = False) -> dict[Holder, np.ndarray | Exception]:
         """Append each holder's new tokens steps[holder] (T, d_model), or a whole model's ids (T,) int64,
         and return its output (T, d_model) (logits (T, vocab)) in the graph's float dtype, or the
-        exception its graph run raised (it then holds what it held).
+        exception its graph run raised (it then holds what it held). `last_only`: every holder's last
+        position's only, (1, width) (KVPool.run).
         One graph run per slab with holders stepping one token (KVPool.run). Each holder must have
         room for its new length (`grow` first)."""
         by_slab: dict[int, tuple[_Slab, dict[int, Holder]]] = {}  # id(slab) -> (slab, {row: holder})
@@ -303,7 +315,7 @@ class CacheManager:
             by_slab.setdefault(id(place.slab), (place.slab, {}))[1][place.row] = holder
         results: dict[Holder, np.ndarray | Exception] = {}
         for slab, rows in by_slab.values():
-            outputs = slab.pool.run({row: steps[holder] for row, holder in rows.items()})
+            outputs = slab.pool.run({row: steps[holder] for row, holder in rows.items()}, last_only)
             results.update({rows[row]: output for row, output in outputs.items()})
         return results
 

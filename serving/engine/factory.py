@@ -8,6 +8,7 @@ the placement chosen at load (TensorRT, CUDA, CPU, whichever is usable here) pic
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -19,8 +20,8 @@ from serving.engine import snapshots, tensorrt
 from serving.engine.cache_manager import CacheManager, row_sizes
 from serving.engine.concat import ConcatSessionEngine, KVCacheStore
 from serving.engine.errors import EngineError
-from serving.engine.kv_pool import KVPool, cache_layout, cache_scales
-from serving.engine.ort import CUDA
+from serving.engine.kv_pool import KVPool, cache_layout, cache_scales, last_logits_graph
+from serving.engine.ort import CUDA, CUDA_PROVIDER
 from serving.engine.placement import Placement, choose_placement, model_file, open_session
 from serving.engine.runner import InspectionRunner, Runner
 from serving.engine.settings import ENGINE_STATIC, MAX_LIVE_SEQUENCES, SessionSettings
@@ -89,9 +90,11 @@ def static_cache(
 def _cache(
     files: Mapping[str, Path], cfg: ModelConfig, settings: SessionSettings, placement: Placement, full_rows=False
 ) -> CacheManager:
-    """Rows sized to the session from `min_row_positions`; `full_rows`: one slab of max_seq_len rows."""
+    """Rows sized to the session from `min_row_positions`; `full_rows`: one slab of max_seq_len rows. A
+    whole model's prefills that ask for the last position only run its last-logits graph."""
     path = model_file(files, placement)
     session = open_session(path, placement, settings.threads)
+    last_logits = _last_logits_session(path, placement, settings.threads) if cfg.whole else None
     sizes = row_sizes(cfg.max_seq_len, min(settings.min_row_positions, cfg.max_seq_len))
     smallest = cfg.max_seq_len if full_rows else sizes[0]
     _check_budget(settings.kv_cache_bytes, KVPool.row_bytes_for(session, cfg, smallest), smallest)
@@ -106,9 +109,40 @@ def _cache(
         graph=path.name,
         graph_sha256=sha256(path),
         scales=cache_scales(path, cfg) if quantized else None,
+        last_logits_session=last_logits,
     )
     cache.description = f"{path.name} on {session.get_providers()[0]} ({cache.description})"
     return cache
+
+
+def _last_logits_session(path: Path, placement: Placement, threads: int):
+    """`path`'s graph answering only the last position's logits (kv_pool.last_logits_graph), opened as
+    open_session opens the main one but without CUDA graphs (it runs prefills only, never a captured
+    decode); None when it cannot be built (the reason in the placement's notes: such prefills then slice
+    the full logits)."""
+    import onnx
+
+    try:
+        graph = last_logits_graph(onnx.load(str(path))).SerializeToString()
+        plain = dataclasses.replace(placement, providers=_without_cuda_graphs(placement.providers))
+        return open_session(graph, plain, threads)
+    except Exception as error:  # the full graph still answers them, sliced
+        placement.notes.append(
+            f"last-position prefills slice the full logits: no last-logits graph ({type(error).__name__}: {error})"
+        )
+        return None
+
+
+def _without_cuda_graphs(providers: list) -> list:
+    """`providers` with the CUDA provider's `enable_cuda_graph` option left out."""
+    return [_without_cuda_graph(entry) for entry in providers]
+
+
+def _without_cuda_graph(provider):
+    if isinstance(provider, tuple) and provider[0] == CUDA_PROVIDER:
+        name, options = provider
+        return name, {key: value for key, value in options.items() if key != "enable_cuda_graph"}
+    return provider
 
 
 PROBE = ("probe",)  # the holder of the CUDA-graph probe's row (a tuple: never a sequence id)

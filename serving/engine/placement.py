@@ -131,11 +131,12 @@ def model_file(files: Mapping[str, Path], placement: Placement) -> Path:
     return path
 
 
-def open_session(model_path: str | Path, placement: Placement, threads: int = 0) -> ort.InferenceSession:
+def open_session(model: str | Path | bytes, placement: Placement, threads: int = 0) -> ort.InferenceSession:
     """A serving session. Idle pool threads sleep: the model and the cache kernels run one after the
     other, and a spinning pool of one session steals the cores the next session needs. The arena
     recycles what a run allocates, the presents a sequence keeps included: fresh pages fault in on
     every allocation otherwise (measured: a 4096-position step from 3 to 8-14 ms p50 until the
     allocator settles); the budget bounds what the live caches hold."""
     options = session_options(threads, spinning=False)
-    return ort.InferenceSession(str(model_path), sess_options=options, providers=placement.providers)
+    model = model if isinstance(model, bytes) else str(model)  # a path, or a serialized graph
+    return ort.InferenceSession(model, sess_options=options, providers=placement.providers)

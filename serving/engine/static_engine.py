@@ -14,6 +14,10 @@ tokens are unchanged by this: the static form rotates (where the model does) at 
 from its row's length, and with the padded tokens dropped those are the positions Hugging Face
 counts from the mask (each real token's place among the real ones); causality is unchanged too.
 `length` counts cached (real) tokens only.
+
+A step that asks for its last position only (`StepRequest.last_only`) is answered (1, 1, width): the
+last real token's output. The manager runs such prefills through the last-logits graph where the
+factory gave it one (a whole model: no (T, vocab) logits computed), else slices the full output.
 """
 
 from __future__ import annotations
@@ -45,6 +49,13 @@ class _Work:
     sequence_id: SequenceId
     tokens: np.ndarray  # (T_real, d_model) in the graph's float dtype, or a whole model's ids (T_real,) int64
     keep: np.ndarray | None  # (T,) bool: which of the request's tokens are real; None: all of them
+    last_only: bool  # answered (1, 1, width): the last real token's output
+
+    @property
+    def runs_last_only(self) -> bool:
+        """Whether the cache may run it for its last position only: asked so, or one token (a decode
+        step answers its one position either way, so decodes share a run whatever their requests asked)."""
+        return self.last_only or len(self.tokens) == 1
 
 
 class StaticSessionEngine(StepEngine):
@@ -97,6 +108,9 @@ class StaticSessionEngine(StepEngine):
         """The request's real tokens, with room made for them; None when there is nothing to compute."""
         new = check_step(self.cfg, request)
         if new == 0 and not request.start:
+            if not request.end:  # a live sequence's length asked: an unknown one is told so
+                with self._lock:
+                    self._touched(request.sequence_id)
             return None  # closing: the sequence is gone afterwards whatever the slots know
         tokens = real_tokens(request.hidden, request.mask)[0]  # (T_real, d_model), or ids (T_real,)
         keep = None if len(tokens) == new else request.mask[0].astype(bool)
@@ -108,22 +122,31 @@ class StaticSessionEngine(StepEngine):
             self._grown(request.sequence_id, len(tokens))
         if len(tokens) == 0:
             return None
-        return _Work(request.sequence_id, step_tokens(self.cfg, tokens, self.cache.dtype), keep)
+        return _Work(request.sequence_id, step_tokens(self.cfg, tokens, self.cache.dtype), keep, request.last_only)
 
     def _run(self, prepared: dict[int, _Work], results: list) -> None:
-        # a round holds each sequence at most once (steps.rounds): its id keys its step
-        outputs = self.cache.run({item.sequence_id: item.tokens for item in prepared.values()})
-        self.largest_batch = max(self.largest_batch, sum(len(item.tokens) == 1 for item in prepared.values()))
+        groups: dict[bool, dict[int, _Work]] = {}  # a round may mix steps asking for every position and not
         for index, item in prepared.items():
-            output = outputs[item.sequence_id]
-            if isinstance(output, Exception):  # not the request's fault; its cache length is unchanged
-                results[index] = output
-            elif item.keep is None:
-                results[index] = output.astype(np.float32, copy=False)[None]  # (1, T, d_model) or (1, T, vocab)
-            else:
-                full = no_result(self.cfg, len(item.keep))
-                full[0, item.keep] = output
-                results[index] = full
+            groups.setdefault(item.runs_last_only, {})[index] = item
+        for last_only, group in groups.items():
+            # a round holds each sequence at most once (steps.rounds): its id keys its step
+            outputs = self.cache.run({item.sequence_id: item.tokens for item in group.values()}, last_only)
+            for index, item in group.items():
+                results[index] = self._answer(item, outputs[item.sequence_id])
+        self.largest_batch = max(self.largest_batch, sum(len(item.tokens) == 1 for item in prepared.values()))
+
+    def _answer(self, item: _Work, output: np.ndarray | Exception) -> np.ndarray | Exception:
+        """The request's answer from the cache's output of its real tokens (T_real, width), or (1, width)
+        where it ran for its last position only: (1, 1, width) where it asked so, else (1, T, width)."""
+        if isinstance(output, Exception):  # not the request's fault; its cache length is unchanged
+            return output
+        if item.last_only:
+            return output[-1:].astype(np.float32, copy=False)[None]
+        if item.keep is None:
+            return output.astype(np.float32, copy=False)[None]  # (1, T, d_model) or (1, T, vocab)
+        full = no_result(self.cfg, len(item.keep))  # a padded query's output: zeros
+        full[0, item.keep] = output
+        return full
 
     # --- slots --------------------------------------------------------------------------------------
 
@@ -232,7 +255,8 @@ class StaticSessionEngine(StepEngine):
             if self.cache.holds(holder):
                 raise errors.InvalidRequest(f"prefix {name!r} exists and is immutable: delete it first")
             self._allocate(holder, name, len(tokens))
-        output = self.cache.run({holder: step_tokens(self.cfg, tokens, self.cache.dtype)})[holder]
+        # nobody reads a prefix's output: its last position's only is the least to compute
+        output = self.cache.run({holder: step_tokens(self.cfg, tokens, self.cache.dtype)}, last_only=True)[holder]
         if isinstance(output, Exception):
             self.delete_prefix(owner, name)
             raise output

@@ -33,9 +33,12 @@ class StepRequest:
     start: bool
     end: bool
     # the new tokens: hidden states (1, T, d_model) float32, or a whole model's token ids (1, T) int64
-    # (names.model_input); T may be 0 only with `start` or `end`
+    # (names.model_input); T = 0 computes nothing: a START or END alone, or a live sequence's length asked
     hidden: np.ndarray | None
     mask: np.ndarray | None = None  # (1, T) int64; all ones when left out
+    # names.LAST_ONLY: answer only the last real position's output (1, 1, width). As the request sent it:
+    # check_step refuses anything but a bool, so a bad value is that request's own error
+    last_only: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +101,10 @@ def check_step(cfg: ModelConfig, request: StepRequest) -> int:
     if hidden is None:
         raise InputError(name, "missing")
     rank = len(names.model_input_spec(cfg).shape)
-    if hidden.ndim == rank and hidden.shape[1] == 0 and (request.start or request.end):
-        new = 0  # opening a session (its cache reserved) or closing one, without computing
+    if hidden.ndim == rank and hidden.shape[1] == 0:
+        # opening a session (its cache reserved) or closing one without computing; in between, a step of
+        # no tokens changes nothing and answers the positions held (the generation model asks so)
+        new = 0
     else:
         check_inputs(cfg, {name: hidden})
         check_finite({name: hidden})  # a NaN in the cache would poison every later step
@@ -113,6 +118,8 @@ def check_step(cfg: ModelConfig, request: StepRequest) -> int:
             f"a step's mask covers its new tokens only: expected shape [1, {new}], got {list(request.mask.shape)}",
         )
     check_mask_values({names.ATTENTION_MASK: request.mask})
+    if not isinstance(request.last_only, bool):
+        raise InputError(names.LAST_ONLY, f"expected a boolean (true or false), got {request.last_only!r}")
     return new
 
 
@@ -146,7 +153,7 @@ class StepEngine(abc.ABC):
                 continue
             if item is None:  # nothing to compute (END without tokens, START without tokens)
                 new = 0 if request.hidden is None or request.hidden.ndim < 2 else request.hidden.shape[1]
-                results[index] = no_result(self.cfg, new)
+                results[index] = no_result(self.cfg, min(new, 1) if request.last_only else new)
             else:
                 prepared[index] = item
         if prepared:

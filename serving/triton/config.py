@@ -26,7 +26,7 @@ from typing import Any
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
-from contract import names
+from contract import generation, names
 from contract.config import ModelConfig
 from contract.deployment import (  # noqa: F401  (MODELS, PYTHON_MODELS: re-exported for the repository)
     CPU_CACHE_BITS,
@@ -49,7 +49,12 @@ ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_
 
 # The module that implements each python-backend model; the shim `model.py` imports it.
 _MODELS_PACKAGE = __name__.rpartition(".")[0] + ".models"  # serving.triton.models, beside this module
-IMPLEMENTATIONS = {MHA: f"{_MODELS_PACKAGE}.mha", MHA_SESSION: f"{_MODELS_PACKAGE}.mha_session"}
+MHA_GENERATE = generation.MODEL  # written beside a whole model's mha_session (write_repository)
+IMPLEMENTATIONS = {
+    MHA: f"{_MODELS_PACKAGE}.mha",
+    MHA_SESSION: f"{_MODELS_PACKAGE}.mha_session",
+    MHA_GENERATE: f"{_MODELS_PACKAGE}.mha_generate",
+}
 
 # Parameter keys the python models read (serving/triton/models/*.py, serving/triton/engines.py).
 P_IMPLEMENTATION = "implementation"
@@ -65,6 +70,8 @@ P_IDLE_TIMEOUT = "idle_timeout_seconds"
 P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
 P_MIN_ROW_POSITIONS = "min_row_positions"  # mha_session (static): the smallest row
 P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
+P_SESSION_MODEL = "session_model"  # mha_generate: the session model it steps
+P_PREFILL_CHUNK = "prefill_chunk"  # mha_generate: prompt tokens per step
 # The model's sizes and limits, published in both python models' configs so that any caller reads the
 # facts from Triton's model-config API (the session model's IO does not show its layers or cache)
 MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_seq_len")
@@ -161,6 +168,26 @@ def mha_session_config(
             P_MIN_ROW_POSITIONS: settings.min_row_positions,
         },
     )
+    return config
+
+
+def mha_generate_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConfig:
+    """The decoupled generation model (contract/generation.py): `input_ids` [1, T] in (optional: none
+    continues a session), one response per generated token, a final one with the finish reason."""
+    config = _python_model(MHA_GENERATE, cfg, {}, settings)
+    config.max_batch_size = 0
+    config.model_transaction_policy.decoupled = True
+    config.input.add(name=names.INPUT_IDS, data_type=pb.TYPE_INT64, dims=[1, -1], optional=True)
+    for name, data_type, dims in (
+        (generation.TOKEN_ID, pb.TYPE_INT64, [1]),
+        (generation.LOGPROB, pb.TYPE_FP32, [1]),
+        (generation.TOP_TOKEN_IDS, pb.TYPE_INT64, [-1]),
+        (generation.TOP_LOGPROBS, pb.TYPE_FP32, [-1]),
+        (generation.FINISH_REASON, pb.TYPE_STRING, [1]),
+        (names.HELD_LENGTH, pb.TYPE_INT64, [1]),
+    ):
+        config.output.add(name=name, data_type=data_type, dims=dims)
+    _set_parameters(config, {P_SESSION_MODEL: MHA_SESSION, P_PREFILL_CHUNK: generation.PREFILL_CHUNK})
     return config
 
 

@@ -229,7 +229,19 @@ def write_repository(
         else:
             copies = {model_filename(ONNX_BACKEND_VARIANT): triton_config.ONNX_BACKEND_FILENAME}
         _copy_graphs(artifact_dir, report, version, copies)
+    if triton_config.MHA_SESSION in models and cfg.whole:  # logits to pick from: generation on the server
+        _write_generate_model(repository, artifact_dir, cfg, settings)
     return repository
+
+
+def _write_generate_model(repository: Path, artifact_dir: Path, cfg: ModelConfig, settings: ServingSettings) -> None:
+    """`mha_generate` beside `mha_session`: no graph of its own (it steps the session model)."""
+    name = triton_config.MHA_GENERATE
+    version = _fresh_version_dir(repository / name)
+    config = triton_config.mha_generate_config(cfg, settings)
+    (repository / name / triton_config.TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
+    shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
+    shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)
 
 
 def _fresh_version_dir(model_dir: Path) -> Path:

@@ -33,7 +33,7 @@ from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_runner, ort_session
 from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
-from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
+from serving.triton.config import MHA, MHA_GENERATE, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.triton import selected
 
@@ -261,10 +261,12 @@ def served(request, checkpoints, tmp_path_factory):
     repository = work / "repository"
     for family in sorted(selected(request, "checkpoint")):
         own = write_repository(checkpoints(family).artifact, work / family, SETTINGS, models=(MHA, MHA_SESSION))
-        for model in (MHA, MHA_SESSION):
+        for model in (MHA, MHA_SESSION, MHA_GENERATE):  # the generation model steps its family's session model
             target = shutil.copytree(own / model, repository / served_name(model, family))
             config = triton_config.parse((target / TRITON_CONFIG_FILENAME).read_text())
             config.name = target.name
+            if model == MHA_GENERATE:
+                config.parameters[triton_config.P_SESSION_MODEL].string_value = served_name(MHA_SESSION, family)
             (target / TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
     with start_triton(repository, log_path=work / "triton.log") as server:
         yield server
@@ -277,11 +279,47 @@ def test_served_a_session_and_stateless_calls_equal_the_causal_lm(checkpoint, se
     ids = np.random.default_rng(3).integers(0, VOCAB, (1, PREFILL), dtype=np.int64)
     tokens, expected = checkpoint.greedy(ids, np.ones_like(ids), STEPS)
     family = checkpoint.family
-    models = {"model": served_name(MHA, family), "session_model": served_name(MHA_SESSION, family)}
-    with Client(served.grpc_url, **models) as client:
+    with Client(served.grpc_url, **served_models(family)) as client:
         with client.session() as session:
             logits = [session.step(tokens[:, :PREFILL])]
             logits += [session.step(tokens[:, t : t + 1]) for t in range(PREFILL, PREFILL + STEPS)]
         assert_same_logits(np.concatenate(logits, axis=1), expected, f"{family} served session")
         stateless = client.infer(tokens).output  # (1, PREFILL + STEPS, vocab)
         assert_same_logits(stateless, expected, f"{family} served stateless")
+
+
+def served_models(family: str) -> dict[str, str]:
+    """The client's model names for a family served under its own names."""
+    return {
+        "model": served_name(MHA, family),
+        "session_model": served_name(MHA_SESSION, family),
+        "generate_model": served_name(MHA_GENERATE, family),
+    }
+
+
+GENERATED = 24
+
+
+@pytest.mark.served
+def test_served_generation_is_transformers_greedy_generate(checkpoint, served):
+    """`session.generate(ids, max_new_tokens=24, temperature=0.0)` on the server yields exactly the tokens of
+    transformers' own `generate(do_sample=False)` (its EOS a stop token on both sides); the session then
+    holds the prompt and every generated token, and a stateless generation gives the same."""
+    ids = np.random.default_rng(5).integers(3, VOCAB, (1, PREFILL), dtype=np.int64)
+    with torch.no_grad():
+        expected = checkpoint.source.generate(
+            torch.from_numpy(ids),
+            attention_mask=torch.ones_like(torch.from_numpy(ids)),
+            max_new_tokens=GENERATED,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
+        )[0, PREFILL:].tolist()
+    with Client(served.grpc_url, **served_models(checkpoint.family)) as client:
+        with client.session() as session:
+            generated = session.generate(ids, max_new_tokens=GENERATED, temperature=0.0, stop_token_ids=[2])
+            assert list(generated) == expected, checkpoint.family
+            assert generated.finish_reason == ("stop" if expected[-1] == 2 else "length")
+            assert session.length == generated.held_length == PREFILL + len(expected)
+        stateless = client.generate(ids[0], max_new_tokens=GENERATED, stop_token_ids=[2])
+        assert list(stateless) == expected

@@ -176,11 +176,14 @@ def test_end_frees_even_a_failing_step_and_zero_tokens_just_end(engine):
     assert results[1].shape == (1, 0, cfg.d_model)
     assert engine.store.stats().sequences == 0
     # START without tokens opens the sequence (its cache reserved: admission at session creation);
-    # a later step without tokens and without END computes nothing and is refused
+    # a later step without tokens and without END computes nothing (the length asked: the generation
+    # model does) and an unknown sequence's is refused
     (opened,) = engine.execute([StepRequest("c", True, False, np.zeros((1, 0, cfg.d_model), np.float32))])
     assert opened.shape == (1, 0, cfg.d_model) and engine.stats().sequences == 1
     (no_tokens,) = engine.execute([StepRequest("c", False, False, np.zeros((1, 0, cfg.d_model), np.float32))])
-    assert isinstance(no_tokens, InputError) and "at least 1" in str(no_tokens)
+    assert no_tokens.shape == (1, 0, cfg.d_model) and engine.length("c") == 0
+    (unknown,) = engine.execute([StepRequest("nobody", False, False, np.zeros((1, 0, cfg.d_model), np.float32))])
+    assert isinstance(unknown, errors.ServingError) and "nobody" in str(unknown)
     (first,) = engine.execute([StepRequest("c", False, True, tokens(cfg, 2, 3))])
     expected = engine.runner.run_arrays({names.HIDDEN_STATES: tokens(cfg, 2, 3)})[names.OUTPUT]
     np.testing.assert_allclose(first, expected, atol=1e-5, rtol=1e-5)

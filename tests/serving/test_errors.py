@@ -129,7 +129,6 @@ SESSION_CASES = {
         np.array([[-1, 1]], np.int64),
         (M, "0 (padding) or 1", "got -1"),
     ),
-    "no new tokens": (lambda d: np.ones((1, 0, d), np.float32), None, (H, "sequence_length must be at least 1")),
     "too long": (lambda d: np.ones((1, 2048, d), np.float32), None, ("would hold 2051 positions", "max_seq_len 2048")),
     # one NaN in a step would sit in the cache and poison every later step of the session
     "NaN": (lambda d: _poke(np.ones((1, 2, d), np.float32), np.nan), None, (H, "finite", "nan at index [0, 1, 2]")),
@@ -156,6 +155,24 @@ def test_a_bad_step_leaves_the_sequence_as_it_was(clients, served_cfg, protocol,
             assert fragment in raised.value.message(), raised.value.message()
         expected = stepper.step(twin, steps[1])
         np.testing.assert_array_equal(stepper.step(tested, steps[1]), expected)
+    finally:
+        for sequence_id in (twin, tested):
+            stepper.end(sequence_id, served_cfg.d_model)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_a_step_of_no_tokens_computes_nothing_and_changes_nothing(clients, served_cfg, protocol):
+    """Between START and END, a step of no tokens answers no output (it asks the length: the generation
+    model does): the sequence goes on as its twin does."""
+    stepper = clients[protocol]
+    rng = np.random.default_rng(4)
+    steps = [rng.standard_normal((1, n, served_cfg.d_model)).astype(np.float32) for n in (3, 1)]
+    twin, tested = new_sequence_id(), new_sequence_id()
+    try:
+        for sequence_id in (twin, tested):
+            stepper.step(sequence_id, steps[0], start=True)
+        assert stepper.step(tested, np.ones((1, 0, served_cfg.d_model), np.float32)).shape == (1, 0, served_cfg.d_model)
+        np.testing.assert_array_equal(stepper.step(tested, steps[1]), stepper.step(twin, steps[1]))
     finally:
         for sequence_id in (twin, tested):
             stepper.end(sequence_id, served_cfg.d_model)

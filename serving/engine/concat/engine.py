@@ -4,7 +4,9 @@ of 8): each sequence's cache is its own value (the graph's present), kept in a K
 
 A step's padded tokens are dropped before they run (`contract.inputs.real_tokens`), as the static
 engine drops them, so a cache holds real positions only: rotary positions count real tokens, as
-Hugging Face's mask-derived positions do, and a padded query's output is zeros.
+Hugging Face's mask-derived positions do, and a padded query's output is zeros. A step that asks for
+its last position only (`StepRequest.last_only`) is answered the last real token's output (1, 1,
+width), sliced from the run's: the batched graph computes every position's anyway.
 
 The session operations are the static engine's, with the same blobs (serving/engine/snapshots.py):
 the cache is values on the runner's device (host arrays on the CPU), never written in place, so a
@@ -92,6 +94,8 @@ class ConcatSessionEngine(StepEngine):
         """The request's step with its sequence's cache; None when there is nothing to compute."""
         new = check_step(self.cfg, request)
         if new == 0 and not request.start:
+            if not request.end:  # a live sequence's length asked: an unknown one is told so
+                self.store.get(request.sequence_id)
             # closing: whatever the store knows, the sequence is gone afterwards (Triton ends it too),
             # so a client's close() succeeds also after an eviction or a refused START
             return None
@@ -118,7 +122,9 @@ class ConcatSessionEngine(StepEngine):
         self.largest_batch = max(self.largest_batch, len(runnable))
         for (index, (request, _, keep)), outcome in zip(runnable.items(), outcomes, strict=True):
             self.store.update(request.sequence_id, outcome.present, outcome.length, outcome.nbytes)
-            if keep is None:
+            if request.last_only:
+                results[index] = outcome.output[-1:][None]
+            elif keep is None:
                 results[index] = outcome.output[None]  # (1, T, d_model), or logits (1, T, vocab)
             else:  # a padded query's output is zeros
                 results[index] = no_result(self.cfg, len(keep))

@@ -6,8 +6,9 @@ by default the static one (serving/engine/static_engine.py: one row of a KV pool
 decode steps of one execute() in one graph run, new keys written in place), or `concat`
 (serving/engine/concat/; what a model whose static graph could not be built gets). A request may ask
 for a session operation instead of a step: those the engine offers (serving/triton/operations.py),
-which the load line names. Errors are answered per request; the answer carries `held_length`, the
-positions the sequence holds after the step."""
+which the load line names. A step with the request parameter `last_only` true is answered its last
+real position's output only (1, 1, width). Errors are answered per request; the answer carries
+`held_length`, the positions the sequence holds after the step."""
 
 from __future__ import annotations
 
@@ -134,6 +135,8 @@ def _operation(request) -> dict | None:
 
 
 def _step_request(request, new_tokens: str) -> StepRequest:
+    """The request as the engine takes it; its `last_only` parameter as sent (the engine's check_step
+    refuses a value that is not a bool as that request's own INVALID_ARG)."""
     hidden = pb_utils.get_input_tensor_by_name(request, new_tokens)
     mask = pb_utils.get_input_tensor_by_name(request, names.ATTENTION_MASK)
     flags = request.flags()
@@ -143,6 +146,7 @@ def _step_request(request, new_tokens: str) -> StepRequest:
         end=bool(flags & END),
         hidden=None if hidden is None else hidden.as_numpy(),
         mask=None if mask is None else mask.as_numpy(),
+        last_only=json.loads(request.parameters() or "{}").get(names.LAST_ONLY, False),
     )
 
 

@@ -1,0 +1,331 @@
+"""A generation on the server as the client sees it: a stream of tokens from `mha_generate`
+(contract/generation.py), blocking (`Generation`) or asyncio (`AsyncGeneration`).
+
+Each is an iterable of the generated token ids (ints), in order, as the server answers them; after the
+last, `finish_reason` says why it ended (contract.generation.FINISH_REASONS) and `held_length` how many
+positions the session holds. `tokens` keeps the ids and `logprobs` each one's `Token` (its logprob and
+the top alternatives the request asked for). Leaving the loop early, or `close()`, cancels the request:
+the server stops within one step, and the session keeps what was answered.
+
+The stream is gRPC's (Triton's decoupled models answer over a bidirectional stream); each generation
+opens its own channel, since a tritonclient stream is one per client object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import queue
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from client import errors
+from client.errors import ClientError, RequestTimeoutError
+from contract import generation, names
+
+
+@dataclasses.dataclass(frozen=True)
+class Token:
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the most likely (id, logprob) at its position, best first
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What a generation answered so far."""
+
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Token] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    held_length: int | None = None
+
+    def take(self, result) -> int | None:
+        """One response: the token it carries (None for the final one, which says how it ended)."""
+        reason = result.as_numpy(generation.FINISH_REASON)
+        if reason is not None:
+            self.finish_reason = reason.reshape(-1)[0].decode()
+            self.held_length = int(result.as_numpy(names.HELD_LENGTH).reshape(-1)[0])
+            return None
+        token = int(result.as_numpy(generation.TOKEN_ID)[0])
+        top_ids = result.as_numpy(generation.TOP_TOKEN_IDS)
+        top_logprobs = result.as_numpy(generation.TOP_LOGPROBS)
+        top = tuple(zip(top_ids.tolist(), top_logprobs.tolist(), strict=True)) if top_ids is not None else ()
+        self.tokens.append(token)
+        self.logprobs.append(Token(token, float(result.as_numpy(generation.LOGPROB)[0]), top))
+        return token
+
+
+class Generation:
+    """A blocking generation: iterate for the token ids (see the module)."""
+
+    def __init__(
+        self,
+        open_stream: Callable[[], tuple[Any, dict, dict[str, str]]],
+        recover: Callable[[ClientError], bool],
+        timeout: float,
+        on_end: Callable[[Outcome, BaseException | None], None],
+    ) -> None:
+        """`open_stream()` -> (a tritonclient.grpc InferenceServerClient of its own, async_stream_infer's
+        arguments, the stream's headers); `recover(error)`: whether the session was rebuilt after a loss
+        that came before any token (the generation is then sent again); `on_end` is told once what was
+        answered, and the error that ended it if any (the session's bookkeeping)."""
+        self.outcome = Outcome()
+        self._open, self._recover, self._timeout, self._on_end = open_stream, recover, timeout, on_end
+        self._stub = self._request = self._answers = None
+        self._done = False
+        self._iterator = self._generate()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.outcome.tokens
+
+    @property
+    def logprobs(self) -> list[Token]:
+        return self.outcome.logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outcome.finish_reason
+
+    @property
+    def held_length(self) -> int | None:
+        return self.outcome.held_length
+
+    def __iter__(self) -> Iterator[int]:
+        """The tokens; leaving the loop early (the iterator closed or dropped) stops the generation."""
+        return (yield from self._iterator)
+
+    def __next__(self) -> int:
+        return next(self._iterator)
+
+    def _generate(self) -> Iterator[int]:
+        failure: BaseException | None = None
+        try:
+            while True:
+                try:
+                    yield from self._stream()
+                    return
+                except ClientError as error:
+                    if self.outcome.tokens or not self._recover(error):
+                        raise
+        except BaseException as error:
+            failure = error if isinstance(error, Exception) else None
+            raise
+        finally:
+            self._finish(failure)
+
+    def _stream(self) -> Iterator[int]:
+        self._close_stub(cancel=False)
+        self._stub, self._request, headers = self._open()
+        self._answers = answers = queue.Queue()
+        self._stub.start_stream(callback=lambda result, error: answers.put((result, error)), headers=headers or None)
+        self._stub.async_stream_infer(**self._request)
+        while self.outcome.finish_reason is None:
+            token = self._answer()
+            if token is not None:
+                yield token
+
+    def _answer(self) -> int | None:
+        """The next response: its token, or None for the final one."""
+        try:
+            result, error = self._answers.get(timeout=self._timeout)
+        except queue.Empty:
+            raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
+        if error is not None:
+            raise stream_error(error)
+        return self.outcome.take(result)
+
+    def _stop(self) -> None:
+        """Ask the server to stop before its next token, and read what it still answers up to its final
+        response: the tokens it stepped in meanwhile are the session's too (kept in `tokens`)."""
+        self._stub.async_stream_infer(**stop_request(self._request))
+        while self.outcome.finish_reason is None:
+            self._answer()
+
+    def close(self) -> None:
+        """Stop here: the server is asked to cancel, and stops within one step."""
+        self._iterator.close()
+        self._finish(None)
+
+    def _close_stub(self, cancel: bool) -> None:
+        stub, self._stub = self._stub, None
+        if stub is None:
+            return
+        with contextlib.suppress(Exception):  # a broken stream has nothing more to say
+            stub.stop_stream(cancel_requests=cancel)
+        with contextlib.suppress(Exception):
+            stub.close()
+
+    def _finish(self, failure: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        if failure is None and self.outcome.finish_reason is None and self._stub is not None:
+            try:
+                self._stop()
+            except Exception as error:  # the stream broke while stopping: what it held is unknown
+                failure = error
+        self._close_stub(cancel=self.outcome.finish_reason is None)
+        self._on_end(self.outcome, failure)
+
+
+class AsyncGeneration:
+    """An asyncio generation: `async for` the token ids (see the module)."""
+
+    def __init__(
+        self,
+        open_stream: Callable[[], Awaitable[tuple[Any, dict, dict[str, str]]]],
+        recover: Callable[[ClientError], Awaitable[bool]],
+        timeout: float,
+        on_end: Callable[[Outcome, BaseException | None], Awaitable[None]],
+    ) -> None:
+        """As `Generation`'s, awaitable: `open_stream` gives a tritonclient.grpc.aio client of its own."""
+        self.outcome = Outcome()
+        self._open, self._recover, self._timeout, self._on_end = open_stream, recover, timeout, on_end
+        self._stub = self._request = self._answers = None
+        self._done = False
+        self._iterator = self._generate()
+
+    tokens = Generation.tokens
+    logprobs = Generation.logprobs
+    finish_reason = Generation.finish_reason
+    held_length = Generation.held_length
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        """The tokens; leaving the loop early stops the generation (once the loop's iterator is closed:
+        at once with `aclose()`)."""
+        try:
+            async for token in self._iterator:
+                yield token
+        finally:
+            await self._iterator.aclose()
+
+    async def __anext__(self) -> int:
+        return await self._iterator.__anext__()
+
+    async def _generate(self) -> AsyncIterator[int]:
+        failure: BaseException | None = None
+        try:
+            while True:
+                try:
+                    async for token in self._stream():
+                        yield token
+                    return
+                except ClientError as error:
+                    if self.outcome.tokens or not await self._recover(error):
+                        raise
+        except BaseException as error:
+            failure = error if isinstance(error, Exception) else None
+            raise
+        finally:
+            await self._finish(failure)
+
+    async def _stream(self) -> AsyncIterator[int]:
+        await self._close_stub()
+        self._stub, self._request, headers = await self._open()
+        self._sending: asyncio.Queue = asyncio.Queue()
+        self._sending.put_nowait(self._request)
+
+        async def requests():
+            while True:
+                yield await self._sending.get()
+
+        self._responses = self._stub.stream_infer(requests(), headers=headers or None)
+        self._received = self._responses.__aiter__()
+        while self.outcome.finish_reason is None:
+            token = await self._answer()
+            if token is not None:
+                yield token
+
+    async def _answer(self) -> int | None:
+        try:
+            result, error = await asyncio.wait_for(self._received.__anext__(), self._timeout)
+        except StopAsyncIteration:
+            raise ClientError("the server closed the generation's stream before its end") from None
+        except TimeoutError:
+            raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
+        if error is not None:
+            raise stream_error(error)
+        return self.outcome.take(result)
+
+    async def _stop(self) -> None:
+        """As `Generation._stop`."""
+        self._sending.put_nowait(stop_request(self._request))
+        while self.outcome.finish_reason is None:
+            await self._answer()
+
+    async def aclose(self) -> None:
+        """Stop here: the server is asked to cancel, and stops within one step."""
+        await self._iterator.aclose()
+        await self._finish(None)
+
+    async def _close_stub(self) -> None:
+        stub, self._stub = self._stub, None
+        if stub is None:
+            return
+        if self.outcome.finish_reason is None:
+            with contextlib.suppress(Exception):  # the server stops within one step
+                self._responses.cancel()
+        with contextlib.suppress(Exception):
+            await stub.close()
+
+    async def _finish(self, failure: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        if failure is None and self.outcome.finish_reason is None and self._stub is not None:
+            try:
+                await self._stop()
+            except Exception as error:  # the stream broke while stopping: what it held is unknown
+                failure = error
+        await self._close_stub()
+        await self._on_end(self.outcome, failure)
+
+
+def stream_request(
+    model: str, sequence_id: int, ids: np.ndarray, request: generation.GenerationRequest, module
+) -> dict:
+    """async_stream_infer's arguments (a stream_infer request) for one generation."""
+    tensor = module.InferInput(names.INPUT_IDS, list(ids.shape), "INT64")
+    tensor.set_data_from_numpy(ids)
+    return {
+        "model_name": model,
+        "inputs": [tensor],
+        "outputs": [module.InferRequestedOutput(name) for name in OUTPUTS],
+        "sequence_id": sequence_id,
+        "parameters": request.to_parameters(),
+    }
+
+
+def stream_error(error: BaseException) -> BaseException:
+    """The typed error of a stream's answer: a stream's errors carry no status, so the server's own tag
+    (contract/errors.py) says what it was."""
+    from tritonclient.utils import InferenceServerException
+
+    if isinstance(error, InferenceServerException) and error.status() is None:
+        return errors.from_server(str(error.message()), "StatusCode.UNKNOWN", session=True)
+    return errors.from_exception(error, session=True) or error
+
+
+def stop_request(request: dict) -> dict:
+    """The request that stops the generation `request` started (its session's), on the same stream."""
+    return {
+        "model_name": request["model_name"],
+        "inputs": [],
+        "sequence_id": request["sequence_id"],
+        "parameters": {generation.STOP_GENERATION: True},
+    }
+
+
+OUTPUTS = (
+    generation.TOKEN_ID,
+    generation.LOGPROB,
+    generation.TOP_TOKEN_IDS,
+    generation.TOP_LOGPROBS,
+    generation.FINISH_REASON,
+    names.HELD_LENGTH,
+)

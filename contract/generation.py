@@ -1,0 +1,136 @@
+"""Generation on the server: what a request of `mha_generate` carries and what its responses answer.
+
+`mha_generate` (serving/triton/models/mha_generate.py) is a decoupled Triton model beside a whole model's
+`mha_session`: a request names a session (its sequence id, Triton's correlation id), brings new token ids
+(or none, to continue after what the session holds) and the sampling parameters; the model steps the
+session through `mha_session` until `max_new_tokens`, a stop token, the session's end (max_seq_len) or
+cancellation, and answers one response per token, then a final one with the finish reason. The session
+keeps every token it was given and generated: the prompt and each generated token are in its KV cache
+when the generation ends, so snapshot, fork, rewind and a next generation go on from there.
+
+One table of names and one parser, used by the server, the client and the gateway alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from contract.inputs import InputError
+from contract.sampling import SamplingParams
+
+MODEL = "mha_generate"  # the decoupled model beside a whole model's mha_session (names.SESSION_MODEL)
+PREFILL_CHUNK = 128  # prompt tokens per step: a decoding session waits at most one such chunk for a joiner
+
+# --- request parameters (Triton request parameters: bool, int or string values) ---------------------------
+MAX_NEW_TOKENS = "max_new_tokens"
+STOP_TOKEN_IDS = "stop_token_ids"  # a string: the ids, comma-separated ("" for none)
+SESSION_START = "session_start"  # START the sequence before the prompt (a new session, or a stateless call)
+SESSION_END = "session_end"  # END it after the generation (a stateless call: nothing kept)
+# a request of its own on the generation's stream: stop the session's generation before its next token; it
+# then answers its final response (the finish reason `cancelled` and the positions held), so the client
+# that stops knows exactly what the session keeps (a dropped stream stops it too, unanswered)
+STOP_GENERATION = "stop_generation"
+# the sampling parameters, by SamplingParams' own field names; floats travel as strings (Triton's request
+# parameters have no float type)
+SAMPLING_FIELDS = tuple(field.name for field in dataclasses.fields(SamplingParams))
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+# --- outputs ----------------------------------------------------------------------------------------------
+TOKEN_ID = "token_id"  # [1] int64: the generated token of this response
+LOGPROB = "logprob"  # [1] float32: its log-probability (contract/sampling.py says of what)
+TOP_TOKEN_IDS = "top_token_ids"  # [N] int64: the N most likely ids at this position (N = logprobs)
+TOP_LOGPROBS = "top_logprobs"  # [N] float32: theirs
+FINISH_REASON = "finish_reason"  # [1] bytes, on the final response only
+# the final response also answers names.HELD_LENGTH: the positions the session holds afterwards
+
+# --- finish reasons ---------------------------------------------------------------------------------------
+STOP = "stop"  # a stop token was generated (it is answered, and kept in the session)
+LENGTH = "length"  # max_new_tokens generated
+SESSION_FULL = "max_seq_len"  # the session holds max_seq_len positions: no room for another token
+CANCELLED = "cancelled"  # the client left (closed the stream): what was answered is kept
+FINISH_REASONS = (STOP, LENGTH, SESSION_FULL, CANCELLED)
+
+DEFAULT_MAX_NEW_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """One generation: how many tokens at most, which ids stop it, how to pick them, and whether the
+    session starts with it (START) and ends after it (END: a stateless generation)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop_token_ids: tuple[int, ...] = ()
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    session_start: bool = False
+    session_end: bool = False
+
+    def check(self, vocab_size: int, max_seq_len: int) -> None:
+        """Raises InputError naming the parameter, what it takes and what it got."""
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= max_seq_len:
+            raise InputError(MAX_NEW_TOKENS, f"expected an integer in [1, {max_seq_len}], got {self.max_new_tokens!r}")
+        bad = [token for token in self.stop_token_ids if not 0 <= token < vocab_size]
+        if bad:
+            raise InputError(STOP_TOKEN_IDS, f"expected ids in [0, {vocab_size}), got {bad}")
+        self.sampling.check()
+
+    def to_parameters(self) -> dict[str, bool | int | str]:
+        """Triton request parameters (what `from_parameters` reads back)."""
+        values: dict[str, bool | int | str] = {
+            MAX_NEW_TOKENS: self.max_new_tokens,
+            STOP_TOKEN_IDS: ",".join(map(str, self.stop_token_ids)),
+            SESSION_START: self.session_start,
+            SESSION_END: self.session_end,
+        }
+        for name in SAMPLING_FIELDS:
+            value = getattr(self.sampling, name)
+            if value is not None:
+                values[name] = repr(float(value)) if name in FLOAT_FIELDS else value
+        return values
+
+    @classmethod
+    def from_parameters(cls, parameters: Mapping[str, Any] | str | None) -> GenerationRequest:
+        """The request of Triton request parameters (a dict, or the JSON a Python model reads); raises
+        InputError naming a parameter of the wrong type."""
+        if isinstance(parameters, str) or parameters is None:
+            parameters = json.loads(parameters or "{}")
+        sampling = {name: _sampling_value(name, parameters[name]) for name in SAMPLING_FIELDS if name in parameters}
+        return cls(
+            max_new_tokens=_integer(MAX_NEW_TOKENS, parameters.get(MAX_NEW_TOKENS, DEFAULT_MAX_NEW_TOKENS)),
+            stop_token_ids=_ids(parameters.get(STOP_TOKEN_IDS, "")),
+            sampling=SamplingParams(**sampling),
+            session_start=_boolean(SESSION_START, parameters.get(SESSION_START, False)),
+            session_end=_boolean(SESSION_END, parameters.get(SESSION_END, False)),
+        )
+
+
+def _sampling_value(name: str, value: Any) -> Any:
+    if name in FLOAT_FIELDS:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise InputError(name, f"expected a number, got {value!r}") from None
+    return None if value is None else _integer(name, value)
+
+
+def _integer(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(name, f"expected an integer, got {value!r}")
+    return value
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise InputError(name, f"expected true or false, got {value!r}")
+    return value
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return tuple(_integer(STOP_TOKEN_IDS, token) for token in value)
+    try:
+        return tuple(int(token) for token in str(value).split(",") if token.strip())
+    except ValueError:
+        raise InputError(STOP_TOKEN_IDS, f"expected comma-separated integer ids, got {value!r}") from None

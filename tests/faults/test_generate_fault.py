@@ -1,0 +1,61 @@
+"""Generation on the server hit by kill -9 of the session model's stub mid-generation (`python -m serving`
+as a user runs it, a whole model, a durable session: a directory store). What the client was answered before
+the kill is the PyTorch original's greedy text; the generation then fails with a clear error, never a wrong
+token; the session, rebuilt from its store and replay log (the generated tokens in it), goes on with the
+original's greedy continuation of the whole text."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from client import Client, ClientError
+from export.artifacts import load_model
+from serving.triton.repository import write_repository
+from tests.fixtures.faults import kill
+from tests.fixtures.serving_process import serving_process
+from tests.fixtures.triton import WHOLE_ARTIFACT, WHOLE_SETTINGS
+
+pytestmark = [pytest.mark.served, pytest.mark.slow]
+EVERY = 8  # positions between checkpoints: the generated tokens reach both the store and the replay log
+
+
+def greedy(model, ids: np.ndarray, tokens: int) -> list[int]:
+    """The original's greedy continuation of `ids`, a full forward per token (short sequences)."""
+    sequence = list(ids)
+    with torch.no_grad():
+        for _ in range(tokens):
+            sequence.append(int(model(torch.tensor([sequence])).output[0, -1].argmax()))
+    return sequence[len(ids) :]
+
+
+def test_a_killed_stub_mid_generation_gives_the_right_prefix_a_clear_error_then_the_same_text(artifact_dir, tmp_path):
+    model = load_model(artifact_dir(WHOLE_ARTIFACT)).eval()
+    repository = write_repository(artifact_dir(WHOLE_ARTIFACT), tmp_path / "repository", WHOLE_SETTINGS)
+    ids = np.random.default_rng(11).integers(0, 256, 6, dtype=np.int64)
+    expected = greedy(model, ids, 50)
+    with serving_process(repository, tmp_path, args=("--probe-interval", "0.5")) as served:
+        client = Client(f"127.0.0.1:{served.grpc_port}", session_store=tmp_path / "store", checkpoint_every=EVERY)
+        with client.session() as session:
+            answered, failure = [], None
+            generation = session.generate(ids, max_new_tokens=40)
+            killer = threading.Timer(0, lambda: kill(served, "mha_session_0_0"))
+            try:
+                for token in generation:
+                    answered.append(token)
+                    if len(answered) == 5:
+                        killer.start()  # the stub dies while the server is generating
+            except ClientError as error:
+                failure = error
+            killer.join()
+            assert answered == expected[: len(answered)]  # never a wrong token
+            assert failure is not None or answered == expected[:40], "a full generation, or a clear error"
+            print(f"{len(answered)} tokens before the error: {failure}")
+
+            more = list(session.generate(max_new_tokens=50 - len(answered)))  # rebuilt, then on from the text
+            assert answered + more == expected
+            assert session.recoveries == 1
+        client.close()

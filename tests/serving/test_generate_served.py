@@ -1,0 +1,145 @@
+"""Generation on the server (`mha_generate` beside a whole model's `mha_session`), through the client's
+gRPC stream, against the session's whole-model Triton (tests/fixtures/triton.py `whole_triton`): greedy
+tokens are the PyTorch original's, a session keeps its text and goes on from it, a seeded sample repeats,
+forks share a prompt, stopping early leaves the session exactly where the client saw it, the row's end and
+bad parameters answer clearly. transformers' own `generate` is the oracle in tests/export/test_hf_families.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from client import AsyncClient, Client, InvalidInputError
+from contract import generation
+from export.artifacts import load_model
+from tests.fixtures.triton import WHOLE_ARTIFACT
+
+pytestmark = pytest.mark.served
+
+
+@pytest.fixture(scope="module")
+def whole(artifact_dir, whole_triton):
+    """(a client of the whole-model Triton, the PyTorch original)."""
+    with Client(whole_triton.grpc_url) as client:
+        yield client, load_model(artifact_dir(WHOLE_ARTIFACT)).eval()
+
+
+def prompt(seed: int, length: int = 6) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, length, dtype=np.int64)
+
+
+def assert_greedy(model, ids: np.ndarray, tokens: list[int]) -> None:
+    """Each generated token is the original's greedy pick after everything before it (within fp32's rounding
+    of the logits' scale, so that a near tie may go either way)."""
+    sequence = torch.from_numpy(np.concatenate([ids, tokens]).astype(np.int64))[None]
+    with torch.no_grad():
+        logits = model(sequence).output[0].numpy()  # (L, vocab)
+    for i, token in enumerate(tokens):
+        row = logits[len(ids) + i - 1]
+        assert row[token] >= row.max() - 1e-5 * np.abs(logits).max(), f"token {i}: {token} is not the greedy pick"
+
+
+def test_greedy_tokens_are_the_originals_and_the_session_goes_on_from_them(whole):
+    client, model = whole
+    ids = prompt(0)
+    with client.session() as session:
+        first = session.generate(ids, max_new_tokens=6)
+        tokens = list(first)
+        assert first.finish_reason == generation.LENGTH and len(tokens) == 6
+        assert session.length == first.held_length == len(ids) + 6
+        more = session.generate(max_new_tokens=5)  # no ids: on from what the session holds
+        tokens += list(more)
+        assert more.held_length == len(ids) + 11
+        logits = session.step(np.array([[tokens[-1]]]))  # the session holds the prompt and every token
+    assert_greedy(model, ids, tokens)
+    with torch.no_grad():
+        expected = model(torch.from_numpy(np.concatenate([ids, tokens, [tokens[-1]]]))[None]).output.numpy()
+    np.testing.assert_allclose(logits[0, -1], expected[0, -1], atol=1e-5 * np.abs(expected).max(), rtol=0)
+    with client.session() as again:  # the same 11 tokens in one generation
+        assert list(again.generate(ids, max_new_tokens=11)) == tokens
+
+
+def test_a_seeded_sample_repeats_and_logprobs_come_with_it(whole):
+    client, _ = whole
+    ids = prompt(1)
+    sampling = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7, "logprobs": 3}
+    first = client.generate(ids, max_new_tokens=10, **sampling)
+    tokens = list(first)
+    assert tokens == list(client.generate(ids, max_new_tokens=10, **sampling))
+    assert tokens != list(client.generate(ids, max_new_tokens=10, **(sampling | {"seed": 8})))
+    for token in first.logprobs:
+        assert token.logprob <= 0 and len(token.top) == 3
+        assert [logprob for _, logprob in token.top] == sorted((logprob for _, logprob in token.top), reverse=True)
+
+
+def test_forks_share_a_prompt_and_sample_as_stateless_calls_do(whole):
+    """n samples of one prompt: the prompt stepped once, forked n times; each fork generates from the
+    prompt's last token what a stateless generation of the whole prompt does with the same seed."""
+    client, _ = whole
+    ids = prompt(2)
+    with client.session() as parent:
+        parent.step(ids[None, :-1])
+        for seed in (1, 2):
+            with parent.fork() as child:
+                sampled = list(child.generate(ids[-1:], max_new_tokens=6, temperature=1.0, seed=seed))
+            assert sampled == list(client.generate(ids, max_new_tokens=6, temperature=1.0, seed=seed))
+        assert parent.length == len(ids) - 1  # the forks' tokens are theirs alone
+
+
+def test_leaving_the_loop_stops_the_server_where_the_client_stands(whole):
+    client, model = whole
+    ids = prompt(3)
+    with client.session() as session:
+        generated = session.generate(ids, max_new_tokens=40)
+        for i, _ in enumerate(generated):
+            if i == 2:
+                break
+        assert generated.finish_reason == generation.CANCELLED
+        kept = len(generated.tokens)
+        assert 3 <= kept < 40 and session.length == generated.held_length == len(ids) + kept
+        session.step(np.array([[5]]))
+        assert session.length == len(ids) + kept + 1  # the server's own count, answered by the step
+        assert_greedy(model, ids, generated.tokens)
+
+
+def test_a_fork_goes_on_as_its_parent_and_a_stranger_is_told_what_to_send(whole):
+    """A fork's server kept no logits after its last token: the client sends that token again (after a
+    rewind by one) and the fork goes on as its parent does; a session resumed by id elsewhere, whose last
+    token this process never saw, is told what to send."""
+    client, _ = whole
+    with client.session() as parent:
+        list(parent.generate(prompt(4), max_new_tokens=3))
+        with parent.fork() as child:
+            stranger = client.session(child.id, replica="")  # not closed: it would end the child
+            with pytest.raises(InvalidInputError, match="send at least its last token") as refused:
+                list(stranger.generate(max_new_tokens=2))
+            assert refused.value.kind == "no_next_logits"
+            assert list(child.generate(max_new_tokens=4)) == list(parent.generate(max_new_tokens=4))
+
+
+def test_the_rows_end_and_bad_parameters_answer_clearly(whole):
+    client, model = whole
+    ids = prompt(5, length=model.cfg.max_seq_len - 3)
+    full = client.generate(ids, max_new_tokens=10)
+    assert len(list(full)) == 3 and full.finish_reason == generation.SESSION_FULL
+    with pytest.raises(InvalidInputError, match="temperature"):
+        client.generate(ids, temperature=-1.0)
+    with pytest.raises(InvalidInputError, match="input_ids"):
+        client.generate([0, 256])  # outside the vocabulary
+    with pytest.raises(TypeError, match="unknown generation arguments"):
+        client.generate(ids, top_q=0.5)
+
+
+def test_the_asyncio_client_generates_the_same(whole, whole_triton):
+    client, _ = whole
+    ids = prompt(6)
+    expected = list(client.generate(ids, max_new_tokens=5))
+
+    async def generate() -> list[int]:
+        async with AsyncClient(whole_triton.grpc_url) as aio, aio.session() as session:
+            return [token async for token in session.generate(ids, max_new_tokens=5)]
+
+    assert asyncio.run(generate()) == expected
