@@ -143,3 +143,31 @@ def test_the_asyncio_client_generates_the_same(whole, whole_triton):
             return [token async for token in session.generate(ids, max_new_tokens=5)]
 
     assert asyncio.run(generate()) == expected
+
+
+def test_concurrent_generations_share_graph_runs_and_plain_steps_go_on_beside_them(whole, whole_triton):
+    """Four sessions generating at once and a fifth stepping plainly: every generation gives its solo
+    tokens, the plain steps their solo logits, and the session model ran several sessions' steps in one
+    graph run (its `largest_batch` gauge: the sequence batcher gathered the generations' BLS steps)."""
+    import concurrent.futures
+
+    from tests.fixtures.triton import metric
+
+    client, _ = whole
+    prompts = [prompt(20 + k) for k in range(4)]
+    solo = [list(client.generate(ids, max_new_tokens=24)) for ids in prompts]
+    plain = prompt(30, length=12)
+    with client.session() as alone:
+        expected_plain = [alone.step(plain[None, t : t + 1]) for t in range(12)]
+
+    def stepped() -> list[np.ndarray]:
+        with client.session() as session:
+            return [session.step(plain[None, t : t + 1]) for t in range(12)]
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        generated = [pool.submit(lambda ids=ids: list(client.generate(ids, max_new_tokens=24))) for ids in prompts]
+        beside = pool.submit(stepped)
+        assert [future.result() for future in generated] == solo
+        for actual, expected in zip(beside.result(), expected_plain, strict=True):
+            np.testing.assert_allclose(actual, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
+    assert metric(whole_triton, "attention_session_largest_batch", "mha_session") >= 2
