@@ -1,4 +1,5 @@
-"""The routes: health (open), models, stateless attention, attention maps and sessions (behind an API key).
+"""The routes: health (open), models, stateless attention, attention maps, sessions and generation (behind an
+API key).
 
 /v1/attend and a session's step read their body themselves (validated.py: parsed and checked once,
 into arrays) instead of through a pydantic body parameter; `body_documented` puts the schema their
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import re
 from collections.abc import Iterator
 from typing import Annotated, Any
@@ -22,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from client import ClientError, ModelInfo
 from contract.heads import head_statistics
 from contract.inputs import real_tokens
-from serving.gateway import schemas, validated
+from serving.gateway import generate, schemas, validated
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
 from serving.gateway.encoding import Encoding, encode, tensor_json
 from serving.gateway.errors import (
@@ -338,31 +340,91 @@ async def _step(gw: State, session: GatewaySession, valid: validated.ValidStep) 
     """One upstream step; a session whose server-side state is lost or unknown is marked broken."""
     try:
         call = session.upstream.step(valid.hidden_states, valid.attention_mask)
-        with naming(session):
-            return await gw.call(call, f"step of session '{session.id}'")
-    except SessionConflict as error:
+        return await gw.call(call, f"step of session '{session.id}'")
+    except ApiError as error:
+        raise _session_failed(gw, session, "a step timed out, so whether Triton applied it is unknown", error) from None
+
+
+def _session_failed(gw: State, session: GatewaySession, timed_out: str, error: ApiError) -> ApiError:
+    """An upstream error of a session's step or generation, naming the session; one that leaves its
+    server-side state lost or unknown marks it broken (`timed_out`: why, for a timeout)."""
+    error = renamed(session, error)
+    if isinstance(error, SessionConflict):
         gw.sessions.break_(session, f"Triton no longer holds its KV cache ({error.message})")
-        raise
-    except UpstreamTimeout:
-        gw.sessions.break_(session, "a step timed out, so whether Triton applied it is unknown")
-        raise
+    elif isinstance(error, UpstreamTimeout):
+        gw.sessions.break_(session, timed_out)
+    return error
 
 
 @contextlib.contextmanager
 def naming(session: GatewaySession, name: str | None = None) -> Iterator[None]:
-    """An upstream error raised inside, naming the session as the caller knows it (`name`, default its
-    id) where Triton's or the client's words name its sequence id ("sequence 123", "session 123"); the
-    error's type, and so its status and code, stay."""
+    """An upstream error raised inside, named as `renamed` names it."""
     try:
         yield
     except ApiError as error:
-        said = re.escape(str(session.upstream.id))
-        message = re.sub(rf"\b(?:sequence|session) '?{said}'?(?!\w)", name or f"session '{session.id}'", error.message)
-        if message == error.message:
-            raise
-        renamed = copy.copy(error)
-        renamed.message, renamed.args = message, (message,)
-        raise renamed from None
+        raise renamed(session, error, name) from None
+
+
+def renamed(session: GatewaySession, error: ApiError, name: str | None = None) -> ApiError:
+    """The error, naming the session as the caller knows it (`name`, default its id) where Triton's or the
+    client's words name its sequence id ("sequence 123", "session 123"); its type, and so its status and
+    code, stay."""
+    said = re.escape(str(session.upstream.id))
+    message = re.sub(rf"\b(?:sequence|session) '?{said}'?(?!\w)", name or f"session '{session.id}'", error.message)
+    if message == error.message:
+        return error
+    named = copy.copy(error)
+    named.message, named.args = message, (message,)
+    return named
+
+
+# --- generation -----------------------------------------------------------------------------
+
+GENERATED = {
+    200: {
+        "description": "`stream: false`: the generation, once it ended. `stream: true`: Server-Sent Events, one "
+        '`data: {"token_id", "logprob"}` per token as it comes (`top` too when logprobs are asked), then '
+        '`data: {"finish_reason", "held_length"}`, then `data: [DONE]`; an error after the first token is an '
+        "`event: error` with the error body, and the stream ends",
+        "content": {generate.EVENT_STREAM: {"schema": {"type": "string"}}},
+    }
+}
+
+
+@v1.post(
+    SESSION_PATH + "/generate",
+    response_model=schemas.Generated,
+    responses=GENERATED | responses(400, 401, 404, 409, 413, 422, 502, 503, 504),
+    summary="Generate tokens on the server after the prompt (or after what the session holds); the session keeps "
+    "the prompt and every token answered",
+)
+async def generate_in_session(session_id: str, body: schemas.GenerateBody, gw: State, owner: Caller) -> Response:
+    async with contextlib.AsyncExitStack() as held:
+        session = await held.enter_async_context(gw.sessions.using(session_id, owner))  # busy until the answer ends
+        model = gw.settings.session_model
+        asked = generate.checked(body, await gw.model_info(model), model, stateless=False)
+        tokens = session.upstream.generate(asked.ids, **asked.arguments)
+        timed_out = "a generation timed out, so how many tokens Triton holds for it is unknown"
+        on_error = functools.partial(_session_failed, gw, session, timed_out)
+        what = f"generation of session '{session.id}'"
+        return await generate.answer(gw, tokens, asked, what, on_error, held.pop_all())
+
+
+@v1.post(
+    "/generate",
+    response_model=schemas.Generated,
+    responses=GENERATED | responses(400, 401, 413, 422, 502, 503, 504),
+    summary="Generate tokens after a prompt in a sequence of its own, ended afterwards (nothing is kept)",
+)
+async def generate_stateless(body: schemas.GenerateBody, gw: State) -> Response:
+    model = gw.settings.session_model  # generation steps the session model, in a sequence of its own
+    asked = generate.checked(body, await gw.model_info(model), model, stateless=True)
+    tokens = gw.client.generate(asked.ids, **asked.arguments)
+    return await generate.answer(gw, tokens, asked, "stateless generation", _as_is, contextlib.AsyncExitStack())
+
+
+def _as_is(error: ApiError) -> ApiError:
+    return error
 
 
 @v1.get(

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler
+from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, StrictBool, StrictFloat, StrictInt
 from pydantic_core import core_schema
 
+from contract import generation
+from contract.sampling import MAX_LOGPROBS, PENALTY_LIMIT, SamplingParams
 from serving.gateway.encoding import EncodedTensor, FiniteFloat, MaskBit
 
 
@@ -161,6 +163,88 @@ class RewindBody(BaseModel):
 
 class Rewound(BaseModel):
     length: int = Field(description="the positions the session holds now")
+
+
+# --- generation (serving/gateway/generate.py) ---------------------------------------------------------------
+
+SAMPLING = SamplingParams()  # the defaults: greedy, no truncation, no penalties
+
+
+class GenerateBody(Strict):
+    """A generation on the server. Pydantic checks the types; the ranges are checked once, by the contract's
+    own checks (contract/generation.py, contract/sampling.py), which answer 400 naming the field."""
+
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = Field(
+        default=None,
+        description="the prompt: (T,) or (1, T) token ids, each in [0, vocab_size). A session's may be left out "
+        "(or empty) to go on after its last generation; a stateless generation needs one",
+    )
+    max_new_tokens: StrictInt = Field(
+        default=generation.DEFAULT_MAX_NEW_TOKENS, description="at most this many new tokens, in [1, max_seq_len]"
+    )
+    stop_token_ids: list[StrictInt] = Field(
+        default=[], description="ids that end the generation once generated (the stop token is answered and kept)"
+    )
+    temperature: StrictFloat = Field(
+        default=SAMPLING.temperature, description="0: greedy (the argmax); > 0: sample from softmax(logits / T)"
+    )
+    top_k: StrictInt | None = Field(
+        default=SAMPLING.top_k, description="keep the k most likely tokens (none or 0: all), in [0, 2**63)"
+    )
+    top_p: StrictFloat | None = Field(
+        default=SAMPLING.top_p, description="nucleus: the smallest set whose probability reaches p, in (0, 1]"
+    )
+    min_p: StrictFloat | None = Field(
+        default=SAMPLING.min_p, description="drop tokens less likely than min_p times the top token, in [0, 1]"
+    )
+    repetition_penalty: StrictFloat = Field(
+        default=SAMPLING.repetition_penalty,
+        description="> 0; over prompt and generated ids: a positive logit is divided by it, a negative multiplied",
+    )
+    presence_penalty: StrictFloat = Field(
+        default=SAMPLING.presence_penalty,
+        description=f"in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]: subtracted from the logit of each generated id",
+    )
+    frequency_penalty: StrictFloat = Field(
+        default=SAMPLING.frequency_penalty,
+        description=f"in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]: subtracted once per time an id was generated",
+    )
+    seed: StrictInt | None = Field(
+        default=SAMPLING.seed, description="in [0, 2**63): the same tokens for the same request, on any replica"
+    )
+    logprobs: StrictInt | None = Field(
+        default=None,
+        description=f"in [0, {MAX_LOGPROBS}]: answer each token's logprob and this many most likely alternatives' "
+        "(`top`); none: no logprobs in the JSON answer",
+    )
+    stream: StrictBool = Field(
+        default=False,
+        description="true: `text/event-stream`, one `data:` event per token as it comes, then one with the "
+        "finish reason, then `data: [DONE]`; false: one JSON answer at the end",
+    )
+
+
+class TopLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(BaseModel):
+    token_id: int
+    logprob: float = Field(description="log_softmax of the logits after the penalties, before temperature")
+    top: list[TopLogprob] = Field(description="the `logprobs` most likely tokens at this position, best first")
+
+
+class Generated(BaseModel):
+    token_ids: list[int] = Field(description="the generated tokens, in order")
+    finish_reason: Literal[generation.FINISH_REASONS] = Field(  # type: ignore[valid-type]
+        description="`stop`: a stop token; `length`: max_new_tokens; `max_seq_len`: the session is full"
+    )
+    held_length: int = Field(
+        description="the positions the session holds now, the prompt and the generated tokens included (0 for a "
+        "stateless generation: its sequence is ended)"
+    )
+    logprobs: list[TokenLogprob] | None = Field(default=None, description="when `logprobs` was asked: per token")
 
 
 class TensorDescription(BaseModel):

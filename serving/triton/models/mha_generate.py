@@ -41,7 +41,6 @@ from serving.triton.models import common
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-INVALID_ARG = pb_utils.TritonError.INVALID_ARG
 PENDING_SESSIONS = 256  # sessions whose next-token logits are kept (a vocabulary's floats each)
 
 
@@ -115,7 +114,7 @@ class TritonPythonModel:
             sender.send(common.response(final), flags=FINAL)
         except NoNextLogits as error:  # its own kind: the client sends the last token again and goes on
             message = kinds.tag(kinds.NO_NEXT_LOGITS, str(error))
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, INVALID_ARG)), flags=FINAL)
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
         except StepFailed as failed:
             if asked is not None and asked.session_end:  # a stateless generation leaves nothing behind
                 self._end_quietly(sequence)
