@@ -114,7 +114,8 @@ class TritonPythonModel:
             sender.send(common.response(final), flags=FINAL)
         except NoNextLogits as error:  # its own kind: the client sends the last token again and goes on
             message = kinds.tag(kinds.NO_NEXT_LOGITS, str(error))
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+            refused = pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
+            sender.send(pb_utils.InferenceResponse(error=refused), flags=FINAL)
         except StepFailed as failed:
             if asked is not None and asked.session_end:  # a stateless generation leaves nothing behind
                 self._end_quietly(sequence)
