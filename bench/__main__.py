@@ -10,6 +10,7 @@ python -m bench sessions         # snapshot, restore, fork, rewind vs prefilling
 python -m bench durable          # a decode step with the session store (directory, Redis) vs without; a recovering step
 python -m bench capacity         # 1,000-token sessions per GiB: fp32/int8/int4 caches, full vs sized rows; decode
 python -m bench weights-int8     # int8 weights on ONNX Runtime vs fp32-fused and PyTorch (fp32, quantize_dynamic)
+python -m bench generate         # 512-token prompts, 128 greedy tokens: served, gateway, in-process, genai, torch
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -19,7 +20,7 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import admission, capacity, durable, gateway, gpu, model, scale, serving, sessions, weights_int8
+from bench import admission, capacity, durable, gateway, generate, gpu, model, scale, serving, sessions, weights_int8
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
@@ -33,6 +34,7 @@ COMMANDS: dict[str, ModuleType] = {
     "durable": durable,
     "capacity": capacity,
     "weights-int8": weights_int8,
+    "generate": generate,
     "gpu": gpu,
 }
 DEFAULT_COMMANDS = (
@@ -45,6 +47,7 @@ DEFAULT_COMMANDS = (
     "durable",
     "capacity",
     "weights-int8",
+    "generate",
 )
 
 

@@ -48,6 +48,7 @@ BUILD = (*BUILT_VARIANTS, "fp32-static")  # what a proof builds: fp32-static too
 PARITY_VARIANTS = (*BUILT_VARIANTS, GRAPHS)
 LATENCY_VARIANTS = ("fp16-fused", "fp16-trt", "fp16-static", GRAPHS)
 TORCH, PEER, TRANSFORMERS = "torch-fp16", "torch-static-fp16", "transformers-fp16"
+ENGINE_LOOP = "engine-loop"  # (e): the serving engine's generation loop in this process
 # both PyTorch candidates are fp16: they differ by fp16 roundings of the same sums (a few 2^-11)
 PEER_BOUND = 5e-3
 PASTS = (128, 512, 1024, 2048, 4096, 8192, 16384)
@@ -569,36 +570,34 @@ def runner_lines(log_path: Path) -> list[str]:
 
 def generation(directory: Path, device: Device, plan: Plan, progress: Progress) -> dict:
     """Greedy generation of a Llama-shaped whole model: a `plan.generation_prompt`-token prompt per row,
-    then `plan.generation_tokens` tokens, at each of `plan.generation_batches`: the serving engine's GPU
-    form (fp16-static with CUDA graphs through KVPool, the prompt through the last-position-logits graph)
-    against transformers' LlamaForCausalLM in fp16 with its dynamic cache, the same weights, one warm-up
-    then `plan.generation_rounds` rounds in alternating order. Each token is read back to the host (a
-    loop that checks stop tokens must). Reported per batch: time to the first token, a decode step's
-    median and 90th percentile, tokens/s over the whole generation, and how long the two greedy
-    sequences agree (fp16 roundings can part them where two logits are nearly equal)."""
-    import onnx
-
+    then `plan.generation_tokens` tokens, at each of `plan.generation_batches` concurrent generations:
+    the serving engine's own loop (serving/engine/generation.py) over `mha_session`'s engine built here as
+    the server builds it (on a GPU: fp16-static with CUDA graphs, prompts through the last-logits graph;
+    concurrent generations' steps gathered into one engine run, as Triton's sequence batcher gathers
+    them: bench/generate.py's in-process candidate) against transformers' LlamaForCausalLM in fp16 with
+    the same weights (its dynamic cache, the rows as one batch), one warm-up then
+    `plan.generation_rounds` rounds in alternating order. Reported per batch: time to the first token, the
+    gap between a generation's tokens (median and 90th percentile), tokens/s of the median round, and
+    how long the two greedy sequences agree (both fp16: a rounding can part them where two logits are
+    nearly equal)."""
+    from bench.generate import in_process_candidate
     from bench.whole_model import agreement
-    from serving.engine.kv_pool import KVPool, last_logits_graph
+    from contract.generation import PREFILL_CHUNK
+    from serving.engine import factory
 
     model = artifacts.load_model(directory).to(device.torch).half()
     cfg = model.cfg
-    path = variant_file(directory, GRAPHS)
-    last_path = directory / f"last_logits.{path.name}"
-    onnx.save(last_logits_graph(onnx.load(str(path))), str(last_path))
+    most = max(plan.generation_batches)
+    engine = generation_engine(directory, cfg, most, plan.generation_prompt + plan.generation_tokens)
+    generators = {
+        ENGINE_LOOP: in_process_candidate(engine, cfg, PREFILL_CHUNK, most),
+        TRANSFORMERS: transformers_generator(model, device),
+    }
     rng = np.random.default_rng(0)
     rows = []
     for batch in plan.generation_batches:
         prompts = rng.integers(cfg.vocab_size, size=(batch, plan.generation_prompt), dtype=np.int64)
-        pool = KVPool(
-            device_session(path, device, profile=False, cuda_graphs=device.provider == CUDA),
-            cfg,
-            rows=batch,
-            capacity=plan.generation_prompt + plan.generation_tokens,
-            last_logits_session=device_session(last_path, device, profile=False),
-        )
-        generators = {GRAPHS: engine_generator(pool), TRANSFORMERS: transformers_generator(model, device)}
-        with progress.stage(f"{cfg_label(cfg)} greedy generation, batch {batch}"):
+        with progress.stage(f"{cfg_label(cfg)} greedy generation, {batch} at once"):
             runs = {name: [] for name in generators}
             for turn in range(plan.generation_rounds + 1):  # the first is the warm-up
                 for name in list(generators) if turn % 2 == 0 else list(generators)[::-1]:
@@ -606,77 +605,70 @@ def generation(directory: Path, device: Device, plan: Plan, progress: Progress) 
                     if turn:
                         runs[name].append(generated)
         rows.append({"batch": batch, "candidates": {name: generation_summary(r) for name, r in runs.items()}})
-        rows[-1]["agreement"] = agreement(runs[GRAPHS][-1].tokens, runs[TRANSFORMERS][-1].tokens)
-        del pool
-        gc.collect()
-    return {"prompt": plan.generation_prompt, "tokens": plan.generation_tokens, "rows": rows}
+        rows[-1]["agreement"] = agreement(runs[ENGINE_LOOP][-1].tokens, runs[TRANSFORMERS][-1].tokens)
+    return {
+        "prompt": plan.generation_prompt,
+        "tokens": plan.generation_tokens,
+        "engine": factory.describe(engine),
+        "rows": rows,
+    }
 
 
-def engine_generator(pool) -> Callable:
-    """Greedy generation through a KVPool with as many rows as prompts: the prompts prefilled (last
-    position's logits only), then one decode run for every row per token."""
-    from bench.whole_model import Generation
+def generation_engine(directory: Path, cfg: ModelConfig, rows: int, positions: int):
+    """`mha_session`'s engine of the artifact, built by the factory as the server builds it: on a CUDA
+    host the fp16 static graph with CUDA graphs, else the fp32 one; its KV budget holds `rows` rows of
+    the config's max_seq_len (full rows on a GPU) or of `positions`."""
+    from contract.files import model_filename
+    from serving.engine import factory
+    from serving.engine.placement import CPU as ON_CPU
+    from serving.engine.placement import CUDA as ON_CUDA
+    from serving.engine.settings import SessionSettings
 
-    def pick(answers: dict) -> np.ndarray:
-        for row, answer in answers.items():
-            if isinstance(answer, Exception):
-                raise GPUProofError(f"generation: row {row} failed: {answer}") from answer
-        return np.array([answers[row][-1].argmax() for row in sorted(answers)], np.int64)
-
-    def generate(prompts: np.ndarray, tokens: int) -> Generation:
-        for row in range(len(prompts)):
-            pool.reset(row)
-        started = time.perf_counter()
-        chosen = [pick(pool.run(dict(enumerate(prompts)), last_only=True))]
-        prefill_ms, step_ms = (time.perf_counter() - started) * 1e3, []
-        for _ in range(tokens - 1):
-            t0 = time.perf_counter()
-            chosen.append(pick(pool.run({row: chosen[-1][row : row + 1] for row in range(len(prompts))})))
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        return Generation(prefill_ms, step_ms, np.stack(chosen, axis=1))
-
-    return generate
+    files = {ON_CPU: directory / model_filename("fp32-static"), ON_CUDA: directory / model_filename("fp16-static")}
+    row = cfg.kv_cache_bytes(batch=1, length=cfg.max_seq_len)  # fp32: room for the fp16 rows too
+    settings = SessionSettings(kv_cache_bytes=(rows + 1) * row, idle_timeout_seconds=3600.0, max_batch=rows)
+    return factory.session_engine({k: v for k, v in files.items() if v.is_file()}, cfg, settings, "mha_session")
 
 
 def transformers_generator(model, device: Device) -> Callable:
     """Greedy generation by transformers' model of `model` (its weights, dtype and device) with its
-    dynamic cache, the prompt's logits at its last position only (as its `generate` asks for them)."""
+    dynamic cache, the prompts as one batch, the prompt's logits at its last position only (as its
+    `generate` asks for them); each step's pick read back to the host (a loop checking stop tokens must)."""
     import torch
     import transformers
 
-    from bench.whole_model import Generation
+    from bench.generate import batched
 
     hf = transformers_model(model)
 
-    def generate(prompts: np.ndarray, tokens: int) -> Generation:
+    def generate(prompts: np.ndarray, tokens: int):
         ids = torch.from_numpy(prompts).to(device.torch)
         cache = transformers.DynamicCache(config=hf.config)
         with torch.inference_mode():
             started = time.perf_counter()
             logits = hf(input_ids=ids, past_key_values=cache, logits_to_keep=1).logits
             chosen = [logits[:, -1].argmax(-1).cpu()]
-            prefill_ms, step_ms = (time.perf_counter() - started) * 1e3, []
+            first_ms, steps_ms = (time.perf_counter() - started) * 1e3, []
             for _ in range(tokens - 1):
                 t0 = time.perf_counter()
                 logits = hf(input_ids=chosen[-1][:, None].to(device.torch), past_key_values=cache).logits
                 chosen.append(logits[:, -1].argmax(-1).cpu())
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-        return Generation(prefill_ms, step_ms, torch.stack(chosen, dim=1).numpy())
+                steps_ms.append((time.perf_counter() - t0) * 1e3)
+        return batched(torch.stack(chosen, dim=1).numpy(), first_ms, steps_ms, time.perf_counter() - started)
 
     return generate
 
 
 def generation_summary(runs: list) -> dict:
-    """A candidate's rounds: the median time to the first token, every decode step's median and 90th
-    percentile, and tokens/s of the median round (all rows' tokens over the round's whole time)."""
-    totals = [run.prefill_ms + sum(run.step_ms) for run in runs]
-    steps = np.concatenate([run.step_ms for run in runs])
-    batch, tokens = runs[0].tokens.shape
+    """A candidate's rounds (bench/generate.py's Generated): the median time to the first token, the
+    gaps between a generation's tokens (median and 90th percentile over every round), and tokens/s of
+    the median round (every generated token over the round's wall time)."""
+    gaps = np.concatenate([run.gaps_ms for run in runs])
     return {
-        "ttft_ms": float(np.median([run.prefill_ms for run in runs])),
-        "step_p50_ms": float(np.percentile(steps, 50)),
-        "step_p90_ms": float(np.percentile(steps, 90)),
-        "tokens_per_s": batch * tokens / (float(np.median(totals)) / 1e3),
+        "ttft_ms": float(np.median([ms for run in runs for ms in run.first_ms])),
+        "step_p50_ms": float(np.percentile(gaps, 50)),
+        "step_p90_ms": float(np.percentile(gaps, 90)),
+        "tokens_per_s": runs[0].tokens.size / float(np.median([run.wall_s for run in runs])),
     }
 
 

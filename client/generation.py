@@ -187,7 +187,7 @@ class AsyncGeneration:
         self.outcome = Outcome()
         self._open, self._recover, self._timeout, self._on_end = open_stream, recover, timeout, on_end
         self._stub = self._request = self._answers = None
-        self._done = False
+        self._done = self._closing = False
         self._iterator = self._generate()
 
     tokens = Generation.tokens
@@ -202,7 +202,7 @@ class AsyncGeneration:
             async for token in self._iterator:
                 yield token
         finally:
-            await self._iterator.aclose()
+            await self.aclose()
 
     async def __anext__(self) -> int:
         return await self._iterator.__anext__()
@@ -259,7 +259,11 @@ class AsyncGeneration:
             await self._answer()
 
     async def aclose(self) -> None:
-        """Stop here: the server is asked to cancel, and stops within one step."""
+        """Stop here: the server is asked to cancel, and stops within one step (once; a second call, or the
+        loop's iterator closed meanwhile, finds it closing)."""
+        if self._closing:
+            return
+        self._closing = True
         await self._iterator.aclose()
         await self._finish(None)
 

@@ -107,8 +107,8 @@ def test_the_command_refuses_a_host_without_cuda(bench_runs):
 
 
 def test_greedy_generation_runs_the_engine_and_transformers_on_the_same_prompts(artifact_dir, tmp_path):
-    """(e) on the CPU, over the session's Llama-shaped whole artifact: every batch, both candidates,
-    every generated token an id of the vocabulary, and the report's table."""
+    """(e) on the CPU, over the session's Llama-shaped whole artifact: every batch, both candidates (the
+    engine's loop over the factory's engine, as on a GPU), the engine said, and the report's table."""
     import dataclasses
 
     work = tmp_path / "whole"
@@ -119,9 +119,10 @@ def test_greedy_generation_runs_the_engine_and_transformers_on_the_same_prompts(
     result = gpu.generation(work, gpu.CPU, plan, Progress(enabled=False))
     assert [row["batch"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
-        assert set(row["candidates"]) == {gpu.GRAPHS, gpu.TRANSFORMERS}
+        assert set(row["candidates"]) == {gpu.ENGINE_LOOP, gpu.TRANSFORMERS}
         for summary in row["candidates"].values():
             assert summary["ttft_ms"] > 0 and summary["step_p50_ms"] > 0 and summary["tokens_per_s"] > 0
         assert len(row["agreement"]["per_row"]) == row["batch"]
         assert all(0 <= agreed <= 4 for agreed in row["agreement"]["per_row"])
+    assert "static engine" in result["engine"]
     assert "greedy tokens agree" in gpu.generation_table({"presets": {"whole": {"generation": result}}})

@@ -140,7 +140,14 @@ def test_the_asyncio_client_generates_the_same(whole, whole_triton):
 
     async def generate() -> list[int]:
         async with AsyncClient(whole_triton.grpc_url) as aio, aio.session() as session:
-            return [token async for token in session.generate(ids, max_new_tokens=5)]
+            tokens = [token async for token in session.generate(ids, max_new_tokens=5)]
+            left = session.generate(max_new_tokens=30)
+            async for _ in left:
+                break
+            await left.aclose()  # the server stops, and says where the session stands
+            assert left.finish_reason == generation.CANCELLED
+            assert session.length == left.held_length == len(ids) + 5 + len(left.tokens)
+            return tokens
 
     assert asyncio.run(generate()) == expected
 

@@ -104,28 +104,37 @@ class TritonPythonModel:
     def _generate(self, request) -> None:
         sender = request.get_response_sender()
         sequence = request.correlation_id()
-        asked = None
+        asked, answer = None, None
         try:
             asked = generation.GenerationRequest.from_parameters(request.parameters())
             asked.check(self.cfg.vocab_size, self.cfg.max_seq_len)
             prompt = self._prompt(request)
             reason, held = self._loop(request, sender, sequence, asked, prompt)
             final = {generation.FINISH_REASON: np.array([reason.encode()], np.object_), names.HELD_LENGTH: held}
-            sender.send(common.response(final), flags=FINAL)
+            answer = common.response(final)
         except NoNextLogits as error:  # its own kind: the client sends the last token again and goes on
             message = kinds.tag(kinds.NO_NEXT_LOGITS, str(error))
-            refused = pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)
-            sender.send(pb_utils.InferenceResponse(error=refused), flags=FINAL)
+            answer = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG))
         except StepFailed as failed:
             if asked is not None and asked.session_end:  # a stateless generation leaves nothing behind
                 self._end_quietly(sequence)
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(failed), failed.code)), flags=FINAL)
-        except Exception as error:  # the request's own answer; other generations go on
-            sender.send(common.error_response(self.model.name, error), flags=FINAL)
+            answer = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(failed), failed.code))
+        except Exception as error:  # the request's own answer (a token's send to a client gone included)
+            answer = common.error_response(self.model.name, error)
         finally:
             with self.lock:
                 self.generating.discard(sequence)
                 self.stopping.discard(sequence)
+            self._complete(sender, answer)
+
+    def _complete(self, sender, answer) -> None:
+        """The final response; to a client that left, an empty final one: a request never completed
+        would hold the model in Triton's shutdown until its exit timeout."""
+        try:
+            sender.send(answer, flags=FINAL)
+        except Exception:
+            with contextlib.suppress(Exception):  # nothing more can be said to anyone
+                sender.send(flags=FINAL)
 
     def _prompt(self, request) -> np.ndarray:
         tensor = pb_utils.get_input_tensor_by_name(request, names.INPUT_IDS)

@@ -1,0 +1,104 @@
+"""`python -m bench generate` end to end, bounded: the session's build of TEST_CONFIGS["whole"] (its weights
+written as transformers' checkpoint, not imported again), a 16-token prompt and 8 greedy tokens at 1 and 4
+generations at once, one round, every candidate: Triton's `mha_generate` through the client, the gateway's
+`POST /v1/generate` as Server-Sent Events, the same loop in-process, onnxruntime-genai and transformers.
+Timings are not asserted (a smoke test); the tokens are: fp32 everywhere, each candidate answers exactly
+transformers' greedy tokens. And a gateway without the route: the candidate is left out, the reason said."""
+
+import contextlib
+import http.server
+import json
+import re
+import shutil
+import threading
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from bench import generate
+from bench.__main__ import main
+from tests.conftest import TEST_CONFIGS
+
+STREAMED = (generate.SERVED, generate.GATEWAY, generate.IN_PROCESS)  # a gap per token of every generation
+BATCHED = (generate.GENAI, generate.TORCH)  # a gap per decode step of the one batch
+
+
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
+    config = root / "whole.json"
+    config.write_text(TEST_CONFIGS["whole"].to_json())
+    shutil.copytree(artifact_dir("whole"), root / "work" / "whole" / "artifact")  # no import again
+    argv = ["generate", "--config", str(config), "--quick", "--threads", "1"]
+    return {"generate": lambda: main([*argv, "--out", str(root / "results"), "--work", str(root / "work")])}
+
+
+@pytest.mark.served
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_candidate_generates_transformers_greedy_tokens_and_is_measured(bench_runs):
+    run = bench_runs["generate"]
+    assert run.result() == 0
+    out = run.root / "results"
+    results = json.loads((out / "generate.json").read_text())
+    assert (out / "generate.png").read_bytes().startswith(b"\x89PNG")
+    assert results["skipped"] == {}  # the gateway's route answered
+    assert results["build"]["genai"]["used"], results["build"]["genai"]
+    assert re.fullmatch(r"[0-9a-f]{7,}", results["measured_at"]["commit"])
+
+    plan = results["plan"]
+    assert [row["concurrency"] for row in results["rows"]] == [1, 4] and plan["tokens"] == 8
+    for row in results["rows"]:
+        count = row["concurrency"]
+        assert set(row["candidates"]) == set(generate.CANDIDATES)
+        for name, entry in row["candidates"].items():
+            steps = count * (plan["tokens"] - 1) if name in STREAMED else plan["tokens"] - 1
+            assert entry["ttft_ms"]["generations"] == count and entry["itl_ms"]["gaps"] == steps, name
+            assert entry["tokens_per_s"] > 0 and entry["ttft_ms"]["p50"] > 0, name
+            assert 0 < entry["itl_ms"]["p50"] <= entry["itl_ms"]["p99"], name
+            greedy = entry["greedy"]
+            assert greedy["of"] == count * plan["tokens"], name
+            assert greedy["agree_before_first_difference"] == plan["tokens"], (name, greedy)
+    assert set(results["targets"]) == {
+        "served_vs_in_process_C1",
+        "served_C4_vs_C1",
+        *(f"served_vs_{peer}_C{count}" for peer in BATCHED for count in (1, 4)),
+    }
+    assert "greedy = transformers" in run.stdout and "goals:" in run.stdout
+
+
+class NoRoutes(http.server.BaseHTTPRequestHandler):
+    """A gateway that has not got `POST /v1/generate` (yet): every path answers 404."""
+
+    def do_POST(self) -> None:
+        body = b'{"error": {"code": "not_found", "message": "Not Found"}}'
+        self.send_response(404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def serving(handler) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_gateway_without_the_route_is_left_out_with_the_reason():
+    plan = generate.Plan(prompt=4, tokens=2, concurrency=(1, 2), rounds=1)
+    prompts = {count: np.zeros((count, plan.prompt), np.int64) for count in plan.concurrency}
+    with serving(NoRoutes) as url, httpx.Client(timeout=10) as client:
+        candidates = {generate.GATEWAY: generate.gateway_candidate(client, url)}
+        measured, skipped = generate.measure_all(candidates, prompts, plan)
+    assert measured == {} and list(skipped) == [generate.GATEWAY]
+    assert f"the gateway at {url} answers POST /v1/generate with 404" in skipped[generate.GATEWAY]
