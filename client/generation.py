@@ -42,11 +42,13 @@ class Outcome:
     logprobs: list[Token] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     held_length: int | None = None
+    answered: bool = False  # the final response (or an error) came: the request is over on the server
 
     def take(self, result) -> int | None:
         """One response: the token it carries (None for the final one, which says how it ended)."""
         reason = result.as_numpy(generation.FINISH_REASON)
         if reason is not None:
+            self.answered = True
             self.finish_reason = reason.reshape(-1)[0].decode()
             self.held_length = int(result.as_numpy(names.HELD_LENGTH).reshape(-1)[0])
             return None
@@ -136,6 +138,7 @@ class Generation:
         except queue.Empty:
             raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
         if error is not None:
+            self.outcome.answered = True  # an error is a request's final answer: nothing is left running
             raise stream_error(error)
         return self.outcome.take(result)
 
@@ -169,7 +172,7 @@ class Generation:
                 self._stop()
             except Exception as error:  # the stream broke while stopping: what it held is unknown
                 failure = error
-        self._close_stub(cancel=self.outcome.finish_reason is None)
+        self._close_stub(cancel=not self.outcome.answered)
         self._on_end(self.outcome, failure)
 
 
@@ -231,8 +234,8 @@ class AsyncGeneration:
         self._sending.put_nowait(self._request)
 
         async def requests():
-            while True:
-                yield await self._sending.get()
+            while (request := await self._sending.get()) is not None:
+                yield request
 
         self._responses = self._stub.stream_infer(requests(), headers=headers or None)
         self._received = self._responses.__aiter__()
@@ -249,8 +252,13 @@ class AsyncGeneration:
         except TimeoutError:
             raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
         if error is not None:
+            self.outcome.answered = True  # an error is a request's final answer: nothing is left running
             raise stream_error(error)
         return self.outcome.take(result)
+
+    async def _drain(self) -> None:
+        async for _ in self._received:
+            pass
 
     async def _stop(self) -> None:
         """As `Generation._stop`."""
@@ -271,9 +279,14 @@ class AsyncGeneration:
         stub, self._stub = self._stub, None
         if stub is None:
             return
-        if self.outcome.finish_reason is None:
+        if not self.outcome.answered:
             with contextlib.suppress(Exception):  # the server stops within one step
                 self._responses.cancel()
+        else:  # the stream half-closed and read to its end: a stream cut off instead keeps mha_generate
+            # from unloading at the server's stop (measured: Triton's exit timeout, every time)
+            self._sending.put_nowait(None)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._drain(), self._timeout)
         with contextlib.suppress(Exception):
             await stub.close()
 
