@@ -540,10 +540,7 @@ def table(results: dict) -> str:
         lines.append(f"{name} left out: {reason}")
     if not results["build"]["genai"]["used"]:
         lines.append(f"{GENAI} left out: {results['build']['genai'].get('reason', 'not asked for (--no-genai)')}")
-    lines.append("goals:")
-    for name, entry in results["targets"].items():
-        verdict = "met" if entry["met"] else "MISSED"
-        lines.append(f"  {name}: {entry['ratio']:.2f}x (target {entry['target']}) -> {verdict}")
+    lines += output.target_lines("goals:", results["targets"], "ratio")
     return "\n".join(lines)
 
 

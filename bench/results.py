@@ -45,3 +45,12 @@ def write(results: dict, out: Path, name: str, plot: Callable[[dict, Path], Path
     with PLOT_LOCK:
         plot(results, out / f"{name}.png")
     return f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}"
+
+
+def target_lines(heading: str, targets: dict, value_key: str) -> list[str]:
+    """`heading`, then a line per target: its ratio (the entry's `value_key`), the target, met or MISSED."""
+    lines = [heading]
+    for name, entry in targets.items():
+        verdict = "met" if entry["met"] else "MISSED"
+        lines.append(f"  {name}: {entry[value_key]:.2f}x (target {entry['target']}) -> {verdict}")
+    return lines

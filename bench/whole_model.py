@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import results as output
 from bench.timing import SETTLE_S, Timing, copy_bandwidth
 from contract import files, names
 from contract.config import ModelConfig
@@ -643,10 +644,7 @@ def table(results: dict) -> str:
     )
     if not results["build"]["genai"]["used"]:
         lines.append(f"onnxruntime-genai left out: {results['build']['genai'].get('reason', 'not asked for')}")
-    lines.append("targets:")
-    for name, entry in results["targets"].items():
-        verdict = "met" if entry["met"] else "MISSED"
-        lines.append(f"  {name}: {entry['speedup']:.2f}x (target {entry['target']}) -> {verdict}")
+    lines += output.target_lines("targets:", results["targets"], "speedup")
     return "\n".join(lines)
 
 
@@ -718,7 +716,6 @@ def benchmark(cfg: ModelConfig, preset_name: str, folder: Path, plan: Plan, thre
 
 def run(configs: dict[str, ModelConfig], args: argparse.Namespace, root: Path) -> int:
     """Each whole preset under `root/<preset>`; `model_whole.json` and `.png` in `args.out`."""
-    from bench import results as output
 
     plan = plan_from(args)
     for name, cfg in configs.items():

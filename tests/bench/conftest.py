@@ -85,6 +85,12 @@ def bench_runs(request, tmp_path_factory, artifact_dir) -> dict[str, Run]:
             runs[name].stdout = buffer.getvalue()
             del stdout.buffers[threading.get_ident()]
 
+    # transformers loads its classes lazily, and two threads loading one class at once may see a module
+    # half-loaded ("module 'transformers' has no attribute 'LlamaForCausalLM'"): loaded here, before the runs
+    import transformers
+
+    for name in ("LlamaForCausalLM", "PreTrainedTokenizerFast", "DynamicCache", "StaticCache"):
+        getattr(transformers, name)
     started = time.perf_counter()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "stdout", stdout)

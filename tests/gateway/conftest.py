@@ -125,3 +125,19 @@ class FreezableProxy:
                 sink.sendall(chunk)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
+
+
+WHOLE_KEY = "whole-key"
+
+
+@pytest.fixture(scope="module")
+def whole(artifact_dir, whole_triton):
+    """(an HTTP client of a gateway in front of the session's whole-model Triton, with an API key; the
+    PyTorch original): a whole model's gateway tests (steps, attend, generation)."""
+    from export.artifacts import load_model
+    from tests.fixtures.triton import WHOLE_ARTIFACT
+
+    with running(api_keys=(WHOLE_KEY,), triton_url=whole_triton.grpc_url) as gateway:
+        headers = {"Authorization": f"Bearer {WHOLE_KEY}"}
+        with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as api:
+            yield api, load_model(artifact_dir(WHOLE_ARTIFACT)).eval()

@@ -18,25 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from export.artifacts import load_model
-from tests.fixtures.triton import WHOLE_ARTIFACT
-from tests.gateway.conftest import running
 from tests.gateway.test_api import assert_error
 
 pytestmark = pytest.mark.served
-KEY = "generate-key"
 PROMPT = np.random.default_rng(3).integers(0, 256, 5).tolist()  # the `whole` config's vocabulary: 256
 # the logprobs are log_softmax of the same logits, computed by ONNX Runtime instead of PyTorch: fp32 rounding
 LOGPROB_TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def whole(artifact_dir, whole_triton):
-    """(an HTTP client of a gateway in front of the session's whole-model Triton, the PyTorch original)."""
-    with running(api_keys=(KEY,), triton_url=whole_triton.grpc_url) as gateway:
-        headers = {"Authorization": f"Bearer {KEY}"}
-        with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as api:
-            yield api, load_model(artifact_dir(WHOLE_ARTIFACT)).eval()
 
 
 @torch.no_grad()

@@ -6,27 +6,14 @@ In front of the session's whole-model Triton (tests/fixtures/triton.py `whole_tr
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 import torch
 
-from export.artifacts import load_model
-from tests.fixtures.triton import WHOLE_ARTIFACT
-from tests.gateway.conftest import b64_tensor, from_b64, running
+from tests.gateway.conftest import b64_tensor, from_b64
 from tests.gateway.test_api import assert_error
 
 pytestmark = pytest.mark.served
-KEY = "whole-key"
-
-
-@pytest.fixture(scope="module")
-def whole(artifact_dir, whole_triton):
-    """(an HTTP client of a gateway in front of the session's whole-model Triton, the PyTorch original)."""
-    with running(api_keys=(KEY,), triton_url=whole_triton.grpc_url) as gateway:
-        headers = {"Authorization": f"Bearer {KEY}"}
-        with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as api:
-            yield api, load_model(artifact_dir(WHOLE_ARTIFACT)).eval()
 
 
 @torch.no_grad()
