@@ -5,6 +5,7 @@ host without CUDA, with the reason."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -32,6 +33,11 @@ PLAN = gpu.Plan(
 )
 
 
+GENERATION = dataclasses.replace(
+    PLAN, generation_prompt=8, generation_tokens=4, generation_batches=(1, 2), generation_rounds=1
+)
+
+
 def bench_jobs(root, artifact_dir) -> dict:
     """Run by tests/bench/conftest.py with the other benchmarks' smoke runs: the proof, and the command on
     a host without CUDA (on one with CUDA it would run the whole proof)."""
@@ -39,10 +45,13 @@ def bench_jobs(root, artifact_dir) -> dict:
 
     # the session's build of the tiny preset holds every form the proof builds: its build step reuses it
     shutil.copytree(artifact_dir("tiny"), root / "work" / "tiny")
+    # (e) over the session's Llama-shaped whole build (the tiny preset has no vocabulary to generate from)
+    shutil.copytree(artifact_dir("whole"), root / "whole")
     jobs = {
         "gpu-proof": lambda: gpu.benchmark(
             ("tiny",), root / "work", gpu.CPU, PLAN, Progress(enabled=False), root / "out"
-        )
+        ),
+        "gpu-generation": lambda: gpu.generation(root / "whole", gpu.CPU, GENERATION, Progress(enabled=False)),
     }
     if not torch.cuda.is_available():
         (root / "command").mkdir()
@@ -106,17 +115,10 @@ def test_the_command_refuses_a_host_without_cuda(bench_runs):
     assert not list((run.root / "command").iterdir())  # nothing half-written
 
 
-def test_greedy_generation_runs_the_engine_and_transformers_on_the_same_prompts(artifact_dir, tmp_path):
+def test_greedy_generation_runs_the_engine_and_transformers_on_the_same_prompts(bench_runs):
     """(e) on the CPU, over the session's Llama-shaped whole artifact: every batch, both candidates (the
     engine's loop over the factory's engine, as on a GPU), the engine said, and the report's table."""
-    import dataclasses
-
-    work = tmp_path / "whole"
-    shutil.copytree(artifact_dir("whole"), work)
-    plan = dataclasses.replace(
-        PLAN, generation_prompt=8, generation_tokens=4, generation_batches=(1, 2), generation_rounds=1
-    )
-    result = gpu.generation(work, gpu.CPU, plan, Progress(enabled=False))
+    result = bench_runs["gpu-generation"].result()
     assert [row["batch"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert set(row["candidates"]) == {gpu.ENGINE_LOOP, gpu.TRANSFORMERS}
