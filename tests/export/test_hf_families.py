@@ -136,7 +136,7 @@ class Checkpoint:
 def checkpoints(request, tmp_path_factory):
     """family -> its Checkpoint: the families this run's tests take, saved and imported two at a time in
     processes of their own (each build is single-threaded: two fill two cores) when first asked for."""
-    families = sorted(selected(request, "checkpoint"))
+    families = sorted(selected(request, "checkpoint") | selected(request, "family"))
     made: dict[str, Checkpoint] = {}
     work = {family: tmp_path_factory.mktemp(f"hf-{family}") for family in FAMILIES}
     spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's torch threads
@@ -259,7 +259,7 @@ def served(request, checkpoints, tmp_path_factory):
     folder's; the rest is what `write_repository` wrote (Triton starts and stops in seconds: once)."""
     work = tmp_path_factory.mktemp("hf-served")
     repository = work / "repository"
-    for family in sorted(selected(request, "checkpoint")):
+    for family in sorted(selected(request, "checkpoint") | selected(request, "family")):
         own = write_repository(checkpoints(family).artifact, work / family, SETTINGS, models=(MHA, MHA_SESSION))
         for model in (MHA, MHA_SESSION, MHA_GENERATE):  # the generation model steps its family's session model
             target = shutil.copytree(own / model, repository / served_name(model, family))
@@ -301,10 +301,12 @@ GENERATED = 24
 
 
 @pytest.mark.served
-def test_served_generation_is_transformers_greedy_generate(checkpoint, served):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # a sharded Llama folder and a GPT-2 folder (issue 31)
+def test_served_generation_is_transformers_greedy_generate(family, checkpoints, served):
     """`session.generate(ids, max_new_tokens=24, temperature=0.0)` on the server yields exactly the tokens of
     transformers' own `generate(do_sample=False)` (its EOS a stop token on both sides); the session then
     holds the prompt and every generated token, and a stateless generation gives the same."""
+    checkpoint = checkpoints(family)
     ids = np.random.default_rng(5).integers(3, VOCAB, (1, PREFILL), dtype=np.int64)
     with torch.no_grad():
         expected = checkpoint.source.generate(
