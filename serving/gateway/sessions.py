@@ -172,7 +172,9 @@ class GatewaySessions:
         if session.broken is not None:
             raise SessionConflict(f"session '{session_id}' cannot go on: {session.broken}; DELETE it, open a new one")
         if session.busy:
-            raise SessionConflict(f"session '{session_id}' has a step in flight; send its steps one at a time")
+            raise SessionConflict(
+                f"session '{session_id}' has a request in flight (a step or a generation); send them one at a time"
+            )
         session.busy = True
         try:
             yield session
