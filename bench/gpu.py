@@ -307,14 +307,13 @@ def peer_step(model, device: Device, batch: int, past: int) -> Step:
     return step
 
 
-def transformers_step(model, device: Device, batch: int, past: int) -> Step:
-    """transformers' LlamaForCausalLM with our weights, as its users run it: eager, its dynamic cache
-    (each step concatenates the new key and value), cropped back to `past` after every step."""
+def transformers_step(model, hf, device: Device, batch: int, past: int) -> Step:
+    """`hf`, transformers' LlamaForCausalLM with `model`'s weights, as its users run it: eager, its dynamic
+    cache (each step concatenates the new key and value), cropped back to `past` after every step."""
     import torch
     import transformers
 
     cfg, like = model.cfg, next(model.parameters())
-    hf = transformers_model(model)
     cache = transformers.DynamicCache(config=hf.config)
     shape = (batch, cfg.n_kv_heads, past, cfg.head_dim)
     for layer in range(cfg.n_layers):
@@ -343,8 +342,9 @@ def transformers_model(model):
     return hf
 
 
-def check_transformers(model) -> float:
-    """transformers' logits against the original's over a 9-token prompt of 2 rows, relative to their scale."""
+def check_transformers(model, hf) -> float:
+    """`hf`'s logits (transformers' model of `model`) against the original's over a 9-token prompt of 2
+    rows, relative to their scale."""
     import torch
 
     from bench.peers import random_tokens
@@ -352,7 +352,7 @@ def check_transformers(model) -> float:
     ids = random_tokens(model.cfg, 2, 9, torch.Generator().manual_seed(0)).to(next(model.parameters()).device)
     with torch.inference_mode():
         expected = model(ids).output.float()
-        actual = transformers_model(model)(input_ids=ids).logits.float()
+        actual = hf(input_ids=ids).logits.float()
     return float((actual - expected).abs().max() / expected.abs().max())
 
 
@@ -445,12 +445,13 @@ def latency(directory: Path, device: Device, grid: Grid, budget: Budget, passes:
     model = artifacts.load_model(directory).to(device.torch).half()
     cfg = model.cfg
     peer_error = check_peer(model, device.torch, torch.float16)
-    transformers_error = check_transformers(model) if TRANSFORMERS in candidates(cfg) else None
+    hf = transformers_model(model) if TRANSFORMERS in candidates(cfg) else None  # one copy of the weights
+    transformers_error = check_transformers(model, hf) if hf is not None else None
     sessions = {name: candidate_session(directory, name, device) for name in LATENCY_VARIANTS}
     capacity = max(grid.pasts) + 1
     makers = {
         TORCH: lambda s: torch_step(model, device, s.batch, s.past),
-        TRANSFORMERS: lambda s: transformers_step(model, device, s.batch, s.past),
+        TRANSFORMERS: lambda s: transformers_step(model, hf, device, s.batch, s.past),
         PEER: lambda s: peer_step(model, device, s.batch, s.past),
         **{name: _session_maker(directory, sessions[name], device, cfg, name, capacity) for name in LATENCY_VARIANTS},
     }

@@ -675,8 +675,7 @@ class SessionCore:
             check_token_values(info.sizes, {names.INPUT_IDS: prompt})
         except InputError as error:
             raise InvalidInputError(str(error), input_name=error.input_name) from None
-        module = importlib.import_module(f"tritonclient.grpc{client._module_suffix}")
-        stream = stream_request(client.generate_model, self.id, prompt, request, module)
+        stream = stream_request(client.generate_model, self.id, prompt, request, client._module)  # gRPC's
         self._sent = prompt
         return stream, affinity.step_headers(self.id, self.replica), prompt
 

@@ -48,8 +48,9 @@ class TritonPythonModel:
         self.watchdog = ParentWatchdog()  # after the load: no stub should outlive its server
 
     def execute(self, requests: list) -> list:
-        steps = [_step_request(request, self.new_tokens) for request in requests]
-        asked = {i: _operation(request) for i, request in enumerate(requests)}
+        parameters = [json.loads(request.parameters() or "{}") for request in requests]  # read once each
+        steps = [_step_request(request, self.new_tokens, p) for request, p in zip(requests, parameters, strict=True)]
+        asked = {i: _operation(request, p) for i, (request, p) in enumerate(zip(requests, parameters, strict=True))}
         answers: list = [None] * len(requests)
         for i, operation in asked.items():  # before the steps: a fork copies the state they start from
             if operation is not None:
@@ -125,16 +126,15 @@ def _capped(sequences: int) -> str:
     return f"{sequences} (a hard cap on live sequences, whatever the budget)"
 
 
-def _operation(request) -> dict | None:
+def _operation(request, parameters: dict) -> dict | None:
     """The request's parameters when they ask for a session operation, else None."""
-    parameters = json.loads(request.parameters() or "{}")
     if names.OPERATION not in parameters:
         return None
     snapshot = pb_utils.get_input_tensor_by_name(request, names.SNAPSHOT)
     return {**parameters, names.SNAPSHOT: None if snapshot is None else snapshot.as_numpy()}
 
 
-def _step_request(request, new_tokens: str) -> StepRequest:
+def _step_request(request, new_tokens: str, parameters: dict) -> StepRequest:
     """The request as the engine takes it; its `last_only` parameter as sent (the engine's check_step
     refuses a value that is not a bool as that request's own INVALID_ARG)."""
     hidden = pb_utils.get_input_tensor_by_name(request, new_tokens)
@@ -146,7 +146,7 @@ def _step_request(request, new_tokens: str) -> StepRequest:
         end=bool(flags & END),
         hidden=None if hidden is None else hidden.as_numpy(),
         mask=None if mask is None else mask.as_numpy(),
-        last_only=json.loads(request.parameters() or "{}").get(names.LAST_ONLY, False),
+        last_only=parameters.get(names.LAST_ONLY, False),
     )
 
 
