@@ -11,6 +11,20 @@ WEIGHTS_FILENAME = "weights.safetensors"
 REPORT_FILENAME = "report.json"  # per variant: parity, fused ops, target fit, the file's sha256 (export/build.py)
 # a model version folder's files and their sha256 from the build's report, as `sha256sum -c` reads them
 DIGESTS_FILENAME = "SHA256SUMS"
+# a checkpoint's text files, as Hugging Face saves them: copied into the artifact (their sha256 in the report)
+# and into the generation model's version folder (in its SHA256SUMS), so the tokenizer travels with the model
+TOKENIZER_FILENAME = "tokenizer.json"  # the `tokenizers` library's whole tokenizer
+TOKENIZER_CONFIG_FILENAME = "tokenizer_config.json"  # its special tokens, and the chat template of older saves
+GENERATION_CONFIG_FILENAME = "generation_config.json"  # the end-of-text ids generation stops at
+CHAT_TEMPLATE_FILENAME = "chat_template.jinja"  # the chat template, as transformers 5 saves it
+SPECIAL_TOKENS_FILENAME = "special_tokens_map.json"
+TEXT_FILES = (
+    TOKENIZER_FILENAME,
+    TOKENIZER_CONFIG_FILENAME,
+    GENERATION_CONFIG_FILENAME,
+    CHAT_TEMPLATE_FILENAME,
+    SPECIAL_TOKENS_FILENAME,
+)
 
 
 def model_filename(variant: str) -> str:

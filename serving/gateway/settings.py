@@ -85,6 +85,23 @@ class Settings(BaseSettings):
         "they share a session secret, so any of them steps any session, but each counts sessions per key and "
         "busy steps on its own",
     )
+    served_model_name: str | None = Field(
+        default=None,
+        description="the model's id on the OpenAI-compatible routes (`model` in a request, GET /v1/models' "
+        "`data[].id`); unset: the session model's name",
+    )
+    conversations_per_key: int = Field(
+        default=8,
+        ge=0,
+        description="OpenAI routes: how many ended requests' sessions one key keeps so that a next request "
+        "extending its prompt forks their KV cache instead of prefilling again (0: none kept); they do not "
+        "count against sessions_per_key",
+    )
+    conversation_idle_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="a kept conversation's session unused this long is ended (its KV cache freed)",
+    )
     log_level: str = Field(default="info", description="uvicorn's log level: critical, error, warning, info, debug")
 
     @field_validator("session_store", mode="before")
