@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -13,11 +14,11 @@ import numpy as np
 from client._wire import Health, InferResult, grpc_channel_args
 from client.core import ClientCore, SessionCore, generation_request
 from client.errors import ClientError
-from client.generation import AsyncGeneration
+from client.generation import AsyncGeneration, fetch_text_files
 from client.metadata import ModelInfo
 from client.retry import Operation, run_async
 from contract import names
-from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest
+from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, text_digest
 
 T = TypeVar("T")
 
@@ -117,6 +118,19 @@ class AsyncClient(ClientCore):
         session = AsyncSession(self)
         session._key = None  # nothing to keep: the server ends it
         return session._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling), end=True)
+
+    async def text_files(self) -> tuple[str, dict[str, bytes]] | None:
+        """The tokenizer files the generation model serves, as (their digest, name -> content), each checked
+        against the digest its config publishes; None when it serves none (no tokenizer: token ids only)."""
+        digest = await self._run(self._text_digest())
+        if digest is None:
+            return None
+        files = await fetch_text_files(self._new_stream_stub(), self.generate_model, self.timeout)
+        found = text_digest({name: hashlib.sha256(data).hexdigest() for name, data in files.items()})
+        if found != digest:
+            model = self.generate_model
+            raise ClientError(f"'{model}' answered text files of digest {found}, its config says {digest}")
+        return digest, files
 
     async def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
         """As `Client.put_prefix`."""

@@ -185,6 +185,15 @@ class ClientCore:
             self._infos[model] = with_facts(parse_metadata(raw), parse_facts(config))
         return self._infos[model]
 
+    def _text_digest(self) -> Operation[str | None]:
+        """The digest of the tokenizer files the generation model serves (contract.generation.text_digest);
+        None when it has none (a model imported without a tokenizer.json, or not a whole model)."""
+        model = self.generate_model
+        kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
+        config = yield from self._call(f"config of '{model}'", lambda s: s.get_model_config(model, **kw))
+        digest = parse_facts(config).get(generation.P_TEXT_DIGEST)
+        return str(digest) if digest else None
+
     def _infer(
         self,
         hidden_states: Any,
@@ -724,14 +733,18 @@ class SessionCore:
 def generation_request(
     max_new_tokens: int = generation.DEFAULT_MAX_NEW_TOKENS,
     stop_token_ids: Sequence[int] = (),
+    prompt_logprobs: int | None = None,
     **sampling: Any,
 ) -> generation.GenerationRequest:
-    """The request of `generate`'s keyword arguments (SamplingParams' fields besides these two)."""
+    """The request of `generate`'s keyword arguments (SamplingParams' fields besides these three)."""
     unknown = sorted(set(sampling) - set(generation.SAMPLING_FIELDS))
     if unknown:
         raise TypeError(f"unknown generation arguments {unknown}; sampling takes {list(generation.SAMPLING_FIELDS)}")
     return generation.GenerationRequest(
-        max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_token_ids), sampling=SamplingParams(**sampling)
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=tuple(stop_token_ids),
+        sampling=SamplingParams(**sampling),
+        prompt_logprobs=prompt_logprobs,
     )
 
 

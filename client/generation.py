@@ -40,12 +40,23 @@ class Outcome:
 
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[Token] = dataclasses.field(default_factory=list)
+    # with prompt_logprobs: each prompt token's, None for the first (nothing before it in the request)
+    prompt_logprobs: list[Token | None] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     held_length: int | None = None
     answered: bool = False  # the final response (or an error) came: the request is over on the server
 
     def take(self, result) -> int | None:
-        """One response: the token it carries (None for the final one, which says how it ended)."""
+        """One response: the token it carries (None for the final one, which says how it ended, and for the
+        prompt's scores)."""
+        scored = result.as_numpy(generation.PROMPT_LOGPROB)
+        if scored is not None:
+            self.prompt_logprobs = prompt_tokens(
+                scored,
+                result.as_numpy(generation.PROMPT_TOP_TOKEN_IDS),
+                result.as_numpy(generation.PROMPT_TOP_LOGPROBS),
+            )
+            return None
         reason = result.as_numpy(generation.FINISH_REASON)
         if reason is not None:
             self.answered = True
@@ -59,6 +70,16 @@ class Outcome:
         self.tokens.append(token)
         self.logprobs.append(Token(token, float(result.as_numpy(generation.LOGPROB)[0]), top))
         return token
+
+
+def prompt_tokens(logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray) -> list[Token | None]:
+    """The prompt's scores as the server answers them (contract/generation.py): ids are the prompt's own,
+    filled in by the caller; -1 pads a row of alternatives."""
+    scores: list[Token | None] = []
+    for logprob, ids, values in zip(logprobs.tolist(), top_ids.tolist(), top_logprobs.tolist(), strict=True):
+        top = tuple((token, value) for token, value in zip(ids, values, strict=True) if token >= 0)
+        scores.append(None if np.isnan(logprob) else Token(-1, logprob, top))
+    return scores
 
 
 class Generation:
@@ -92,6 +113,10 @@ class Generation:
     @property
     def finish_reason(self) -> str | None:
         return self.outcome.finish_reason
+
+    @property
+    def prompt_logprobs(self) -> list[Token | None]:
+        return self.outcome.prompt_logprobs
 
     @property
     def held_length(self) -> int | None:
@@ -197,6 +222,7 @@ class AsyncGeneration:
     logprobs = Generation.logprobs
     finish_reason = Generation.finish_reason
     held_length = Generation.held_length
+    prompt_logprobs = Generation.prompt_logprobs
 
     async def __aiter__(self) -> AsyncIterator[int]:
         """The tokens; leaving the loop early stops the generation (once the loop's iterator is closed:
@@ -345,4 +371,31 @@ OUTPUTS = (
     generation.TOP_LOGPROBS,
     generation.FINISH_REASON,
     names.HELD_LENGTH,
+    generation.PROMPT_LOGPROB,
+    generation.PROMPT_TOP_TOKEN_IDS,
+    generation.PROMPT_TOP_LOGPROBS,
 )
+
+
+async def fetch_text_files(stub, model: str, timeout: float) -> dict[str, bytes]:
+    """The tokenizer files `model` (a generation model, contract/generation.py) serves: name -> content, from
+    one request on a stream of `stub` (a tritonclient.grpc.aio client of its own, closed here)."""
+
+    async def request():
+        yield {"model_name": model, "inputs": [], "parameters": {generation.TEXT_FILES: True}}
+
+    files: dict[str, bytes] | None = None
+    try:  # read to the stream's end (the request half-closes it): a stream cut off holds the model at Triton's stop
+        async for result, error in stub.stream_infer(request(), stream_timeout=timeout):
+            if error is not None:
+                raise stream_error(error)
+            found = result.as_numpy(generation.TEXT_FILE_NAMES)
+            if found is not None:
+                contents = result.as_numpy(generation.TEXT_FILE_CONTENTS).tolist()
+                files = {name.decode(): bytes(data) for name, data in zip(found.tolist(), contents, strict=True)}
+        if files is None:
+            raise ClientError(f"'{model}' answered no text files")
+        return files
+    finally:
+        with contextlib.suppress(Exception):
+            await stub.close()

@@ -185,7 +185,8 @@ class Session(SessionCore):
         `finish_reason`, `tokens`, `logprobs`. `sampling`: contract.sampling.SamplingParams' fields
         (temperature 0.0 greedy by default, top_k, top_p, min_p, the penalties, seed, logprobs). The
         session keeps the prompt and every token answered; leaving the loop early stops the server
-        within one step (`close()` does too). gRPC only."""
+        within one step (`close()` does too). `prompt_logprobs=N`: each prompt token's logprob given the ones
+        before it and the top N there (the result's `prompt_logprobs`, before the first token). gRPC only."""
         return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling))
 
     def _generation(self, ids: Any, request: GenerationRequest, end: bool = False) -> Generation:

@@ -14,12 +14,13 @@ One table of names and one parser, used by the server, the client and the gatewa
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from contract.inputs import InputError
-from contract.sampling import SamplingParams
+from contract.sampling import MAX_LOGPROBS, SamplingParams
 
 MODEL = "mha_generate"  # the decoupled model beside a whole model's mha_session (names.SESSION_MODEL)
 PREFILL_CHUNK = 128  # prompt tokens per step: a decoding session waits at most one such chunk for a joiner
@@ -33,6 +34,14 @@ SESSION_END = "session_end"  # END it after the generation (a stateless call: no
 # then answers its final response (the finish reason `cancelled` and the positions held), so the client
 # that stops knows exactly what the session keeps (a dropped stream stops it too, unanswered)
 STOP_GENERATION = "stop_generation"
+# the log-probability of each prompt token given the ones before it (and the top N there): an int N >= 0
+# (absent: none). The prompt is then prefilled with every position's logits, and one response before the
+# tokens answers PROMPT_LOGPROB and the top N (how perplexity is measured: OpenAI's `echo` with `logprobs`)
+PROMPT_LOGPROBS = "prompt_logprobs"
+# a request of its own: answer the tokenizer files this model serves with (TEXT_FILE_NAMES and
+# TEXT_FILE_CONTENTS in one response); nothing is generated and no session is touched
+TEXT_FILES = "text_files"
+P_TEXT_DIGEST = "text_digest"  # the model config's parameter: `text_digest` of those files (absent: none)
 # the sampling parameters, by SamplingParams' own field names; floats travel as strings (Triton's request
 # parameters have no float type)
 SAMPLING_FIELDS = tuple(field.name for field in dataclasses.fields(SamplingParams))
@@ -44,6 +53,11 @@ LOGPROB = "logprob"  # [1] float32: its log-probability (contract/sampling.py sa
 TOP_TOKEN_IDS = "top_token_ids"  # [N] int64: the N most likely ids at this position (N = logprobs)
 TOP_LOGPROBS = "top_logprobs"  # [N] float32: theirs
 FINISH_REASON = "finish_reason"  # [1] bytes, on the final response only
+PROMPT_LOGPROB = "prompt_logprob"  # [T] float32: each prompt token's logprob (NaN: the first, nothing before it)
+PROMPT_TOP_TOKEN_IDS = "prompt_top_token_ids"  # [T, N] int64: the N most likely ids at each prompt position
+PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"  # [T, N] float32: theirs
+TEXT_FILE_NAMES = "text_file_names"  # [F] bytes: contract.files.TEXT_FILES the model has
+TEXT_FILE_CONTENTS = "text_file_contents"  # [F] bytes: each one's content
 # the final response also answers names.HELD_LENGTH: the positions the session holds afterwards
 
 # --- finish reasons ---------------------------------------------------------------------------------------
@@ -66,11 +80,15 @@ class GenerationRequest:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     session_start: bool = False
     session_end: bool = False
+    prompt_logprobs: int | None = None  # N: each prompt token's logprob and the top N there (None: not asked)
 
     def check(self, vocab_size: int, max_seq_len: int) -> None:
         """Raises InputError naming the parameter, what it takes and what it got."""
-        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= max_seq_len:
-            raise InputError(MAX_NEW_TOKENS, f"expected an integer in [1, {max_seq_len}], got {self.max_new_tokens!r}")
+        # 0 new tokens: the prompt only (scored with prompt_logprobs, or kept in the session)
+        if not isinstance(self.max_new_tokens, int) or not 0 <= self.max_new_tokens <= max_seq_len:
+            raise InputError(MAX_NEW_TOKENS, f"expected an integer in [0, {max_seq_len}], got {self.max_new_tokens!r}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InputError(PROMPT_LOGPROBS, f"expected an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         bad = [token for token in self.stop_token_ids if not 0 <= token < vocab_size]
         if bad:
             raise InputError(STOP_TOKEN_IDS, f"expected ids in [0, {vocab_size}), got {bad}")
@@ -84,6 +102,8 @@ class GenerationRequest:
             SESSION_START: self.session_start,
             SESSION_END: self.session_end,
         }
+        if self.prompt_logprobs is not None:
+            values[PROMPT_LOGPROBS] = self.prompt_logprobs
         for name in SAMPLING_FIELDS:
             value = getattr(self.sampling, name)
             if value is not None:
@@ -103,7 +123,19 @@ class GenerationRequest:
             sampling=SamplingParams(**sampling),
             session_start=_boolean(SESSION_START, parameters.get(SESSION_START, False)),
             session_end=_boolean(SESSION_END, parameters.get(SESSION_END, False)),
+            prompt_logprobs=_optional_integer(PROMPT_LOGPROBS, parameters.get(PROMPT_LOGPROBS)),
         )
+
+
+def text_digest(text_files: Mapping[str, str]) -> str:
+    """One sha256 over the text files' names and sha256s (name -> hex digest): what a gateway compares the
+    files it fetched with, and keys its cache by."""
+    listing = "".join(f"{digest}  {name}\n" for name, digest in sorted(text_files.items()))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _optional_integer(name: str, value: Any) -> int | None:
+    return None if value is None else _integer(name, value)
 
 
 def _sampling_value(name: str, value: Any) -> Any:

@@ -128,6 +128,15 @@ class Sampler:
         self._append(token)
         return Choice(token, float(shifted[token]) - log_norm, top)
 
+    @staticmethod
+    def scored(logits: np.ndarray, token: int, top: int) -> Choice:
+        """`token`'s logprob under `logits` (vocab,) as the model gives it (no penalties: a prompt token was
+        not picked) and the `top` most likely (id, logprob): how a prompt is scored."""
+        shifted = logits.astype(np.float64) - logits.max()
+        log_norm = math.log(np.exp(shifted).sum())
+        alternatives = tuple((int(i), float(shifted[i]) - log_norm) for i in _top_ids(shifted, top))
+        return Choice(token, float(shifted[token]) - log_norm, alternatives)
+
     def _sample(self, shifted: np.ndarray, weights: np.ndarray) -> int:
         """Draws with this token's own randomness; overwrites `weights` with their tempered values."""
         temperature = self.params.temperature

@@ -204,7 +204,14 @@ def import_and_report(args: argparse.Namespace) -> int:
         return 2
     report = _built(
         lambda: printing(
-            lambda: build_model(imported.model, args.out, args.variants, origin=origin, calibration=calibration),
+            lambda: build_model(
+                imported.model,
+                args.out,
+                args.variants,
+                origin=origin,
+                calibration=calibration,
+                text_files=imported.text_files,
+            ),
             args.out,
         ),
         args.out,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -355,13 +356,15 @@ def build_model(
     progress: Progress | None = None,
     origin: dict | None = None,
     calibration: kv_quant.CalibrationData | None = None,
+    text_files: tuple[Path, ...] = (),
 ) -> dict:
     """Write config, weights, every passing variant and `report.json` to `out`; return the report.
 
     `origin` says where the weights came from (a seed, or an imported file and its check against the
     module it came from) and goes into the report; the quantized caches' scales are calibrated on
     `calibration` (default: the hidden states `kv_quant.generated` makes). `variants`: names and sets
-    (export/choices.py); None builds what this machine serves (DEFAULT_VARIANTS), and says so. A
+    (export/choices.py); None builds what this machine serves (DEFAULT_VARIANTS), and says so. `text_files`:
+    the checkpoint's tokenizer files (files.TEXT_FILES), copied beside the graphs, their sha256 in the report. A
     variant of a set that the config cannot have is reported as skipped, with the reason; one asked
     for by name fails the build. Raises BuildError (after writing
     the report) when any variant fails. Everything is written into a directory beside `out` and put in place at the end
@@ -378,12 +381,24 @@ def build_model(
     asked = {v for v in given if v in VARIANTS}  # by name: one the config cannot have fails the build
     variants = choices.expand(given)
     out = Path(out)
-    with artifacts.staged(out, owned=[files.model_filename(name) for name in variants]) as staging:
+    owned = [files.model_filename(name) for name in variants] + list(files.TEXT_FILES)
+    with artifacts.staged(out, owned=owned) as staging:
+        copied = _copy_text_files(text_files, staging)
+        origin = {**(origin or {}), **({"text_files": copied} if copied else {})}
         report = _build_into(model, staging, variants, asked, progress, origin, shown=out, calibration=calibration)
     if not report["passed"]:
         failed = {n: e["problems"] for n, e in report["variants"].items() if not e["passed"]}
         raise BuildError(f"variant(s) failed: {failed}; see {out / files.REPORT_FILENAME}")
     return report
+
+
+def _copy_text_files(text_files: tuple[Path, ...], out: Path) -> dict[str, str]:
+    """Each text file copied into `out`: its name -> sha256 (what the repository checks them against)."""
+    copied = {}
+    for path in text_files:
+        shutil.copyfile(path, out / path.name)
+        copied[path.name] = files.sha256(out / path.name)
+    return copied
 
 
 def default_note() -> str:

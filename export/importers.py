@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from contract.config import DENSE, GATED, LAYERNORM, NO_NORM, RMSNORM, ModelConfig
-from contract.files import MODEL_CONFIG_FILENAME, sha256
+from contract.files import MODEL_CONFIG_FILENAME, TEXT_FILES, sha256
 from export import hf_config, hf_source
 from export.choices import LAYOUT_NAMES
 from export.model import AttentionModel
@@ -80,6 +80,9 @@ class Imported:
     model: AttentionModel  # in eval mode
     weights: dict  # where the weights came from: file, layout, sha256 (report.json)
     source_check: dict  # the imported model against the module it came from (report.json)
+    # a whole checkpoint's tokenizer, special tokens and chat template beside its weights (files.TEXT_FILES
+    # found there): the build copies them into the artifact, so the tokenizer travels with the model
+    text_files: tuple[Path, ...] = ()
 
 
 # --- reading a file --------------------------------------------------------------------------------
@@ -905,7 +908,12 @@ def import_whole(path: Path, tensors: Mapping[str, Tensor], given: dict) -> Impo
         raise WeightsError(path, error.problems) from None
     model = loaded_model(cfg, attention, tensors, layers, decoder.convert(tensors, cfg))
     weights = {**provenance(path, "hf", tensors, cfg, biased), "whole": True}
-    return Imported(model, weights, check_whole(path.parent, model))
+    return Imported(model, weights, check_whole(path.parent, model), text_files(path.parent))
+
+
+def text_files(folder: Path) -> tuple[Path, ...]:
+    """The checkpoint's text files (files.TEXT_FILES) that `folder` has."""
+    return tuple(folder / name for name in TEXT_FILES if (folder / name).is_file())
 
 
 def check_whole(folder: Path, model: AttentionModel) -> dict:

@@ -108,6 +108,10 @@ def origin_summary(report: dict) -> str:
         lines.append(f"checked against {check['module']}: max abs error {check['max_abs']:.2e} ({result})")
     else:
         lines.append(f"not checked against its source module: {check['reason']}")
+    if report.get("text_files"):
+        lines.append(f"text files (the tokenizer travels with the model): {', '.join(sorted(report['text_files']))}")
+    elif weights.get("whole"):
+        lines.append("no tokenizer.json beside the weights: the model serves token ids, not text")
     return "\n".join(lines)
 
 

@@ -15,7 +15,7 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
 
-from serving.gateway import routes
+from serving.gateway import openai_api, routes
 from serving.gateway.errors import install_handlers
 from serving.gateway.limits import RequestLimitsMiddleware
 from serving.gateway.metrics import MetricsMiddleware
@@ -67,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.gateway = GatewayState(settings)
     install_handlers(app)
     app.include_router(routes.v1)  # first: the router tries routes in order, and these are the busy ones
+    app.include_router(openai_api.openai)
     app.include_router(routes.health)
     # added last = outermost: metrics see every answer, the limits run before any parsing
     app.add_middleware(RequestLimitsMiddleware, gateway=app.state.gateway)
@@ -82,7 +83,8 @@ def _openapi(app: FastAPI) -> dict:
         document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = document["components"]
         template = "#/components/schemas/{model}"
-        _, bodies = models_json_schema([(model, "validation") for model in routes.BODY_MODELS], ref_template=template)
+        read_by_hand = (*routes.BODY_MODELS, *openai_api.BODY_MODELS)
+        _, bodies = models_json_schema([(model, "validation") for model in read_by_hand], ref_template=template)
         components["schemas"] = dict(sorted((components["schemas"] | bodies["$defs"]).items()))
         schemes = routes.SECURITY_SCHEMES
         components["securitySchemes"] = {

@@ -1,4 +1,7 @@
-"""Errors the gateway answers with: always `{"error": {"code": ..., "message": ...}}`.
+"""Errors the gateway answers with: always `{"error": {"code": ..., "message": ..., "type": ..., "param": ...}}`,
+OpenAI's error shape (its SDK reads `message`, `type`, `param` and `code`) with our stable `code`s; `type` says
+the kind by status as OpenAI's do (`invalid_request_error`, `authentication_error`, ...), `param` names the
+offending request field where one is known (else null).
 
 Routes raise a typed `ApiError`; the handlers installed by `install_handlers` turn it, FastAPI's
 validation errors, Starlette's HTTP errors (unknown route, wrong method) and anything unexpected
@@ -23,6 +26,8 @@ log = logging.getLogger(__name__)
 class ErrorDetail(BaseModel):
     code: str = Field(description="stable machine-readable code, e.g. `invalid_input`")
     message: str = Field(description="what is wrong, naming the input and the expected and actual value")
+    type: str = Field(description="the kind of error as OpenAI's API names it, by status: `invalid_request_error`...")
+    param: str | None = Field(default=None, description="the offending request field, where one is known")
 
 
 class ErrorBody(BaseModel):
@@ -34,9 +39,9 @@ class ApiError(Exception):
     code = "internal"
     headers: ClassVar[dict[str, str] | None] = None
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.message = message
+        self.message, self.param = message, param
 
 
 class InvalidInput(ApiError):
@@ -127,13 +132,34 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {status: {"model": ErrorBody, "description": DESCRIPTIONS[status]} for status in statuses}
 
 
-def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"code": code, "message": message}}
-    return JSONResponse(body, status_code=status, headers=headers)
+# OpenAI's error types by status (its API reference, "Error codes"); anything else of 5xx is a server error
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_body(status: int, code: str, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"code": code, "message": message, "type": kind, "param": param}}
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> JSONResponse:
+    return JSONResponse(error_body(status, code, message, param), status_code=status, headers=headers)
 
 
 def _api_error(request: Request, error: ApiError) -> JSONResponse:
-    return error_response(error.status, error.code, error.message, error.headers)
+    return error_response(error.status, error.code, error.message, error.headers, error.param)
 
 
 def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:

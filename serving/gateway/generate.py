@@ -45,7 +45,7 @@ from contract import generation, names
 from contract.inputs import InputError
 from contract.sampling import SamplingParams
 from serving.gateway import schemas, upstream
-from serving.gateway.errors import ApiError, InvalidInput, SchemaViolation
+from serving.gateway.errors import ApiError, InvalidInput, SchemaViolation, error_body
 from serving.gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
@@ -219,10 +219,10 @@ async def _events(
             token = await pull.next()
         last = [event(_final(pull.tokens)), DONE]
     except ApiError as error:
-        last = [event(error_body(error.code, error.message), "error")]
+        last = [event(error_body(error.status, error.code, error.message, error.param), "error")]
     except Exception:  # as the app's handler answers one: logged with its traceback, the caller told no more
         log.exception("unexpected error in %s", pull.what)
-        last = [event(error_body("internal", "internal error; it is logged on the server"), "error")]
+        last = [event(error_body(500, "internal", "internal error; it is logged on the server"), "error")]
     # the generation has ended: its session is let go before the caller reads the end, so that a request
     # sent on [DONE] finds it free
     await held.aclose()
@@ -234,10 +234,6 @@ def event(data: dict[str, Any], name: str | None = None) -> bytes:
     """One Server-Sent Event: its JSON on one `data:` line (orjson writes no newlines), and its name if any."""
     named = f"event: {name}\n".encode() if name else b""
     return named + b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-def error_body(code: str, message: str) -> dict[str, Any]:
-    return {"error": {"code": code, "message": message}}
 
 
 class EventStream(StreamingResponse):

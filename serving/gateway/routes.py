@@ -129,7 +129,8 @@ async def metrics(gw: State) -> Response:
 
 @v1.get("/models", response_model=schemas.ModelList, responses=responses(401, 502, 503, 504))
 async def list_models(gw: State) -> dict:
-    """The two served models, their readiness and their tensors."""
+    """OpenAI's list (`object`, `data[].id`: the model the OpenAI-compatible routes serve, a whole model's
+    once ready) and ours beside it (`models`: the two served models, their readiness and their tensors)."""
     client = gw.client
     state = await gw.call(client.health(), "readiness of the models")
     kinds = {client.model: "stateless", client.session_model: "session"}
@@ -139,7 +140,13 @@ async def list_models(gw: State) -> dict:
         if entry["ready"]:
             entry |= _describe(await gw.model_info(name))
         models.append(entry)
-    return {"models": models}
+    session = models[-1]
+    cards = []
+    if session["ready"] and session.get("vocab_size"):
+        name = gw.settings.served_model_name or client.session_model
+        cards.append({"id": name, "created": gw.started, "owned_by": "attention-serving"})
+        cards[0]["max_model_len"] = session.get("max_seq_len")
+    return {"object": "list", "data": cards, "models": models}
 
 
 def _describe(info: ModelInfo) -> dict:

@@ -180,7 +180,7 @@ class GenerateBody(Strict):
         "(or empty) to go on after its last generation; a stateless generation needs one",
     )
     max_new_tokens: StrictInt = Field(
-        default=generation.DEFAULT_MAX_NEW_TOKENS, description="at most this many new tokens, in [1, max_seq_len]"
+        default=generation.DEFAULT_MAX_NEW_TOKENS, description="at most this many new tokens, in [0, max_seq_len]"
     )
     stop_token_ids: list[StrictInt] = Field(
         default=[], description="ids that end the generation once generated (the stop token is answered and kept)"
@@ -281,8 +281,20 @@ class ModelDescription(BaseModel):
     outputs: list[TensorDescription] = []
 
 
+class ModelCard(BaseModel):
+    """OpenAI's model object."""
+
+    id: str = Field(description="what the OpenAI-compatible routes take as `model`")
+    object: Literal["model"] = "model"
+    created: int = Field(description="when this gateway started (Unix seconds)")
+    owned_by: str
+    max_model_len: int | None = Field(default=None, description="the context: prompt and completion, in tokens")
+
+
 class ModelList(BaseModel):
-    models: list[ModelDescription]
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(description="OpenAI's list: the model the OpenAI-compatible routes serve")
+    models: list[ModelDescription] = Field(description="the served Triton models, their readiness and tensors")
 
 
 class Status(BaseModel):

@@ -57,6 +57,9 @@ class GatewaySession:
     last_used: float
     busy: bool = False
     broken: str | None = None  # why its server-side state is lost
+    # the token ids it holds, where this gateway knows them (its text came through the OpenAI routes): a request
+    # bound to it (`session`) then sends only what its prompt adds; None: unknown here
+    tokens: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

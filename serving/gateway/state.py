@@ -8,13 +8,17 @@ import contextlib
 import contextvars
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from client import AsyncClient, ClientError, ModelInfo
+from client.text import TextError, TextModel
+from contract.files import TOKENIZER_FILENAME
 from serving.gateway import upstream
 from serving.gateway.auth import owner_of
-from serving.gateway.errors import Overloaded
+from serving.gateway.conversations import Conversations
+from serving.gateway.errors import InvalidInput, Overloaded, UpstreamFailed
 from serving.gateway.limits import request_deadline
 from serving.gateway.metrics import Metrics
 from serving.gateway.sessions import GatewaySession, GatewaySessions, SessionIds, tag
@@ -74,6 +78,9 @@ class GatewayState:
         self._client: AsyncClient | None = None
         self._tasks: set[asyncio.Task] = set()  # the sweeper, the models' metadata, ENDs sent after a request
         self._attending = 0  # /v1/attend requests in flight (everything runs on the event loop)
+        self.started = int(time.time())  # OpenAI's `created` of the served model
+        self.conversations = Conversations(settings.conversations_per_key, settings.conversation_idle_s)
+        self._text: TextModel | None = None
 
     @property
     def client(self) -> AsyncClient:
@@ -96,6 +103,7 @@ class GatewayState:
             "grpc",
             s.model,
             s.session_model,
+            generate_model=s.generate_model,
             timeout=s.request_timeout_s,
             retries=2,
             backoff=0.05,
@@ -113,6 +121,7 @@ class GatewayState:
             task.cancel()
         await asyncio.gather(*sweeping, return_exceptions=True)
         await asyncio.gather(*(self.end_upstream(s) for s in self.sessions.drain()))
+        await asyncio.gather(*(self._end(kept, "a kept conversation") for kept in self.conversations.drain()))
         await asyncio.gather(*self._tasks, return_exceptions=True)  # ENDs already on their way
         await self.client.close()
 
@@ -190,19 +199,45 @@ class GatewayState:
 
     async def end_upstream(self, session: GatewaySession) -> None:
         """Send the session's END to Triton; failures are logged, not raised (the caller is done with it)."""
+        await self._end(session.upstream, f"session {tag(session.id)}")
+
+    def end_kept(self, upstreams: list) -> None:
+        """End kept conversations' sessions (conversations.py) beside the request."""
+        for kept in upstreams:
+            self.spawn(self._end(kept, "a kept conversation"), name="end-conversation")
+
+    async def _end(self, upstream, what: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = min(loop.time() + CLOSE_TIMEOUT_S, request_deadline.get() or float("inf"))  # within a request's
         try:
             async with asyncio.timeout_at(deadline):
-                await session.upstream.close()
+                await upstream.close()
         except (ClientError, TimeoutError) as error:
-            log.warning("ending session %s upstream failed (Triton will expire it): %r", tag(session.id), error)
+            log.warning("ending %s upstream failed (Triton will expire it): %r", what, error)
+
+    async def text(self) -> TextModel:
+        """The served model's tokenizer (client/text.py), fetched from the generation model once and checked
+        against the digest its config publishes; 400 when it serves none."""
+        if self._text is None:
+            fetched = await self.call(self.client.text_files(), "the model's tokenizer files")
+            if fetched is None:
+                raise InvalidInput(
+                    f"'{self.settings.generate_model}' serves no tokenizer (its checkpoint had no "
+                    f"{TOKENIZER_FILENAME}): it takes token ids (POST /v1/generate), not text"
+                )
+            digest, files = fetched
+            try:
+                self._text = await asyncio.to_thread(TextModel.from_files, files)
+            except TextError as error:
+                raise UpstreamFailed(f"the model's text files (digest {digest[:12]}) cannot be read: {error}") from None
+        return self._text
 
     async def _sweep(self) -> None:
-        interval = min(self.settings.session_idle_s / 2, 10.0)
+        interval = min(self.settings.session_idle_s / 2, self.settings.conversation_idle_s / 2, 10.0)
         while True:
             await asyncio.sleep(interval)
             expired = self.sessions.idle()
             if expired:
                 log.info("closing %d idle session(s)", len(expired))
                 await asyncio.gather(*(self.end_upstream(s) for s in expired))
+            self.end_kept(self.conversations.sweep())

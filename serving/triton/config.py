@@ -72,6 +72,7 @@ P_MIN_ROW_POSITIONS = "min_row_positions"  # mha_session (static): the smallest 
 P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
 P_SESSION_MODEL = "session_model"  # mha_generate: the session model it steps
 P_PREFILL_CHUNK = "prefill_chunk"  # mha_generate: prompt tokens per step
+P_TEXT_DIGEST = generation.P_TEXT_DIGEST  # mha_generate: the digest of its text files (none: no tokenizer)
 # The model's sizes and limits, published in both python models' configs so that any caller reads the
 # facts from Triton's model-config API (the session model's IO does not show its layers or cache)
 MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_seq_len")
@@ -171,9 +172,11 @@ def mha_session_config(
     return config
 
 
-def mha_generate_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConfig:
+def mha_generate_config(cfg: ModelConfig, settings: ServingSettings, text_files: dict[str, str]) -> pb.ModelConfig:
     """The decoupled generation model (contract/generation.py): `input_ids` [1, T] in (optional: none
-    continues a session), one response per generated token, a final one with the finish reason."""
+    continues a session), one response per generated token, a final one with the finish reason. `text_files`
+    (name -> sha256): the tokenizer files in its version folder, which it answers a `text_files` request with;
+    their digest is published (P_TEXT_DIGEST) so a gateway knows the files it fetched are these."""
     config = _python_model(MHA_GENERATE, cfg, {}, settings)
     config.max_batch_size = 0
     config.model_transaction_policy.decoupled = True
@@ -185,9 +188,17 @@ def mha_generate_config(cfg: ModelConfig, settings: ServingSettings) -> pb.Model
         (generation.TOP_LOGPROBS, pb.TYPE_FP32, [-1]),
         (generation.FINISH_REASON, pb.TYPE_STRING, [1]),
         (names.HELD_LENGTH, pb.TYPE_INT64, [1]),
+        (generation.PROMPT_LOGPROB, pb.TYPE_FP32, [-1]),
+        (generation.PROMPT_TOP_TOKEN_IDS, pb.TYPE_INT64, [-1, -1]),
+        (generation.PROMPT_TOP_LOGPROBS, pb.TYPE_FP32, [-1, -1]),
+        (generation.TEXT_FILE_NAMES, pb.TYPE_STRING, [-1]),
+        (generation.TEXT_FILE_CONTENTS, pb.TYPE_STRING, [-1]),
     ):
         config.output.add(name=name, data_type=data_type, dims=dims)
-    _set_parameters(config, {P_SESSION_MODEL: MHA_SESSION, P_PREFILL_CHUNK: generation.PREFILL_CHUNK})
+    parameters = {P_SESSION_MODEL: MHA_SESSION, P_PREFILL_CHUNK: generation.PREFILL_CHUNK}
+    if text_files:
+        parameters[P_TEXT_DIGEST] = generation.text_digest(text_files)
+    _set_parameters(config, parameters)
     return config
 
 

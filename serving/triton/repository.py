@@ -22,7 +22,7 @@ from pathlib import Path
 from contract import names
 from contract.config import ModelConfig
 from contract.deployment import ENGINE_CONCAT, ENGINE_OPERATIONS, ENGINE_STATIC, KV_INT4, KV_INT8, WEIGHTS_INT8
-from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, model_filename
+from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, TEXT_FILES, model_filename
 from serving.triton import config as triton_config
 from serving.triton import digests
 from serving.triton.config import ServingSettings
@@ -235,13 +235,33 @@ def write_repository(
 
 
 def _write_generate_model(repository: Path, artifact_dir: Path, cfg: ModelConfig, settings: ServingSettings) -> None:
-    """`mha_generate` beside `mha_session`: no graph of its own (it steps the session model)."""
+    """`mha_generate` beside `mha_session`: no graph of its own (it steps the session model); the checkpoint's
+    text files (the tokenizer, its special tokens, the chat template) travel in its version folder, checked
+    against the build's digests and listed in its SHA256SUMS, which the model checks again when it loads."""
     name = triton_config.MHA_GENERATE
     version = _fresh_version_dir(repository / name)
-    config = triton_config.mha_generate_config(cfg, settings)
+    text = _copy_text_files(artifact_dir, _read_report(artifact_dir), version)
+    config = triton_config.mha_generate_config(cfg, settings, text)
     (repository / name / triton_config.TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
     shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
     shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)
+
+
+def _copy_text_files(artifact_dir: Path, report: dict, version: Path) -> dict[str, str]:
+    """The artifact's text files (report.json `text_files`: name -> sha256) copied into `version`, each seen to
+    still have its recorded digest first, and their digests written beside them; name -> sha256."""
+    recorded = report.get("text_files", {})
+    for stale in TEXT_FILES:
+        (version / stale).unlink(missing_ok=True)
+    for file_name, digest in sorted(recorded.items()):
+        if not (artifact_dir / file_name).is_file():
+            raise RepositoryError(f"{artifact_dir / file_name} is missing (report.json lists it); build it again")
+        changed = digests.changed_since_build(artifact_dir / file_name, digest)
+        if changed:
+            raise RepositoryError(f"{changed}; build it again")
+        shutil.copyfile(artifact_dir / file_name, version / file_name)
+    digests.write(version, recorded)
+    return dict(recorded)
 
 
 def _fresh_version_dir(model_dir: Path) -> Path:

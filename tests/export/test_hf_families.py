@@ -35,9 +35,10 @@ from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
 from serving.triton.config import MHA, MHA_GENERATE, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
+from tests.fixtures.text import save_tokenizer
 from tests.fixtures.triton import selected
 
-VOCAB = 64
+VOCAB = 320  # a byte-level BPE tokenizer's (tests/fixtures/text.py): the byte alphabet, specials, merges
 COMMON = {
     "hidden_size": 64,
     "num_attention_heads": 4,
@@ -45,8 +46,9 @@ COMMON = {
     "num_hidden_layers": 2,
     "intermediate_size": 96,
     "vocab_size": VOCAB,
-    # short: the static form's pool rung at build decodes until its rows are full (export/parity.py)
-    "max_position_embeddings": 48,
+    # short: the static form's pool rung at build decodes until its rows are full (export/parity.py); long
+    # enough for a chat template's prompt of a 320-token vocabulary and its answer
+    "max_position_embeddings": 160,
     "rms_norm_eps": 1e-5,
     "pad_token_id": 0,
     "bos_token_id": 1,
@@ -71,7 +73,7 @@ FAMILIES = {
         **(COMMON | {"hidden_size": 128}),
     ),
     "gpt2": lambda: transformers.GPT2Config(
-        n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=48, bos_token_id=1, eos_token_id=2
+        n_embd=64, n_head=4, n_layer=2, vocab_size=VOCAB, n_positions=160, bos_token_id=1, eos_token_id=2
     ),
 }
 CLASSES = {
@@ -101,6 +103,7 @@ def save_and_import(family: str, work: Path) -> None:
                 parameter.add_(0.1 * torch.randn_like(parameter))
         model.get_output_embeddings().weight.mul_(HEAD_SCALE)  # GPT-2's is its token embeddings (tied)
     model.save_pretrained(work / "checkpoint", max_shard_size="100KB" if family == "llama" else "50MB")  # sharded
+    save_tokenizer(work / "checkpoint", VOCAB, template="llama3" if family == "llama" else "chatml")
     argv = ["build", "--weights", str(work / "checkpoint"), "--layout", "hf", "--out", str(work / "artifact")]
     assert export_main([*argv, "--variants", "fp32-fused,fp32-static"]) == 0
 
@@ -325,3 +328,205 @@ def test_served_generation_is_transformers_greedy_generate(family, checkpoints, 
             assert session.length == generated.held_length == PREFILL + len(expected)
         stateless = client.generate(ids[0], max_new_tokens=GENERATED, stop_token_ids=[2])
         assert list(stateless) == expected
+
+
+# --- text in, text out: the OpenAI-compatible routes over the served folders (issue 32) -----------------------
+
+KEY = "hf-key"
+
+
+@pytest.fixture(scope="module")
+def gateways(served):
+    """family -> a real gateway (uvicorn on a free port) in front of the module's Triton, serving the family's
+    models under the OpenAI id `family`; started when first asked for."""
+    from serving.gateway import Settings
+    from serving.gateway.server import run_gateway
+
+    started = {}
+
+    def get(family: str):
+        if family not in started:
+            models = served_models(family)
+            settings = Settings(
+                port=0,
+                log_level="warning",
+                api_keys=(KEY,),
+                triton_url=served.grpc_url,
+                served_model_name=family,
+                **models,
+            )
+            started[family] = run_gateway(settings)
+        return started[family]
+
+    yield get
+    for gateway in started.values():
+        gateway.stop()
+
+
+def openai_client(gateway):
+    import openai
+
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def tokenizer_of(checkpoint: Checkpoint):
+    return transformers.AutoTokenizer.from_pretrained(str(checkpoint.dir))
+
+
+def greedy_text(checkpoint: Checkpoint, ids: list[int], new: int) -> tuple[str, list[int]]:
+    """transformers' greedy `generate` after `ids`, its EOS a stop (as the served model's generation_config
+    says), decoded by the checkpoint's own tokenizer: (the text, the ids generated)."""
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        out = checkpoint.source.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False, pad_token_id=0
+        )[0, len(ids) :].tolist()
+    return tokenizer_of(checkpoint).decode(out, skip_special_tokens=True), out
+
+
+PROMPT = "The quick brown fox jumps over"
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "Where is São Paulo? 你好"},
+]
+NEW = 12
+
+
+@pytest.mark.served
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_openai_completions_and_chat_are_transformers_greedy_text(family, checkpoints, gateways):
+    """Done when of issue 32: `/v1/completions` (plain and streamed) and `/v1/chat/completions` at temperature 0,
+    through the official openai SDK, return exactly the text of transformers' greedy generate decoded by the
+    same tokenizer (the chat prompt rendered by transformers' apply_chat_template), with its usage."""
+    checkpoint = checkpoints(family)
+    client = openai_client(gateways(family))
+    ids = tokenizer_of(checkpoint)(PROMPT)["input_ids"]
+    expected, generated = greedy_text(checkpoint, ids, NEW)
+    answer = client.completions.create(model=family, prompt=PROMPT, max_tokens=NEW, temperature=0)
+    assert answer.choices[0].text == expected
+    assert answer.choices[0].finish_reason == ("stop" if generated[-1] == 2 else "length")
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (len(ids), len(generated))
+    stream = client.completions.create(
+        model=family, prompt=PROMPT, max_tokens=NEW, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == expected
+    assert chunks[-1].usage.completion_tokens == len(generated) and not chunks[-1].choices
+
+    chat_ids = tokenizer_of(checkpoint).apply_chat_template(CONVERSATION, add_generation_prompt=True)
+    chat_ids = list(chat_ids["input_ids"] if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys") else chat_ids)
+    expected_reply, _ = greedy_text(checkpoint, chat_ids, NEW)
+    reply = client.chat.completions.create(model=family, messages=CONVERSATION, max_tokens=NEW, temperature=0)
+    assert reply.choices[0].message.content == expected_reply and reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens == len(chat_ids)
+
+
+@pytest.mark.served
+@pytest.mark.parametrize("family", ["llama"])  # the families the module serves
+def test_openai_next_turn_forks_the_last_turns_kv_and_answers_what_a_cold_prefill_does(family, checkpoints, gateways):
+    """Turn 2 re-sends turn 1 and its answer: the gateway forks turn 1's kept session (cached_tokens: every token
+    the two share) and prefills only the rest, and the reply is transformers' greedy reply to the whole prompt."""
+    checkpoint = checkpoints("llama")
+    client = openai_client(gateways("llama"))
+    opening = [{"role": "user", "content": "Name a city."}]  # no earlier request of this key began so
+    first = client.chat.completions.create(model="llama", messages=opening, max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn = [*opening, {"role": "assistant", "content": first.choices[0].message.content}]
+    turn.append({"role": "user", "content": "And Łódź?"})
+    ids = list(tokenizer_of(checkpoint).apply_chat_template(turn, add_generation_prompt=True)["input_ids"])
+    second = client.chat.completions.create(model="llama", messages=turn, max_tokens=6, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    assert second.choices[0].message.content == greedy_text(checkpoint, ids, 6)[0]
+
+
+@pytest.mark.served
+@pytest.mark.parametrize("family", ["gpt2"])  # the families the module serves
+def test_openai_stop_strings_n_seeds_and_streaming_add_up(family, checkpoints, gateways):
+    """Sampled text: a seeded request repeats; its streamed pieces concatenate to the text answered whole; a
+    stop string cuts the text before it (left out); `n` choices of one prompt each follow their own seed."""
+    client = openai_client(gateways("gpt2"))
+    asked = {"model": "gpt2", "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "seed": 7}
+    whole = client.completions.create(**asked).choices[0].text
+    assert client.completions.create(**asked).choices[0].text == whole
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(**asked, stream=True))
+    assert streamed == whole
+    stop = whole[3:5] if len(whole) >= 5 else whole[-1:]
+    cut = client.completions.create(**asked, stop=[stop]).choices[0]
+    assert cut.text == whole[: whole.index(stop)] and cut.finish_reason == "stop"
+    streamed_cut = client.completions.create(**asked, stop=stop, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed_cut) == cut.text
+    both = client.completions.create(**asked, n=2)
+    assert [choice.index for choice in both.choices] == [0, 1]
+    assert both.choices[0].text == whole  # choice i draws with seed + i: choice 0 is the single request's
+    assert both.usage.prompt_tokens == len(tokenizer_of(checkpoints("gpt2"))(PROMPT)["input_ids"])
+
+
+@pytest.mark.served
+@pytest.mark.parametrize("family", ["llama"])  # the families the module serves
+def test_openai_echo_with_logprobs_scores_the_prompt_as_transformers_does(family, checkpoints, gateways):
+    """`echo` with `logprobs` and max_tokens 0 (how perplexity tools call a server): the prompt's text and each
+    prompt token's logprob given the ones before it, within 2e-5 of the logits' scale of transformers' own
+    log_softmax (the fp32 graphs match its logits to 1e-5 of their scale, export/parity.py; a log_softmax
+    moves by at most twice its inputs' error), the first token's None."""
+    checkpoint = checkpoints("llama")
+    client = openai_client(gateways("llama"))
+    ids = tokenizer_of(checkpoint)(PROMPT)["input_ids"]
+    answer = client.completions.create(model="llama", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    choice = answer.choices[0]
+    assert choice.text == tokenizer_of(checkpoint).decode(ids)
+    with torch.no_grad():
+        logits = checkpoint.source(torch.tensor([ids])).logits[0].double()
+    expected = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0].numpy()
+    scores = choice.logprobs.token_logprobs
+    assert scores[0] is None and len(scores) == len(ids)
+    np.testing.assert_allclose(scores[1:], expected, rtol=0, atol=2e-5 * float(logits.abs().max()))
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
+
+
+@pytest.mark.served
+@pytest.mark.parametrize("family", ["gpt2"])  # the families the module serves
+def test_openai_errors_are_openais_shape_and_leave_the_gateway_serving(family, checkpoints, gateways):
+    import openai
+
+    gateway = gateways("gpt2")
+    client = openai_client(gateway)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="gpt-4o", prompt=PROMPT)
+    assert missing.value.body["type"] == "not_found_error" and missing.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as hot:
+        client.completions.create(model="gpt2", prompt=PROMPT, temperature=3.5)
+    assert hot.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as suffix:
+        client.completions.create(model="gpt2", prompt=PROMPT, suffix="!")
+    assert "suffix" in suffix.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="gpt2", prompt=PROMPT, max_tokens=4096)
+    assert "max_seq_len" in long.value.body["message"] and long.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="wrong", max_retries=0).models.list()
+    listed = client.models.list()
+    assert [model.id for model in listed.data] == ["gpt2"]
+    assert client.completions.create(model="gpt2", prompt=PROMPT, max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.served
+@pytest.mark.parametrize("family", ["llama"])  # the families the module serves
+def test_openai_a_request_bound_to_a_session_sends_only_what_its_prompt_adds(family, checkpoints, gateways):
+    """The `session` extension: requests go on in a session the caller holds; the second turn reuses what the
+    first left in it (cached_tokens), and the session ends with the caller's DELETE."""
+    import httpx
+
+    gateway = gateways("llama")
+    client = openai_client(gateway)
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {KEY}"}) as api:
+        session = api.post("/v1/sessions").json()["id"]
+        first = client.chat.completions.create(
+            model="llama", messages=CONVERSATION, max_tokens=4, temperature=0, extra_body={"session": session}
+        )
+        turn = [*CONVERSATION, {"role": "assistant", "content": first.choices[0].message.content}]
+        turn.append({"role": "user", "content": "Thanks"})
+        second = client.chat.completions.create(
+            model="llama", messages=turn, max_tokens=4, temperature=0, extra_body={"session": session}
+        )
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        assert api.delete(f"/v1/sessions/{session}").status_code == 204

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import json
 import threading
 
@@ -33,9 +34,12 @@ import triton_python_backend_utils as pb_utils
 
 from contract import errors as kinds
 from contract import generation, names
+from contract.files import TEXT_FILES
 from contract.inputs import InputError, check_token_values
+from contract.sampling import Sampler
 from serving.engine import generation as loop
-from serving.triton.config import P_PREFILL_CHUNK, P_SESSION_MODEL
+from serving.triton import digests
+from serving.triton.config import P_PREFILL_CHUNK, P_SESSION_MODEL, P_TEXT_DIGEST
 from serving.triton.models import common
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
@@ -75,15 +79,21 @@ class TritonPythonModel:
         self.generating: set[int] = set()  # sessions with a generation under way: one at a time each
         self.stopping: set[int] = set()  # of those, the ones asked to stop (generation.STOP_GENERATION)
         self.lock = threading.Lock()
+        self.text_files = _text_files(self.model.version, self.model.parameters.get(P_TEXT_DIGEST))
+        text = f", text files {', '.join(self.text_files)}" if self.text_files else ", no tokenizer (token ids only)"
         pb_utils.Logger.log_info(
-            f"{self.model.name}: generation over {self.session_model}, prompts in chunks of {self.chunk} tokens"
+            f"{self.model.name}: generation over {self.session_model}, prompts in chunks of {self.chunk} tokens{text}"
         )
 
     def execute(self, requests: list) -> None:
         """Each generation on a thread of its own (a decoupled model answers through each one's sender); a
         stop request marks its session's generation, which ends before its next token."""
         for request in requests:
-            if generation.STOP_GENERATION in json.loads(request.parameters() or "{}"):
+            asked = json.loads(request.parameters() or "{}")
+            if generation.TEXT_FILES in asked:
+                self._answer_text_files(request)
+                continue
+            if generation.STOP_GENERATION in asked:
                 with self.lock:
                     if request.correlation_id() in self.generating:
                         self.stopping.add(request.correlation_id())
@@ -98,6 +108,15 @@ class TritonPythonModel:
                 request.get_response_sender().send(common.error_response(self.model.name, error), flags=FINAL)
                 continue
             threading.Thread(target=self._generate, args=(request,), name="generation", daemon=True).start()
+
+    def _answer_text_files(self, request) -> None:
+        sender = request.get_response_sender()
+        names_, contents = list(self.text_files), list(self.text_files.values())
+        outputs = {
+            generation.TEXT_FILE_NAMES: np.array([name.encode() for name in names_], np.object_),
+            generation.TEXT_FILE_CONTENTS: np.array(contents, np.object_),
+        }
+        self._complete(sender, common.response(outputs))
 
     # --- one generation -------------------------------------------------------------------------------------
 
@@ -151,7 +170,10 @@ class TritonPythonModel:
             logits, held = self._step(sequence, ids, start=start, end=end)
             return logits, int(held[0])
 
-        if len(prompt):
+        if len(prompt) and asked.prompt_logprobs is not None:
+            logits, held, scored = self._scored_prefill(sequence, prompt, asked)
+            sender.send(common.response(scored))
+        elif len(prompt):
             logits, held = loop.prefill(step, prompt, asked.session_start, self.chunk)
         else:
             logits, held = self._kept_logits(sequence, asked.session_start)
@@ -168,6 +190,21 @@ class TritonPythonModel:
         self._keep(sequence, finished.next_logits, finished.held_length, ended=asked.session_end)
         return finished.reason, np.array([finished.held_length], np.int64)
 
+    def _scored_prefill(self, sequence: int, prompt: np.ndarray, asked: generation.GenerationRequest):
+        """The prompt in chunks with every position's logits: each prompt token's logprob given the ones
+        before it, and the top `prompt_logprobs` there (the first token has nothing before it in this
+        request: NaN). (the logits after the last id, held_length, the response's outputs)"""
+        logits, held, rows = None, -1, []
+        for offset in range(0, len(prompt), self.chunk):
+            ids = prompt[offset : offset + self.chunk]
+            chunk_logits, held_array = self._step(
+                sequence, ids, start=asked.session_start and offset == 0, last_only=False
+            )
+            rows.append(chunk_logits)
+            logits, held = chunk_logits[-1], int(held_array[0])
+        scored = score_prompt(np.concatenate(rows)[:-1], prompt[1:], asked.prompt_logprobs)
+        return logits, held, scored
+
     def _kept_logits(self, sequence: int, start: bool) -> tuple[np.ndarray, int]:
         """Without a prompt: the logits this model kept after the session's last generation, if the
         session still holds what it held then."""
@@ -180,21 +217,24 @@ class TritonPythonModel:
             raise NoNextLogits(sequence)
         return logits, held
 
-    def _step(self, sequence: int, ids: np.ndarray, start: bool = False, end: bool = False):
-        """One step of the session in `mha_session`: the last position's logits (vocab,) and held_length [1]."""
+    def _step(self, sequence: int, ids: np.ndarray, start: bool = False, end: bool = False, last_only: bool = True):
+        """One step of the session in `mha_session`: the last position's logits (vocab,) (with `last_only`
+        False: every position's, (T, vocab)) and held_length [1]."""
         step = pb_utils.InferenceRequest(
             model_name=self.session_model,
             inputs=[pb_utils.Tensor(names.INPUT_IDS, ids[None])],
             requested_output_names=[names.LOGITS, names.HELD_LENGTH],
             correlation_id=sequence,
             flags=(START if start else 0) | (END if end else 0),
-            parameters={"last_only": True},
+            parameters={names.LAST_ONLY: last_only},
         )
         answer = step.exec()
         if answer.has_error():
             raise StepFailed(answer.error())
         logits = pb_utils.get_output_tensor_by_name(answer, names.LOGITS).as_numpy()
         held = pb_utils.get_output_tensor_by_name(answer, names.HELD_LENGTH).as_numpy().reshape(1)
+        if not last_only:
+            return logits[0], held.astype(np.int64)
         return (logits[0, -1] if logits.shape[1] else None), held.astype(np.int64)
 
     def _end_quietly(self, sequence: int) -> None:
@@ -208,6 +248,36 @@ class TritonPythonModel:
                 self.pending[sequence] = (logits, held)
                 while len(self.pending) > PENDING_SESSIONS:
                     self.pending.popitem(last=False)
+
+
+def score_prompt(logits: np.ndarray, following: np.ndarray, top: int) -> dict[str, np.ndarray]:
+    """The prompt's response: `logits` (T-1, vocab) at each prompt position but the last scoring the id that
+    follows it (`following`, (T-1,)); the first prompt token's entry is NaN (and no alternatives)."""
+    scored = [Sampler.scored(row, int(token), top) for row, token in zip(logits, following, strict=True)]
+    ids = np.full((len(scored) + 1, top), -1, np.int64)
+    top_logprobs = np.full((len(scored) + 1, top), np.nan, np.float32)
+    for at, choice in enumerate(scored, start=1):
+        ids[at, : len(choice.top)] = [token for token, _ in choice.top]
+        top_logprobs[at, : len(choice.top)] = [logprob for _, logprob in choice.top]
+    return {
+        generation.PROMPT_LOGPROB: np.array([np.nan] + [choice.logprob for choice in scored], np.float32),
+        generation.PROMPT_TOP_TOKEN_IDS: ids,
+        generation.PROMPT_TOP_LOGPROBS: top_logprobs,
+    }
+
+
+def _text_files(version, published: str | None) -> dict[str, bytes]:
+    """The tokenizer files in the version folder (those its SHA256SUMS lists), checked against it and
+    against the digest the config publishes; name -> content."""
+    listed = [name for name in digests.read(version) if name in TEXT_FILES]
+    digests.verify(version, listed)
+    contents = {name: (version / name).read_bytes() for name in listed}
+    found = generation.text_digest({name: hashlib.sha256(data).hexdigest() for name, data in contents.items()})
+    if contents and found != published:
+        raise digests.IntegrityError(
+            f"{version}: the text files' digest is {found}, the model config publishes {published}; {digests.REWRITE}"
+        )
+    return contents
 
 
 def token_outputs(choice) -> dict[str, np.ndarray]:

@@ -1,0 +1,656 @@
+"""The OpenAI-compatible routes: `POST /v1/completions` and `POST /v1/chat/completions`, plain and streamed.
+
+Text goes in and out through the model's own tokenizer and chat template (client/text.py), fetched once from
+the generation model, which serves the files its checkpoint came with. Each choice is a generation on the
+server (contract/generation.py) in a session of its own; its text is detokenized as the tokens come
+(client.text.Detokenizer), so streamed pieces add up to exactly the text answered whole, stop strings left out.
+
+Sessions (conversations.py): a prompt that extends what an earlier request of the same key left in a kept
+session forks that session's KV cache, rewinds the fork to where the two part and prefills only the rest;
+`usage.prompt_tokens_details.cached_tokens` says how many were reused. `n` choices share one prefill: the
+prompt is stepped once, then forked. A request naming a `session` the key holds goes on in that session.
+Each finished choice's session is kept for the next request (SERVING_CONVERSATIONS_PER_KEY; 0: ended).
+
+Errors are OpenAI's shape (errors.py), 400 for a bad field with `param` naming it; a streamed answer that fails
+after its first chunk ends with a `data:` error object, then `data: [DONE]`, as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from client.generation import Token
+from client.text import Detokenizer, TextError, TextModel
+from contract import generation
+from serving.gateway import openai_schemas as schemas
+from serving.gateway.errors import (
+    ApiError,
+    InvalidInput,
+    SessionConflict,
+    SessionLost,
+    UpstreamBusy,
+    UpstreamTimeout,
+    error_body,
+    responses,
+)
+from serving.gateway.generate import DONE, STREAM_HEADERS, Pull
+from serving.gateway.routes import Caller, body_documented, caller, naming, the_gateway
+from serving.gateway.sessions import GatewaySession
+from serving.gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+openai = APIRouter(prefix="/v1", dependencies=[Depends(caller)], tags=["openai"])
+BODY_MODELS = (schemas.CompletionBody, schemas.ChatBody)
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+FINISH = {generation.STOP: "stop", generation.LENGTH: "length", generation.SESSION_FULL: "length"}
+
+
+# --- what a request asks -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """A request checked against the served model: its prompts (ids), how many choices each, how to pick."""
+
+    chat: bool
+    prompts: list[np.ndarray]  # each (T,) int64
+    echo_texts: list[str]  # each prompt as text (completions with echo; empty otherwise)
+    n: int
+    max_new: list[int]  # per prompt
+    sampling: dict[str, Any]  # SamplingParams' fields
+    stop_ids: tuple[int, ...]
+    stops: list[str]
+    logprobs: int | None  # the top N with each generated token's logprob; None: no logprobs
+    prompt_logprobs: int | None  # echo with logprobs: the prompt's too
+    stream: bool
+    include_usage: bool
+    session: str | None
+
+
+def parsed(raw: bytes, schema: type[BaseModel]) -> Any:
+    """The body, or 400 in OpenAI's shape naming the first offending field."""
+    try:
+        body = schema.model_validate(orjson.loads(raw))
+    except orjson.JSONDecodeError as error:
+        raise InvalidInput(f"the body is not valid JSON: {error}") from None
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise InvalidInput(f"{where}: {first['msg']}", param=where) from None
+    for name, why in body.refused():
+        raise InvalidInput(f"{name}: {why}", param=name)
+    return body
+
+
+def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool) -> Asked:
+    stops = body.stops()
+    if len(stops) > MAX_STOPS or any(not stop for stop in stops):
+        raise InvalidInput(f"stop: expected at most {MAX_STOPS} non-empty strings, got {stops!r}", param="stop")
+    if body.session is not None and body.n != 1:
+        raise InvalidInput(f"n: a request bound to a session makes one choice, got n={body.n}", param="n")
+    if chat:
+        prompts, echo_texts = [_chat_ids(body, text)], []
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidInput("top_logprobs: needs logprobs: true", param="top_logprobs")
+        prompt_logprobs = None
+    else:
+        prompts = _completion_ids(body.prompt, text)
+        echo_texts = [text.decode(ids.tolist(), skip_special_tokens=False) for ids in prompts] if body.echo else []
+        limit, logprobs = body.max_tokens, body.logprobs
+        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        if len(prompts) > 1 and body.session is not None:
+            raise InvalidInput("prompt: a request bound to a session takes one prompt", param="prompt")
+    max_new = [_room(len(ids), limit, max_seq_len) for ids in prompts]
+    if not chat and not body.echo and 0 in max_new and limit == 0:
+        raise InvalidInput("max_tokens: 0 generates nothing; it goes with echo (the prompt scored)", param="max_tokens")
+    sampling = {
+        "temperature": float(body.temperature),
+        "top_p": None if body.top_p >= 1 else float(body.top_p),
+        "top_k": body.top_k if body.top_k and body.top_k > 0 else None,
+        "min_p": None if body.min_p is None else float(body.min_p),
+        "repetition_penalty": float(body.repetition_penalty),
+        "presence_penalty": float(body.presence_penalty),
+        "frequency_penalty": float(body.frequency_penalty),
+        "seed": body.seed,
+        "logprobs": logprobs or 0,
+    }
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Asked(
+        chat=chat,
+        prompts=prompts,
+        echo_texts=echo_texts,
+        n=body.n,
+        max_new=max_new,
+        sampling=sampling,
+        stop_ids=() if body.ignore_eos else tuple(text.eos_token_ids),
+        stops=stops,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        stream=body.stream,
+        include_usage=include_usage,
+        session=body.session,
+    )
+
+
+def _chat_ids(body: schemas.ChatBody, text: TextModel) -> np.ndarray:
+    messages = [message.model_dump(exclude_none=True) for message in body.messages]
+    try:
+        extra = body.chat_template_kwargs or {}
+        ids = text.chat_ids(messages, add_generation_prompt=body.add_generation_prompt, **extra)
+    except TextError as error:
+        raise InvalidInput(f"messages: {error}", param="messages") from None
+    return np.asarray(ids, np.int64)
+
+
+def _completion_ids(prompt: Any, text: TextModel) -> list[np.ndarray]:
+    """Each prompt's ids: texts are encoded (with the tokenizer's special tokens, as transformers does),
+    ids are taken as given (checked against the vocabulary)."""
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise InvalidInput("prompt: expected at least one prompt, got none", param="prompt")
+    found = []
+    for at, given in enumerate(prompts):
+        ids = text.encode(given) if isinstance(given, str) else list(given)
+        if not ids:
+            raise InvalidInput(f"prompt[{at}]: encodes to no tokens; give at least one", param="prompt")
+        outside = [token for token in ids if not 0 <= token < text.vocab_size]
+        if outside:
+            vocab = text.vocab_size
+            raise InvalidInput(f"prompt[{at}]: token ids must lie in [0, {vocab}), got {outside[:3]}", "prompt")
+        found.append(np.asarray(ids, np.int64))
+    return found
+
+
+def _room(prompt: int, limit: int | None, max_seq_len: int) -> int:
+    """New tokens a prompt of `prompt` tokens may get: `limit`, or all the room left (None); 400 past it."""
+    room = max_seq_len - prompt
+    if room < 0 or (limit is None and room == 0):
+        raise InvalidInput(
+            f"the prompt is {prompt} tokens; this model's context is {max_seq_len} (max_seq_len), so it leaves no room "
+            "for a completion",
+            param="messages" if limit is None else "prompt",
+        )
+    if limit is not None and limit > room:
+        raise InvalidInput(
+            f"max_tokens: the prompt ({prompt} tokens) and {limit} new tokens exceed this model's context of "
+            f"{max_seq_len} (max_seq_len); ask for at most {room}",
+            param="max_tokens",
+        )
+    return room if limit is None else limit
+
+
+# --- one choice --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Lease:
+    """A session a choice generates in: the ids it still has to send, and what it does afterwards."""
+
+    upstream: Any  # client.AsyncSession
+    send: np.ndarray  # the prompt ids the session does not hold yet (>= 1)
+    held_before: np.ndarray  # the prompt ids it holds already (a fork's, a bound session's)
+    bound: GatewaySession | None = None  # the caller's own session
+
+
+@dataclasses.dataclass
+class Choice:
+    index: int
+    prompt: int  # which prompt
+    lease: Lease
+    detokenizer: Detokenizer
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[Token] = dataclasses.field(default_factory=list)
+    text: list[str] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_scores: list[Token | None] = dataclasses.field(default_factory=list)
+
+
+class Run:
+    """One request's choices: their sessions, generations, text and the sessions kept afterwards."""
+
+    def __init__(self, gw: GatewayState, owner: str, asked: Asked, text: TextModel, model: str) -> None:
+        self.gw, self.owner, self.asked, self.text, self.model = gw, owner, asked, text, model
+        self.choices: list[Choice] = []
+        self.cached = 0  # prompt tokens reused from a kept session
+        self.created = int(time.time())
+        self.id = ("chatcmpl-" if asked.chat else "cmpl-") + secrets.token_hex(12)
+        self.held = contextlib.AsyncExitStack()
+        self._pulls: list[Pull] = []
+        self._owned: list[Any] = []  # sessions opened for this request (kept or ended at its end)
+        self._bound: GatewaySession | None = None
+        self._scores: list[Token | None] = []  # n choices: the prompt's scores from its one prefill
+
+    # sessions ------------------------------------------------------------------------------------------------
+
+    async def lease(self) -> None:
+        """A session for every choice (opened, forked, or the caller's own), each prompt prefilled once."""
+        if self.asked.session is not None:
+            self._bound = await self.held.enter_async_context(self.gw.sessions.using(self.asked.session, self.owner))
+            lease = await self._bound_lease(self._bound, self.asked.prompts[0])
+            self._add_choices(0, [lease])
+            return
+        for at, ids in enumerate(self.asked.prompts):
+            base = await self._pooled_lease(ids)
+            leases = [base] if self.asked.n == 1 else await self._forked(base)
+            self._add_choices(at, leases)
+
+    def _add_choices(self, prompt: int, leases: list[Lease]) -> None:
+        for lease in leases:
+            context = np.concatenate([lease.held_before, lease.send])
+            detokenizer = Detokenizer(self.text, context.tolist(), stop=self.asked.stops)
+            self.choices.append(Choice(len(self.choices), prompt, lease, detokenizer))
+
+    async def _bound_lease(self, session: GatewaySession, ids: np.ndarray) -> Lease:
+        upstream = session.upstream
+        if upstream.length == 0:
+            return Lease(upstream, ids, ids[:0], session)
+        if session.tokens is None:
+            raise SessionConflict(
+                f"session '{self.asked.session}' holds {upstream.length} positions this gateway did not see as text; "
+                "only a session whose text came through these routes (or an empty one) can be extended by a prompt"
+            )
+        keep = min(_shared(session.tokens, ids), len(ids) - 1)
+        if keep < upstream.length:
+            with naming(session):
+                await self.gw.call(upstream.rewind(keep), "rewinding the session to where the prompt parts")
+        self.cached = keep
+        return Lease(upstream, ids[keep:], ids[:keep], session)
+
+    async def _pooled_lease(self, ids: np.ndarray) -> Lease:
+        """A fork of the key's kept session sharing the longest prefix with `ids` (rewound to it), or a new one."""
+        conversations = self.gw.conversations
+        kept, shared = (None, 0) if self.asked.prompt_logprobs is not None else conversations.longest(self.owner, ids)
+        if kept is None:
+            return Lease(await self._opened(None), ids, ids[:0])
+        kept.busy += 1
+        try:
+            child = await self._opened(kept.upstream)
+        except (SessionConflict, UpstreamTimeout):  # the kept session is gone: never forked again; start afresh
+            conversations.forget(kept.upstream)
+            self.gw.end_kept([kept.upstream])
+            return Lease(await self._opened(None), ids, ids[:0])
+        finally:
+            kept.busy -= 1
+        conversations.used(kept)
+        keep = min(shared, len(ids) - 1)
+        if keep < child.length:
+            await self.gw.call(child.rewind(keep), "rewinding a kept conversation's fork")
+        self.cached = max(self.cached, keep)
+        return Lease(child, ids[keep:], ids[:keep])
+
+    async def _opened(self, fork_of: Any) -> Any:
+        """A new session of the key (a fork of `fork_of`), opened; a full KV budget first ends the kept
+        conversations (their caches are the first to give up), then is the caller's 503."""
+        for attempt in range(2):
+            session = self.gw.client.session(owner=self.owner)
+            try:
+                await self.gw.call(session.open(fork_of=fork_of), "opening a session")
+            except UpstreamBusy:
+                if attempt or not len(self.gw.conversations):
+                    raise
+                await self._free_kept()
+                continue
+            self._owned.append(session)
+            return session
+        raise AssertionError("unreachable")
+
+    async def _free_kept(self) -> None:
+        log.info("the KV budget is full: ending %d kept conversation(s)", len(self.gw.conversations))
+        await asyncio.gather(*(self.gw._end(kept, "a kept conversation") for kept in self.gw.conversations.drain()))
+
+    async def _forked(self, base: Lease) -> list[Lease]:
+        """`n` choices of one prompt: the prompt prefilled once in `base` (scored if asked), then forked; each
+        choice then sends the prompt's last token itself (a fork holds no logits of its own)."""
+        ids = np.concatenate([base.held_before, base.send])
+        scores = await self._prefill(base.upstream, base.send)
+        leases = [Lease(await self._opened(base.upstream), ids[-1:], ids[:-1]) for _ in range(self.asked.n - 1)]
+        leases.insert(0, Lease(base.upstream, ids[-1:], ids[:-1]))
+        for lease in leases:
+            await self.gw.call(lease.upstream.rewind(len(ids) - 1), "rewinding a fork by one")
+        self._scores = scores
+        return leases
+
+    async def _prefill(self, upstream: Any, ids: np.ndarray) -> list[Token | None]:
+        generated = upstream.generate(ids, max_new_tokens=0, prompt_logprobs=self.asked.prompt_logprobs)
+        async for _ in generated:
+            pass
+        return generated.prompt_logprobs
+
+    # generations ---------------------------------------------------------------------------------------------
+
+    def start(self) -> list[Pull]:
+        """Each choice's generation, started (the first token pulled by the caller)."""
+        for choice in self.choices:
+            lease = choice.lease
+            arguments = dict(self.asked.sampling)
+            if arguments["seed"] is not None:
+                arguments["seed"] = (arguments["seed"] + choice.index) % (1 << 63)  # n choices: n draws
+            forked = self.asked.n > 1
+            prompt_logprobs = None if forked else self.asked.prompt_logprobs
+            tokens = lease.upstream.generate(
+                lease.send,
+                max_new_tokens=self.asked.max_new[choice.prompt],
+                stop_token_ids=self.asked.stop_ids,
+                prompt_logprobs=prompt_logprobs,
+                **arguments,
+            )
+            what = f"choice {choice.index} of {self.id}"
+            self._pulls.append(Pull(self.gw, tokens, what, self._on_error(lease)))
+        self.held.push_async_callback(self.end)
+        return self._pulls
+
+    def _on_error(self, lease: Lease):
+        def named(error: ApiError) -> ApiError:
+            if lease.bound is not None and isinstance(error, SessionConflict | UpstreamTimeout):
+                self.gw.sessions.break_(lease.bound, f"a generation failed: {error.message}")
+            return error
+
+        return named
+
+    async def next_piece(self, choice: Choice) -> tuple[str, list[Token]] | None:
+        """The choice's next text (possibly empty while a character or a stop string is incomplete) and the
+        tokens it came from; None once the choice ended (`finish_reason` set)."""
+        if choice.finish_reason is not None:
+            return None
+        pull = self._pulls[choice.index]
+        token = await pull.next()
+        if token is None:
+            outcome = pull.tokens.outcome
+            choice.finish_reason = FINISH.get(outcome.finish_reason, "stop")
+            rest = choice.detokenizer.finish()
+            choice.text.append(rest)
+            return rest, []
+        choice.tokens.append(token.id)
+        piece = choice.detokenizer.push(token.id)
+        if choice.detokenizer.stopped:
+            choice.finish_reason = "stop"
+            await pull.close()  # the server stops within one step; the session keeps what it stepped
+            piece += choice.detokenizer.finish()
+        choice.text.append(piece)
+        choice.logprobs.append(token)
+        return piece, [token]
+
+    def prompt_scores(self, choice: Choice) -> list[Token | None]:
+        """Each prompt token's score (None where there is none: the first, and what a session held already)."""
+        if self.asked.prompt_logprobs is None:
+            return []
+        scored = self._scores if self.asked.n > 1 else self._pulls[choice.index].tokens.prompt_logprobs
+        return [None] * len(choice.lease.held_before) + list(scored)
+
+    async def end(self) -> None:
+        """Each generation closed; each choice's session kept for the next request (or ended)."""
+        for pull in self._pulls:
+            await pull.close()
+        for choice in self.choices:
+            lease = choice.lease
+            held = [*lease.held_before.tolist(), *lease.send.tolist(), *self._pulls[choice.index].tokens.tokens]
+            if lease.bound is not None:
+                lease.bound.tokens = np.asarray(held, np.int64) if choice.finish_reason else None
+                continue
+            if choice.finish_reason is None:  # failed or cut off: what it holds is unknown here
+                self.gw.end_kept([lease.upstream])
+                continue
+            self.gw.end_kept(self.gw.conversations.keep(self.owner, lease.upstream, held))
+        leased = {id(choice.lease.upstream) for choice in self.choices}
+        self.gw.end_kept([session for session in self._owned if id(session) not in leased])
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(self.asked.prompts[choice.prompt]) for choice in self.choices[:: self.asked.n])
+        completion = sum(len(choice.tokens) for choice in self.choices)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return usage | {"prompt_tokens_details": {"cached_tokens": self.cached}}
+
+
+def _shared(held: np.ndarray, prompt: np.ndarray) -> int:
+    from serving.gateway.conversations import shared_prefix
+
+    return shared_prefix(np.asarray(held, np.int64), prompt)
+
+
+# --- answers -----------------------------------------------------------------------------------------------
+
+
+class Renderer:
+    """OpenAI's objects for a run: completions' `text_completion` or chat's `chat.completion(.chunk)`."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.text, self.chat = run, run.text, run.asked.chat
+
+    def head(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.run.id, "object": kind, "created": self.run.created, "model": self.run.model}
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for choice in self.run.choices:
+            text = "".join(choice.text)
+            entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
+            if self.chat:
+                entry["message"] = {"role": "assistant", "content": text}
+                entry["logprobs"] = self.chat_logprobs(choice.logprobs)
+            else:
+                echo = self.run.asked.echo_texts[choice.prompt] if self.run.asked.echo_texts else ""
+                entry["text"] = echo + text
+                entry["logprobs"] = self.completion_logprobs(choice, choice.logprobs, with_prompt=True)
+            choices.append(entry)
+        return self.head(chunk=False) | {"choices": choices, "usage": self.run.usage()}
+
+    def chunk(self, choice: Choice, piece: str, tokens: list[Token], first: bool) -> dict[str, Any]:
+        entry: dict[str, Any] = {"index": choice.index}
+        if self.chat:
+            delta = {"role": "assistant", "content": piece} if first else {"content": piece}
+            entry["delta"] = delta if piece or first else {}
+            entry["logprobs"] = self.chat_logprobs(tokens) if tokens else None
+        else:
+            echo = self.run.asked.echo_texts[choice.prompt] if first and self.run.asked.echo_texts else ""
+            entry["text"] = echo + piece
+            entry["logprobs"] = self.completion_logprobs(choice, tokens, with_prompt=first) if tokens or first else None
+        entry["finish_reason"] = choice.finish_reason
+        return self.head(chunk=True) | {"choices": [entry]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return self.head(chunk=True) | {"choices": [], "usage": self.run.usage()}
+
+    def completion_logprobs(self, choice: Choice, tokens: list[Token], with_prompt: bool) -> dict[str, Any] | None:
+        if self.run.asked.logprobs is None:
+            return None
+        entries: list[tuple[int, float | None, tuple]] = []
+        if with_prompt and self.run.asked.prompt_logprobs is not None:
+            prompt = self.run.asked.prompts[choice.prompt].tolist()
+            scores = self.run.prompt_scores(choice)
+            for at, token in enumerate(prompt):
+                score = scores[at] if at < len(scores) else None
+                entries.append((token, None if score is None else score.logprob, () if score is None else score.top))
+        entries += [(token.id, token.logprob, token.top) for token in tokens]
+        strings = [self.text.token_text(token) for token, _, _ in entries]
+        tops = [
+            None if logprob is None else {self.text.token_text(i): value for i, value in top}
+            for _, logprob, top in entries
+        ]
+        offsets, at = [], 0
+        for string in strings:
+            offsets.append(at)
+            at += len(string)
+        return {
+            "tokens": strings,
+            "token_logprobs": [logprob for _, logprob, _ in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, tokens: list[Token]) -> dict[str, Any] | None:
+        if self.run.asked.logprobs is None:
+            return None
+        return {
+            "content": [
+                self._chat_token(token.id, token.logprob)
+                | {"top_logprobs": [self._chat_token(i, value) for i, value in token.top]}
+                for token in tokens
+            ]
+        }
+
+    def _chat_token(self, token: int, logprob: float) -> dict[str, Any]:
+        string = self.text.token_text(token)
+        return {"token": string, "logprob": logprob, "bytes": list(self.text.token_bytes(token))}
+
+
+# --- the routes --------------------------------------------------------------------------------------------
+
+ANSWERED = {
+    200: {
+        "description": "`stream: false`: the completion (OpenAI's object). `stream: true`: Server-Sent Events, one "
+        "chunk object per piece of text, then `data: [DONE]`",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+@openai.post(
+    "/completions",
+    responses=ANSWERED | responses(400, 401, 404, 409, 413, 429, 502, 503, 504),
+    summary="OpenAI's Completions: text (or token ids) in, text out, generated on the server",
+    openapi_extra=body_documented(schemas.CompletionBody),
+)
+async def completions(request: Request, owner: Caller) -> Response:
+    return await _answer(request, owner, schemas.CompletionBody, chat=False)
+
+
+@openai.post(
+    "/chat/completions",
+    responses=ANSWERED | responses(400, 401, 404, 409, 413, 429, 502, 503, 504),
+    summary="OpenAI's Chat Completions: messages rendered by the model's chat template, the reply generated on "
+    "the server; a conversation's next turn forks the KV cache its last turn left",
+    openapi_extra=body_documented(schemas.ChatBody),
+)
+async def chat_completions(request: Request, owner: Caller) -> Response:
+    return await _answer(request, owner, schemas.ChatBody, chat=True)
+
+
+def served_model_name(gw: GatewayState) -> str:
+    return gw.settings.served_model_name or gw.settings.session_model
+
+
+async def _answer(request: Request, owner: str, schema: type[schemas.Common], chat: bool) -> Response:
+    gw = the_gateway(request)
+    body = parsed(await request.body(), schema)
+    model = served_model_name(gw)
+    if body.model != model:
+        raise ModelNotFound(f"model: no model '{body.model}' here; this gateway serves '{model}'", param="model")
+    info = await gw.model_info(gw.settings.session_model)
+    text = await gw.text()
+    asked = asked_of(body, text, int(info.facts.get("max_seq_len", 1 << 30)), chat)
+    run = Run(gw, owner, asked, text, model)
+    try:
+        await run.lease()
+        run.start()
+        if not asked.stream:
+            return await _whole(run)
+        first = await _first_pieces(run)
+    except BaseException:
+        await run.held.aclose()
+        raise
+    return OpenAIStream(_events(run, first), run.held)
+
+
+class ModelNotFound(ApiError):
+    status, code = 404, "model_not_found"
+
+
+async def _whole(run: Run) -> Response:
+    async with run.held:
+        await asyncio.gather(*(_drain(run, choice) for choice in run.choices))
+        return Response(orjson.dumps(Renderer(run).whole()), media_type="application/json")
+
+
+async def _drain(run: Run, choice: Choice) -> None:
+    while await run.next_piece(choice) is not None:
+        pass
+
+
+async def _first_pieces(run: Run) -> dict[int, tuple[str, list[Token]] | None]:
+    """Each choice's first piece: an error before any is the request's status, as every route's errors are."""
+    pieces = await asyncio.gather(*(run.next_piece(choice) for choice in run.choices))
+    return dict(enumerate(pieces))
+
+
+async def _events(run: Run, first: dict[int, tuple[str, list[Token]] | None]) -> AsyncIterator[bytes]:
+    renderer = Renderer(run)
+    try:
+        for choice in run.choices:
+            piece = first[choice.index]
+            if piece is not None:
+                yield _event(renderer.chunk(choice, piece[0], piece[1], first=True))
+        async for choice, piece in _merged(run):
+            yield _event(renderer.chunk(choice, piece[0], piece[1], first=False))
+        if run.asked.include_usage:
+            yield _event(renderer.usage_chunk())
+    except ApiError as error:
+        yield _event(error_body(error.status, error.code, error.message, error.param))
+    except Exception:
+        log.exception("unexpected error in %s", run.id)
+        yield _event(error_body(500, "internal", "internal error; it is logged on the server"))
+    await run.held.aclose()
+    yield DONE
+
+
+async def _merged(run: Run) -> AsyncIterator[tuple[Choice, tuple[str, list[Token]]]]:
+    """The choices' next pieces as they come, interleaved; a choice's last one carries its finish reason."""
+    pending = {
+        asyncio.ensure_future(run.next_piece(choice)): choice for choice in run.choices if choice.finish_reason is None
+    }
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                choice = pending.pop(future)
+                piece = future.result()
+                if piece is None:
+                    continue
+                yield choice, piece
+                if choice.finish_reason is None:
+                    pending[asyncio.ensure_future(run.next_piece(choice))] = choice
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class OpenAIStream(StreamingResponse):
+    """Server-Sent Events that close the run (its generations, its sessions kept or ended) once done, whatever
+    ended them (see generate.EventStream)."""
+
+    def __init__(self, events: AsyncIterator[bytes], held: contextlib.AsyncExitStack) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
+        self.held = held
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.held.aclose()
+
+
+_ = (SessionLost, TextError)  # re-exported kinds the routes' errors may be
