@@ -234,9 +234,10 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     if args.no_gateway:
         return watch(front, stop)
     from serving.gateway import Settings, banner, run_gateway
+    from serving.host.front import metrics_urls
     from serving.host.process import owned_folder
 
-    overrides = {"triton_url": front.grpc_url, "port": args.gateway_port}
+    overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
     given = {"host": args.host, "session_store": args.session_store}
     overrides |= {name: value for name, value in given.items() if value is not None}
     settings = Settings(**overrides)

@@ -119,9 +119,12 @@ class Pull:
     the first within the request's deadline and each next within the request timeout of the one before,
     errors as ApiErrors passed through the route's `on_error`."""
 
-    def __init__(self, gw: GatewayState, tokens: AsyncGeneration, what: str, on_error: OnError) -> None:
-        """`what`: the generation as error messages name it."""
+    def __init__(
+        self, gw: GatewayState, tokens: AsyncGeneration, what: str, on_error: OnError, prompt_tokens: int = 0
+    ) -> None:
+        """`what`: the generation as error messages name it; `prompt_tokens`: what it prefills."""
         self.gw, self.tokens, self.what, self.on_error = gw, tokens, what, on_error
+        self.timer = gw.metrics.generation(prompt_tokens)  # waiting until its first token, running until close()
         self._pending: asyncio.Future | None = None
 
     async def next(self) -> Token | None:
@@ -148,10 +151,12 @@ class Pull:
             await anext(self.tokens)
         except StopAsyncIteration:
             return None
+        self.timer.token()
         return self.tokens.logprobs[-1]
 
     async def close(self) -> None:
         """Cancel the generation if it is still going (the server stops within one step) and close it."""
+        self.timer.end()
         pending = self._pending
         if pending is not None:
             pending.cancel()  # none once it is done; else its own cancellation ends the generation, closing included
@@ -174,7 +179,7 @@ async def answer(
 ) -> Response:
     """The route's answer for `tokens`. It takes over `held` (what the route holds for the generation: its
     session), closed once the answer is written or the stream has ended."""
-    pull = Pull(gw, tokens, what, on_error)
+    pull = Pull(gw, tokens, what, on_error, 0 if asked.ids is None else asked.ids.shape[1])
     held.push_async_callback(pull.close)
     if not asked.stream:
         async with held:

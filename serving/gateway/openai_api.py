@@ -331,6 +331,7 @@ class Run:
         return leases
 
     async def _prefill(self, upstream: Any, ids: np.ndarray) -> list[Token | None]:
+        self.gw.metrics.prompt_tokens.inc(len(ids))  # the choices' own generations each send one token more
         generated = upstream.generate(ids, max_new_tokens=0, prompt_logprobs=self.asked.prompt_logprobs)
         async for _ in generated:
             pass
@@ -355,7 +356,7 @@ class Run:
                 **arguments,
             )
             what = f"choice {choice.index} of {self.id}"
-            self._pulls.append(Pull(self.gw, tokens, what, self._on_error(lease)))
+            self._pulls.append(Pull(self.gw, tokens, what, self._on_error(lease), len(lease.send)))
         self.held.push_async_callback(self.end)
         return self._pulls
 

@@ -121,6 +121,7 @@ async def readyz(gw: State) -> dict:
     summary="Prometheus metrics",
 )
 async def metrics(gw: State) -> Response:
+    await gw.metrics.refresh()  # Triton's KV cache usage, read before the registry is (its collectors are sync)
     return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

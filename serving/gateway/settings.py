@@ -13,7 +13,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from contract import names
+from contract import generation, names
+from serving.gateway.model_server import checked_url
 
 LOOPBACK = "127.0.0.1"
 
@@ -31,6 +32,9 @@ class Settings(BaseSettings):
     triton_url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC address, host:port")
     model: str = Field(default=names.MODEL, description="the stateless Triton model")
     session_model: str = Field(default=names.SESSION_MODEL, description="the stateful (sequence batching) Triton model")
+    generate_model: str = Field(
+        default=generation.MODEL, description="the decoupled Triton model that generates (a whole model's)"
+    )
     host: str = Field(default=LOOPBACK, description="address to bind; loopback unless told")
     port: int = Field(default=8080, ge=0, le=65535, description="the HTTP port (0: one the system picks)")
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="larger request bodies get 413")
@@ -102,6 +106,12 @@ class Settings(BaseSettings):
         gt=0,
         description="a kept conversation's session unused this long is ended (its KV cache freed)",
     )
+    triton_metrics_urls: Annotated[tuple[str, ...], NoDecode] = Field(
+        default=(),
+        description="Triton's Prometheus endpoints (http://host:port/metrics), comma-separated: where the KV cache "
+        "utilization the gateway exports on /metrics is read; a host name is read at every address it resolves to "
+        "(a headless Service's name: every replica); none: that gauge is left out",
+    )
     log_level: str = Field(default="info", description="uvicorn's log level: critical, error, warning, info, debug")
 
     @field_validator("session_store", mode="before")
@@ -114,6 +124,15 @@ class Settings(BaseSettings):
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(key.strip() for key in value.split(",") if key.strip())
+        return value
+
+    @field_validator("triton_metrics_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [url.strip() for url in value.split(",") if url.strip()]
+        if isinstance(value, (list, tuple)):
+            return tuple(checked_url(url) if isinstance(url, str) else url for url in value)
         return value
 
     def accepted_keys(self) -> tuple[str, ...]:

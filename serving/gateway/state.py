@@ -55,7 +55,7 @@ class GatewayState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.keys = [key.encode() for key in settings.accepted_keys()]
-        self.metrics = Metrics()
+        self.metrics = Metrics(settings.triton_metrics_urls, settings.session_model)
         given = settings.session_secret.get_secret_value() if settings.session_secret else None
         self.secret = given or secrets.token_urlsafe(32)
         self.sessions = GatewaySessions(

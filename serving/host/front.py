@@ -151,6 +151,12 @@ class OneTriton:
         self.supervisor.stop()
 
 
+def metrics_urls(front: OneTriton | Fleet) -> list[str]:
+    """Every replica's metrics endpoint: the gateway reads the KV cache's usage there."""
+    supervisors = front.supervisors if isinstance(front, Fleet) else [front.supervisor]
+    return [supervisor.server.metrics_url for supervisor in supervisors]
+
+
 def watch(front: OneTriton | Fleet, stop: threading.Event, say: Callable[[str], None]) -> None:
     """Until `stop` is set or the front has nothing left to serve (said through `say`)."""
     while not stop.wait(0.5):

@@ -129,7 +129,7 @@ def test_bad_parameters_answer_400_naming_them_and_leave_the_session_as_it_was(w
         "temperature": ({"temperature": -1}, ">= 0"),
         "top_p": ({"top_p": 2, "stream": True}, "(0, 1]"),
         "stop_token_ids": ({"stop_token_ids": [vocab]}, str(vocab)),
-        "max_new_tokens": ({"max_new_tokens": 0}, f"[1, {max_seq_len}]"),
+        "max_new_tokens": ({"max_new_tokens": -1}, f"[0, {max_seq_len}]"),  # 0: the prompt only (scored, kept)
         "input_ids": ({"input_ids": [[1, vocab]]}, f"[0, {vocab})"),
     }
     for field, (body, fragment) in refused.items():
