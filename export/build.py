@@ -343,10 +343,13 @@ def build(
     seed: int = 0,
     progress: Progress | None = None,
     calibration: kv_quant.CalibrationData | None = None,
+    text_files: tuple[Path, ...] = (),
 ) -> dict:
     """`build_model` for the weights `seed` initializes."""
     model = AttentionModel(cfg, seed=seed).eval()
-    return build_model(model, out, variants, progress, origin={"seed": seed}, calibration=calibration)
+    return build_model(
+        model, out, variants, progress, origin={"seed": seed}, calibration=calibration, text_files=text_files
+    )
 
 
 def build_model(

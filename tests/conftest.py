@@ -70,7 +70,7 @@ TEST_CONFIGS = {
         norm="rmsnorm",
         rope_theta=1e4,
         max_seq_len=64,  # short: each static form's pool rung decodes until its rows are full
-        vocab_size=256,
+        vocab_size=320,  # a byte-level BPE tokenizer's (tests/fixtures/text.py): its artifact carries one
         mlp="gated",
         mlp_width=96,
     ),
@@ -104,11 +104,25 @@ def artifact_dir(tmp_path_factory):
     def get(name: str) -> Path:
         if name not in built:
             out = tmp_path_factory.mktemp(f"artifact-{name}")
-            build(TEST_CONFIGS[name], out, artifact_build(name), progress=Progress(enabled=False))
+            text = artifact_text_files(name, tmp_path_factory)
+            build(TEST_CONFIGS[name], out, artifact_build(name), progress=Progress(enabled=False), text_files=text)
             built[name] = out
         return built[name]
 
     return get
+
+
+def artifact_text_files(name: str, tmp_path_factory) -> tuple[Path, ...]:
+    """The `whole` artifact's tokenizer files (a checkpoint's, as transformers saves them): its served model
+    takes text too (the OpenAI-compatible routes); the others serve token ids only."""
+    if name != "whole":
+        return ()
+    from contract.files import TEXT_FILES
+    from tests.fixtures.text import save_tokenizer
+
+    folder = tmp_path_factory.mktemp("whole-text")
+    save_tokenizer(folder, TEST_CONFIGS[name].vocab_size, template="chatml")
+    return tuple(folder / file for file in TEXT_FILES if (folder / file).is_file())
 
 
 TIERS = ("served", "slow", "gpu")

@@ -21,7 +21,7 @@ import torch
 from tests.gateway.test_api import assert_error
 
 pytestmark = pytest.mark.served
-PROMPT = np.random.default_rng(3).integers(0, 256, 5).tolist()  # the `whole` config's vocabulary: 256
+PROMPT = np.random.default_rng(3).integers(0, 256, 5).tolist()  # within the `whole` config's vocabulary (320)
 # the logprobs are log_softmax of the same logits, computed by ONNX Runtime instead of PyTorch: fp32 rounding
 LOGPROB_TOLERANCE = 1e-4
 

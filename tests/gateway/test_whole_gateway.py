@@ -48,7 +48,7 @@ def test_bad_ids_answer_400_naming_the_input(whole):
     api, model = whole
     vocab = model.cfg.vocab_size
     assert_error(
-        api.post("/v1/attend", json={"input_ids": [[1, vocab]]}), 400, "invalid_input", "input_ids", "[0, 256)"
+        api.post("/v1/attend", json={"input_ids": [[1, vocab]]}), 400, "invalid_input", "input_ids", f"[0, {vocab})"
     )
     assert_error(api.post("/v1/attend", json={"input_ids": [[-1]]}), 400, "invalid_input", "input_ids", "got -1")
     assert_error(api.post("/v1/attend", json={"hidden_states": [[[0.5] * 64]]}), 400, "invalid_input", "input_ids")

@@ -15,6 +15,7 @@ import torch
 from client import AsyncClient, Client, InvalidInputError
 from contract import generation
 from export.artifacts import load_model
+from tests.conftest import TEST_CONFIGS
 from tests.fixtures.triton import WHOLE_ARTIFACT
 
 pytestmark = pytest.mark.served
@@ -128,7 +129,7 @@ def test_the_rows_end_and_bad_parameters_answer_clearly(whole):
     with pytest.raises(InvalidInputError, match="temperature"):
         client.generate(ids, temperature=-1.0)
     with pytest.raises(InvalidInputError, match="input_ids"):
-        client.generate([0, 256])  # outside the vocabulary
+        client.generate([0, TEST_CONFIGS["whole"].vocab_size])  # outside the vocabulary
     with pytest.raises(TypeError, match="unknown generation arguments"):
         client.generate(ids, top_q=0.5)
 
