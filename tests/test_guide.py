@@ -89,3 +89,15 @@ def test_the_readme_sends_a_new_user_to_the_guide_first():
     readme = (ROOT / "README.md").read_text()
     first_link = re.search(r"\]\(([^)]+)\)", readme)
     assert first_link is not None and first_link.group(1) == "docs/guide.md"
+
+
+def test_the_guides_blocks_said_to_be_run_are_the_readmes_run_blocks():
+    """The guide's "Serve a Hugging Face checkpoint and call it with the OpenAI SDK" shows the README's
+    examples: each block it marks as run by the README test is one the README test runs, as written."""
+    from tests.test_readme import readme_blocks
+
+    guide = (DOCS / "guide.md").read_text()
+    marked = re.findall(r"<!-- run by the README test -->\n```\w+\n(.*?)```", guide, re.DOTALL)
+    run = {code for _, code, _ in readme_blocks()}
+    assert len(marked) >= 2
+    assert all(code in run for code in marked), [code.splitlines()[0] for code in marked if code not in run]
