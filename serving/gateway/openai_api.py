@@ -246,6 +246,9 @@ class Run:
         """A session for every choice (opened, forked, or the caller's own), each prompt prefilled once."""
         if self.asked.session is not None:
             self._bound = await self.held.enter_async_context(self.gw.sessions.using(self.asked.session, self.owner))
+        # ended before the caller's session is let go (the stack unwinds in reverse), whatever ends the request
+        self.held.push_async_callback(self.end)
+        if self._bound is not None:
             lease = await self._bound_lease(self._bound, self.asked.prompts[0])
             self._add_choices(0, [lease])
             return
@@ -264,7 +267,7 @@ class Run:
         upstream = session.upstream
         if upstream.length == 0:
             return Lease(upstream, ids, ids[:0], session)
-        if session.tokens is None:
+        if session.tokens is None or len(session.tokens) != upstream.length:  # stepped elsewhere since
             raise SessionConflict(
                 f"session '{self.asked.session}' holds {upstream.length} positions this gateway did not see as text; "
                 "only a session whose text came through these routes (or an empty one) can be extended by a prompt"
@@ -357,7 +360,6 @@ class Run:
             )
             what = f"choice {choice.index} of {self.id}"
             self._pulls.append(Pull(self.gw, tokens, what, self._on_error(lease), len(lease.send)))
-        self.held.push_async_callback(self.end)
         return self._pulls
 
     def _on_error(self, lease: Lease):
@@ -399,21 +401,23 @@ class Run:
         return [None] * len(choice.lease.held_before) + list(scored)
 
     async def end(self) -> None:
-        """Each generation closed; each choice's session kept for the next request (or ended)."""
+        """Each generation closed; each finished choice's session kept for the next request (or ended), every
+        other session this request opened ended (a failure anywhere, from the first open on)."""
         for pull in self._pulls:
             await pull.close()
+        kept = set()
         for choice in self.choices:
-            lease = choice.lease
-            held = [*lease.held_before.tolist(), *lease.send.tolist(), *self._pulls[choice.index].tokens.tokens]
+            lease, finished = choice.lease, choice.finish_reason is not None and choice.index < len(self._pulls)
+            held = None
+            if finished:
+                answered = self._pulls[choice.index].tokens.tokens
+                held = np.asarray([*lease.held_before.tolist(), *lease.send.tolist(), *answered], np.int64)
             if lease.bound is not None:
-                lease.bound.tokens = np.asarray(held, np.int64) if choice.finish_reason else None
-                continue
-            if choice.finish_reason is None:  # failed or cut off: what it holds is unknown here
-                self.gw.end_kept([lease.upstream])
-                continue
-            self.gw.end_kept(self.gw.conversations.keep(self.owner, lease.upstream, held))
-        leased = {id(choice.lease.upstream) for choice in self.choices}
-        self.gw.end_kept([session for session in self._owned if id(session) not in leased])
+                lease.bound.tokens = held  # None: failed or cut off, what it holds is unknown here
+            elif held is not None:
+                self.gw.end_kept(self.gw.conversations.keep(self.owner, lease.upstream, held))
+                kept.add(id(lease.upstream))
+        self.gw.end_kept([session for session in self._owned if id(session) not in kept])
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(self.asked.prompts[choice.prompt]) for choice in self.choices[:: self.asked.n])
