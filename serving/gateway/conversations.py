@@ -22,6 +22,11 @@ from typing import Any
 
 import numpy as np
 
+# the fewest shared ids worth a fork: a fork and a rewind are two round trips to the server, about what a
+# prefill of this many tokens costs on the CPU (chosen, not tuned); every chat template's opening markers are
+# shared by all of a key's conversations and would otherwise fork an unrelated one
+MIN_SHARED = 16
+
 
 @dataclasses.dataclass
 class Kept:
@@ -49,13 +54,14 @@ class Conversations:
         return sum(len(entries) for entries in self._kept.values())
 
     def longest(self, owner: str, prompt: np.ndarray) -> tuple[Kept | None, int]:
-        """The key's kept session sharing the longest prefix with `prompt`, and its length (0: none shares)."""
-        best, best_length = None, 0
+        """The key's kept session sharing the longest prefix with `prompt`, and its length (none sharing at
+        least MIN_SHARED ids: (None, 0))."""
+        best, best_length = None, MIN_SHARED - 1
         for entry in self._kept.get(owner, ()):
             length = shared_prefix(entry.tokens, prompt)
             if length > best_length:
                 best, best_length = entry, length
-        return best, best_length
+        return (best, best_length) if best is not None else (None, 0)
 
     def keep(self, owner: str, upstream: Any, tokens: Sequence[int] | np.ndarray) -> list[Any]:
         """Keep `upstream` holding `tokens`; returns the sessions that no longer fit (to be ended)."""

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from serving.gateway.conversations import Conversations, shared_prefix
+from serving.gateway.conversations import MIN_SHARED, Conversations, shared_prefix
 
 pytestmark = pytest.mark.unit
 
@@ -21,25 +21,26 @@ def test_shared_prefix_counts_leading_equal_ids():
     assert shared_prefix(held, np.array([1])) == 0
 
 
-def test_the_longest_match_of_the_callers_own_sessions_is_found():
+def test_the_longest_match_of_the_callers_own_sessions_is_found_from_min_shared_on():
+    opening = list(range(100, 100 + MIN_SHARED))  # a chat template's opening, and a system prompt
     kept = Conversations(per_key=4, idle_s=60)
-    kept.keep("alice", "short", [1, 2, 3])
-    kept.keep("alice", "long", [1, 2, 3, 4, 5, 6])
-    kept.keep("bob", "bobs", [1, 2, 3, 4, 5, 6, 7])
-    entry, length = kept.longest("alice", np.array([1, 2, 3, 4, 5, 9]))
-    assert (entry.upstream, length) == ("long", 5)
+    kept.keep("alice", "short", [*opening, 1, 2, 3])
+    kept.keep("alice", "long", [*opening, 1, 2, 3, 4, 5, 6])
+    kept.keep("bob", "bobs", [*opening, 1, 2, 3, 4, 5, 6, 7])
+    entry, length = kept.longest("alice", np.array([*opening, 1, 2, 3, 4, 5, 9]))
+    assert (entry.upstream, length) == ("long", MIN_SHARED + 5)
     assert kept.longest("alice", np.array([8, 1])) == (None, 0)
-    assert kept.longest("carol", np.array([1, 2])) == (None, 0)  # another key's sessions are never found
+    assert kept.longest("alice", np.array(opening[:-1])) == (None, 0)  # too few shared to be worth a fork
+    assert kept.longest("carol", np.array(opening)) == (None, 0)  # another key's sessions are never found
 
 
 def test_beyond_the_cap_the_least_recently_used_go_and_a_busy_one_stays():
     kept = Conversations(per_key=2, idle_s=60)
     assert kept.keep("alice", "a", [1]) == []
     assert kept.keep("alice", "b", [2]) == []
-    entry, _ = kept.longest("alice", np.array([1]))
-    kept.used(entry)  # "a" used after "b" was kept: "b" is now the least recent
+    kept.used(next(e for e in kept._kept["alice"] if e.upstream == "a"))  # "a" used after "b" was kept: "b" is now the least recent
     assert kept.keep("alice", "c", [3]) == ["b"]
-    entry, _ = kept.longest("alice", np.array([1]))
+    entry = next(e for e in kept._kept["alice"] if e.upstream == "a")
     entry.busy = 1  # a fork is reading it
     time.sleep(0.001)
     kept.keep("alice", "d", [4])
