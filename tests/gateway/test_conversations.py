@@ -38,7 +38,8 @@ def test_beyond_the_cap_the_least_recently_used_go_and_a_busy_one_stays():
     kept = Conversations(per_key=2, idle_s=60)
     assert kept.keep("alice", "a", [1]) == []
     assert kept.keep("alice", "b", [2]) == []
-    kept.used(next(e for e in kept._kept["alice"] if e.upstream == "a"))  # "a" used after "b" was kept: "b" is now the least recent
+    # "a" used after "b" was kept: "b" is now the least recent
+    kept.used(next(e for e in kept._kept["alice"] if e.upstream == "a"))
     assert kept.keep("alice", "c", [3]) == ["b"]
     entry = next(e for e in kept._kept["alice"] if e.upstream == "a")
     entry.busy = 1  # a fork is reading it
