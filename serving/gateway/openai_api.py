@@ -41,6 +41,7 @@ from serving.gateway.errors import (
     InvalidInput,
     SessionConflict,
     SessionLost,
+    TooManySessions,
     UpstreamBusy,
     UpstreamTimeout,
     error_body,
@@ -246,6 +247,8 @@ class Run:
         """A session for every choice (opened, forked, or the caller's own), each prompt prefilled once."""
         if self.asked.session is not None:
             self._bound = await self.held.enter_async_context(self.gw.sessions.using(self.asked.session, self.owner))
+        else:
+            self._count_against_the_keys_limit(self.asked.n * len(self.asked.prompts))
         # ended before the caller's session is let go (the stack unwinds in reverse), whatever ends the request
         self.held.push_async_callback(self.end)
         if self._bound is not None:
@@ -256,6 +259,27 @@ class Run:
             base = await self._pooled_lease(ids)
             leases = [base] if self.asked.n == 1 else await self._forked(base)
             self._add_choices(at, leases)
+
+    def _count_against_the_keys_limit(self, sessions: int) -> None:
+        """A request's sessions count against the key's SERVING_SESSIONS_PER_KEY while it runs, beside the
+        sessions the key holds (a kept conversation's do not: the gateway ends them when it needs to)."""
+        in_flight, limit = self.gw.openai_sessions, self.gw.settings.sessions_per_key
+        held = self.gw.sessions.held_by(self.owner) + in_flight.get(self.owner, 0)
+        if held + sessions > limit:
+            raise TooManySessions(
+                f"this request needs {sessions} session(s) while it runs; this API key holds {held} (open sessions "
+                f"and requests in flight), the limit is {limit}: retry when one ends"
+            )
+        in_flight[self.owner] = in_flight.get(self.owner, 0) + sessions
+
+        def release() -> None:
+            left = in_flight[self.owner] - sessions
+            if left:
+                in_flight[self.owner] = left
+            else:
+                del in_flight[self.owner]
+
+        self.held.callback(release)
 
     def _add_choices(self, prompt: int, leases: list[Lease]) -> None:
         for lease in leases:

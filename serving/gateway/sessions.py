@@ -125,10 +125,14 @@ class GatewaySessions:
         """Open, working sessions (what the active-sessions gauge shows)."""
         return sum(1 for s in self._open.values() if s.broken is None)
 
+    def held_by(self, owner: str) -> int:
+        """The key's open, working sessions (what its limit counts)."""
+        return sum(1 for s in self._open.values() if s.owner == owner and s.broken is None)
+
     def reserve(self, owner: str, upstream: Any) -> GatewaySession:
         """A place for a new session, counted against the key's limit; its id is provisional until
         `name` (the replica that holds it is known once it is opened)."""
-        held = sum(1 for s in self._open.values() if s.owner == owner and s.broken is None)
+        held = self.held_by(owner)
         if held >= self.per_key:
             raise TooManySessions(
                 f"this API key holds {held} open sessions, the limit is {self.per_key}; DELETE one or let it "

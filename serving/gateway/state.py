@@ -81,6 +81,7 @@ class GatewayState:
         self.started = int(time.time())  # OpenAI's `created` of the served model
         self.conversations = Conversations(settings.conversations_per_key, settings.conversation_idle_s)
         self._text: TextModel | None = None
+        self.openai_sessions: dict[str, int] = {}  # per key: sessions the OpenAI routes' requests hold now
 
     @property
     def client(self) -> AsyncClient:
