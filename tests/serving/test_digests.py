@@ -64,3 +64,32 @@ def test_sha256sum_reads_the_same_file(version):
         ["sha256sum", "-c", DIGESTS_FILENAME], cwd=version, capture_output=True, text=True, check=False
     )
     assert checked.returncode == 0 and checked.stdout.count(": OK") == 2, checked
+
+
+def test_the_tokenizer_travels_into_the_generation_model_checked_and_a_changed_one_is_refused(artifact_dir, tmp_path):
+    """A whole model's text files (the `whole` artifact carries a tokenizer): copied into mha_generate's version
+    folder, listed in its SHA256SUMS with the build's digests, their one digest published in its config; a
+    tokenizer.json changed in the artifact after the build fails the repository naming it."""
+    import json
+
+    from contract import generation
+    from contract.files import REPORT_FILENAME, TEXT_FILES, TOKENIZER_FILENAME
+    from serving.triton import config as triton_config
+    from serving.triton.repository import RepositoryError, write_repository
+
+    artifact = shutil.copytree(artifact_dir("whole"), tmp_path / "artifact")
+    recorded = json.loads((artifact / REPORT_FILENAME).read_text())["text_files"]
+    assert TOKENIZER_FILENAME in recorded and set(recorded) <= set(TEXT_FILES)
+    models = (triton_config.MHA, triton_config.MHA_SESSION)
+    repository = write_repository(artifact, tmp_path / "repository", models=models)
+    version = repository / triton_config.MHA_GENERATE / "1"
+    assert {name: sha256(version / name) for name in recorded} == recorded
+    assert {name: digests.read(version)[name] for name in recorded} == recorded
+    digests.verify(version, recorded)
+    config = triton_config.parse((repository / triton_config.MHA_GENERATE / "config.pbtxt").read_text())
+    assert config.parameters[triton_config.P_TEXT_DIGEST].string_value == generation.text_digest(recorded)
+
+    with (artifact / TOKENIZER_FILENAME).open("a") as tokenizer:
+        tokenizer.write(" ")
+    with pytest.raises(RepositoryError, match=f"{TOKENIZER_FILENAME} changed after its build"):
+        write_repository(artifact, tmp_path / "again", models=models)
