@@ -8,6 +8,7 @@ python -m export build --weights hf_checkpoint/ --layout hf --attention-only --o
 python -m export build --preset seed --out artifacts/seed --variants cuda,fp32-static-int8kv
 python -m export build --preset seed --out artifacts/seed --calibration hidden.npy
 python -m export inspect build/artifacts/seed --tokens 24 --seed 0 --out maps.png
+python -m export inspect artifacts/llama --text "The cat sat on the mat." --out maps.png
 
 A build makes the variants this machine serves (the CPU's; a CUDA or TensorRT host's add theirs);
 --variants names others, or a set of them: cpu, cuda, tensorrt, all. With --weights the weights are
@@ -18,7 +19,8 @@ in, logits out; Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2), `--attention-only` 
 alone. See docs/importing.md. With --calibration the
 quantized KV caches' scales are calibrated on your hidden states (N, T, d_model) instead of generated ones.
 `inspect` draws every head's attention weights, as the fused graph that serves computes them, and
-prints what each head attends to (export/inspect_form.py, contract/heads.py).
+prints what each head attends to (export/inspect_form.py, contract/heads.py); a whole model built with its
+checkpoint's tokenizer takes --text, and its maps are labelled with the tokens.
 
 A Triton model repository is filled from an artifact by `python -m serving repository` (or built and
 filled in one go by `python -m serving ensure`).
@@ -100,9 +102,19 @@ def _inspect_parser(commands) -> None:
         help="the hidden states to attend over: a .npy of (1, T, d_model) or (T, d_model), float",
     )
     source.add_argument(
-        "--tokens", type=int, default=24, metavar="N", help="N random hidden states (standard normal) instead"
+        "--tokens",
+        type=int,
+        default=24,
+        metavar="N",
+        help="N random hidden states (standard normal) instead; a whole model's: N random token ids",
     )
-    i.add_argument("--seed", type=int, default=0, metavar="S", help="the random hidden states' seed")
+    source.add_argument(
+        "--text",
+        metavar="TEXT",
+        help="a whole model's: this text, encoded by the tokenizer its artifact carries (with the special tokens "
+        "it adds, as transformers' tokenizer(text)); the maps' axes are labelled with its tokens",
+    )
+    i.add_argument("--seed", type=int, default=0, metavar="S", help="the random hidden states' (or ids') seed")
     i.add_argument("--variant", choices=INSPECTED_VARIANTS, default=FP32_FUSED, help="the graph whose maps are drawn")
     i.add_argument("--diff", action="store_true", help=f"draw the variant's maps minus {FP32_FUSED}'s instead")
     i.add_argument("--out", type=Path, required=True, metavar="FILE.png", help="the PNG to write")
@@ -111,23 +123,13 @@ def _inspect_parser(commands) -> None:
 def inspect_and_report(args: argparse.Namespace) -> int:
     """`inspect`: the maps of one call of an artifact's fused graph, drawn to a PNG, and the head table."""
     from contract.heads import statistics_table
-    from export.inspect_form import (
-        InspectionError,
-        artifact_config,
-        draw_maps,
-        hidden_states_from_file,
-        inspect_artifact,
-        random_hidden_states,
-    )
+    from export.inspect_form import InspectionError, artifact_config, draw_maps, inspect_artifact
     from export.progress import Progress
 
     progress = Progress()
     try:
         cfg = artifact_config(args.artifact)
-        if args.input:
-            hidden, origin = hidden_states_from_file(args.input, cfg), str(args.input)
-        else:
-            hidden, origin = random_hidden_states(cfg, args.tokens, args.seed), f"random, seed {args.seed}"
+        hidden, labels, origin = _inspected_input(args, cfg)
         inspection = inspect_artifact(args.artifact, hidden, args.variant, args.diff, progress)
     except (InspectionError, ValueError) as error:  # ValueError: a config.json that is not a config
         print(f"error: {error}", file=sys.stderr)
@@ -137,19 +139,34 @@ def inspect_and_report(args: argparse.Namespace) -> int:
     title = f"{args.artifact.name}: {what}, {hidden.shape[1]} tokens ({origin})"
     try:
         with progress.stage(f"heatmaps -> {args.out}"):
-            draw_maps(inspection, cfg, args.out, title)
+            draw_maps(inspection, cfg, args.out, title, labels)
     except InspectionError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except OSError as error:
         print(f"error: cannot write {args.out}: {error.strerror or error}", file=sys.stderr)
         return 1
+    if labels is not None:  # a label holds no blank (inspect_form.token_label): one line, split on spaces
+        print("ids: " + " ".join(str(token) for token in hidden[0].tolist()))
+        print("tokens: " + " ".join(labels))
     print(statistics_table(inspection.statistics))
     if args.diff:
         largest, (layer, head, query, key) = inspection.largest_difference()
         print(f"largest |{what}|: {largest:.3e} (layer {layer}, head {head}, query {query}, key {key})")
     print(f"maps: {args.out}")
     return 0
+
+
+def _inspected_input(args: argparse.Namespace, cfg: ModelConfig):
+    """(the hidden states or a whole model's ids, the tokens' labels or None, where they came from)."""
+    from export.inspect_form import hidden_states_from_file, random_hidden_states, text_tokens
+
+    if args.text is not None:
+        tokens = text_tokens(args.artifact, cfg, args.text)
+        return tokens.ids, tokens.labels, "text"
+    if args.input:
+        return hidden_states_from_file(args.input, cfg), None, str(args.input)
+    return random_hidden_states(cfg, args.tokens, args.seed), None, f"random, seed {args.seed}"
 
 
 def _misuse(args: argparse.Namespace) -> str | None:

@@ -26,8 +26,11 @@ for the maps: serving pays nothing otherwise. The maps are graph outputs named `
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+import unicodedata
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -45,6 +48,9 @@ from export.model import AttentionModel, attention_allowed
 from export.onnx_export import IR_VERSION, check_onnx, config_from_onnx, plain_graph, save_onnx
 from export.progress import Progress
 from serving.engine.ort import CPU_PROVIDER, Arrays, ort_runner, session_options
+
+if TYPE_CHECKING:  # matplotlib is a dev dependency, imported where the maps are drawn
+    import matplotlib.figure
 
 # `Attention`'s qk_matmul_output_mode: 0 the raw scores, 1 masked, 2 soft-capped, 3 the softmax's output
 SOFTMAX_PROBABILITIES = 3
@@ -203,6 +209,71 @@ def hidden_states_from_file(path: Path, cfg: ModelConfig) -> np.ndarray:
     return hidden
 
 
+@dataclasses.dataclass(frozen=True)
+class TextTokens:
+    """A text as a whole model reads it: its ids (1, T) int64 and each token's label, for the axes."""
+
+    ids: np.ndarray
+    labels: list[str]
+
+
+def text_tokens(directory: Path, cfg: ModelConfig, text: str) -> TextTokens:
+    """`text` encoded by the artifact's tokenizer (the checkpoint's text files the build copied into it),
+    with the special tokens the tokenizer adds, as transformers' `tokenizer(text)`; InspectionError for an
+    attention model, an artifact without a tokenizer (naming the missing file) or a text of no tokens."""
+    from client.text import TextError, TextModel, TextUnavailable
+
+    if not cfg.whole:
+        raise InspectionError(
+            f"--text: {directory} is an attention model (hidden states in): only a whole model reads text; "
+            "give --tokens or --input"
+        )
+    try:
+        model = TextModel.from_folder(directory)
+    except TextUnavailable as error:
+        raise InspectionError(
+            f"--text: {directory} has no {error.filename}: the model was built without a tokenizer (build from "
+            "a checkpoint folder that has one: docs/importing.md); give --tokens instead"
+        ) from None
+    except TextError as error:
+        raise InspectionError(f"--text: {directory}: {error}") from None
+    ids = model.encode(text)
+    if not ids:
+        raise InspectionError(f"--text: {text!r} encodes to no tokens")
+    _check_tokens(cfg, len(ids), "--text")
+    return TextTokens(np.array([ids], np.int64), [token_label(model.token_text(token)) for token in ids])
+
+
+BYTES_PREFIX = "bytes:"  # client/text.py token_text's mark of a token that is no whole UTF-8 text (OpenAI's)
+VISIBLE_SPACE = "\u2423"  # an open box: a space on an axis, where a blank would be invisible
+ESCAPED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def token_label(token_text: str) -> str:
+    """A token's text (`TextModel.token_text`) as an axis shows it, with no blank in it: a space as an open
+    box, other spacing and control characters as escapes (\\n, \\u00a0), and bytes that are no whole
+    character as their escapes (\\xe4\\xbd) without token_text's "bytes:". The /inspect page's
+    `tokenLabel` (serving/gateway/static/inspect.js) follows the same rule."""
+    if token_text.startswith(BYTES_PREFIX):
+        return token_text[len(BYTES_PREFIX) :]
+    return "".join(_visible(char) for char in token_text)
+
+
+def _visible(char: str) -> str:
+    if char == " ":
+        return VISIBLE_SPACE
+    if char in ESCAPED:
+        return ESCAPED[char]
+    if unicodedata.category(char)[0] in "ZC":  # separators (no-break space...) and controls, format characters
+        return escaped(char)
+    return char
+
+
+def escaped(char: str) -> str:
+    """A character as Python writes its escape: \\u00a0, or \\U0001f642 beyond the 16-bit ones."""
+    return f"\\u{ord(char):04x}" if ord(char) <= 0xFFFF else f"\\U{ord(char):08x}"
+
+
 def random_hidden_states(cfg: ModelConfig, tokens: int, seed: int) -> np.ndarray:
     """Standard normal hidden states (1, tokens, d_model) fp32, the same for the same seed; for a whole
     model token ids (1, tokens) int64 uniform over its vocabulary."""
@@ -258,18 +329,37 @@ def allowed_keys(cfg: ModelConfig, tokens: int) -> list[np.ndarray]:
     return [attention_allowed(mask, 0, tokens, cfg.window(layer))[0, 0].numpy() for layer in range(cfg.n_layers)]
 
 
-def draw_maps(inspection: Inspection, cfg: ModelConfig, out: Path, title: str) -> Path:
-    """A PNG of the maps at `out`: a grid of layers x heads on one color scale, query positions down
-    and key positions across, the keys a query may not see in gray; with a difference, that instead,
-    on a diverging scale centered at 0. matplotlib's object API: no pyplot state, no display needed."""
+PANEL_INCHES = 1.8  # a head's map; with token labels it grows with the tokens, up to LABELLED_PANEL_INCHES
+LABELLED_PANEL_INCHES = 6.0
+LABEL_POINTS = (4.0, 7.0)  # the token labels' smallest and largest font size: fewer labels below the smallest
+
+
+def draw_maps(
+    inspection: Inspection, cfg: ModelConfig, out: Path, title: str, labels: Sequence[str] | None = None
+) -> Path:
+    """A PNG of the maps at `out` (`maps_figure`)."""
+    maps_figure(inspection, cfg, title, labels).savefig(out, dpi=110)
+    return out
+
+
+def maps_figure(
+    inspection: Inspection, cfg: ModelConfig, title: str, labels: Sequence[str] | None = None
+) -> matplotlib.figure.Figure:
+    """The maps as a matplotlib Figure: a grid of layers x heads on one color scale, query positions down
+    and key positions across (or the tokens' `labels`, one per position), the keys a query may not see in
+    gray; with a difference, that instead, on a diverging scale centered at 0. matplotlib's object API: no
+    pyplot state, no display needed."""
     try:
         from matplotlib import colors
         from matplotlib.figure import Figure
     except ImportError as error:  # a dev dependency (pyproject.toml), not the export's
         raise InspectionError(f"drawing the maps needs matplotlib ({error}): pip install matplotlib") from None
 
+    tokens = inspection.hidden_states.shape[1]
+    if labels is not None and len(labels) != tokens:
+        raise InspectionError(f"{len(labels)} token labels for {tokens} tokens")
     shown = inspection.difference or [m.astype(np.float32) for m in inspection.maps]
-    allowed = allowed_keys(cfg, inspection.hidden_states.shape[1])
+    allowed = allowed_keys(cfg, tokens)
     if inspection.difference is None:
         # one scale for every panel; its square root, so that the weights spread over many keys do not
         # all look alike beside the 1.0 of the first query (which can see only itself)
@@ -281,8 +371,10 @@ def draw_maps(inspection: Inspection, cfg: ModelConfig, out: Path, title: str) -
         label = f"{inspection.variant} - {FP32_FUSED}"
     palette = _palette(cmap)
     rows, columns = cfg.n_layers, cfg.n_heads
-    figure = Figure(figsize=(1.8 * columns + 1.2, 1.8 * rows + 1.1), layout="constrained")
+    inches = PANEL_INCHES if labels is None else min(max(PANEL_INCHES, 0.12 * tokens), LABELLED_PANEL_INCHES)
+    figure = Figure(figsize=(inches * columns + 1.2, inches * rows + 1.1), layout="constrained")
     axes = figure.subplots(rows, columns, squeeze=False, sharex=True, sharey=True)
+    axis = "position" if labels is None else "token"
     for layer, weights in enumerate(shown):
         for head in range(columns):
             panel = axes[layer, head]
@@ -292,15 +384,40 @@ def draw_maps(inspection: Inspection, cfg: ModelConfig, out: Path, title: str) -
             panel.set_title(f"layer {layer}, head {head}", fontsize=9)
             panel.tick_params(labelsize=7)
             if head == 0:
-                panel.set_ylabel("query position", fontsize=8)
+                panel.set_ylabel(f"query {axis}", fontsize=8)
             if layer == rows - 1:
-                panel.set_xlabel("key position", fontsize=8)
+                panel.set_xlabel(f"key {axis}", fontsize=8)
+    if labels is not None:
+        _label_tokens(axes, labels, inches)
     bar = figure.colorbar(image, ax=axes, shrink=0.9, pad=0.01)
     bar.set_label(label, fontsize=8)
     bar.ax.tick_params(labelsize=7)
     figure.suptitle(title, fontsize=10)
-    figure.savefig(out, dpi=110)
-    return out
+    return figure
+
+
+def _label_tokens(axes: np.ndarray, labels: Sequence[str], panel_inches: float) -> None:
+    """The tokens as both axes' tick labels: as large as a position's share of the panel allows, every
+    `step`-th token where even the smallest size does not fit them all; characters the font cannot draw
+    (CJK, emoji in matplotlib's own DejaVu Sans) as escapes rather than empty boxes."""
+    points_per_token = panel_inches * 72 / len(labels)
+    size = min(max(points_per_token * 0.85, LABEL_POINTS[0]), LABEL_POINTS[1])
+    step = max(1, math.ceil(size / points_per_token))
+    positions = list(range(0, len(labels), step))
+    drawable = _drawable_labels([labels[p] for p in positions])
+    axes[0, 0].set_xticks(positions, drawable)  # the panels share their axes: every one takes these ticks
+    axes[0, 0].set_yticks(positions, drawable)
+    for panel in axes.flat:  # but each draws its own tick labels
+        panel.tick_params(axis="x", labelrotation=90, labelsize=size)
+        panel.tick_params(axis="y", labelsize=size)
+
+
+def _drawable_labels(labels: Sequence[str]) -> list[str]:
+    from matplotlib import font_manager
+
+    font = font_manager.get_font(font_manager.findfont(font_manager.FontProperties()))
+    drawn = font.get_charmap()
+    return ["".join(c if ord(c) in drawn else escaped(c) for c in label) for label in labels]
 
 
 def _palette(name: str):

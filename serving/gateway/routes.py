@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import functools
 import re
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
+from contract import names
 from contract.heads import head_statistics
 from contract.inputs import real_tokens
 from serving.gateway import generate, schemas, validated
@@ -29,7 +31,9 @@ from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, ident
 from serving.gateway.encoding import Encoding, encode, tensor_json
 from serving.gateway.errors import (
     ApiError,
+    InvalidInput,
     PrefixNotFound,
+    SchemaViolation,
     SessionConflict,
     SessionLost,
     UpstreamTimeout,
@@ -227,14 +231,16 @@ async def inspect(request: Request, owner: Caller, encoding: ResponseEncoding = 
     if body.fields.session is None:
         async with gw.attend_slot():
             info = await gw.model_info(gw.settings.model)
-            valid = await gw.offload(len(raw), validated.inspect, body, info, gw.request_tokens)
+            body, tokens = await _text_as_ids(gw, body, info)
+            valid = await _valid_inspect(gw, len(raw), body, info, tokens)
             validated.check_map_size(info, 0, valid.hidden_states.shape[1])
             call = gw.client.infer(valid.hidden_states, valid.attention_mask, attention_maps=True)
             maps = (await gw.call(call, "attention maps")).attention_maps
             mask = valid.attention_mask
     else:
         info = await gw.model_info(gw.settings.session_model)
-        valid = await gw.offload(len(raw), validated.inspect, body, info, gw.request_tokens)
+        body, tokens = await _text_as_ids(gw, body, info)
+        valid = await _valid_inspect(gw, len(raw), body, info, tokens)
         async with gw.sessions.using(valid.session, owner) as session:
             past = session.upstream.length
             validated.check_map_size(info, past, valid.hidden_states.shape[1])
@@ -242,12 +248,53 @@ async def inspect(request: Request, owner: Caller, encoding: ResponseEncoding = 
             with naming(session):
                 maps = await gw.call(call, f"attention maps of session '{session.id}'")
             mask = None  # a session holds real tokens only
-    answer = await gw.offload(sum(m.nbytes for m in maps), _inspection, maps, mask, encoding)
+    answer = await gw.offload(sum(m.nbytes for m in maps), _inspection, maps, mask, encoding, tokens)
     return json_answer(answer)
 
 
-def _inspection(maps: list[np.ndarray], mask: np.ndarray | None, encoding: Encoding) -> bytes:
-    """The /v1/inspect answer from the maps (per layer (1, H, T, P+T)) and the new tokens' mask."""
+async def _text_as_ids(
+    gw: GatewayState, body: validated.Body, info: ModelInfo
+) -> tuple[validated.Body, list[dict[str, Any]] | None]:
+    """The body with its `text` as the ids the served tokenizer encodes it to (special tokens added for a
+    stateless call, not for a session's next step), and those tokens (None without a text); 422 for a text
+    beside the tensors it stands for, 400 for a model that reads no text."""
+    fields = body.fields
+    if fields.text is None:
+        return body, None
+    beside = [name for name in ("input_ids", "hidden_states", "attention_mask") if getattr(fields, name) is not None]
+    if beside:
+        raise SchemaViolation(f"body.text: not taken beside {', '.join(beside)} (the text is the tokens, unpadded)")
+    if info.new_tokens != names.INPUT_IDS:
+        raise InvalidInput(
+            f"body.text: '{info.name}' takes {info.new_tokens} (an attention model), not text: only a whole model "
+            "with a tokenizer reads text",
+            param="text",
+        )
+    tokenizer = await gw.text()  # 400 naming the missing tokenizer.json where the model serves none
+    ids = await gw.offload(len(fields.text), tokenizer.encode, fields.text, fields.session is None)
+    if not ids:
+        raise InvalidInput(f"body.text: {fields.text[:40]!r} encodes to no tokens", param="text")
+    tokens = [{"id": token, "text": tokenizer.token_text(token)} for token in ids]
+    return dataclasses.replace(body, fields=fields.model_copy(update={"text": None, "input_ids": ids})), tokens
+
+
+async def _valid_inspect(
+    gw: GatewayState, size: int, body: validated.Body, info: ModelInfo, tokens: list | None
+) -> validated.ValidInspect:
+    """`validated.inspect`; a refusal of the ids a text encoded to says so: the caller sent text, not ids."""
+    try:
+        return await gw.offload(size, validated.inspect, body, info, gw.request_tokens)
+    except InvalidInput as error:
+        if tokens is None:
+            raise
+        raise InvalidInput(f"body.text (encoded to {len(tokens)} tokens): {error.message}", param="text") from None
+
+
+def _inspection(
+    maps: list[np.ndarray], mask: np.ndarray | None, encoding: Encoding, tokens: list[dict[str, Any]] | None = None
+) -> bytes:
+    """The /v1/inspect answer from the maps (per layer (1, H, T, P+T)), the new tokens' mask and, for a text,
+    its tokens."""
     _, heads, queries, keys = maps[0].shape
     full = np.ones((1, keys), np.int64)
     if mask is not None:
@@ -255,7 +302,7 @@ def _inspection(maps: list[np.ndarray], mask: np.ndarray | None, encoding: Encod
     statistics = head_statistics(maps, full)
     layers = [encode(m[0], encoding) for m in maps]
     sizes = {"layers": len(maps), "heads": heads, "queries": queries, "keys": keys}
-    return tensor_json(sizes | {"maps": layers, "statistics": statistics})
+    return tensor_json(sizes | {"maps": layers, "statistics": statistics} | ({"tokens": tokens} if tokens else {}))
 
 
 # --- sessions -------------------------------------------------------------------------------

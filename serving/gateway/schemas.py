@@ -112,6 +112,12 @@ class InspectRequest(Strict):
     input_ids: OneSequenceIds | None = Field(
         default=None, description="a whole model's: (sequence,) or (1, sequence) int64 token ids, one sequence"
     )
+    text: str | None = Field(
+        default=None,
+        description="a whole model with a tokenizer's, instead of input_ids: the text its tokenizer encodes, with "
+        "the special tokens it adds (as transformers' tokenizer(text)); with `session`, without them (the text "
+        "goes on from what the session holds). The answer's `tokens` are what it encoded to",
+    )
     attention_mask: OneMask | None = Field(
         default=None,
         description="stateless only: (sequence,) or (1, sequence) of 1 (attend) / 0 (padding); default all ones",
@@ -119,6 +125,14 @@ class InspectRequest(Strict):
     session: str | None = Field(
         default=None,
         description="a session of this key: the maps of its next step with these tokens (the session is not changed)",
+    )
+
+
+class InspectToken(BaseModel):
+    id: int
+    text: str = Field(
+        description="the token's text; a token that is no whole UTF-8 character: 'bytes:' and its bytes' escapes "
+        "('bytes:\\xe4\\xbd'), as OpenAI's logprobs write it"
     )
 
 
@@ -134,6 +148,9 @@ class InspectResponse(BaseModel):
     statistics: list[dict[str, Any]] = Field(
         description="per layer {layer, queries, heads: [{head, entropy, mean_distance, first_position_share, "
         "previous_token_share}]}: means over the queries with an earlier real key (None when there is none)"
+    )
+    tokens: list[InspectToken] | None = Field(
+        default=None, description="with `text` only: the tokens it encoded to, the queries' (and the last keys')"
     )
 
 

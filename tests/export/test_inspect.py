@@ -1,11 +1,12 @@
 """The inspection form (export/inspect_form.py): every layer's attention weights from the fused graph
 that serves, equal to the PyTorch original's; the head statistics (contract/heads.py) on maps whose
-numbers are known; and `python -m export inspect` end to end."""
+numbers are known; and `python -m export inspect` end to end, with a text its maps are labelled with."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 import types
 
@@ -25,12 +26,16 @@ from export.fusion import make_fp32_fused
 from export.inspect_form import (
     FP16_FUSED,
     FP32_FUSED,
+    inspect_artifact,
     inspection_proto,
     make_inspection_graph,
+    maps_figure,
     run_maps,
+    token_label,
 )
 from export.model import AttentionModel, attention_allowed
 from tests.conftest import TEST_CONFIGS
+from tests.fixtures.triton import WHOLE_ARTIFACT
 
 TINY = TEST_CONFIGS["tiny"]  # 32 wide, 4 heads, 2 layers: the 3D Attention form
 ROTARY = TEST_CONFIGS["rotary"]  # RoPE, q/k norms, GQA, a window of 24 in layer 0: the 4D form
@@ -261,12 +266,13 @@ def test_cli_reads_hidden_states_from_a_file(tiny, tmp_path, capsys):
         (["--input", "{tmp}/absent.npy"], "{tmp}/absent.npy: cannot read it as a .npy array"),
         (["--tokens", "513"], "--tokens: 513 tokens, more than the model's max_seq_len 512"),
         (["--diff"], "--diff compares a variant with fp32-fused: choose --variant fp16-fused"),
+        (["--text", "hello"], "--text: {artifact} is an attention model (hidden states in): only a whole model"),
     ],
 )
 def test_cli_refuses_bad_input_clearly(tiny, tmp_path, capsys, argv, message):
     bad = tmp_path / "bad.npy"
     np.save(bad, np.zeros((2, 5, TINY.d_model), np.int64))
-    fill = {"bad": bad, "tmp": tmp_path}
+    fill = {"bad": bad, "tmp": tmp_path, "artifact": tiny.artifact}
     argv = [arg.format(**fill) for arg in argv]
     out = tmp_path / "maps.png"
     assert cli.main(["inspect", str(tiny.artifact), *argv, "--out", str(out)]) == 2
@@ -284,6 +290,74 @@ def test_cli_makes_the_graph_from_an_artifact_without_it(tiny, tmp_path, capsys)
     bare = save_artifact(tiny.model, tmp_path / "bare")
     assert cli.main(["inspect", str(bare), "--tokens", "5", "--out", str(tmp_path / "m.png")]) == 0
     assert "made from its config and weights" in capsys.readouterr().err
+
+
+# -- python -m export inspect --text: a whole model's tokens on the axes -----------------------------------
+
+TEXT = "the cat 你好\nsat"  # spaces, a newline, and characters the byte-level BPE splits inside
+
+
+def text_of_labels(labels: list[str]) -> bytes:
+    """The bytes the labels stand for, read by the labels' documented rule: an open box is a space, \\n a
+    newline, \\xNN one byte, any other character its UTF-8."""
+    readable = {"\u2423": b" ", "\\n": b"\n"}
+    pieces = []
+    for label in labels:
+        for piece in re.findall(r"\\x[0-9a-f]{2}|\\n|.", label, flags=re.DOTALL):
+            if piece.startswith("\\x"):
+                pieces.append(bytes([int(piece[2:], 16)]))
+            else:
+                pieces.append(readable.get(piece, piece.encode("utf-8")))
+    return b"".join(pieces)
+
+
+def test_cli_labels_the_maps_with_the_tokens_of_a_text(artifact_dir, tmp_path, capsys):
+    """The whole artifact carries its checkpoint's byte-level BPE: the text's ids are transformers' own for
+    that folder, and the labels spell the text back, a token of part of a character as its bytes."""
+    from transformers import PreTrainedTokenizerFast
+
+    artifact, out = artifact_dir(WHOLE_ARTIFACT), tmp_path / "text.png"
+    assert cli.main(["inspect", str(artifact), "--text", TEXT, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    (ids,) = [[int(i) for i in line.split()[1:]] for line in printed if line.startswith("ids: ")]
+    (labels,) = [line.split()[1:] for line in printed if line.startswith("tokens: ")]
+    transformers_ids = PreTrainedTokenizerFast.from_pretrained(artifact)(TEXT)["input_ids"]
+    assert ids == transformers_ids and len(labels) == len(ids)
+    assert text_of_labels(labels) == TEXT.encode("utf-8")  # the chatml tokenizer adds no special token
+    assert any(re.fullmatch(r"(\\x[0-9a-f]{2})+", label) for label in labels)  # a piece of a character
+    png_size(out)
+
+    inspection = inspect_artifact(artifact, np.array([ids]))
+    cfg = ModelConfig.load(artifact)
+    figure = maps_figure(inspection, cfg, "labelled", labels)
+    corner = figure.axes[(cfg.n_layers - 1) * cfg.n_heads]  # the last layer's first head: both axes labelled
+    assert [tick.get_text() for tick in corner.get_xticklabels()] == labels
+    assert [tick.get_text() for tick in corner.get_yticklabels()] == labels
+
+
+def test_cli_refuses_text_for_a_whole_model_without_a_tokenizer(tmp_path, capsys):
+    bare = save_artifact(AttentionModel(TEST_CONFIGS[WHOLE_ARTIFACT]), tmp_path / "no-tokenizer")
+    out = tmp_path / "m.png"
+    assert cli.main(["inspect", str(bare), "--text", TEXT, "--out", str(out)]) == 2
+    assert f"error: --text: {bare} has no tokenizer.json: the model was built without a tokenizer" in (
+        capsys.readouterr().err
+    )
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("token_text", "label"),
+    [
+        ("bytes:\\xe4\\xbd", "\\xe4\\xbd"),  # part of a character: its bytes, without token_text's mark
+        (" cat", "\u2423cat"),
+        ("\n\t", "\\n\\t"),
+        ("a\u00a0b\u200b", "a\\u00a0b\\u200b"),  # a no-break space, a zero-width one
+        ("你🙂", "你🙂"),  # whole characters stay as they are
+        ("<s>", "<s>"),
+    ],
+)
+def test_a_token_label_has_no_blank_and_names_every_byte(token_text, label):
+    assert token_label(token_text) == label
 
 
 # -- the 4D form (rotary, q/k norms, GQA, a window) and attention in fp32 inside an fp16 graph ----------

@@ -2,7 +2,8 @@
 gateway and Triton: random tokens from a seed are inspected, the drawn heatmaps agree with
 `POST /v1/inspect` for the same hidden states (the request the page shows it sent; a hovered cell's
 tooltip; a cell's pixel against the documented color scale, computed here), the statistics are tabled,
-a malformed input shows the error and the page still works after it.
+a malformed input shows the error and the page still works after it. In front of a whole model with a
+tokenizer (tests/gateway/conftest.py `whole`) the page takes text and labels the axes with its tokens.
 
 The screenshot goes to a temporary file; `REFRESH_DOCS_IMAGES=1` writes it over
 docs/images/inspect-page.png (the README's) instead, to refresh that image on purpose:
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.conftest import KEYS
+from tests.gateway.conftest import KEYS, WHOLE_KEY
 
 DOCS_IMAGE = Path(__file__).resolve().parents[2] / "docs" / "images" / "inspect-page.png"
 WAIT_S = 60
@@ -125,6 +126,60 @@ def test_a_missing_key_is_said_on_the_page(page):
     inspect(page)
     error = page.find_element("id", "error")
     assert error.is_displayed() and "401 unauthorized" in error.text and "API key is required" in error.text, error.text
+
+
+TEXT = "the cat 你\nsat"  # spaces, a newline, and a character the byte-level BPE splits into bytes
+
+
+def readable(data: bytes) -> str:
+    """A token's label as the page documents it: its text with a space as an open box and a newline as \\n, or,
+    for bytes that are no whole character, their escapes."""
+    try:
+        return data.decode("utf-8").replace(" ", "\u2423").replace("\n", "\\n")
+    except UnicodeDecodeError:
+        return "".join(f"\\x{byte:02x}" for byte in data)
+
+
+def test_a_whole_models_text_is_inspected_with_its_tokens_on_the_axes(browser, whole, artifact_dir):
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from client.text import TextModel
+    from tests.fixtures.triton import WHOLE_ARTIFACT
+
+    api, model = whole
+    tokenizer = TextModel.from_folder(artifact_dir(WHOLE_ARTIFACT))
+    browser.get(f"{api.base_url}/inspect")
+    fill(browser, "key", WHOLE_KEY)
+    browser.find_element("id", "seed").click()  # the key is given (its change): the page asks which model it is
+    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_element("id", "text").is_displayed())
+    fill(browser, "text", TEXT)
+    inspect(browser)
+    assert browser.find_element("id", "error").get_attribute("hidden"), browser.find_element("id", "error").text
+    assert json.loads(browser.find_element("id", "request-body").get_attribute("textContent")) == {"text": TEXT}
+
+    ids = tokenizer.encode(TEXT)
+    expected = [readable(tokenizer.token_bytes(token)) for token in ids]
+    assert any(label.startswith("\\x") for label in expected)  # a piece of a character, drawn as its bytes
+    layer, head = model.cfg.n_layers - 1, 1
+    panel = browser.find_element("css selector", f'#maps canvas[data-layer="{layer}"][data-head="{head}"]')
+    box = panel.find_element("xpath", "..")
+    for axis in ("query", "key"):
+        names = box.find_elements("css selector", f".{axis}-labels span")
+        assert [name.get_attribute("textContent") for name in names] == expected, axis
+
+    cell = int(panel.get_attribute("data-cell"))
+    query, key = len(ids) - 1, 1
+    x, y = key * cell + cell // 2, query * cell + cell // 2
+    ActionChains(browser).move_to_element_with_offset(
+        panel, x - panel.size["width"] // 2, y - panel.size["height"] // 2
+    ).perform()
+    weight = api.post("/v1/inspect", json={"input_ids": ids}).json()["maps"][layer][head][query][key]
+    tooltip = browser.find_element("id", "tooltip").text
+    assert tooltip == (
+        f"layer {layer}, head {head}, query {query} ({expected[query]}), key {key} ({expected[key]}): "
+        f"weight {weight:.4f}"
+    ), tooltip
 
 
 def test_the_page_loads_nothing_from_outside_the_gateway():

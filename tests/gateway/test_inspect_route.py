@@ -1,6 +1,8 @@
 """`POST /v1/inspect` over real HTTP in front of the real Triton: the maps are the client library's for
 the same input (stateless and a session's next step), the statistics come with them, a session is left
-as it was, bad bodies get 4xx naming the field, and the route wants a key like the others."""
+as it was, bad bodies get 4xx naming the field, and the route wants a key like the others. A whole model
+with a tokenizer (tests/gateway/conftest.py `whole`) takes text: its maps are those of the ids the
+tokenizer encodes it to, and the answer names those tokens."""
 
 from __future__ import annotations
 
@@ -9,8 +11,11 @@ import numpy as np
 import pytest
 
 from client import Client
+from client.text import TextModel
 from contract.heads import STATISTICS
+from tests.fixtures.triton import WHOLE_ARTIFACT
 from tests.gateway.conftest import b64_tensor, from_b64
+from tests.gateway.test_api import assert_error
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +115,56 @@ def test_the_route_is_in_the_openapi_document(api):
     operation = document["paths"]["/v1/inspect"]["post"]
     assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/InspectRequest")
     assert "InspectRequest" in document["components"]["schemas"] and operation["security"]
+
+
+# -- text, for a whole model with a tokenizer ---------------------------------------------------------------
+
+# spaces, a newline, and characters the byte-level BPE splits into tokens of part of a character
+TEXT = "the cat 你好\nsat"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(artifact_dir) -> TextModel:
+    """The `whole` artifact's own tokenizer, read from its folder: what its served model should encode with."""
+    return TextModel.from_folder(artifact_dir(WHOLE_ARTIFACT))
+
+
+def test_text_is_inspected_as_the_ids_its_tokenizer_encodes_it_to(whole, tokenizer):
+    api, _ = whole
+    ids = tokenizer.encode(TEXT)
+    assert any(tokenizer.token_text(token).startswith("bytes:") for token in ids)  # the case the labels escape
+    as_text = api.post("/v1/inspect", json={"text": TEXT})
+    assert as_text.status_code == 200, as_text.text
+    got, expected = as_text.json(), api.post("/v1/inspect", json={"input_ids": ids}).json()
+    assert got["tokens"] == [{"id": token, "text": tokenizer.token_text(token)} for token in ids]
+    assert got["queries"] == got["keys"] == len(ids)
+    np.testing.assert_array_equal(np.asarray(got["maps"]), np.asarray(expected["maps"]))
+    assert got["statistics"] == expected["statistics"] and "tokens" not in expected
+
+    session = api.post("/v1/sessions").json()["id"]
+    try:  # a session's next step: the text goes on from what it holds, no special token added
+        assert api.post(f"/v1/sessions/{session}/step", json={"input_ids": [ids]}).json()["length"] == len(ids)
+        more = tokenizer.encode(" and the dog", add_special_tokens=False)
+        step = api.post("/v1/inspect?encoding=b64", json={"text": " and the dog", "session": session}).json()
+        same = api.post("/v1/inspect?encoding=b64", json={"input_ids": more, "session": session}).json()
+        assert [token["id"] for token in step["tokens"]] == more
+        assert (step["queries"], step["keys"]) == (len(more), len(ids) + len(more))
+        for text_maps, id_maps in zip(step["maps"], same["maps"], strict=True):
+            np.testing.assert_array_equal(from_b64(text_maps), from_b64(id_maps))
+    finally:
+        api.delete(f"/v1/sessions/{session}")
+
+
+def test_text_is_refused_where_it_cannot_be_read(whole, api, tokenizer):
+    whole_api, model = whole
+    inspect = "/v1/inspect"
+    for beside in ({"input_ids": [1, 2]}, {"attention_mask": [1, 1]}):
+        assert_error(whole_api.post(inspect, json={"text": "a b", **beside}), 422, "validation_error", "body.text")
+    assert_error(whole_api.post(inspect, json={"text": ""}), 400, "invalid_input", "body.text", "no tokens")
+    longer = "word " * model.cfg.max_seq_len
+    count = len(tokenizer.encode(longer))
+    refused = whole_api.post(inspect, json={"text": longer})
+    assert_error(refused, 400, "invalid_input", f"body.text (encoded to {count} tokens)", "input_ids")
+    assert refused.json()["error"]["param"] == "text"
+    # a model of hidden states reads no text
+    assert_error(api.post(inspect, json={"text": "a b"}), 400, "invalid_input", "body.text", "not text")

@@ -1,11 +1,14 @@
 // The /inspect page: POST /v1/inspect, then one heatmap per layer and head on one color scale, a
-// tooltip per cell and the heads' statistics. Plain JS, no dependency: the gateway serves this file.
+// tooltip per cell and the heads' statistics; a whole model's text is sent as text, and the tokens it
+// encoded to label the axes. Plain JS, no dependency: the gateway serves this file.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const STATISTICS = ["entropy", "mean_distance", "first_position_share", "previous_token_share"];
 const LOW = [255, 255, 255], HIGH = [8, 48, 107]; // white to dark blue
+const MIN_LABELLED_CELL = 8; // px: a map whose cells are smaller names its tokens in the tooltip only
 let scaleMax = 1; // the largest weight of the maps shown: the top of the one color scale
+let model = null; // the stateless model's sizes, {dModel, vocab} (vocab: a whole model's), once known
 
 // A seeded PRNG (mulberry32) and standard normals from it (Box-Muller): the same tokens for a seed.
 function mulberry32(seed) {
@@ -67,29 +70,70 @@ async function api(method, path, body) {
   return answer;
 }
 
-async function modelWidth() {
+function randomIds(count, vocab, seed) {
+  const next = mulberry32(seed);
+  return Array.from({ length: count }, () => Math.floor(next() * vocab));
+}
+
+// The served model's sizes (GET /v1/models), and the form for it: a whole model (token ids in) gets the
+// text box, and its pasted JSON is token ids.
+async function describeModel() {
   const listed = await api("GET", "/v1/models");
-  const model = listed.models.find((m) => m.d_model);
-  if (!model) throw new Error("no ready model gives its d_model (GET /v1/models)");
-  return model.d_model;
+  const found = listed.models.find((m) => m.kind === "stateless" && m.ready && (m.d_model || m.vocab_size));
+  if (!found) throw new Error("no ready model gives its d_model (GET /v1/models)");
+  model = { dModel: found.d_model, vocab: found.vocab_size || null };
+  $("text-box").hidden = !model.vocab;
+  $("hidden-label").textContent = model.vocab
+    ? "Token ids as JSON, (tokens,) or (1, tokens); empty: random ids from the seed"
+    : "Hidden states as JSON, (tokens, d_model) or (1, tokens, d_model); empty: random tokens from the seed";
+  document.body.dataset.model = model.vocab ? "whole" : "hidden";
+  return model;
 }
 
 async function requestBody() {
+  const { dModel, vocab } = model || (await describeModel());
   const body = {};
+  const text = vocab ? $("text").value : "";
   const pasted = $("hidden").value.trim();
-  if (pasted) {
-    try { body.hidden_states = JSON.parse(pasted); } catch (error) {
-      throw new Error("hidden states: not valid JSON (" + error.message + ")");
+  const what = vocab ? "token ids" : "hidden states";
+  if (text) {
+    body.text = text;
+  } else if (pasted) {
+    try { body[vocab ? "input_ids" : "hidden_states"] = JSON.parse(pasted); } catch (error) {
+      throw new Error(what + ": not valid JSON (" + error.message + ")");
     }
   } else {
     const count = parseInt($("tokens").value, 10), seed = parseInt($("seed").value, 10);
     if (!(count >= 1 && count <= 256)) throw new Error("tokens: expected a whole number from 1 to 256");
     if (!Number.isFinite(seed)) throw new Error("seed: expected a whole number");
-    body.hidden_states = randomTokens(count, await modelWidth(), seed);
+    if (vocab) body.input_ids = randomIds(count, vocab, seed);
+    else body.hidden_states = randomTokens(count, dModel, seed);
   }
   const session = $("session").value.trim();
   if (session) body.session = session;
   return body;
+}
+
+// A token's text (the answer's `tokens[].text`) as an axis shows it, with no blank in it: a space as an
+// open box, other spacing and control characters as escapes (\n, \u00a0), and bytes that are no whole
+// character as their escapes (\xe4\xbd) without the answer's "bytes:". `python -m export inspect`
+// labels its axes by the same rule (export/inspect_form.py token_label).
+const ESCAPES = { "\n": "\\n", "\t": "\\t", "\r": "\\r" };
+function tokenLabel(text) {
+  if (text.startsWith("bytes:")) return text.slice("bytes:".length);
+  let label = "";
+  for (const char of text) {
+    if (char === " ") label += "\u2423";
+    else if (ESCAPES[char]) label += ESCAPES[char];
+    else if (/[\p{Z}\p{C}]/u.test(char)) label += escaped(char);
+    else label += char;
+  }
+  return label;
+}
+
+function escaped(char) {
+  const code = char.codePointAt(0);
+  return code <= 0xffff ? "\\u" + code.toString(16).padStart(4, "0") : "\\U" + code.toString(16).padStart(8, "0");
 }
 
 function showError(message) {
@@ -120,7 +164,11 @@ async function inspect(event) {
 
 function draw(answer) {
   scaleMax = answer.maps.flat(3).reduce((a, b) => Math.max(a, b), 1e-12);
-  const cell = Math.max(2, Math.min(16, Math.floor(128 / answer.keys)));
+  const queries = answer.tokens ? answer.tokens.map((t) => tokenLabel(t.text)) : null;
+  // maps with tokens to name get twice the room: a label needs a cell of MIN_LABELLED_CELL at least
+  const cell = Math.max(2, Math.min(16, Math.floor((queries ? 256 : 128) / answer.keys)));
+  // the tokens are the new ones: a session's past keys before them go unnamed
+  const keys = queries ? Array(answer.keys - answer.queries).fill("").concat(queries) : null;
   const grid = $("maps");
   grid.replaceChildren();
   grid.style.gridTemplateColumns = "repeat(" + answer.heads + ", max-content)";
@@ -137,9 +185,9 @@ function draw(answer) {
       context.fillStyle = "rgb(" + color(w).join(",") + ")";
       context.fillRect(j * cell, i * cell, cell, cell);
     }));
-    canvas.addEventListener("mousemove", (e) => hover(e, weights, l, h, cell));
+    canvas.addEventListener("mousemove", (e) => hover(e, weights, l, h, cell, queries, keys));
     canvas.addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
-    box.appendChild(canvas);
+    box.appendChild(queries && cell >= MIN_LABELLED_CELL ? labelled(canvas, queries, keys, cell) : canvas);
     grid.appendChild(box);
   }));
   legend();
@@ -147,12 +195,35 @@ function draw(answer) {
     " queries x " + answer.keys + " keys";
 }
 
-function hover(event, weights, l, h, cell) {
+// The canvas with the tokens beside its rows (queries) and under its columns (keys), one per cell.
+function labelled(canvas, queries, keys, cell) {
+  const grid = document.createElement("div");
+  grid.className = "labelled";
+  grid.style.fontSize = Math.min(11, cell - 2) + "px";
+  const column = (labels, className) => {
+    const box = document.createElement("div");
+    box.className = className;
+    labels.forEach((label) => {
+      const name = document.createElement("span");
+      name.textContent = label;
+      name.style[className === "query-labels" ? "height" : "width"] = cell + "px";
+      name.style.lineHeight = cell + "px";
+      box.appendChild(name);
+    });
+    return box;
+  };
+  grid.append(column(queries, "query-labels"), canvas, document.createElement("div"), column(keys, "key-labels"));
+  return grid;
+}
+
+function hover(event, weights, l, h, cell, queries, keys) {
   const i = Math.floor(event.offsetY / cell), j = Math.floor(event.offsetX / cell);
   const row = weights[i];
   if (!row || row[j] === undefined) return;
   const tip = $("tooltip");
-  tip.textContent = "layer " + l + ", head " + h + ", query " + i + ", key " + j + ": weight " + row[j].toFixed(4);
+  const named = (label) => (label ? " (" + label + ")" : "");
+  const query = "query " + i + named(queries && queries[i]), key = "key " + j + named(keys && keys[j]);
+  tip.textContent = "layer " + l + ", head " + h + ", " + query + ", " + key + ": weight " + row[j].toFixed(4);
   Object.assign(tip.dataset, { layer: l, head: h, query: i, key: j });
   tip.hidden = false;
   const right = event.clientX + 12 + tip.offsetWidth > window.innerWidth; // near the edge: left of the pointer
@@ -183,3 +254,6 @@ function table(statistics) {
 }
 
 $("form").addEventListener("submit", inspect);
+// the form fits the model once it is known: at once where auth is off, else once a key is given
+$("key").addEventListener("change", () => describeModel().catch(() => {}));
+describeModel().catch(() => {});
