@@ -13,7 +13,7 @@ import numpy as np
 
 from client._wire import Health, InferResult, grpc_channel_args
 from client.core import ClientCore, SessionCore, generation_request
-from client.errors import ClientError
+from client.errors import ClientError, ModelNotFoundError
 from client.generation import AsyncGeneration, fetch_text_files
 from client.metadata import ModelInfo
 from client.retry import Operation, run_async
@@ -122,7 +122,10 @@ class AsyncClient(ClientCore):
     async def text_files(self) -> tuple[str, dict[str, bytes]] | None:
         """The tokenizer files the generation model serves, as (their digest, name -> content), each checked
         against the digest its config publishes; None when it serves none (no tokenizer: token ids only)."""
-        digest = await self._run(self._text_digest())
+        try:
+            digest = await self._run(self._text_digest())
+        except ModelNotFoundError:  # a repository written without the generation model: token ids only
+            return None
         if digest is None:
             return None
         files = await fetch_text_files(self._new_stream_stub(), self.generate_model, self.timeout)

@@ -586,6 +586,12 @@ async def _answer(request: Request, owner: str, schema: type[schemas.Common], ch
     if body.model != model:
         raise ModelNotFound(f"model: no model '{body.model}' here; this gateway serves '{model}'", param="model")
     info = await gw.model_info(gw.settings.session_model)
+    if info.vocab_size is None:
+        raise InvalidInput(
+            f"model: '{model}' is an attention model (hidden states in and out): only a whole model (token ids in, "
+            "logits out) with a tokenizer takes text",
+            param="model",
+        )
     text = await gw.text()
     asked = asked_of(body, text, int(info.facts.get("max_seq_len", 1 << 30)), chat)
     run = Run(gw, owner, asked, text, model)

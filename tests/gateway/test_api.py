@@ -434,3 +434,18 @@ def test_metrics_count_requests_by_route_and_status(api, gateway):
         "gateway_active_sessions 0.0",
     ]:
         assert fragment in text, fragment
+
+
+def test_the_openai_routes_refuse_an_attention_model_by_name(api):
+    """The OpenAI-compatible routes take text: an attention model (hidden states in and out) is told so, 400 in
+    OpenAI's error shape naming `model`, and the gateway goes on serving."""
+    for route, body in (
+        ("/v1/completions", {"model": "mha_session", "prompt": "hello"}),
+        ("/v1/chat/completions", {"model": "mha_session", "messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        answer = api.post(route, json=body)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "model"
+        assert "attention model" in error["message"]
+    assert api.get("/v1/models").json()["data"] == []  # nothing the OpenAI routes serve: no card
