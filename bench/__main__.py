@@ -11,6 +11,7 @@ python -m bench durable          # a decode step with the session store (directo
 python -m bench capacity         # 1,000-token sessions per GiB: fp32/int8/int4 caches, full vs sized rows; decode
 python -m bench weights-int8     # int8 weights on ONNX Runtime vs fp32-fused and PyTorch (fp32, quantize_dynamic)
 python -m bench generate         # 512-token prompts, 128 greedy tokens: served, gateway, in-process, genai, torch
+python -m bench conversation     # the next turn of a 1k / 4k-token chat (forked KV) against a cold prefill: TTFT
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -20,7 +21,20 @@ import argparse
 import sys
 from types import ModuleType
 
-from bench import admission, capacity, durable, gateway, generate, gpu, model, scale, serving, sessions, weights_int8
+from bench import (
+    admission,
+    capacity,
+    conversation,
+    durable,
+    gateway,
+    generate,
+    gpu,
+    model,
+    scale,
+    serving,
+    sessions,
+    weights_int8,
+)
 
 # name -> module with `add_arguments(parser)` and `run(args) -> int`; a benchmark registers here.
 # `gpu` runs only when asked: it needs a CUDA host.
@@ -35,6 +49,7 @@ COMMANDS: dict[str, ModuleType] = {
     "capacity": capacity,
     "weights-int8": weights_int8,
     "generate": generate,
+    "conversation": conversation,
     "gpu": gpu,
 }
 DEFAULT_COMMANDS = (
@@ -48,6 +63,7 @@ DEFAULT_COMMANDS = (
     "capacity",
     "weights-int8",
     "generate",
+    "conversation",
 )
 
 
