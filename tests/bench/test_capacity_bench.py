@@ -15,6 +15,8 @@ from serving.engine.settings import MIN_ROW_POSITIONS
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_SEQ_LEN, BUDGET_MIB, TOKENS = 2048, 16, 300
+# its run is `python -m bench capacity` in a process of its own: no torch in this process (conftest.py)
+TORCH_FREE_RUNS = ("capacity",)
 
 
 def bench_jobs(root, artifact_dir) -> dict:

@@ -11,6 +11,8 @@ import pytest
 from bench.__main__ import main
 
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
+# its run drives Triton, Envoy and Redis processes through clients: no torch in this process (conftest.py)
+TORCH_FREE_RUNS = ("durable",)
 
 
 def bench_jobs(root, artifact_dir) -> dict:

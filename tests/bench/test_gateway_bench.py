@@ -11,6 +11,8 @@ from bench.__main__ import main
 from bench.gateway import MODES
 
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(300)]
+# its run drives Triton and a gateway process through clients: no torch in this process (conftest.py)
+TORCH_FREE_RUNS = ("gateway",)
 
 
 def bench_jobs(root, artifact_dir) -> dict:

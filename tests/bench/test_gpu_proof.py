@@ -33,6 +33,9 @@ PLAN = gpu.Plan(
 )
 
 
+# the refusal is `python -m bench gpu` in a process of its own: no torch in this process (conftest.py)
+TORCH_FREE_RUNS = ("gpu-refusal",)
+
 GENERATION = dataclasses.replace(
     PLAN, generation_prompt=8, generation_tokens=4, generation_batches=(1, 2), generation_rounds=1
 )

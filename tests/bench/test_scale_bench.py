@@ -9,6 +9,8 @@ import pytest
 from bench.__main__ import main
 
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(300)]
+# its run drives Triton and Envoy processes through clients: no torch in this process (conftest.py)
+TORCH_FREE_RUNS = ("scale",)
 
 
 def bench_jobs(root, artifact_dir) -> dict:

@@ -18,17 +18,37 @@ pytestmark = pytest.mark.slow
 FP32 = (whole_model.TORCH_STATIC, whole_model.FUSED, whole_model.STATIC, whole_model.GENAI)
 
 
-def bench_jobs(root, artifact_dir) -> dict:
-    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
+# onnxruntime-genai's builder runs in a process of its own (bench/whole_model.py's build_genai): its run uses
+# no torch here, so it builds while the session's builds export (conftest.py)
+TORCH_FREE_RUNS = ("whole-genai",)
+
+
+def bench_jobs(root, artifact_dir, finished) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs. The folder the run prepares
+    (bench/whole_model.py's `prepare`: the checkpoint, our artifact, onnxruntime-genai's model) is prepared
+    by the same `prepare` ahead of it: the checkpoint here, onnxruntime-genai's model by the "whole-genai"
+    run, which the generate run copies too (test_generate_bench.py); the model-whole run waits for it and
+    finds every part there."""
     config = root / "whole.json"
     config.write_text(TEST_CONFIGS["whole"].to_json())
-    shutil.copytree(artifact_dir("whole"), root / "artifacts" / "whole" / "artifact")  # no import again
+    folder = root / "artifacts" / "whole"
+    shutil.copytree(artifact_dir("whole"), folder / "artifact")  # no import again
+    whole_model.checkpoint_from_artifact(folder / "artifact", folder / "checkpoint")  # torch: here, not in a run
     argv = ["model", "--config", str(config), "--quick", "--threads", "1"]
     argv += ["--out", str(root / "results"), "--artifacts", str(root / "artifacts")]
-    return {"model-whole": lambda: main(argv)}
+
+    def model_whole() -> int:
+        finished("whole-genai")  # built (or failed: then the run builds it and says why not)
+        return main(argv)
+
+    return {
+        "whole-genai": lambda: whole_model.prepare(TEST_CONFIGS["whole"], folder, seed=0, genai=True),
+        "model-whole": model_whole,
+    }
 
 
 def test_a_whole_model_generates_greedily_on_every_candidate_against_transformers(bench_runs):
+    assert bench_runs["whole-genai"].result()["genai"]["used"]  # the model the run found built
     run = bench_runs["model-whole"]
     assert run.result() == 0
     out = run.root / "results"

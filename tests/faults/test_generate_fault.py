@@ -1,12 +1,17 @@
-"""Generation on the server hit by kill -9 of the session model's stub mid-generation (`python -m serving`
-as a user runs it, a whole model, a durable session: a directory store). What the client was answered before
-the kill is the PyTorch original's greedy text; the generation then fails with a clear error, never a wrong
-token; the session, rebuilt from its store and replay log (the generated tokens in it), goes on with the
-original's greedy continuation of the whole text."""
+"""Generation on the server hit by kill -9 of the session model's stub mid-generation (a supervised Triton, as
+`python -m serving` runs it, a whole model, a durable session: a directory store). What the client was answered
+before the kill is the PyTorch original's greedy text; the generation then fails with a clear error, never a
+wrong token; the session, rebuilt from its store and replay log (the generated tokens in it), goes on with the
+original's greedy continuation of the whole text.
+
+The Triton runs under serving.host.supervisor.Supervisor in this process, not under `python -m serving`: the
+fault needs the supervisor's reload of the killed model and nothing of the gateway; the CLI itself under the
+same kill (its output, its exit, no process left) is tests/faults/test_recovery.py's."""
 
 from __future__ import annotations
 
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -14,13 +19,17 @@ import torch
 
 from client import Client, ClientError
 from export.artifacts import load_model
+from serving.host.launcher import start_triton
+from serving.host.supervisor import Supervisor
 from serving.triton.repository import write_repository
 from tests.fixtures.faults import kill
-from tests.fixtures.serving_process import serving_process
+from tests.fixtures.serving_process import descendants
 from tests.fixtures.triton import WHOLE_ARTIFACT, WHOLE_SETTINGS
 
 pytestmark = [pytest.mark.served, pytest.mark.slow]
 EVERY = 8  # positions between checkpoints: the generated tokens reach both the store and the replay log
+PROBE_INTERVAL_S = 0.5  # as `python -m serving --probe-interval 0.5`: the dead stub is found within a second
+SESSION_STUB = "mha_session_0_0"
 
 
 def greedy(model, ids: np.ndarray, tokens: int) -> list[int]:
@@ -32,17 +41,24 @@ def greedy(model, ids: np.ndarray, tokens: int) -> list[int]:
     return sequence[len(ids) :]
 
 
+def kill_stub(supervisor: Supervisor, stub: str) -> int:
+    """kill -9 of the one process under the supervised tritonserver whose command line has `stub`."""
+    pid = supervisor.server.process.pid
+    return kill(types.SimpleNamespace(descendants=lambda: descendants(pid, {})), stub)
+
+
 def test_a_killed_stub_mid_generation_gives_the_right_prefix_a_clear_error_then_the_same_text(artifact_dir, tmp_path):
     model = load_model(artifact_dir(WHOLE_ARTIFACT)).eval()
     repository = write_repository(artifact_dir(WHOLE_ARTIFACT), tmp_path / "repository", WHOLE_SETTINGS)
     ids = np.random.default_rng(11).integers(0, 256, 6, dtype=np.int64)
     expected = greedy(model, ids, 50)
-    with serving_process(repository, tmp_path, args=("--probe-interval", "0.5")) as served:
-        client = Client(f"127.0.0.1:{served.grpc_port}", session_store=tmp_path / "store", checkpoint_every=EVERY)
+    start = lambda: start_triton(repository, log_path=tmp_path / "triton.log")  # noqa: E731
+    with Supervisor(start, interval=PROBE_INTERVAL_S) as supervisor:
+        client = Client(supervisor.server.grpc_url, session_store=tmp_path / "store", checkpoint_every=EVERY)
         with client.session() as session:
             answered, failure = [], None
             generation = session.generate(ids, max_new_tokens=40)
-            killer = threading.Timer(0, lambda: kill(served, "mha_session_0_0"))
+            killer = threading.Timer(0, lambda: kill_stub(supervisor, SESSION_STUB))
             try:
                 for token in generation:
                     answered.append(token)
@@ -59,3 +75,6 @@ def test_a_killed_stub_mid_generation_gives_the_right_prefix_a_clear_error_then_
             assert answered + more == expected
             assert session.recoveries == 1
         client.close()
+        # the supervisor brought the killed model back once, by loading it again in the same server
+        assert [recovery.action for recovery in supervisor.recoveries] == ["reload mha_session"]
+        assert all(recovery.ok for recovery in supervisor.recoveries)
