@@ -7,7 +7,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 
-# The web stack pinned as in pyproject.toml's `serving` extra (tests/gateway/test_compose.py checks
+# The web stack and the text extra (client/text.py: the model's tokenizer) pinned as in pyproject.toml's `serving`
+# extra (tests/gateway/test_compose.py checks
 # they agree); that extra also holds the bundled Triton wheel, which a gateway does not need.
 COPY pyproject.toml README.md /tmp/src/
 COPY contract /tmp/src/contract
@@ -25,6 +26,8 @@ RUN python -m pip install /tmp/src \
         "uvloop==0.23.0" \
         "httptools==0.9.0" \
         "redis==8.1.0" \
+        "tokenizers==0.23.3" \
+        "jinja2==3.1.6" \
     && rm -rf /tmp/src
 
 RUN useradd --uid 10001 --no-log-init --create-home --shell /usr/sbin/nologin serving
