@@ -42,7 +42,9 @@ ONLY_THIRD_PARTY = {"contract": {"numpy"}}
 # modules that compiled extensions register under names of their own (numpy's Cython runtime)
 EXTENSION_RUNTIME = ("cython_runtime", "_cython_")
 # The one module that may build with the export: `python -m serving ensure` (the library, never its CLI).
-EXCEPTIONS = {"serving/triton/cli.py": {"export"}}
+# And `python -m export inspect --text` reads the artifact's tokenizer the one way the product reads one
+# (client/text.py), inside the function that needs it.
+EXCEPTIONS = {"serving/triton/cli.py": {"export"}, "export/inspect_form.py": {"client"}}
 
 
 def room_of(module: str) -> str | None:

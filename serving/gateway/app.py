@@ -34,7 +34,11 @@ every head's attention weights (`/v1/inspect`; drawn by the page `/inspect`).
 (raw little-endian C-order bytes, base64) anywhere a tensor goes. Add `?encoding=b64` to get the
 response's tensors in that form.
 
-**Errors.** Always `{"error": {"code": ..., "message": ...}}`.
+**Errors.** Always `{"error": {"code": ..., "message": ..., "type": ..., "param": ...}}`: OpenAI's shape (`type`
+by status, as OpenAI names it; `param`: the offending field where known) with our stable `code`s.
+
+**OpenAI.** `/v1/completions` and `/v1/chat/completions` take OpenAI's bodies (text through the served model's
+own tokenizer and chat template); `GET /v1/models` answers OpenAI's list (`data`) beside ours (`models`).
 """
 
 

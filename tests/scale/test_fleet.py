@@ -167,14 +167,20 @@ def gateway_sessions(fleet, hidden: np.ndarray, victim: int) -> dict[str, int]:
     from serving.gateway.sessions import SessionIds
 
     held: dict[str, int] = {}
-    while list(held.values()).count(victim) < 2 or len(held) < 6:
-        assert len(held) < 40, f"40 gateway sessions and fewer than 2 on replica {victim}: {held}"
+    for _ in range(40):
+        on_victim = list(held.values()).count(victim)
+        if on_victim == 2 and len(held) == 6:
+            return held
         opened = httpx.post(f"{fleet.gateway_url}/v1/sessions", timeout=60)
         assert "id" in opened.json(), (opened.status_code, opened.text)  # what the gateway said, if it refused
         session_id = opened.json()["id"]
         assert step_on(fleet.gateway_url, session_id, hidden).status_code == 200
-        held[session_id] = replica_index(fleet, SessionIds(SECRET).read(session_id).replica)
-    return held
+        replica = replica_index(fleet, SessionIds(SECRET).read(session_id).replica)
+        if (on_victim if replica == victim else len(held) - on_victim) < (2 if replica == victim else 4):
+            held[session_id] = replica
+        else:  # not needed: ended, so that the key's 16 sessions are never the limit of the search
+            assert httpx.delete(f"{fleet.gateway_url}/v1/sessions/{session_id}", timeout=30).status_code == 204
+    raise AssertionError(f"40 gateway sessions and not 2 on replica {victim} and 4 elsewhere: {held}")
 
 
 def replica_pid(grpc_port: int) -> int:
