@@ -36,11 +36,11 @@ from client.generation import Token
 from client.text import Detokenizer, TextError, TextModel
 from contract import generation
 from serving.gateway import openai_schemas as schemas
+from serving.gateway.conversations import shared_prefix
 from serving.gateway.errors import (
     ApiError,
     InvalidInput,
     SessionConflict,
-    SessionLost,
     TooManySessions,
     UpstreamBusy,
     UpstreamTimeout,
@@ -296,7 +296,7 @@ class Run:
                 f"session '{self.asked.session}' holds {upstream.length} positions this gateway did not see as text; "
                 "only a session whose text came through these routes (or an empty one) can be extended by a prompt"
             )
-        keep = min(_shared(session.tokens, ids), len(ids) - 1)
+        keep = min(shared_prefix(session.tokens, ids), len(ids) - 1)
         if keep < upstream.length:
             with naming(session):
                 await self.gw.call(upstream.rewind(keep), "rewinding the session to where the prompt parts")
@@ -343,7 +343,7 @@ class Run:
 
     async def _free_kept(self) -> None:
         log.info("the KV budget is full: ending %d kept conversation(s)", len(self.gw.conversations))
-        await asyncio.gather(*(self.gw._end(kept, "a kept conversation") for kept in self.gw.conversations.drain()))
+        await self.gw.end_every_kept()
 
     async def _forked(self, base: Lease) -> list[Lease]:
         """`n` choices of one prompt: the prompt prefilled once in `base` (scored if asked), then forked; each
@@ -448,12 +448,6 @@ class Run:
         completion = sum(len(choice.tokens) for choice in self.choices)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         return usage | {"prompt_tokens_details": {"cached_tokens": self.cached}}
-
-
-def _shared(held: np.ndarray, prompt: np.ndarray) -> int:
-    from serving.gateway.conversations import shared_prefix
-
-    return shared_prefix(np.asarray(held, np.int64), prompt)
 
 
 # --- answers -----------------------------------------------------------------------------------------------
@@ -575,14 +569,10 @@ async def chat_completions(request: Request, owner: Caller) -> Response:
     return await _answer(request, owner, schemas.ChatBody, chat=True)
 
 
-def served_model_name(gw: GatewayState) -> str:
-    return gw.settings.served_model_name or gw.settings.session_model
-
-
 async def _answer(request: Request, owner: str, schema: type[schemas.Common], chat: bool) -> Response:
     gw = the_gateway(request)
     body = parsed(await request.body(), schema)
-    model = served_model_name(gw)
+    model = gw.model_id
     if body.model != model:
         raise ModelNotFound(f"model: no model '{body.model}' here; this gateway serves '{model}'", param="model")
     info = await gw.model_info(gw.settings.session_model)
@@ -686,6 +676,3 @@ class OpenAIStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.held.aclose()
-
-
-_ = (SessionLost, TextError)  # re-exported kinds the routes' errors may be

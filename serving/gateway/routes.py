@@ -148,8 +148,7 @@ async def list_models(gw: State) -> dict:
     session = models[-1]
     cards = []
     if session["ready"] and session.get("vocab_size"):
-        name = gw.settings.served_model_name or client.session_model
-        cards.append({"id": name, "created": gw.started, "owned_by": "attention-serving"})
+        cards.append({"id": gw.model_id, "created": gw.started, "owned_by": "attention-serving"})
         cards[0]["max_model_len"] = session.get("max_seq_len")
     return {"object": "list", "data": cards, "models": models}
 

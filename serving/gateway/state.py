@@ -81,12 +81,18 @@ class GatewayState:
         self.started = int(time.time())  # OpenAI's `created` of the served model
         self.conversations = Conversations(settings.conversations_per_key, settings.conversation_idle_s)
         self._text: TextModel | None = None
+        self._text_fetch = asyncio.Lock()
         self.openai_sessions: dict[str, int] = {}  # per key: sessions the OpenAI routes' requests hold now
 
     @property
     def client(self) -> AsyncClient:
         assert self._client is not None, "the gateway is not started"
         return self._client
+
+    @property
+    def model_id(self) -> str:
+        """The served model's id on the OpenAI-compatible routes (`model`, GET /v1/models' `data[].id`)."""
+        return self.settings.served_model_name or self.settings.session_model
 
     def owner(self, key: str) -> str:
         """Who a (valid) key is, as sessions record it; hashed once per key."""
@@ -122,7 +128,7 @@ class GatewayState:
             task.cancel()
         await asyncio.gather(*sweeping, return_exceptions=True)
         await asyncio.gather(*(self.end_upstream(s) for s in self.sessions.drain()))
-        await asyncio.gather(*(self._end(kept, "a kept conversation") for kept in self.conversations.drain()))
+        await self.end_every_kept()
         await asyncio.gather(*self._tasks, return_exceptions=True)  # ENDs already on their way
         await self.client.close()
 
@@ -207,6 +213,10 @@ class GatewayState:
         for kept in upstreams:
             self.spawn(self._end(kept, "a kept conversation"), name="end-conversation")
 
+    async def end_every_kept(self) -> None:
+        """End every kept conversation's session now (the gateway stops, or the KV budget is full)."""
+        await asyncio.gather(*(self._end(kept, "a kept conversation") for kept in self.conversations.drain()))
+
     async def _end(self, upstream, what: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = min(loop.time() + CLOSE_TIMEOUT_S, request_deadline.get() or float("inf"))  # within a request's
@@ -219,19 +229,23 @@ class GatewayState:
     async def text(self) -> TextModel:
         """The served model's tokenizer (client/text.py), fetched from the generation model once and checked
         against the digest its config publishes; 400 when it serves none."""
-        if self._text is None:
-            fetched = await self.call(self.client.text_files(), "the model's tokenizer files")
-            if fetched is None:
-                raise InvalidInput(
-                    f"'{self.settings.generate_model}' serves no tokenizer (its checkpoint had no "
-                    f"{TOKENIZER_FILENAME}): it takes token ids (POST /v1/generate), not text"
-                )
-            digest, files = fetched
-            try:
-                self._text = await asyncio.to_thread(TextModel.from_files, files)
-            except TextError as error:
-                raise UpstreamFailed(f"the model's text files (digest {digest[:12]}) cannot be read: {error}") from None
+        async with self._text_fetch:  # the first requests at once: one fetch
+            if self._text is None:
+                self._text = await self._fetched_text()
         return self._text
+
+    async def _fetched_text(self) -> TextModel:
+        fetched = await self.call(self.client.text_files(), "the model's tokenizer files")
+        if fetched is None:
+            raise InvalidInput(
+                f"'{self.settings.generate_model}' serves no tokenizer (its checkpoint had no "
+                f"{TOKENIZER_FILENAME}): it takes token ids (POST /v1/generate), not text"
+            )
+        digest, files = fetched
+        try:
+            return await asyncio.to_thread(TextModel.from_files, files)
+        except TextError as error:
+            raise UpstreamFailed(f"the model's text files (digest {digest[:12]}) cannot be read: {error}") from None
 
     async def _sweep(self) -> None:
         interval = min(self.settings.session_idle_s / 2, self.settings.conversation_idle_s / 2, 10.0)

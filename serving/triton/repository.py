@@ -251,8 +251,6 @@ def _copy_text_files(artifact_dir: Path, report: dict, version: Path) -> dict[st
     """The artifact's text files (report.json `text_files`: name -> sha256) copied into `version`, each seen to
     still have its recorded digest first, and their digests written beside them; name -> sha256."""
     recorded = report.get("text_files", {})
-    for stale in TEXT_FILES:
-        (version / stale).unlink(missing_ok=True)
     for file_name, digest in sorted(recorded.items()):
         if not (artifact_dir / file_name).is_file():
             raise RepositoryError(f"{artifact_dir / file_name} is missing (report.json lists it); build it again")
@@ -265,10 +263,11 @@ def _copy_text_files(artifact_dir: Path, report: dict, version: Path) -> dict[st
 
 
 def _fresh_version_dir(model_dir: Path) -> Path:
-    """The version folder, without the ONNX files of an earlier build (another variant may win now)."""
+    """The version folder, without the ONNX files of an earlier build (another variant may win now) nor its
+    text files (this artifact may have none)."""
     version = model_dir / VERSION
     version.mkdir(parents=True, exist_ok=True)
-    for stale in [*version.glob("model*.onnx"), version / DIGESTS_FILENAME]:
+    for stale in [*version.glob("model*.onnx"), version / DIGESTS_FILENAME, *(version / name for name in TEXT_FILES)]:
         stale.unlink(missing_ok=True)
     return version
 

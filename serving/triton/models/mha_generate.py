@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import json
 import threading
 
@@ -269,10 +268,10 @@ def score_prompt(logits: np.ndarray, following: np.ndarray, top: int) -> dict[st
 def _text_files(version, published: str | None) -> dict[str, bytes]:
     """The tokenizer files in the version folder (those its SHA256SUMS lists), checked against it and
     against the digest the config publishes; name -> content."""
-    listed = [name for name in digests.read(version) if name in TEXT_FILES]
-    digests.verify(version, listed)
-    contents = {name: (version / name).read_bytes() for name in listed}
-    found = generation.text_digest({name: hashlib.sha256(data).hexdigest() for name, data in contents.items()})
+    recorded = {name: digest for name, digest in digests.read(version).items() if name in TEXT_FILES}
+    digests.verify(version, recorded)  # each file has its recorded digest: the one digest over them follows
+    contents = {name: (version / name).read_bytes() for name in recorded}
+    found = generation.text_digest(recorded)
     if contents and found != published:
         raise digests.IntegrityError(
             f"{version}: the text files' digest is {found}, the model config publishes {published}; {digests.REWRITE}"
