@@ -135,6 +135,14 @@ class AsyncClient(ClientCore):
             raise ClientError(f"'{model}' answered text files of digest {found}, its config says {digest}")
         return digest, files
 
+    async def stepped_session_model(self) -> str | None:
+        """The session model the generation model steps (`session_model` when its config does not say); None when
+        the server has no generation model (an attention model's repository)."""
+        try:
+            return await self._run(self._stepped_session_model())
+        except ModelNotFoundError:
+            return None
+
     async def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
         """As `Client.put_prefix`."""
         return await self._run(self._put_prefix(name, tokens, owner))

@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -95,6 +95,15 @@ class ClientCore:
         self.url = _wire.normalize_url(url, protocol)
         self.model, self.session_model, self.generate_model = model, session_model, generate_model
         self.timeout, self.validate = timeout, validate
+        self._settings = {
+            "timeout": timeout,
+            "retries": retries,
+            "backoff": backoff,
+            "validate": validate,
+            "session_store": self.store,
+            "checkpoint_every": checkpoint_every,
+            "recovery_timeout": recovery_timeout,
+        }
         self.policy = RetryPolicy(retries=retries, backoff=backoff, max_backoff=max(backoff, 2.0))
         self._module = importlib.import_module(f"tritonclient.{protocol}{self._module_suffix}")
         self._timeout_kw = _wire.timeout_kwargs(protocol, timeout)
@@ -107,6 +116,13 @@ class ClientCore:
 
     def _init_connections(self) -> None:
         """The front's connection bookkeeping (connections themselves open on first use)."""
+
+    def sibling(self, session_model: str) -> Self:
+        """A client of the same server, models and settings but the session model `session_model` (another model
+        set of the same repository: its sessions are opened there)."""
+        return type(self)(
+            self.url, self.protocol, self.model, session_model, generate_model=self.generate_model, **self._settings
+        )
 
     def _call(self, what: str, fn, *, retry: bool = True, session: bool = False) -> Operation[Any]:
         return retried(Call(fn, f"{what} at {self.url}", retry, session), self.policy)
@@ -185,14 +201,24 @@ class ClientCore:
             self._infos[model] = with_facts(parse_metadata(raw), parse_facts(config))
         return self._infos[model]
 
-    def _text_digest(self) -> Operation[str | None]:
-        """The digest of the tokenizer files the generation model serves (contract.generation.text_digest);
-        None when it has none (a model imported without a tokenizer.json, or not a whole model)."""
+    def _generation_facts(self) -> Operation[dict]:
+        """What the generation model's config publishes (client/metadata.py `parse_facts`)."""
         model = self.generate_model
         kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
         config = yield from self._call(f"config of '{model}'", lambda s: s.get_model_config(model, **kw))
-        digest = parse_facts(config).get(generation.P_TEXT_DIGEST)
+        return parse_facts(config)
+
+    def _text_digest(self) -> Operation[str | None]:
+        """The digest of the tokenizer files the generation model serves (contract.generation.text_digest);
+        None when it has none (a model imported without a tokenizer.json, or not a whole model)."""
+        digest = (yield from self._generation_facts()).get(generation.P_TEXT_DIGEST)
         return str(digest) if digest else None
+
+    def _stepped_session_model(self) -> Operation[str]:
+        """The session model the generation model steps (its config's `session_model`): a repository may serve
+        more than one model set, and a generation's sessions must be opened in the model it steps."""
+        stepped = (yield from self._generation_facts()).get(generation.P_SESSION_MODEL)
+        return str(stepped) if stepped else self.session_model
 
     def _infer(
         self,

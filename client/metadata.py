@@ -131,7 +131,15 @@ def _tensors(entries) -> dict[str, TensorInfo]:
 
 # parameters of a served model's config that say what it is (serving/triton/config.py and
 # repository.py write them)
-SETTING_FACTS = ("max_request_tokens", "engine", "operations", "kv_cache_bytes", "idle_timeout_seconds", "text_digest")
+SETTING_FACTS = (
+    "max_request_tokens",
+    "engine",
+    "operations",
+    "kv_cache_bytes",
+    "idle_timeout_seconds",
+    "text_digest",
+    "session_model",  # the generation model's: the session model it steps
+)
 LIST_FACTS = ("operations",)  # comma-separated in the config: the session operations the engine offers
 
 

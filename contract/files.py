@@ -41,3 +41,11 @@ def sha256(path: str | Path) -> str:
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # the checkout (or the installed tree)
 DEFAULT_REPOSITORY = PROJECT_ROOT / "model_repository"  # what `python -m serving` serves by default
 DEFAULT_ARTIFACTS = PROJECT_ROOT / "build" / "artifacts"  # git-ignored; one folder per preset
+# the model trained here on Debian's fortunes (`python -m export train`, export/train.py), shipped as a Hugging
+# Face checkpoint folder and served by `make serve` beside the default model
+TRAINED_MODEL = PROJECT_ROOT / "models" / "fortunes"
+TRAINED_MODEL_NAME = "fortunes"  # its id on the OpenAI-compatible routes and its Triton models' prefix
+TRAINED_ARTIFACTS = DEFAULT_ARTIFACTS / TRAINED_MODEL_NAME  # where `python -m serving` builds it
+# held-out text beside a trained checkpoint (entries separated by a line of `%`, fortune's format): the build
+# scores every form on it (export/quality.py)
+HELD_OUT_FILENAME = "held_out.txt"

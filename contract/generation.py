@@ -41,6 +41,7 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 # a request of its own: answer the tokenizer files this model serves with (TEXT_FILE_NAMES and
 # TEXT_FILE_CONTENTS in one response); nothing is generated and no session is touched
 TEXT_FILES = "text_files"
+P_SESSION_MODEL = "session_model"  # the model config's parameter: the session model it steps (its sequences)
 P_TEXT_DIGEST = "text_digest"  # the model config's parameter: `text_digest` of those files (absent: none)
 # the sampling parameters, by SamplingParams' own field names; floats travel as strings (Triton's request
 # parameters have no float type)

@@ -9,6 +9,7 @@ python -m export build --preset seed --out artifacts/seed --variants cuda,fp32-s
 python -m export build --preset seed --out artifacts/seed --calibration hidden.npy
 python -m export inspect build/artifacts/seed --tokens 24 --seed 0 --out maps.png
 python -m export inspect artifacts/llama --text "The cat sat on the mat." --out maps.png
+python -m export inspect artifacts/llama --repeat 32 --out maps.png
 
 A build makes the variants this machine serves (the CPU's; a CUDA or TensorRT host's add theirs);
 --variants names others, or a set of them: cpu, cuda, tensorrt, all. With --weights the weights are
@@ -46,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(
         prog="python -m export", description=__doc__.splitlines()[0], formatter_class=DefaultsHelp
     )
-    commands = root.add_subparsers(dest="command", metavar="{build,inspect}")
+    commands = root.add_subparsers(dest="command", metavar="{build,inspect,train}")
     b = commands.add_parser(
         "build",
         formatter_class=DefaultsHelp,
@@ -81,10 +82,74 @@ def parser() -> argparse.ArgumentParser:
         help="with --layout hf: import each layer's attention block alone (x + Attention(Norm(x)), hidden states "
         "in and out), the rest of the checkpoint left out and listed, instead of the whole decoder",
     )
+    own.add_argument(
+        "--held-out",
+        type=Path,
+        metavar="FILE",
+        help="a held-out text (entries separated by lines of %%): every form's loss on it in bits per byte, in the "
+        "report (export/quality.py) (default: the checkpoint folder's held_out.txt, when it has one)",
+    )
     own.add_argument("--n-heads", type=int, help="attention heads (the weights cannot tell)")
     own.add_argument("--n-kv-heads", type=int, help="key/value heads, instead of --n-heads (GQA)")
     _inspect_parser(commands)
+    _train_parser(commands)
     return root
+
+
+def _train_parser(commands) -> None:
+    from export.training import FORTUNES, TrainSettings
+
+    defaults = TrainSettings()
+    t = commands.add_parser(
+        "train",
+        formatter_class=DefaultsHelp,
+        help="train a small decoder and its tokenizer on Debian's fortunes; write a Hugging Face checkpoint folder",
+    )
+    t.add_argument("--out", type=Path, required=True, metavar="FOLDER", help="the checkpoint folder to write")
+    t.add_argument("--corpus", type=Path, default=FORTUNES, metavar="DIR", help="a folder of fortune files")
+    helps = {
+        "steps": "optimizer steps",
+        "batch": "windows a step",
+        "context": "ids a window; also the model's max_position_embeddings",
+        "vocab_size": "the byte-level BPE's ids",
+        "d_model": "the model's width",
+        "n_layers": "decoder blocks",
+        "mlp_width": "the gated MLP's inner width",
+        "seed": "weights, windows and order: the same seed, the same model",
+    }
+    for field, text in helps.items():
+        t.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field), help=text)
+
+
+def train_and_report(args: argparse.Namespace) -> int:
+    """`train`: the corpus read, the tokenizer and the model trained, the folder written, the report printed."""
+    import dataclasses
+
+    from export.progress import Progress
+    from export.train import train, write_folder
+    from export.training import Corpus, TrainingError, TrainSettings
+
+    fields = {f.name for f in dataclasses.fields(TrainSettings)}
+    try:
+        settings = TrainSettings(**{k: v for k, v in vars(args).items() if k in fields})
+        corpus = Corpus.read(args.corpus, settings.held_out_every)
+        model, tokenizer, report = train(settings, corpus, Progress())
+    except (TrainingError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    report["command"] = "python -m export train " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["train"] else [])
+    try:
+        write_folder(args.out, model, tokenizer, report, corpus.held_out)
+    except OSError as error:
+        print(cannot_write(args.out, error), file=sys.stderr)
+        return 1
+    held, baselines = report["held_out"], report["baselines"]
+    print(
+        f"held-out: {held['bits_per_byte']:.3f} bits/byte (perplexity {held['perplexity']:.1f}); bigram "
+        f"{baselines['bigram']['bits_per_byte']:.3f}, unigram {baselines['unigram']['bits_per_byte']:.3f} bits/byte"
+    )
+    print(f"{report['tokens_seen']:,} tokens seen in {report['seconds']:.0f} s; checkpoint: {args.out}")
+    return 0
 
 
 def _inspect_parser(commands) -> None:
@@ -107,6 +172,13 @@ def _inspect_parser(commands) -> None:
         default=24,
         metavar="N",
         help="N random hidden states (standard normal) instead; a whole model's: N random token ids",
+    )
+    source.add_argument(
+        "--repeat",
+        type=int,
+        metavar="N",
+        help="a whole model's: N random token ids (not id 0) followed by the same N again; the table's induction "
+        "column is the second copy's attention to the token after each token's first occurrence",
     )
     source.add_argument(
         "--text",
@@ -146,8 +218,9 @@ def inspect_and_report(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"error: cannot write {args.out}: {error.strerror or error}", file=sys.stderr)
         return 1
-    if labels is not None:  # a label holds no blank (inspect_form.token_label): one line, split on spaces
+    if cfg.whole:
         print("ids: " + " ".join(str(token) for token in hidden[0].tolist()))
+    if labels is not None:  # a label holds no blank (inspect_form.token_label): one line, split on spaces
         print("tokens: " + " ".join(labels))
     print(statistics_table(inspection.statistics))
     if args.diff:
@@ -159,8 +232,11 @@ def inspect_and_report(args: argparse.Namespace) -> int:
 
 def _inspected_input(args: argparse.Namespace, cfg: ModelConfig):
     """(the hidden states or a whole model's ids, the tokens' labels or None, where they came from)."""
-    from export.inspect_form import hidden_states_from_file, random_hidden_states, text_tokens
+    from export.inspect_form import hidden_states_from_file, random_hidden_states, repeated_random_ids, text_tokens
 
+    if args.repeat is not None:
+        ids = repeated_random_ids(cfg, args.repeat, args.seed)
+        return ids, None, f"{args.repeat} random ids twice, seed {args.seed}"
     if args.text is not None:
         tokens = text_tokens(args.artifact, cfg, args.text)
         return tokens.ids, tokens.labels, "text"
@@ -197,6 +273,16 @@ def given_fields(args: argparse.Namespace) -> dict:
     return fields
 
 
+def held_out_text(args: argparse.Namespace) -> Path | None:
+    """--held-out, or the checkpoint folder's held_out.txt (what `python -m export train` writes beside it)."""
+    from contract.files import HELD_OUT_FILENAME
+
+    if args.held_out is not None:
+        return args.held_out
+    folder = args.weights if args.weights.is_dir() else args.weights.parent
+    return folder / HELD_OUT_FILENAME if (folder / HELD_OUT_FILENAME).is_file() else None
+
+
 def import_and_report(args: argparse.Namespace) -> int:
     """`build --weights`: import, prove against the source module, build; nothing is written when the
     weights do not fit or do not match their module."""
@@ -228,6 +314,7 @@ def import_and_report(args: argparse.Namespace) -> int:
                 origin=origin,
                 calibration=calibration,
                 text_files=imported.text_files,
+                held_out=held_out_text(args),
             ),
             args.out,
         ),
@@ -275,11 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = root.parse_known_args(argv)
     if args.command is None:  # building takes minutes: only when asked for
         root.print_usage(sys.stderr)
-        print(f"{root.prog}: error: give a command: build or inspect (--help says more)", file=sys.stderr)
+        print(f"{root.prog}: error: give a command: build, inspect or train (--help says more)", file=sys.stderr)
         return 2
     if unknown:  # argparse would answer with the top-level usage; the command's own is the one that helps
         _commands(root).choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
-    return inspect_and_report(args) if args.command == "inspect" else build_and_print(args)
+    commands = {"inspect": inspect_and_report, "train": train_and_report}
+    return commands.get(args.command, build_and_print)(args)
 
 
 def _commands(root: argparse.ArgumentParser) -> argparse._SubParsersAction:

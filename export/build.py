@@ -20,7 +20,7 @@ import onnx
 
 from contract import files, names
 from contract.config import NO_MLP, RMSNORM, ModelConfig
-from export import artifacts, choices, forms, graph_stats, kv_quant, targets, weights_int8
+from export import artifacts, choices, forms, graph_stats, kv_quant, quality, targets, weights_int8
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
 from export.inspect_form import make_inspection_graph
@@ -360,6 +360,7 @@ def build_model(
     origin: dict | None = None,
     calibration: kv_quant.CalibrationData | None = None,
     text_files: tuple[Path, ...] = (),
+    held_out: Path | None = None,
 ) -> dict:
     """Write config, weights, every passing variant and `report.json` to `out`; return the report.
 
@@ -369,10 +370,12 @@ def build_model(
     (export/choices.py); None builds what this machine serves (DEFAULT_VARIANTS), and says so. `text_files`:
     the checkpoint's tokenizer files (files.TEXT_FILES), copied beside the graphs, their sha256 in the report. A
     variant of a set that the config cannot have is reported as skipped, with the reason; one asked
-    for by name fails the build. Raises BuildError (after writing
-    the report) when any variant fails. Everything is written into a directory beside `out` and put in place at the end
-    (`artifacts.staged`): an error (OSError: a full disk, a directory that cannot be written) leaves
-    `out` as it was.
+    for by name fails the build. `held_out`: a held-out text (fortune's format) that a whole model with a
+    tokenizer among its text files is scored on through the original and every passing variant
+    (`quality_ladder`, export/quality.py); a variant beyond its quality bound fails like a parity failure.
+    Raises BuildError (after writing the report) when any variant fails. Everything is written into a
+    directory beside `out` and put in place at the end (`artifacts.staged`): an error (OSError: a full disk,
+    a directory that cannot be written) leaves `out` as it was.
     """
     progress = progress or Progress()
     if variants is None:
@@ -384,11 +387,18 @@ def build_model(
     asked = {v for v in given if v in VARIANTS}  # by name: one the config cannot have fails the build
     variants = choices.expand(given)
     out = Path(out)
-    owned = [files.model_filename(name) for name in variants] + list(files.TEXT_FILES)
+    if held_out is not None:  # an unreadable held-out text fails now, not after every variant was built
+        try:
+            quality.read_entries(held_out)
+        except quality.QualityError as error:
+            raise BuildError(str(error)) from error
+    owned = [files.model_filename(name) for name in variants] + [*files.TEXT_FILES, files.HELD_OUT_FILENAME]
     with artifacts.staged(out, owned=owned) as staging:
         copied = _copy_text_files(text_files, staging)
         origin = {**(origin or {}), **({"text_files": copied} if copied else {})}
-        report = _build_into(model, staging, variants, asked, progress, origin, shown=out, calibration=calibration)
+        report = _build_into(
+            model, staging, variants, asked, progress, origin, shown=out, calibration=calibration, held_out=held_out
+        )
     if not report["passed"]:
         failed = {n: e["problems"] for n, e in report["variants"].items() if not e["passed"]}
         raise BuildError(f"variant(s) failed: {failed}; see {out / files.REPORT_FILENAME}")
@@ -420,6 +430,7 @@ def _build_into(
     origin: dict | None,
     shown: Path,
     calibration: kv_quant.CalibrationData | None = None,
+    held_out: Path | None = None,
 ) -> dict:
     """Every file of the build into `out`; `shown` is the directory the user asked for."""
     with progress.stage(f"config and weights -> {shown}"):
@@ -438,6 +449,8 @@ def _build_into(
             report["variants"][name] = _build_variant(model, out, variant, progress)
         else:
             report["variants"][name] = _not_built(reason, failed=name in asked)
+    if held_out is not None:
+        report["quality"] = quality_ladder(model, out, report["variants"], held_out, progress)
     report["passed"] = all(entry["passed"] for entry in report["variants"].values())
     (out / files.REPORT_FILENAME).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -473,3 +486,48 @@ def _build_variant(
         path.unlink()
         entry["file"] = None
     return entry
+
+
+# --- the quality ladder: held-out bits per byte through every passing variant (export/quality.py) --------
+
+
+def quality_ladder(
+    model: AttentionModel, out: Path, entries: dict[str, dict], held_out: Path, progress: Progress
+) -> dict:
+    """The report's `quality`: the held-out text's bits/byte through the original and each passing variant in
+    `out`, each judged against its bound; a variant beyond it fails (its entry's problems say why, its file
+    is removed). Skipped, with the reason, for a model that is not whole or has no tokenizer."""
+    if not model.cfg.whole or not (out / files.TOKENIZER_FILENAME).is_file():
+        reason = "not a whole model" if not model.cfg.whole else f"no {files.TOKENIZER_FILENAME} among its text files"
+        progress.note(f"quality: {held_out} not scored: {reason}")
+        return {"skipped": reason}
+    shutil.copyfile(held_out, out / files.HELD_OUT_FILENAME)
+    ids = quality.held_out_for(out, out / files.HELD_OUT_FILENAME)
+    cfg = model.cfg
+    section = {
+        "held_out": {"file": files.HELD_OUT_FILENAME, "sha256": files.sha256(held_out), **ids.to_report()},
+        "window": cfg.max_seq_len,
+        "chunk": quality.DEFAULT_CHUNK,
+    }
+    with one_thread():
+        with progress.stage(f"quality: the PyTorch original on {len(ids.ids):,} held-out ids ({ids.bytes:,} bytes)"):
+            original = quality.score(quality.runner_logits(torch_runner(model), cfg), ids, cfg.max_seq_len, progress)
+        section["original"] = original.to_report()
+        section["variants"] = {}
+        for name, entry in entries.items():
+            if entry.get("file") is None:
+                continue
+            with progress.stage(f"quality: {name}"):
+                reader = quality.form_logits(out / entry["file"], cfg, pool=VARIANTS[name].ladder == POOL)
+                judged = quality.judged(name, quality.score(reader, ids, cfg.max_seq_len, progress), original)
+            section["variants"][name] = judged
+            if not judged["passed"]:
+                _fail(out, entry, quality.problem(name, judged, original.bits_per_byte))
+    return section
+
+
+def _fail(out: Path, entry: dict, problem: str) -> None:
+    """A built variant failed after its parity passed: its file removed, the entry says why."""
+    (out / entry["file"]).unlink()
+    entry.update(file=None, passed=False, problems=[*entry["problems"], problem])
+    entry.pop("sha256", None)

@@ -283,6 +283,20 @@ def random_hidden_states(cfg: ModelConfig, tokens: int, seed: int) -> np.ndarray
     return np.random.default_rng(seed).standard_normal((1, tokens, cfg.d_model)).astype(np.float32)
 
 
+def repeated_random_ids(cfg: ModelConfig, count: int, seed: int) -> np.ndarray:
+    """A whole model's token ids (1, 2 * count) int64: `count` ids uniform over its vocabulary but id 0 (often
+    a special token: BOS, padding), then the same `count` again, the same for the same seed. The second
+    copy is where an induction head shows (contract/heads.py `induction_share`); InspectionError for an
+    attention model or a sequence longer than the model's."""
+    if not cfg.whole:
+        raise InspectionError("--repeat: an attention model (hidden states in) reads no token ids; give --tokens")
+    if count < 1:
+        raise InspectionError(f"--repeat: at least 1 token, got {count}")
+    _check_tokens(cfg, 2 * count, f"--repeat {count} (twice {count})")
+    first = np.random.default_rng(seed).integers(1, cfg.vocab_size, (1, count), dtype=np.int64)
+    return np.concatenate([first, first], axis=1)
+
+
 def _check_tokens(cfg: ModelConfig, tokens: int, what: str) -> None:
     if tokens < 1:
         raise InspectionError(f"{what}: at least 1 token, got {tokens}")
@@ -297,8 +311,9 @@ def inspect_artifact(
     diff: bool = False,
     progress: Progress | None = None,
 ) -> Inspection:
-    """One stateless call (no past, no padding) of `variant`'s inspection form on `hidden` (1, T, d),
-    its maps and head statistics; with `diff`, also fp32-fused's maps, subtracted."""
+    """One stateless call (no past, no padding) of `variant`'s inspection form on `hidden` (1, T, d) (a
+    whole model's ids (1, T)), its maps and head statistics (with a whole model's ids, the induction share
+    too); with `diff`, also fp32-fused's maps, subtracted."""
     progress = progress or Progress(enabled=False)
     if diff and variant == FP32_FUSED:
         raise InspectionError(f"--diff compares a variant with {FP32_FUSED}: choose --variant {FP16_FUSED}")
@@ -308,7 +323,8 @@ def inspect_artifact(
     if diff:
         reference, _ = _artifact_maps(directory, FP32_FUSED, hidden, progress)
         difference = [m.astype(np.float32) - r for m, r in zip(maps, reference, strict=True)]
-    return Inspection(variant, source, hidden, maps, head_statistics(maps, mask), difference)
+    token_ids = hidden if artifact_config(directory).whole else None
+    return Inspection(variant, source, hidden, maps, head_statistics(maps, mask, token_ids), difference)
 
 
 def _artifact_maps(directory: Path, variant: str, hidden: np.ndarray, progress) -> tuple[list[np.ndarray], str]:

@@ -15,6 +15,7 @@ from contract.files import REPORT_FILENAME
 # 2e-3 our init's weights stay within), its attention is too sharp for fp16 to be accurate, whatever
 # the graph: the table says so under the variant.
 SHARP_FOR_FP16 = 1e-2
+ORIGINAL = "PyTorch original (fp32)"  # the quality table's reference row
 
 
 def summary_table(report: dict) -> str:
@@ -35,7 +36,37 @@ def summary_table(report: dict) -> str:
             f"{name:<{width}} {entry['file_bytes'] / 1e6:>8.2f} {entry['fused_attention_ops']:>5}  "
             f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}  {present_abs:>11.2e}  {result}"
         )
-    return "\n".join(lines + _precision_notes(report) + _cache_notes(report) + _maps_notes(report))
+    notes = _precision_notes(report) + _cache_notes(report) + _maps_notes(report)
+    return "\n".join(lines + notes + _quality_table(report.get("quality")))
+
+
+def _quality_table(quality: dict | None) -> list[str]:
+    """The quality ladder (export/quality.py): held-out bits/byte per form, what each costs against the
+    original, its bound."""
+    if quality is None:
+        return []
+    if "skipped" in quality:
+        return [f"quality: not scored ({quality['skipped']})"]
+    held = quality["held_out"]
+    lines = [
+        "",
+        f"quality on {held['file']}: {held['ids']:,} ids, {held['bytes']:,} bytes ({held['entries']} of "
+        f"{held['of_entries']} entries), windows of {quality['window']} ids fed {quality['chunk']} at a time",
+    ]
+    width = max([len(ORIGINAL), *map(len, quality["variants"])])
+    header = f"{{:<{width}}} {{:>9}} {{:>10}} {{:>10}} {{:>7}}  {{}}".format(
+        "form", "bits/byte", "perplexity", "vs PyTorch", "bound", "result"
+    )
+    lines += [header, "-" * len(header)]
+    original = quality["original"]
+    lines.append(f"{ORIGINAL:<{width}} {original['bits_per_byte']:>9.4f} {original['perplexity']:>10.2f}")
+    for name, entry in quality["variants"].items():
+        result = "pass" if entry["passed"] else "FAIL: beyond its bound"
+        lines.append(
+            f"{name:<{width}} {entry['bits_per_byte']:>9.4f} {entry['perplexity']:>10.2f} {entry['relative']:>+10.4%} "
+            f"{entry['bound']:>7.2%}  {result}"
+        )
+    return lines
 
 
 def output_name(worst: dict) -> str:

@@ -125,12 +125,15 @@ def parser() -> argparse.ArgumentParser:
 
 
 def ensure_repository(repository: Path) -> None:
-    """The default repository is filled with the default model when it lacks it; a repository the
-    user named is never filled behind their back: it must hold the served models already."""
+    """The default repository is filled with the default model, and the model trained here beside it, when it
+    lacks them; a repository the user named is never filled behind their back: it must hold the served models
+    already."""
     from serving.host.launcher import TritonStartError
     from serving.triton.repository import is_complete, lacks
 
     if is_complete(repository):
+        if repository.resolve() == files.DEFAULT_REPOSITORY.resolve():
+            ensure_trained(repository)
         return
     if repository.resolve() != files.DEFAULT_REPOSITORY.resolve():
         what = "; ".join(lacks(repository)) if repository.is_dir() else "no such folder"
@@ -157,6 +160,32 @@ def ensure_repository(repository: Path) -> None:
         print(f"warning: {error}", file=sys.stderr)
         if not is_complete(repository):
             raise TritonStartError(f"the default model could not be built: {error}") from None
+    ensure_trained(repository)
+
+
+def ensure_trained(repository: Path) -> None:
+    """The model trained here (models/fortunes) built into the default repository beside the default model
+    when it is not there yet; a checkout without it, or an environment that cannot build, serves without it."""
+    from serving.triton.cli import has_trained
+
+    if has_trained(repository) or not files.TRAINED_MODEL.is_dir():
+        return
+    try:
+        from export.build import BuildError
+        from export.importers import SourceMismatchError
+        from export.progress import Progress
+        from export.report import printing
+    except ImportError as error:
+        print(f"warning: the trained model is not served: this environment cannot build it ({error})", file=sys.stderr)
+        return
+    from serving.triton.cli import export_trained
+
+    where = files.TRAINED_ARTIFACTS
+    print(f"{repository} lacks the model trained on fortunes; building it from {files.TRAINED_MODEL} (about 30 s)")
+    try:
+        printing(lambda: export_trained(repository, where, Progress()), where)
+    except (BuildError, SourceMismatchError, OSError, ValueError) as error:
+        print(f"warning: the trained model is not served: {error}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -240,6 +269,7 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
     given = {"host": args.host, "session_store": args.session_store}
     overrides |= {name: value for name, value in given.items() if value is not None}
+    overrides |= trained_model_settings(args.model_repository, Settings(**overrides))
     settings = Settings(**overrides)
     own_store = owned_folder("serving-sessions-") if settings.session_store is None else None
     if own_store is not None:  # a store of this run's unless one is named (or `none`)
@@ -254,6 +284,17 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     finally:
         if own_store:
             shutil.rmtree(own_store, ignore_errors=True)
+
+
+def trained_model_settings(repository: Path, settings) -> dict:
+    """A repository that holds the trained model beside the default one: the OpenAI-compatible routes serve it
+    (as `fortunes`), unless SERVING_GENERATE_MODEL or SERVING_SERVED_MODEL_NAME say otherwise."""
+    from serving.triton.cli import has_trained, trained_models
+
+    if not has_trained(repository):
+        return {}
+    chosen = {"generate_model": trained_models()[1], "served_model_name": files.TRAINED_MODEL_NAME}
+    return {name: value for name, value in chosen.items() if name not in settings.model_fields_set}
 
 
 def watch(front, stop: threading.Event) -> None:

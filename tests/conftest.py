@@ -112,6 +112,25 @@ def artifact_dir(tmp_path_factory):
     return get
 
 
+# The trained model's forms the tests build: the served CPU forms and the quantized caches, whose held-out cost
+# the quality ladder bounds (export/quality.py). Its fp16 and INT8-weight forms cost 9.6 s and 10 s of parity
+# here; their ladder is proven on a stand-in (tests/export/test_quality.py) and measured in docs/trained-model.md.
+TRAINED_VARIANTS = ("fp32-fused", "fp32-static", "fp32-static-int8kv", "fp32-static-int4kv")
+
+
+@pytest.fixture(scope="session")
+def trained_artifact(tmp_path_factory) -> Path:
+    """The model trained here (models/fortunes: export/train.py) imported and built as `make serve` builds it
+    (serving/triton/cli.py `export_trained`), once per session with TRAINED_VARIANTS, its held-out text scored
+    through each (the report's `quality`); the artifact's folder."""
+    from serving.triton.cli import export_trained, has_trained
+
+    out, repository = tmp_path_factory.mktemp("artifact-trained"), tmp_path_factory.mktemp("repository-trained")
+    report = export_trained(repository, out, variants=TRAINED_VARIANTS)
+    assert report["passed"] and has_trained(repository), report
+    return out
+
+
 def artifact_text_files(name: str, tmp_path_factory) -> tuple[Path, ...]:
     """The `whole` artifact's tokenizer files (a checkpoint's, as transformers saves them): its served model
     takes text too (the OpenAI-compatible routes); the others serve token ids only."""

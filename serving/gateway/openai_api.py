@@ -246,6 +246,13 @@ class Run:
     async def lease(self) -> None:
         """A session for every choice (opened, forked, or the caller's own), each prompt prefilled once."""
         if self.asked.session is not None:
+            if self.gw.generates_beside:
+                stepped = (await self.gw.generation_client()).session_model
+                raise InvalidInput(
+                    f"session: '{self.model}' generates over '{stepped}', and the sessions of /v1/sessions are "
+                    f"'{self.gw.settings.session_model}''s: a session cannot be bound across models",
+                    param="session",
+                )
             self._bound = await self.held.enter_async_context(self.gw.sessions.using(self.asked.session, self.owner))
         else:
             self._count_against_the_keys_limit(self.asked.n * len(self.asked.prompts))
@@ -329,7 +336,7 @@ class Run:
         """A new session of the key (a fork of `fork_of`), opened; a full KV budget first ends the kept
         conversations (their caches are the first to give up), then is the caller's 503."""
         for attempt in range(2):
-            session = self.gw.client.session(owner=self.owner)
+            session = (await self.gw.generation_client()).session(owner=self.owner)
             try:
                 await self.gw.call(session.open(fork_of=fork_of), "opening a session")
             except UpstreamBusy:
@@ -575,7 +582,7 @@ async def _answer(request: Request, owner: str, schema: type[schemas.Common], ch
     model = gw.model_id
     if body.model != model:
         raise ModelNotFound(f"model: no model '{body.model}' here; this gateway serves '{model}'", param="model")
-    info = await gw.model_info(gw.settings.session_model)
+    info = await gw.model_info((await gw.generation_client()).session_model)
     if info.vocab_size is None:
         raise InvalidInput(
             f"model: '{model}' is an attention model (hidden states in and out): only a whole model (token ids in, "

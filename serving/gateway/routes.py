@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
 from contract import names
-from contract.heads import head_statistics
+from contract.heads import head_roles, head_statistics
 from contract.inputs import real_tokens
 from serving.gateway import generate, schemas, validated
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
@@ -135,21 +135,25 @@ async def metrics(gw: State) -> Response:
 @v1.get("/models", response_model=schemas.ModelList, responses=responses(401, 502, 503, 504))
 async def list_models(gw: State) -> dict:
     """OpenAI's list (`object`, `data[].id`: the model the OpenAI-compatible routes serve, a whole model's
-    once ready) and ours beside it (`models`: the two served models, their readiness and their tensors)."""
-    client = gw.client
-    state = await gw.call(client.health(), "readiness of the models")
+    once ready) and ours beside it (`models`: the served models, their readiness and their tensors: the
+    stateless and session models, and the session model generation steps when it is another one)."""
+    client, generating = gw.client, await gw.generation_client()
+    ready = (await gw.call(client.health(), "readiness of the models")).models
     kinds = {client.model: "stateless", client.session_model: "session"}
+    if generating is not client:
+        ready |= (await gw.call(generating.health(), "readiness of the generation's model")).models
+        kinds[generating.session_model] = "generation"
     models = []
     for name, kind in kinds.items():
-        entry = {"name": name, "kind": kind, "ready": state.models.get(name, False)}
+        entry = {"name": name, "kind": kind, "ready": ready.get(name, False)}
         if entry["ready"]:
             entry |= _describe(await gw.model_info(name))
         models.append(entry)
-    session = models[-1]
+    generation = next(entry for entry in models if entry["name"] == generating.session_model)
     cards = []
-    if session["ready"] and session.get("vocab_size"):
+    if generation["ready"] and generation.get("vocab_size"):
         cards.append({"id": gw.model_id, "created": gw.started, "owned_by": "attention-serving"})
-        cards[0]["max_model_len"] = session.get("max_seq_len")
+        cards[0]["max_model_len"] = generation.get("max_seq_len")
     return {"object": "list", "data": cards, "models": models}
 
 
@@ -236,6 +240,8 @@ async def inspect(request: Request, owner: Caller, encoding: ResponseEncoding = 
             call = gw.client.infer(valid.hidden_states, valid.attention_mask, attention_maps=True)
             maps = (await gw.call(call, "attention maps")).attention_maps
             mask = valid.attention_mask
+            # a whole model's ids are every key's here (no past): the induction share can be read
+            token_ids = valid.hidden_states if info.new_tokens == names.INPUT_IDS else None
     else:
         info = await gw.model_info(gw.settings.session_model)
         body, tokens = await _text_as_ids(gw, body, info)
@@ -247,7 +253,8 @@ async def inspect(request: Request, owner: Caller, encoding: ResponseEncoding = 
             with naming(session):
                 maps = await gw.call(call, f"attention maps of session '{session.id}'")
             mask = None  # a session holds real tokens only
-    answer = await gw.offload(sum(m.nbytes for m in maps), _inspection, maps, mask, encoding, tokens)
+            token_ids = None  # its past's ids are Triton's to keep, not the gateway's: no induction share
+    answer = await gw.offload(sum(m.nbytes for m in maps), _inspection, maps, mask, encoding, tokens, token_ids)
     return json_answer(answer)
 
 
@@ -290,18 +297,24 @@ async def _valid_inspect(
 
 
 def _inspection(
-    maps: list[np.ndarray], mask: np.ndarray | None, encoding: Encoding, tokens: list[dict[str, Any]] | None = None
+    maps: list[np.ndarray],
+    mask: np.ndarray | None,
+    encoding: Encoding,
+    tokens: list[dict[str, Any]] | None = None,
+    token_ids: np.ndarray | None = None,
 ) -> bytes:
-    """The /v1/inspect answer from the maps (per layer (1, H, T, P+T)), the new tokens' mask and, for a text,
-    its tokens."""
+    """The /v1/inspect answer from the maps (per layer (1, H, T, P+T)), the new tokens' mask, for a text its
+    tokens and, where every key's id is known (a whole model, stateless), those ids (1, P+T) for the
+    induction share."""
     _, heads, queries, keys = maps[0].shape
     full = np.ones((1, keys), np.int64)
     if mask is not None:
         full[:, keys - queries :] = mask
-    statistics = head_statistics(maps, full)
+    statistics = head_statistics(maps, full, token_ids)
     layers = [encode(m[0], encoding) for m in maps]
     sizes = {"layers": len(maps), "heads": heads, "queries": queries, "keys": keys}
-    return tensor_json(sizes | {"maps": layers, "statistics": statistics} | ({"tokens": tokens} if tokens else {}))
+    found = {"maps": layers, "statistics": statistics, "roles": head_roles(statistics)}
+    return tensor_json(sizes | found | ({"tokens": tokens} if tokens else {}))
 
 
 # --- sessions -------------------------------------------------------------------------------
@@ -456,6 +469,12 @@ async def generate_in_session(session_id: str, body: schemas.GenerateBody, gw: S
     async with contextlib.AsyncExitStack() as held:
         session = await held.enter_async_context(gw.sessions.using(session_id, owner))  # busy until the answer ends
         model = gw.settings.session_model
+        stepped = (await gw.generation_client()).session_model
+        if stepped != model:
+            raise InvalidInput(
+                f"the generation model steps '{stepped}', and this session is '{model}''s: POST /v1/generate, or the "
+                "OpenAI-compatible routes, generate with it"
+            )
         asked = generate.checked(body, await gw.model_info(model), model, stateless=False)
         tokens = session.upstream.generate(asked.ids, **asked.arguments)
         timed_out = "a generation timed out, so how many tokens Triton holds for it is unknown"
@@ -471,9 +490,10 @@ async def generate_in_session(session_id: str, body: schemas.GenerateBody, gw: S
     summary="Generate tokens after a prompt in a sequence of its own, ended afterwards (nothing is kept)",
 )
 async def generate_stateless(body: schemas.GenerateBody, gw: State) -> Response:
-    model = gw.settings.session_model  # generation steps the session model, in a sequence of its own
+    client = await gw.generation_client()
+    model = client.session_model  # generation steps the session model, in a sequence of its own
     asked = generate.checked(body, await gw.model_info(model), model, stateless=True)
-    tokens = gw.client.generate(asked.ids, **asked.arguments)
+    tokens = client.generate(asked.ids, **asked.arguments)
     return await generate.answer(gw, tokens, asked, "stateless generation", _as_is, contextlib.AsyncExitStack())
 
 

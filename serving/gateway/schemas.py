@@ -136,6 +136,23 @@ class InspectToken(BaseModel):
     )
 
 
+class NamedHead(BaseModel):
+    layer: int
+    head: int
+    share: float = Field(description="its value of the role's statistic")
+
+
+class HeadRole(BaseModel):
+    role: str = Field(description="previous-token, first-position or induction")
+    statistic: str = Field(description="the statistic the role is read from (a name in `statistics`' heads)")
+    threshold: float = Field(description="a head is named when its statistic is at least this")
+    measured: bool = Field(
+        description="whether any head has the statistic: the induction share needs a whole model's stateless "
+        "call with a token that occurred before"
+    )
+    heads: list[NamedHead] = Field(description="the heads at or above the threshold, largest first; [] when none")
+
+
 class InspectResponse(BaseModel):
     layers: int
     heads: int = Field(description="query heads per layer")
@@ -147,7 +164,15 @@ class InspectResponse(BaseModel):
     )
     statistics: list[dict[str, Any]] = Field(
         description="per layer {layer, queries, heads: [{head, entropy, mean_distance, first_position_share, "
-        "previous_token_share}]}: means over the queries with an earlier real key (None when there is none)"
+        "previous_token_share}]}: means over the queries with an earlier real key (None when there is none). "
+        "A whole model's stateless call (input_ids or text) adds the layer's induction_queries and each head's "
+        "induction_share: the weight on the token after the latest earlier occurrence of the query's token, a "
+        "mean over the queries whose token occurred before (None when none did); a session's step has none (its "
+        "past's ids are not the gateway's). contract/heads.py defines each"
+    )
+    roles: list[HeadRole] = Field(
+        description="the heads named by role from the statistics: previous-token, first-position and induction "
+        "heads, each with its threshold"
     )
     tokens: list[InspectToken] | None = Field(
         default=None, description="with `text` only: the tokens it encoded to, the queries' (and the last keys')"
@@ -272,7 +297,10 @@ class TensorDescription(BaseModel):
 
 class ModelDescription(BaseModel):
     name: str
-    kind: Literal["stateless", "session"]
+    kind: Literal["stateless", "session", "generation"] = Field(
+        description="`generation`: the session model the OpenAI-compatible routes and POST /v1/generate step, when "
+        "it is not the session routes' (the repository serves a second model beside them)"
+    )
     ready: bool
     d_model: int | None = None
     vocab_size: int | None = Field(default=None, description="a whole model's: input_ids in, logits out")

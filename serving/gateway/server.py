@@ -140,8 +140,19 @@ def banner(gateway: RunningGateway) -> str:
             "try             "
             f"python3 -c 'import json; print(json.dumps({hidden}))' | "
             f"curl -s {url}/v1/attend -H 'Content-Type: application/json'{auth} -d @- | head -c 300; echo",
+            *_completion_line(settings, url, auth),
         ]
     )
+
+
+def _completion_line(settings: Settings, url: str, auth: str) -> list[str]:
+    """A text completion to try, when the OpenAI-compatible routes serve a named model (the trained one)."""
+    if settings.served_model_name is None:
+        return []
+    body = f'{{"model": "{settings.served_model_name}", "prompt": "Q: Why", "max_tokens": 40, "temperature": 0.7}}'
+    return [
+        f"text            curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
+    ]
 
 
 def _served_width(settings: Settings) -> int | str:

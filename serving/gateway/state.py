@@ -82,6 +82,8 @@ class GatewayState:
         self.conversations = Conversations(settings.conversations_per_key, settings.conversation_idle_s)
         self._text: TextModel | None = None
         self._text_fetch = asyncio.Lock()
+        self._generation_client: AsyncClient | None = None
+        self._generation_lookup = asyncio.Lock()
         self.openai_sessions: dict[str, int] = {}  # per key: sessions the OpenAI routes' requests hold now
 
     @property
@@ -130,6 +132,8 @@ class GatewayState:
         await asyncio.gather(*(self.end_upstream(s) for s in self.sessions.drain()))
         await self.end_every_kept()
         await asyncio.gather(*self._tasks, return_exceptions=True)  # ENDs already on their way
+        if self.generates_beside:
+            await self._generation_client.close()
         await self.client.close()
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str | None = None) -> None:
@@ -225,6 +229,24 @@ class GatewayState:
                 await upstream.close()
         except (ClientError, TimeoutError) as error:
             log.warning("ending %s upstream failed (Triton will expire it): %r", what, error)
+
+    async def generation_client(self) -> AsyncClient:
+        """The client whose session model is the one the generation model steps (its config says which): the
+        session routes' own client when they are one model set, another of the same settings when the repository
+        serves a second set beside them (`python -m serving`: the trained model beside the default one)."""
+        async with self._generation_lookup:
+            if self._generation_client is None:
+                stepped = await self.call(self.client.stepped_session_model(), "the generation model's config")
+                if stepped is None:  # no generation model (yet): the session routes' client, asked again next time
+                    return self.client
+                same = stepped == self.settings.session_model
+                self._generation_client = self.client if same else self.client.sibling(stepped)
+        return self._generation_client
+
+    @property
+    def generates_beside(self) -> bool:
+        """Whether the generation model steps a session model of its own (not the session routes')."""
+        return self._generation_client is not None and self._generation_client is not self._client
 
     async def text(self) -> TextModel:
         """The served model's tokenizer (client/text.py), fetched from the generation model once and checked

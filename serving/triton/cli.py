@@ -162,6 +162,57 @@ def export_default(
     return export_to(preset(DEFAULT_PRESET), repository, artifacts, progress=progress)
 
 
+TRAINED_PREFIX = f"{files.TRAINED_MODEL_NAME}_"  # the trained model's Triton models: fortunes_mha_session, ...
+
+
+def trained_models() -> tuple[str, str]:
+    """The Triton models of the model trained here (files.TRAINED_MODEL): its session and generation models."""
+    from serving.triton.config import MHA_GENERATE, MHA_SESSION
+
+    return f"{TRAINED_PREFIX}{MHA_SESSION}", f"{TRAINED_PREFIX}{MHA_GENERATE}"
+
+
+def has_trained(repository: Path) -> bool:
+    """Whether `repository` holds the trained model's session model and its generation model."""
+    from serving.triton.config import TRITON_CONFIG_FILENAME
+    from serving.triton.repository import is_complete
+
+    session, generate = trained_models()
+    return is_complete(repository, (session,)) and (repository / generate / TRITON_CONFIG_FILENAME).is_file()
+
+
+def export_trained(
+    repository: Path = files.DEFAULT_REPOSITORY,
+    artifacts: Path = files.TRAINED_ARTIFACTS,
+    progress: Progress | None = None,
+    folder: Path = files.TRAINED_MODEL,
+    variants: tuple[str, ...] | None = None,
+) -> dict:
+    """The model trained here (a Hugging Face folder in the checkout) imported, proven, built with `variants`
+    (None: those this machine serves), its held-out text scored through each (export/quality.py), and written
+    into `repository` beside the default model under its own names (TRAINED_PREFIX); the build's report."""
+    from export.build import HOST, build_model
+    from export.importers import import_weights
+    from export.progress import Progress
+    from serving.triton.config import MHA_SESSION
+    from serving.triton.repository import write_repository
+
+    imported = import_weights(folder, "hf", {})
+    origin = {"weights": imported.weights, "source_check": imported.source_check}
+    held_out = folder / files.HELD_OUT_FILENAME
+    report = build_model(
+        imported.model,
+        artifacts,
+        variants or (HOST,),
+        progress=progress or Progress(enabled=False),
+        origin=origin,
+        text_files=imported.text_files,
+        held_out=held_out if held_out.is_file() else None,
+    )
+    write_repository(artifacts, repository, models=(MHA_SESSION,), prefix=TRAINED_PREFIX)
+    return report
+
+
 def up_to_date(
     repository: Path, cfg: ModelConfig, models: tuple[str, ...] = MODELS, settings: ServingSettings | None = None
 ) -> bool:

@@ -70,7 +70,7 @@ P_IDLE_TIMEOUT = "idle_timeout_seconds"
 P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
 P_MIN_ROW_POSITIONS = "min_row_positions"  # mha_session (static): the smallest row
 P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
-P_SESSION_MODEL = "session_model"  # mha_generate: the session model it steps
+P_SESSION_MODEL = generation.P_SESSION_MODEL  # mha_generate: the session model it steps
 P_PREFILL_CHUNK = "prefill_chunk"  # mha_generate: prompt tokens per step
 P_TEXT_DIGEST = generation.P_TEXT_DIGEST  # mha_generate: the digest of its text files (none: no tokenizer)
 # The model's sizes and limits, published in both python models' configs so that any caller reads the

@@ -197,8 +197,11 @@ def write_repository(
     repository_dir: str | Path,
     settings: ServingSettings | None = None,
     models: tuple[str, ...] = triton_config.MODELS,
+    prefix: str = "",
 ) -> Path:
-    """Fill `repository_dir` with `models` built from `artifact_dir`; return the repository path."""
+    """Fill `repository_dir` with `models` built from `artifact_dir`; return the repository path. `prefix` names
+    a second model set of the same repository (`fortunes_mha_session`, `fortunes_mha_generate`): its models are
+    written under the prefixed names, and its generation model steps its own session model."""
     artifact_dir, repository = Path(artifact_dir), Path(repository_dir)
     settings = settings or ServingSettings()
     unknown = [m for m in models if m not in triton_config.MODELS]
@@ -220,8 +223,11 @@ def write_repository(
         raise RepositoryError(f"{artifact_dir}: {triton_config.MHA_ONNX} needs the passing `{ONNX_BACKEND_VARIANT}`")
     configs = model_configs(cfg, passing, settings)
     for name in models:
-        version = _fresh_version_dir(repository / name)
-        (repository / name / triton_config.TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(configs[name]))
+        version = _fresh_version_dir(repository / f"{prefix}{name}")
+        configs[name].name = f"{prefix}{name}"
+        (repository / configs[name].name / triton_config.TRITON_CONFIG_FILENAME).write_text(
+            triton_config.to_text(configs[name])
+        )
         shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
         if name in triton_config.PYTHON_MODELS:
             shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)
@@ -230,18 +236,22 @@ def write_repository(
             copies = {model_filename(ONNX_BACKEND_VARIANT): triton_config.ONNX_BACKEND_FILENAME}
         _copy_graphs(artifact_dir, report, version, copies)
     if triton_config.MHA_SESSION in models and cfg.whole:  # logits to pick from: generation on the server
-        _write_generate_model(repository, artifact_dir, cfg, settings)
+        _write_generate_model(repository, artifact_dir, cfg, settings, prefix)
     return repository
 
 
-def _write_generate_model(repository: Path, artifact_dir: Path, cfg: ModelConfig, settings: ServingSettings) -> None:
+def _write_generate_model(
+    repository: Path, artifact_dir: Path, cfg: ModelConfig, settings: ServingSettings, prefix: str
+) -> None:
     """`mha_generate` beside `mha_session`: no graph of its own (it steps the session model); the checkpoint's
     text files (the tokenizer, its special tokens, the chat template) travel in its version folder, checked
     against the build's digests and listed in its SHA256SUMS, which the model checks again when it loads."""
-    name = triton_config.MHA_GENERATE
+    name = f"{prefix}{triton_config.MHA_GENERATE}"
     version = _fresh_version_dir(repository / name)
     text = _copy_text_files(artifact_dir, _read_report(artifact_dir), version)
     config = triton_config.mha_generate_config(cfg, settings, text)
+    config.name = name
+    config.parameters[triton_config.P_SESSION_MODEL].string_value = f"{prefix}{triton_config.MHA_SESSION}"
     (repository / name / triton_config.TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
     shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
     shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)

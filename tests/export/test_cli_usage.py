@@ -40,13 +40,13 @@ def test_no_command_prints_the_usage_and_builds_nothing():
     done = run_cli()
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
-        "usage: python -m export [-h] {build,inspect} ...",
-        "python -m export: error: give a command: build or inspect (--help says more)",
+        "usage: python -m export [-h] {build,inspect,train} ...",
+        "python -m export: error: give a command: build, inspect or train (--help says more)",
     ]
     assert done.stdout.strip() == "[]"  # nothing heavy was even imported
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["inspect", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["build", "--help"], ["inspect", "--help"], ["train", "--help"]])
 def test_help_answers_without_importing_torch(argv):
     done = run_cli(*argv)
     assert done.returncode == 0, done.stderr

@@ -267,6 +267,7 @@ def test_cli_reads_hidden_states_from_a_file(tiny, tmp_path, capsys):
         (["--tokens", "513"], "--tokens: 513 tokens, more than the model's max_seq_len 512"),
         (["--diff"], "--diff compares a variant with fp32-fused: choose --variant fp16-fused"),
         (["--text", "hello"], "--text: {artifact} is an attention model (hidden states in): only a whole model"),
+        (["--repeat", "4"], "--repeat: an attention model (hidden states in) reads no token ids; give --tokens"),
     ],
 )
 def test_cli_refuses_bad_input_clearly(tiny, tmp_path, capsys, argv, message):
@@ -407,3 +408,44 @@ def test_the_build_checks_the_inspection_variants_maps_against_the_originals(art
     assert sorted(maps["layers"]) == names.attention_map_names(cfg.n_layers)
     assert sorted(entry["worst"]) == sorted(names.output_names(cfg))  # no map among them
     assert entry["worst"][names.OUTPUT]["max_abs"] <= 1e-5
+
+
+# -- python -m export inspect --repeat: a whole model's induction share ------------------------------------
+
+
+def test_cli_repeats_random_ids_and_tables_their_induction_share(artifact_dir, tmp_path, capsys):
+    """N random ids twice: the table's induction column is, per head, the mean weight the second copy's
+    query N + k puts on key k + 1, read here off the PyTorch original's own weights."""
+    from export.artifacts import load_model
+
+    artifact, out, count = artifact_dir(WHOLE_ARTIFACT), tmp_path / "repeat.png", 12
+    assert cli.main(["inspect", str(artifact), "--repeat", str(count), "--seed", "5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    (ids,) = [[int(i) for i in line.split()[1:]] for line in printed if line.startswith("ids: ")]
+    first = ids[:count]
+    assert ids == first + first and 0 not in ids
+    assert len(set(first)) == count, "seed 5's ids repeat inside the first copy: the reference below assumes not"
+    assert any(line.startswith("induction: ") and f"over {count} queries" in line for line in printed)
+    model = load_model(artifact)
+    with torch.no_grad():
+        weights = model(torch.tensor([ids]), return_attention=True).attention_weights
+    cfg = model.cfg
+    rows = [line.split() for line in printed if line[:1] == " " and line.split()[0].isdigit()]
+    assert len(rows) == cfg.n_layers * cfg.n_heads
+    for row in rows:
+        layer, head = int(row[0]), int(row[1])
+        expected = np.mean([weights[layer][0, head, count + k, k + 1].item() for k in range(count)])
+        assert float(row[-1]) == pytest.approx(expected, abs=6e-4), (layer, head)
+    assert any(line.startswith("  induction heads (induction_share >= ") for line in printed)
+    png_size(out)
+
+
+def test_cli_refuses_a_repeat_longer_than_the_model(artifact_dir, tmp_path, capsys):
+    artifact = artifact_dir(WHOLE_ARTIFACT)
+    limit = ModelConfig.load(artifact).max_seq_len
+    argv = ["inspect", str(artifact), "--repeat", str(limit // 2 + 1), "--out", str(tmp_path / "m.png")]
+    assert cli.main(argv) == 2
+    expected = (
+        f"--repeat {limit // 2 + 1} (twice {limit // 2 + 1}): {limit + 2} tokens, more than the model's max_seq_len"
+    )
+    assert expected in capsys.readouterr().err

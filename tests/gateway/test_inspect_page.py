@@ -171,6 +171,8 @@ def test_a_whole_models_text_is_inspected_with_its_tokens_on_the_axes(browser, w
     cell = int(panel.get_attribute("data-cell"))
     query, key = len(ids) - 1, 1
     x, y = key * cell + cell // 2, query * cell + cell // 2
+    # the whole panel in view: Selenium scrolls only to the panel's center, and the cell may be below it
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", panel)
     ActionChains(browser).move_to_element_with_offset(
         panel, x - panel.size["width"] // 2, y - panel.size["height"] // 2
     ).perform()
@@ -180,6 +182,27 @@ def test_a_whole_models_text_is_inspected_with_its_tokens_on_the_axes(browser, w
         f"layer {layer}, head {head}, query {query} ({expected[query]}), key {key} ({expected[key]}): "
         f"weight {weight:.4f}"
     ), tooltip
+
+    # random ids repeated: the page sends N ids twice over, tables the induction share the API answers
+    # and lists the heads its roles name
+    fill(browser, "text", "")
+    browser.find_element("id", "repeat").click()
+    fill(browser, "tokens", "6")
+    inspect(browser)
+    assert browser.find_element("id", "error").get_attribute("hidden"), browser.find_element("id", "error").text
+    sent = json.loads(browser.find_element("id", "request-body").get_attribute("textContent"))
+    ids = sent["input_ids"]
+    assert len(ids) == 12 and ids[:6] == ids[6:] and 0 not in ids, ids
+    answer = api.post("/v1/inspect", json=sent).json()
+    header = [th.text for th in browser.find_elements("css selector", "#stats tr th")]
+    assert header[-1] == "induction", header
+    last = browser.find_elements("css selector", "#stats tr")[-1].find_elements("tag name", "td")
+    assert last[-1].text == f"{answer['statistics'][-1]['heads'][-1]['induction_share']:.3f}"
+    items = browser.find_elements("css selector", "#roles li")
+    assert [item.get_attribute("data-role") for item in items] == [role["role"] for role in answer["roles"]]
+    for item, role in zip(items, answer["roles"], strict=True):
+        named = ", ".join(f"L{h['layer']}H{h['head']} ({h['share']:.2f})" for h in role["heads"]) or "none found"
+        assert item.text.endswith(f"): {named}"), (item.text, role)
 
 
 def test_the_page_loads_nothing_from_outside_the_gateway():

@@ -12,7 +12,7 @@ import pytest
 
 from client import Client
 from client.text import TextModel
-from contract.heads import STATISTICS
+from contract.heads import INDUCTION, ROLES, STATISTICS
 from tests.fixtures.triton import WHOLE_ARTIFACT
 from tests.gateway.conftest import b64_tensor, from_b64
 from tests.gateway.test_api import assert_error
@@ -48,6 +48,9 @@ def test_stateless_maps_are_the_client_librarys_with_statistics(api, direct, ser
         assert [s["layer"] for s in stats] == list(range(served_cfg.n_layers))
         assert all(len(s["heads"]) == served_cfg.n_heads and s["queries"] == 4 for s in stats)  # real with a choice
         assert all(isinstance(h[name], float) for s in stats for h in s["heads"] for name in STATISTICS)
+        assert all(INDUCTION not in h for s in stats for h in s["heads"])  # hidden states: no ids to repeat
+        induction = [role for role in got["roles"] if role["statistic"] == INDUCTION]
+        assert [(role["measured"], role["heads"]) for role in induction] == [(False, [])]
 
 
 def test_a_sessions_next_step_is_inspected_and_the_session_is_unchanged(api, served_cfg):
@@ -151,6 +154,41 @@ def test_text_is_inspected_as_the_ids_its_tokenizer_encodes_it_to(whole, tokeniz
         assert (step["queries"], step["keys"]) == (len(more), len(ids) + len(more))
         for text_maps, id_maps in zip(step["maps"], same["maps"], strict=True):
             np.testing.assert_array_equal(from_b64(text_maps), from_b64(id_maps))
+    finally:
+        api.delete(f"/v1/sessions/{session}")
+
+
+def test_repeated_ids_get_each_heads_induction_share_and_the_heads_named(whole):
+    """N ids twice: each head's induction share is the mean weight the answer's own maps put, from the
+    second copy's query N + k, on key k + 1; the roles name the heads at or above their thresholds. A
+    session's step has no induction share: its past's ids are not the gateway's."""
+    api, model = whole
+    count = 10
+    first = np.random.default_rng(4).choice(np.arange(1, model.cfg.vocab_size), count, replace=False).tolist()
+    answer = api.post("/v1/inspect", json={"input_ids": first + first})
+    assert answer.status_code == 200, answer.text
+    got = answer.json()
+    maps = np.asarray(got["maps"])  # (layers, heads, queries, keys)
+    expected = maps[:, :, count + np.arange(count), np.arange(count) + 1].mean(axis=-1)
+    shares = np.array([[head[INDUCTION] for head in layer["heads"]] for layer in got["statistics"]])
+    np.testing.assert_allclose(shares, expected, rtol=1e-6)
+    assert all(layer["induction_queries"] == count for layer in got["statistics"])
+    for role in got["roles"]:
+        threshold = next(r.threshold for r in ROLES if r.name == role["role"])
+        passing = [
+            (layer["layer"], head["head"])
+            for layer in got["statistics"]
+            for head in layer["heads"]
+            if head[role["statistic"]] >= threshold
+        ]
+        assert sorted((h["layer"], h["head"]) for h in role["heads"]) == passing
+        assert role["measured"] is True and role["threshold"] == threshold
+
+    session = api.post("/v1/sessions").json()["id"]
+    try:
+        assert api.post(f"/v1/sessions/{session}/step", json={"input_ids": [first]}).json()["length"] == count
+        step = api.post("/v1/inspect", json={"input_ids": first, "session": session}).json()
+        assert all(INDUCTION not in head for layer in step["statistics"] for head in layer["heads"])
     finally:
         api.delete(f"/v1/sessions/{session}")
 

@@ -1,10 +1,12 @@
 // The /inspect page: POST /v1/inspect, then one heatmap per layer and head on one color scale, a
-// tooltip per cell and the heads' statistics; a whole model's text is sent as text, and the tokens it
-// encoded to label the axes. Plain JS, no dependency: the gateway serves this file.
+// tooltip per cell, the heads' statistics and the heads the answer names by role; a whole model's text
+// is sent as text, and the tokens it encoded to label the axes; its random ids can be sent twice over
+// (the induction share's test). Plain JS, no dependency: the gateway serves this file.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const STATISTICS = ["entropy", "mean_distance", "first_position_share", "previous_token_share"];
+const INDUCTION = "induction_share"; // a whole model's stateless call only
 const LOW = [255, 255, 255], HIGH = [8, 48, 107]; // white to dark blue
 const MIN_LABELLED_CELL = 8; // px: a map whose cells are smaller names its tokens in the tooltip only
 let scaleMax = 1; // the largest weight of the maps shown: the top of the one color scale
@@ -75,6 +77,14 @@ function randomIds(count, vocab, seed) {
   return Array.from({ length: count }, () => Math.floor(next() * vocab));
 }
 
+// `count` random ids but id 0 (often a special token: BOS, padding), then the same again, as
+// `python -m export inspect --repeat` draws them (not the same numbers: another generator).
+function repeatedIds(count, vocab, seed) {
+  const next = mulberry32(seed);
+  const first = Array.from({ length: count }, () => 1 + Math.floor(next() * (vocab - 1)));
+  return first.concat(first);
+}
+
 // The served model's sizes (GET /v1/models), and the form for it: a whole model (token ids in) gets the
 // text box, and its pasted JSON is token ids.
 async function describeModel() {
@@ -83,6 +93,7 @@ async function describeModel() {
   if (!found) throw new Error("no ready model gives its d_model (GET /v1/models)");
   model = { dModel: found.d_model, vocab: found.vocab_size || null };
   $("text-box").hidden = !model.vocab;
+  $("repeat-box").hidden = !model.vocab;
   $("hidden-label").textContent = model.vocab
     ? "Token ids as JSON, (tokens,) or (1, tokens); empty: random ids from the seed"
     : "Hidden states as JSON, (tokens, d_model) or (1, tokens, d_model); empty: random tokens from the seed";
@@ -106,7 +117,7 @@ async function requestBody() {
     const count = parseInt($("tokens").value, 10), seed = parseInt($("seed").value, 10);
     if (!(count >= 1 && count <= 256)) throw new Error("tokens: expected a whole number from 1 to 256");
     if (!Number.isFinite(seed)) throw new Error("seed: expected a whole number");
-    if (vocab) body.input_ids = randomIds(count, vocab, seed);
+    if (vocab) body.input_ids = $("repeat").checked ? repeatedIds(count, vocab, seed) : randomIds(count, vocab, seed);
     else body.hidden_states = randomTokens(count, dModel, seed);
   }
   const session = $("session").value.trim();
@@ -154,6 +165,7 @@ async function inspect(event) {
     const answer = await api("POST", "/v1/inspect", body);
     draw(answer);
     table(answer.statistics);
+    roles(answer.roles);
     document.body.dataset.state = "done";
   } catch (error) {
     showError(error.message);
@@ -241,16 +253,34 @@ function legend() {
   $("legend-box").hidden = false;
 }
 
+// The statistics, a row per layer and head; the induction column where the answer measured it.
 function table(statistics) {
-  const titles = ["layer", "head", "entropy (nats)", "mean distance", "first position", "previous token"];
-  const rows = [titles.map((t) => "<th>" + t + "</th>").join("")];
+  const induction = statistics.some((layer) => layer.heads.some((head) => INDUCTION in head));
+  const names = induction ? STATISTICS.concat(INDUCTION) : STATISTICS;
+  const titles = ["layer", "head", "entropy (nats)", "mean distance", "first position", "previous token", "induction"];
+  const rows = [titles.slice(0, 2 + names.length).map((t) => "<th>" + t + "</th>").join("")];
   for (const layer of statistics) {
     for (const head of layer.heads) {
-      const cells = [layer.layer, head.head, ...STATISTICS.map((s) => (head[s] === null ? "-" : head[s].toFixed(3)))];
+      const cells = [layer.layer, head.head, ...names.map((s) => (head[s] === null ? "-" : head[s].toFixed(3)))];
       rows.push(cells.map((c) => "<td>" + c + "</td>").join(""));
     }
   }
   $("stats").innerHTML = rows.map((r) => "<tr>" + r + "</tr>").join("");
+}
+
+// The heads the answer names per role: "L0H3 (0.91), ...", "none found", or why it was not measured.
+function roles(found) {
+  const list = $("roles");
+  list.replaceChildren();
+  for (const role of found) {
+    const item = document.createElement("li");
+    item.dataset.role = role.role;
+    const heads = role.heads.map((h) => "L" + h.layer + "H" + h.head + " (" + h.share.toFixed(2) + ")").join(", ");
+    const named = role.measured ? heads || "none found" : "not measured";
+    item.textContent = role.role + " heads (" + role.statistic + " \u2265 " + role.threshold + "): " + named;
+    list.appendChild(item);
+  }
+  $("roles-box").hidden = false;
 }
 
 $("form").addEventListener("submit", inspect);
