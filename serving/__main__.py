@@ -181,7 +181,7 @@ def ensure_trained(repository: Path) -> None:
     from serving.triton.cli import export_trained
 
     where = files.TRAINED_ARTIFACTS
-    print(f"{repository} lacks the model trained on fortunes; building it from {files.TRAINED_MODEL} (about 30 s)")
+    print(f"{repository} lacks the model trained on fortunes; building it from {files.TRAINED_MODEL} (about a minute)")
     try:
         printing(lambda: export_trained(repository, where, Progress()), where)
     except (BuildError, SourceMismatchError, OSError, ValueError) as error:

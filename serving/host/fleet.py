@@ -50,7 +50,8 @@ class Fleet:
     def retire(self, index: int, deadline_s: float, poll_s: float = 0.5, migrate: bool = False) -> int:
         """Drain replica `index`, then stop it: marked draining in Envoy's list (new sessions go to
         the others, its own are still served) until it holds no sequence or `deadline_s` has passed;
-        then out of the list and stopped. Returns how many sequences it still held (lost).
+        then out of the list and stopped without Triton's own drain of what it still holds (a drain
+        that would only wait its exit timeout). Returns how many sequences it still held (lost).
 
         With `migrate`, its sessions are not waited for: it leaves Envoy's list and stops at once, and
         each session of a client with a session store (every gateway session) moves at its next step,
@@ -65,7 +66,7 @@ class Fleet:
             time.sleep(poll_s)
         self._left.add(index)
         self.envoy.update(self.replicas())
-        self.supervisors[index].stop()
+        self.supervisors[index].stop(drain=False)
         return max(held, 0)
 
     def check(self, say: Callable[[str], None] = print) -> bool:

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 OWNER_FILE = ".attention-serving-owner.json"  # in each work directory: who started what
 SHM_DIR = Path("/dev/shm")
 GROUP_EXIT_TIMEOUT_S = 5.0  # how long a stop waits for a killed group's members to be gone
+SETTLED_POLL_S = 0.1  # how often a stop asks whether what the process still waits for will ever come
 
 
 class ProcessStartError(RuntimeError):
@@ -171,8 +172,9 @@ class ManagedProcess:
             first, self._stopping = not self._stopping, True
             return first
 
-    def end(self, grace: Sequence[tuple[signal.Signals, float]]) -> bool:
-        """Each signal in turn while it runs, waiting its seconds; then SIGKILL of the whole group,
+    def end(self, grace: Sequence[tuple[signal.Signals, float]], settled: Callable[[], bool] | None = None) -> bool:
+        """Each signal in turn while it runs, waiting its seconds, or until `settled()` says that what
+        it still waits for will never come (asked every SETTLED_POLL_S); then SIGKILL of the whole group,
         and wait until no member is left (a stub that outlived its server). Idempotent. Returns
         whether it exited before the SIGKILL."""
         atexit.unregister(self.stop)
@@ -181,8 +183,8 @@ class ManagedProcess:
                 break
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(sig)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(wait)
+            if self._wait(wait, settled):
+                break
         graceful = self.process.poll() is not None
         kill_group(self.process.pid)
         self.process.wait(10)
@@ -190,6 +192,18 @@ class ManagedProcess:
         with contextlib.suppress(FileNotFoundError):
             (self.work_dir / OWNER_FILE).unlink()
         return graceful
+
+    def _wait(self, seconds: float, settled: Callable[[], bool] | None) -> bool:
+        """Until the process exits or `seconds` pass; True, with the process still running, once `settled()`."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.process.wait(left if settled is None else min(left, SETTLED_POLL_S))
+                return False
+            except subprocess.TimeoutExpired:
+                if settled is not None and settled():
+                    return True
+        return False
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL of the group after `timeout`; the work directory stays (a subclass

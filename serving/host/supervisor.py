@@ -183,12 +183,13 @@ class Supervisor:
         """The supervision goes on (False once stopped or given up)."""
         return self._thread.is_alive()
 
-    def stop(self) -> int | None:
+    def stop(self, drain: bool = True) -> int | None:
+        """The supervision ended, then the server stopped (`drain`: see `TritonServer.stop`)."""
         self._stop.set()
         self._thread.join(timeout=60.0)
         if self._client is not None:
             self._client.close()
-        return self.server.stop()
+        return self.server.stop(drain=drain)
 
     def __enter__(self) -> Supervisor:
         return self

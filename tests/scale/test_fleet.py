@@ -25,6 +25,7 @@ from bench.gateway import gateway_process
 from client import Client, SessionLostError
 from contract import errors as kinds
 from contract import names
+from serving.host.launcher import EXIT_TIMEOUT_S
 from tests.fixtures.serving_process import serving_process
 
 pytestmark = [pytest.mark.served, pytest.mark.timeout(300)]
@@ -277,11 +278,13 @@ def test_replicas_retired_by_migration_by_drain_and_at_a_deadline_leave_the_last
     """`Fleet.retire` on one fleet of four, one replica after another (a fleet started once, not per mode):
 
     - by migration (`migrate=True`) while 16 durable sessions step: the replica stops without waiting
-      for them, each of its sessions moves at its next step (rebuilt from the store on another
-      replica), and every step of every session equals the original;
+      for them (Triton's own drain of its open sessions included: well within its exit timeout), each
+      of its sessions moves at its next step (rebuilt from the store on another replica), and every
+      step of every session equals the original;
     - by drain: one session held on the leaving replica keeps stepping (and equals the original)
       while new sessions go elsewhere; once it ends the replica stops at once, long before the deadline;
-    - by drain with a session still open: it ends at its deadline and the session is then lost;
+    - by drain with a session still open: it ends at its deadline (without Triton's own drain after it)
+      and the session is then lost;
     - the last one serving is not retired."""
     from serving.host.envoy import ProxySettings
     from serving.host.fleet import start_fleet
@@ -297,7 +300,9 @@ def test_replicas_retired_by_migration_by_drain_and_at_a_deadline_leave_the_last
         with Client(fleet.envoy.grpc_url, "grpc") as client:
             _drain_until_the_session_ends(fleet, client, ports, serving[0], original)
             kept, parts = _held_on(client, ports, serving[1], seed=301)
+            began = time.monotonic()
             assert fleet.retire(serving[1], deadline_s=1.0, poll_s=0.1) == 1  # the deadline passed with one held
+            assert time.monotonic() - began < 1.0 + EXIT_TIMEOUT_S
             with pytest.raises(SessionLostError):
                 kept.step(parts[1])
             with pytest.raises(ValueError, match="last one serving"):
@@ -361,7 +366,7 @@ def _drain_by_migration(fleet, ports: dict[str, int], original, tmp_path) -> int
         for sequence, out in zip(parts, outputs, strict=True):  # every step, as the original over the whole
             reference = expected(original, sequence)[:, sequence[0].shape[1] :]
             np.testing.assert_allclose(np.concatenate(out, axis=1), reference, rtol=1e-5, atol=1e-5)
-        assert retiring["held"] == on.count(victim)
+        assert retiring["held"] == on.count(victim) and retiring["seconds"] < EXIT_TIMEOUT_S
         assert [s.recoveries for s in sessions] == [int(i == victim) for i in on]
         assert all(ports.get(base64.b64decode(s.replica).decode()) != victim for s in sessions)
         for session in sessions:
