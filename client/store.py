@@ -134,6 +134,16 @@ class DirectoryStore(SessionStore):
         self.root = Path(root)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
+    def _make_folder(self, key: StoreKey) -> Path:
+        """The session's folder, every level made 0700: `mkdir(parents=True)` gives the levels above
+        the last the default mode, which would leave each owner's folder listable by every user."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # removed under a running store: made anew
+        folder = self.root
+        for part in key.parts:
+            folder = folder / part
+            folder.mkdir(mode=0o700, exist_ok=True)
+        return folder
+
     def __repr__(self) -> str:
         return f"DirectoryStore({str(self.root)!r})"
 
@@ -141,9 +151,8 @@ class DirectoryStore(SessionStore):
         return self.root.joinpath(*key.parts)
 
     def append(self, key: StoreKey, start: int, end: int, blob: bytes) -> None:
-        folder = self._folder(key)
         try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            folder = self._make_folder(key)
             handle, temporary = tempfile.mkstemp(dir=folder, prefix=".incoming-")
             with os.fdopen(handle, "wb") as file:
                 file.write(_entry(blob))
@@ -177,8 +186,7 @@ class DirectoryStore(SessionStore):
     def end(self, key: StoreKey) -> None:
         self.delete(key)
         try:
-            self._folder(key).mkdir(mode=0o700, parents=True, exist_ok=True)
-            (self._folder(key) / _ENDED).touch()
+            (self._make_folder(key) / _ENDED).touch()
         except OSError as error:
             raise StoreError(f"session store {self.root}: cannot mark {key.parts[1]} ended: {error}") from None
 

@@ -14,6 +14,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
+from starlette.responses import Response
+from starlette.types import Scope
 
 from serving.gateway import openai_api, routes
 from serving.gateway.errors import install_handlers
@@ -122,11 +124,29 @@ INSPECT_ASSETS = "/inspect-assets"
 STATIC = Path(__file__).resolve().parent / "static"  # package data (pyproject.toml)
 
 
+# The page and its files run only what they ship: a key typed into it cannot be read by an injected script
+# (no inline script or style, nothing from elsewhere), nor the page framed by another site to click through it.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+class _PageFiles(StaticFiles):
+    """The page's static files, served with PAGE_HEADERS."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
+
+
 def _install_inspect_page(app: FastAPI) -> None:
     """`/inspect`: a page that draws `POST /v1/inspect`'s maps (its files ship in the package; no CDN).
     The page is open, as /docs is; its calls carry the key the user types, as any caller's do."""
-    app.mount(INSPECT_ASSETS, StaticFiles(directory=STATIC), name="inspect-assets")
+    app.mount(INSPECT_ASSETS, _PageFiles(directory=STATIC), name="inspect-assets")
 
     @app.get("/inspect", include_in_schema=False)
     async def inspect_page() -> FileResponse:
-        return FileResponse(STATIC / "inspect.html", media_type="text/html")
+        return FileResponse(STATIC / "inspect.html", media_type="text/html", headers=PAGE_HEADERS)

@@ -81,6 +81,12 @@ class BodyTooLarge(ApiError):
     status, code = 413, "body_too_large"
 
 
+class UnsupportedMediaType(ApiError):
+    """A body of a Content-Type the route does not read: refused rather than read as another kind, or ignored."""
+
+    status, code = 415, "unsupported_media_type"
+
+
 class TooManySessions(ApiError):
     status, code = 429, "too_many_sessions"
 
@@ -119,6 +125,7 @@ DESCRIPTIONS = {
     404: "no such session or prefix (or it belongs to another key)",
     409: "the session cannot go on: lost with a Triton process (`session_lost`), evicted, or a step in flight",
     413: "request body larger than any valid request for the served model can be, or than the configured limit",
+    415: "a body of a Content-Type the route does not read (the message names the type sent and those it reads)",
     422: "the body does not match the schema",
     429: "this API key holds as many open sessions as it may, or the gateway is at its cap on stateless requests "
     "or on large bodies in flight (see Retry-After)",

@@ -36,6 +36,7 @@ from serving.gateway.errors import (
     SchemaViolation,
     SessionConflict,
     SessionLost,
+    UnsupportedMediaType,
     UpstreamTimeout,
     UpstreamUnavailable,
     responses,
@@ -325,7 +326,9 @@ SNAPSHOT_BODY = {
     "requestBody": {
         "required": False,
         "description": "none: an empty session; a snapshot (GET /v1/sessions/{id}/snapshot) as "
-        "application/octet-stream, or a prefix of this key as JSON, for a session that starts from it",
+        "application/octet-stream, or a prefix of this key as JSON (application/json, or no Content-Type), for a "
+        "session that starts from it. Media types are read case-insensitively, parameters allowed; a body of "
+        "another type is refused (415), never read as an empty session",
         "content": {
             SNAPSHOT_TYPE: {"schema": {"type": "string", "format": "binary"}},
             "application/json": {"schema": {"$ref": "#/components/schemas/FromPrefix"}},
@@ -338,22 +341,47 @@ SNAPSHOT_BODY = {
     "/sessions",
     status_code=201,
     response_model=schemas.SessionCreated,
-    responses=responses(400, 401, 404, 413, 422, 429, 502, 503, 504),
+    responses=responses(400, 401, 404, 413, 415, 422, 429, 502, 503, 504),
     summary="Open a session (empty, from a snapshot or from a prefix): the server keeps its KV cache between steps",
     openapi_extra=SNAPSHOT_BODY,
 )
 async def create_session(request: Request, gw: State, owner: Caller, response: Response) -> dict:
-    # a body is a snapshot only as application/octet-stream: any other (none, `{}`) opens an empty session
-    content_type = request.headers.get("content-type", "").split(";")[0].strip()
+    media_type = media_type_of(request)
     raw = await request.body()
-    blob = raw if content_type == SNAPSHOT_TYPE else b""
+    blob = raw if media_type == SNAPSHOT_TYPE else b""
     prefix = None
-    if content_type == "application/json" and raw.strip():
-        prefix = validated.parse(raw, schemas.FromPrefix).fields.prefix
+    if media_type != SNAPSHOT_TYPE and raw.strip():
+        if media_type not in ("application/json", ""):
+            raise _not_a_session_body(request.headers["content-type"])
+        prefix = _prefix_asked(raw, media_type)
         if prefix is not None and prefix not in gw.client.prefixes(owner):
             raise PrefixNotFound(f"no prefix {prefix!r} (PUT /v1/prefixes/{{name}} first)")
     upstream = gw.client.session(restore=blob or None, owner=owner, prefix=prefix)
     return await _open(gw, gw.sessions.reserve(owner, upstream), response, upstream.open())
+
+
+def media_type_of(request: Request) -> str:
+    """The body's media type, lowercased and without parameters ("" without a Content-Type): RFC 9110 makes
+    the type and subtype case-insensitive and lets parameters follow."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _prefix_asked(raw: bytes, media_type: str) -> str | None:
+    """The prefix a JSON open body names; a body without a Content-Type is read as JSON, and one that is not
+    JSON is refused as an unknown type (it may be a snapshot sent without its type: never an empty session)."""
+    try:
+        return validated.parse(raw, schemas.FromPrefix).fields.prefix
+    except SchemaViolation:
+        if media_type:
+            raise
+        raise _not_a_session_body("none") from None
+
+
+def _not_a_session_body(content_type: str) -> UnsupportedMediaType:
+    return UnsupportedMediaType(
+        f"Content-Type: a session opens from {SNAPSHOT_TYPE} (a snapshot) or application/json (a prefix), "
+        f"got {content_type[:80]!r} with a body"
+    )
 
 
 @v1.post(
@@ -524,6 +552,8 @@ async def snapshot(session_id: str, gw: State, owner: Caller) -> Response:
     summary="Keep the session's first `length` positions; the next step continues after them",
 )
 async def rewind(session_id: str, body: schemas.RewindBody, gw: State, owner: Caller) -> dict:
+    if body.length >= generate.INT64_LIMIT:  # the length travels to Triton as int64: a larger one cannot be sent
+        raise InvalidInput(f"body.length: expected an integer in [0, 2**63), got {body.length}", param="length")
     async with gw.sessions.using(session_id, owner) as session:
         with naming(session):
             length = await gw.call(session.upstream.rewind(body.length), f"rewind of session '{session.id}'")

@@ -13,6 +13,9 @@ is gone, a run killed before it could stop what it started, and removes what the
 child's process group if it is still there and still the recorded one, the shared-memory regions
 under the record's prefix that no process maps, and the work directory. A record whose owner lives
 belongs to a running server and is never touched.
+
+A managed process gets no `SERVING_*` variable: those are the gateway's settings, its API keys and
+session secret among them, and neither Triton, its stubs nor Envoy reads any of them.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,9 @@ OWNER_FILE = ".attention-serving-owner.json"  # in each work directory: who star
 SHM_DIR = Path("/dev/shm")
 GROUP_EXIT_TIMEOUT_S = 5.0  # how long a stop waits for a killed group's members to be gone
 SETTLED_POLL_S = 0.1  # how often a stop asks whether what the process still waits for will ever come
+# the gateway's settings (serving/gateway/settings.py): API keys, their file, the session secret, a store URL
+# that may hold a password; a process that checks no key keeps none of them
+GATEWAY_SETTINGS_PREFIX = "SERVING_"
 
 
 class ProcessStartError(RuntimeError):
@@ -102,6 +108,11 @@ class _Spawner:
                 done.set_exception(error)
 
 
+def without_gateway_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less every gateway setting (`SERVING_*`), the secrets among them."""
+    return {name: value for name, value in env.items() if not name.startswith(GATEWAY_SETTINGS_PREFIX)}
+
+
 # --- the managed process ----------------------------------------------------------------------------
 
 
@@ -138,7 +149,7 @@ class ManagedProcess:
                 stdout=sink,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=env,
+                env=without_gateway_settings(os.environ if env is None else env),
                 cwd=work_dir,
                 start_new_session=True,  # its own process group: a stop reaches its children too
             )

@@ -42,7 +42,11 @@ def _arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--http-port", type=int, default=defaults.http_port, help="Envoy's HTTP listener")
     e.add_argument("--grpc-port", type=int, default=defaults.grpc_port, help="Envoy's gRPC listener")
     e.add_argument("--listen-address", default=defaults.listen_address)
-    e.add_argument("--admin-port", type=int, default=defaults.admin_port, help="on 127.0.0.1 only")
+    e.add_argument(
+        "--admin-socket",
+        default=defaults.admin_socket,
+        help="the admin API on this unix socket, mode 0600 (default: none)",
+    )
     e.add_argument("--health-port", type=int, help="a listener answering /ready (Kubernetes probes)")
     e.add_argument("--access-log", default=defaults.access_log, help="a file, or /dev/stdout")
     e.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s, help="seconds")
@@ -62,7 +66,7 @@ def settings_from(args: argparse.Namespace) -> ProxySettings:
         http_port=args.http_port,
         grpc_port=args.grpc_port,
         listen_address=args.listen_address,
-        admin_port=args.admin_port,
+        admin_socket=args.admin_socket,
         health_port=args.health_port,
         access_log=args.access_log,
         request_timeout_s=args.request_timeout,
@@ -77,7 +81,7 @@ _OPTIONS = (
     "http_port",
     "grpc_port",
     "listen_address",
-    "admin_port",
+    "admin_socket",
     "health_port",
     "access_log",
     "request_timeout",

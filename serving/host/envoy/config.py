@@ -28,6 +28,7 @@ from typing import Any
 from contract.routing import REPLICA_HEADER, SESSION_HEADER
 
 PROTOCOLS = ("grpc", "http")
+UNIX_PATH_MAX = 108  # sun_path's size on Linux, its final NUL included
 HEALTH_PATH = "/v2/health/ready"  # Triton's readiness, on its HTTP port
 READY_PATH = "/ready"  # the optional health listener's answer for Kubernetes probes
 STATEFUL_SESSION_FILTER = "envoy.filters.http.stateful_session"
@@ -116,8 +117,10 @@ class ProxySettings:
     http_port: int = 8000  # Triton's HTTP/REST protocol, HTTP/1.1 both sides
     grpc_port: int = 8001  # Triton's gRPC protocol, h2c both sides
     listen_address: str = "0.0.0.0"
-    admin_address: str = "127.0.0.1"  # the admin API can stop Envoy: never off the host
-    admin_port: int = 9901
+    # the admin API can stop Envoy and shows every replica: a unix socket only its user may open
+    # (mode 0600), never a TCP port any local process reaches; None: no admin API (Kubernetes probes
+    # use the health listener)
+    admin_socket: str | None = None
     health_port: int | None = None  # a listener answering READY_PATH for Kubernetes probes
     access_log: str = "/dev/stdout"  # one JSON object per request
     request_timeout_s: float = 300.0  # a long prefill on a busy replica must not be cut
@@ -164,7 +167,8 @@ def endpoints_path(directory: Path, protocol: str) -> Path:
 
 
 def bootstrap(upstreams: Upstreams, settings: ProxySettings | None = None) -> dict[str, Any]:
-    """The whole Envoy config: a listener per protocol, two clusters per protocol, the admin API."""
+    """The whole Envoy config: a listener per protocol, two clusters per protocol, the admin API on a
+    unix socket if `settings` names one."""
     settings = settings or ProxySettings()
     listeners = [_listener(protocol, settings) for protocol in PROTOCOLS]
     if settings.health_port is not None:
@@ -172,10 +176,18 @@ def bootstrap(upstreams: Upstreams, settings: ProxySettings | None = None) -> di
     clusters = [_cluster(p, sessions, upstreams, settings) for p in PROTOCOLS for sessions in (True, False)]
     return {
         "node": {"id": "attention-serving", "cluster": "attention-serving"},
-        "admin": {"address": _address(settings.admin_address, settings.admin_port)},
+        **_admin(settings.admin_socket),
         "static_resources": {"listeners": listeners, "clusters": clusters},
         "overload_manager": {"resource_monitors": [_connection_limit(settings.max_connections)]},
     }
+
+
+def _admin(socket_path: str | None) -> dict[str, Any]:
+    if socket_path is None:
+        return {}
+    if len(os.fsencode(socket_path)) >= UNIX_PATH_MAX:
+        raise ValueError(f"admin socket path: at most {UNIX_PATH_MAX - 1} bytes, got {socket_path!r}")
+    return {"admin": {"address": {"pipe": {"path": socket_path, "mode": 0o600}}}}
 
 
 def _connection_limit(connections: int) -> dict[str, Any]:

@@ -2,25 +2,26 @@
 list of replicas that can change while it runs.
 
 Several Envoys coexist on one host: each runs with hot restart disabled (no shared-memory region, so
-no base id to collide on), its admin API on a loopback port the system picks (Envoy writes the
-address to a file), and its listeners on the ports asked for or, for 0, ports read back from the
-admin API once it is ready.
+no base id to collide on), its admin API on a unix socket in its work directory (mode 0600: the
+admin API can stop Envoy, and a loopback port would let every local user reach it), and its
+listeners on the ports asked for or, for 0, ports read back from the admin API once it is ready.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,12 @@ from serving.host.envoy.config import (
     render,
     write_endpoints,
 )
-from serving.host.launcher import answers_200
 from serving.host.process import ManagedProcess, die_with_parent
 
 log = logging.getLogger(__name__)
 
 ENVOY_CONFIG_FILENAME = "envoy.yaml"
+ADMIN_SOCKET_FILENAME = "admin.sock"
 
 
 class EnvoyError(RuntimeError):
@@ -101,11 +102,8 @@ class Envoy(ManagedProcess):
 
     name = "envoy"
 
-    def __init__(
-        self, process: subprocess.Popen, work_dir: Path, admin_url: str = "", host: str = "127.0.0.1", owns_dir=True
-    ) -> None:
+    def __init__(self, process: subprocess.Popen, work_dir: Path, host: str = "127.0.0.1", owns_dir=True) -> None:
         super().__init__(process, work_dir, work_dir / "envoy.log")
-        self.admin_url = admin_url  # http://127.0.0.1:PORT
         self.host, self._owns_dir = host, owns_dir
         self.http_port = self.grpc_port = 0
         self._version = 0
@@ -117,6 +115,15 @@ class Envoy(ManagedProcess):
     @property
     def grpc_url(self) -> str:
         return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def admin_socket(self) -> Path:
+        return self.work_dir / ADMIN_SOCKET_FILENAME
+
+    @property
+    def admin_url(self) -> str:
+        """Where the admin API answers, as messages name it."""
+        return f"unix:{self.admin_socket}"
 
     @property
     def config_path(self) -> Path:
@@ -160,9 +167,27 @@ class Envoy(ManagedProcess):
         raise EnvoyError(f"Envoy has no cluster {cluster!r}")
 
     def admin(self, path: str, method: str = "GET") -> str:
-        request = urllib.request.Request(self.admin_url + path, method=method)
-        with urllib.request.urlopen(request, timeout=5) as response:
-            return response.read().decode()
+        """The admin API's answer to `method path`; EnvoyError for a status other than 200."""
+        status, body = self._admin_call(path, method)
+        if status != 200:
+            raise EnvoyError(f"Envoy's admin API answered {method} {path} with {status}, expected 200: {body[:200]}")
+        return body
+
+    def admin_ready(self) -> bool:
+        """Whether the admin API says LIVE (listeners bound, every cluster's first health checks done);
+        False while its socket is not up."""
+        with contextlib.suppress(OSError, http.client.HTTPException):
+            return self._admin_call("/ready", "GET")[0] == 200
+        return False
+
+    def _admin_call(self, path: str, method: str) -> tuple[int, str]:
+        connection = _UnixConnection(self.admin_socket, timeout=5)
+        try:
+            connection.request(method, path)
+            response = connection.getresponse()
+            return response.status, response.read().decode(errors="replace")
+        finally:
+            connection.close()
 
     def access_log(self) -> list[dict[str, Any]]:
         """Every request logged so far, oldest first (Envoy flushes its access log every second)."""
@@ -184,6 +209,19 @@ class Envoy(ManagedProcess):
 
     def __enter__(self) -> Envoy:
         return self
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a unix socket (urllib speaks TCP only)."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(str(self._path))
 
 
 def _for_protocol(expected: dict[Replica, str], protocol: str) -> dict[str, str]:
@@ -216,23 +254,23 @@ def start_envoy(
 ) -> Envoy:
     """Envoy in front of `replicas` (changed later with `Envoy.update`), ready to serve.
 
-    `settings` defaults to ports picked by the system on loopback, the admin API on a loopback port
-    picked the same way, and the access log in the work directory (a temporary one unless given).
+    `settings` defaults to ports picked by the system on loopback; the admin API is on a unix socket
+    and the access log in the work directory (a temporary one unless given).
     """
     owns_dir = work_dir is None
     work_dir = Path(tempfile.mkdtemp(prefix="envoy-") if work_dir is None else work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     settings = settings or ProxySettings(http_port=0, grpc_port=0, listen_address="127.0.0.1")
-    settings = dataclasses.replace(settings, admin_port=0, access_log=str(work_dir / "access.log"))
+    admin_socket = work_dir / ADMIN_SOCKET_FILENAME
+    settings = dataclasses.replace(settings, admin_socket=str(admin_socket), access_log=str(work_dir / "access.log"))
     write_endpoints(work_dir / "endpoints", replicas)
     (work_dir / ENVOY_CONFIG_FILENAME).write_text(render(bootstrap(EndpointFiles(work_dir / "endpoints"), settings)))
-    admin_path = work_dir / "admin-address"
     with contextlib.suppress(FileNotFoundError):
-        admin_path.unlink()
-    process = Envoy.spawn(_command(work_dir, admin_path, concurrency), work_dir, owns_work_dir=owns_dir)
+        admin_socket.unlink()  # an earlier run's: Envoy does not bind over it
+    process = Envoy.spawn(_command(work_dir, concurrency), work_dir, owns_work_dir=owns_dir)
     envoy = Envoy(process, work_dir, host=_client_host(settings), owns_dir=owns_dir)
     try:
-        _wait_ready(envoy, admin_path, ready_timeout)
+        envoy.wait_ready(envoy.admin_ready, ready_timeout, EnvoyStartError, poll_s=0.05)
         envoy.http_port, envoy.grpc_port = _listener_ports(envoy, settings)
     except BaseException:
         envoy.stop(keep_files=True)
@@ -241,14 +279,12 @@ def start_envoy(
     return envoy
 
 
-def _command(work_dir: Path, admin_path: Path, concurrency: int) -> list[str]:
+def _command(work_dir: Path, concurrency: int) -> list[str]:
     return [
         str(envoy_binary()),
         "-c",
         str(work_dir / ENVOY_CONFIG_FILENAME),
         "--disable-hot-restart",
-        "--admin-address-path",
-        str(admin_path),
         "--concurrency",
         str(concurrency),
         "--log-level",
@@ -265,17 +301,6 @@ def _command(work_dir: Path, admin_path: Path, concurrency: int) -> list[str]:
 
 def _client_host(settings: ProxySettings) -> str:
     return "127.0.0.1" if settings.listen_address in ("0.0.0.0", "") else settings.listen_address
-
-
-def _wait_ready(envoy: Envoy, admin_path: Path, timeout: float) -> None:
-    """Until the admin API says LIVE: listeners bound, every cluster's first health checks done."""
-
-    def ready() -> bool:
-        if not envoy.admin_url and admin_path.is_file() and (address := admin_path.read_text().strip()):
-            envoy.admin_url = f"http://{address}"
-        return bool(envoy.admin_url) and answers_200(envoy.admin_url + "/ready")
-
-    envoy.wait_ready(ready, timeout, EnvoyStartError, poll_s=0.05)
 
 
 def _listener_ports(envoy: Envoy, settings: ProxySettings) -> tuple[int, int]:
