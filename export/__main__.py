@@ -299,7 +299,7 @@ def import_and_report(args: argparse.Namespace) -> int:
     except SourceMismatchError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    origin = {"weights": imported.weights, "source_check": imported.source_check}
+    origin = imported.origin
     try:
         calibration = calibration_from(args, imported.model.cfg)
     except CalibrationError as error:

@@ -84,6 +84,11 @@ class Imported:
     # found there): the build copies them into the artifact, so the tokenizer travels with the model
     text_files: tuple[Path, ...] = ()
 
+    @property
+    def origin(self) -> dict:
+        """What the build's report says of where the model came from."""
+        return {"weights": self.weights, "source_check": self.source_check}
+
 
 # --- reading a file --------------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ from tokenizers import Tokenizer
 from contract import files, names
 from contract.config import ModelConfig
 from export.progress import Progress
-from export.train import SEPARATOR, stream_bytes, token_stream, windows
+from export.train import stream_bytes, token_stream, windows
+from export.training import entries_of
 from serving.engine.ort import Forward
 
 # Ids scored per form: with the trained model's 2,048-token BPE, 3,701 ids of the first 43 held-out fortunes
@@ -143,7 +144,7 @@ def read_entries(path: Path) -> list[str]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise QualityError(f"{path}: cannot read the held-out text as UTF-8: {error}") from error
-    entries = [entry.strip("\n") for entry in text.split(SEPARATOR) if entry.strip()]
+    entries = entries_of(text)
     if not entries:
         raise QualityError(f"{path}: no entries (expected texts separated by lines of %), found {len(text)} chars")
     return entries

@@ -103,9 +103,11 @@ def windows(stream: np.ndarray, context: int) -> list[torch.Tensor]:
 def held_out_nats(model: AttentionModel, stream: np.ndarray, context: int, batch: int = 16) -> float:
     """Summed next-token loss (nats) of every id in the stream after the first, in windows of `context`."""
     rows = windows(stream, context)
-    full, last = rows[:-1] if len(rows[-1]) < context + 1 else rows, rows[-1:] if len(rows[-1]) < context + 1 else []
+    full = [row for row in rows if len(row) == context + 1]
+    groups = [torch.stack(full[i : i + batch]) for i in range(0, len(full), batch)]
+    groups += [row[None] for row in rows if len(row) < context + 1]  # the shorter last window, alone
     total = 0.0
-    for group in [torch.stack(full[i : i + batch]) for i in range(0, len(full), batch)] + [r[None] for r in last]:
+    for group in groups:
         logits = model(group[:, :-1]).output
         total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), group[:, 1:].reshape(-1), reduction="sum"))
     return total

@@ -76,10 +76,14 @@ class Corpus:
             )
         entries = []
         for path in sorted(p for p in folder.iterdir() if p.is_file() and not p.suffix and not p.is_symlink()):
-            text = path.read_text(encoding="utf-8")
-            entries += [entry.strip("\n") for entry in text.split(SEPARATOR) if entry.strip()]
+            entries += entries_of(path.read_text(encoding="utf-8"))
         if len(entries) < 2 * held_out_every:
             raise TrainingError(f"{folder} holds {len(entries)} fortunes: too few to hold every {held_out_every}th out")
         held = [entry for i, entry in enumerate(entries) if i % held_out_every == 0]
         train = [entry for i, entry in enumerate(entries) if i % held_out_every != 0]
         return cls(train, held)
+
+
+def entries_of(text: str) -> list[str]:
+    """A fortune file's entries: the texts between lines of `%`, blank ones left out."""
+    return [entry.strip("\n") for entry in text.split(SEPARATOR) if entry.strip()]

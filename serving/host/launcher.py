@@ -381,14 +381,15 @@ class Shutdown:
 
 
 def sessions_waited_for(lines: list[str]) -> int:
-    """The sequences Triton's last in-flight count holds when they are all the session model's (each an
-    open session, served until its client ends it), else 0."""
+    """The sequences Triton's last in-flight count holds when they are all session models' (each an open
+    session, served until its client ends it), else 0."""
     counts = [i for i, line in enumerate(lines) if _VERSIONS_IN_FLIGHT.search(line)]
     if not counts:
         return 0
     versions = int(_VERSIONS_IN_FLIGHT.search(lines[counts[-1]])[1])
     held = [found for line in lines[counts[-1] + 1 :] if (found := _IN_FLIGHT.search(line))]
-    if versions == 0 or len(held) != versions or {m[1] for m in held} != {SESSION_MODEL}:
+    # a session model of any model set of the repository (mha_session, fortunes_mha_session)
+    if versions == 0 or len(held) != versions or not all(m[1].endswith(SESSION_MODEL) for m in held):
         return 0
     return sum(int(m[2]) for m in held)
 

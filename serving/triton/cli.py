@@ -198,14 +198,13 @@ def export_trained(
     from serving.triton.repository import write_repository
 
     imported = import_weights(folder, "hf", {})
-    origin = {"weights": imported.weights, "source_check": imported.source_check}
     held_out = folder / files.HELD_OUT_FILENAME
     report = build_model(
         imported.model,
         artifacts,
         variants or (HOST,),
         progress=progress or Progress(enabled=False),
-        origin=origin,
+        origin=imported.origin,
         text_files=imported.text_files,
         held_out=held_out if held_out.is_file() else None,
     )

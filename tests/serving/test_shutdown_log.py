@@ -66,6 +66,9 @@ def test_sessions_alone_in_flight_are_counted_and_anything_else_is_waited_for():
     assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 2, "mha": 1})]) == 0  # a stateless call
     assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 2, "mha": 1})[:2]]) == 0  # half written
     assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 1}), *in_flight({})]) == 0  # they ended
+    # a second model set's sessions (the trained model's, beside the default one) are sessions too
+    assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 1, "fortunes_mha_session": 2})]) == 3
+    assert sessions_waited_for([SIGNAL, *in_flight({"fortunes_mha_session": 1, "fortunes_mha": 1})]) == 0
 
 
 def test_a_stop_reads_the_log_from_its_signal_on_and_ends_sessions_only_when_not_draining(tmp_path):
