@@ -5,6 +5,7 @@ python -m bench model --quick    # a few small shapes, short budgets
 python -m bench serving          # in-process vs Triton stateless vs stateful, gRPC and HTTP
 python -m bench scale            # Envoy in front of 3 Triton replicas vs straight to one; 64 sessions' spread
 python -m bench admission        # 2,000 opens on a 1,500-row KV budget: sequence slots from the budget vs 1,024
+python -m bench idle             # a step and an open through the gateway beside 0 to 8,000 idle live sessions
 python -m bench gateway          # 16 sessions stepping through the gateway (JSON, b64) vs the gRPC client direct
 python -m bench sessions         # snapshot, restore, fork, rewind vs prefilling again, against the session's length
 python -m bench durable          # a decode step with the session store (directory, Redis) vs without; a recovering step
@@ -29,6 +30,7 @@ from bench import (
     gateway,
     generate,
     gpu,
+    idle,
     model,
     scale,
     serving,
@@ -43,6 +45,7 @@ COMMANDS: dict[str, ModuleType] = {
     "serving": serving,
     "scale": scale,
     "admission": admission,
+    "idle": idle,
     "gateway": gateway,
     "sessions": sessions,
     "durable": durable,
@@ -57,6 +60,7 @@ DEFAULT_COMMANDS = (
     "serving",
     "scale",
     "admission",
+    "idle",
     "gateway",
     "sessions",
     "durable",

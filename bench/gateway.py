@@ -14,8 +14,13 @@ falls on all of them alike):
 
 Per mode: steps/s over the rounds, the ratio to `grpc/client`, and CPU per step of the load
 generator (this process: the HTTP client, or the gRPC client library itself), of the gateway
-process and of Triton (its server and model processes). Everything shares the machine's cores, so the
-CPU columns say where the time goes. Bounded: the number of steps is fixed by the arguments.
+process serving it (its worker processes included) and of Triton (its server and model processes).
+Everything shares the machine's cores, so the CPU columns say where the time goes. Bounded: the number
+of steps is fixed by the arguments.
+
+`--compare NAME:SETTING=VALUE,...` adds a gateway of other settings (SERVING_* variables, e.g.
+`granian:http_server=granian` or `w2:workers=2`) in front of the same Triton, stepped in the same
+rounds as modes `NAME/json` and `NAME/b64`: choices are measured side by side, never across runs.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from bench.plot import save
 from contract import files
 
 MODES = ("gateway/json", "gateway/b64", "grpc/client")
+DEFAULT_GATEWAY = "gateway"  # the gateway of the default settings (and --workers): the target is its
+ENCODINGS = ("json", "b64")
 KEY = "bench-key"
 
 
@@ -221,19 +228,22 @@ class GrpcSessions:
 
 
 def measure(fronts: dict, pids: dict[str, list[int]], sessions: int, steps: int, rounds: int) -> dict:
-    """`rounds` interleaved rounds of every mode: steps/s and CPU per step of each process group."""
-    samples = {mode: {"seconds": 0.0, "steps": 0, "cpu": dict.fromkeys(pids, 0.0), "load_cpu": 0.0} for mode in MODES}
-    asyncio.run(fronts["grpc/client"].run(sessions, 3))  # warm-up: connections, metadata
-    asyncio.run(fronts["gateway/json"].run(sessions, 3))
+    """`rounds` interleaved rounds of every mode: steps/s and CPU per step of the load generator, of the
+    gateway serving the mode (`pids[name]` for a mode `name/...`) and of Triton (`pids["triton"]`)."""
+    samples = {mode: {"seconds": 0.0, "steps": 0, "gateway": 0.0, "triton": 0.0, "load_cpu": 0.0} for mode in fronts}
+    for mode, front in fronts.items():  # warm-up: connections, metadata, each gateway's first requests
+        if not mode.endswith("/b64"):
+            asyncio.run(front.run(sessions, 3))
     for _ in range(rounds):
-        for mode in MODES:
-            before = {group: cpu_seconds(group_pids) for group, group_pids in pids.items()}
+        for mode, front in fronts.items():
+            groups = {"gateway": pids.get(mode.split("/")[0], []), "triton": pids["triton"]}
+            before = {group: cpu_seconds(group_pids) for group, group_pids in groups.items()}
             own = time.process_time()
-            elapsed = asyncio.run(fronts[mode].run(sessions, steps))
+            elapsed = asyncio.run(front.run(sessions, steps))
             sample = samples[mode]
             sample["load_cpu"] += time.process_time() - own
-            for group, group_pids in pids.items():
-                sample["cpu"][group] += cpu_seconds(group_pids) - before[group]
+            for group, group_pids in groups.items():
+                sample[group] += cpu_seconds(group_pids) - before[group]
             sample["seconds"] += elapsed
             sample["steps"] += sessions * steps
     return summarize(samples)
@@ -247,7 +257,8 @@ def summarize(samples: dict) -> dict:
             "steps": sample["steps"],
             "steps_per_s": sample["steps"] / sample["seconds"],
             "load_generator_cpu_us_per_step": sample["load_cpu"] * per_step,
-            **{f"{group}_cpu_us_per_step": seconds * per_step for group, seconds in sample["cpu"].items()},
+            "gateway_cpu_us_per_step": sample["gateway"] * per_step,
+            "triton_cpu_us_per_step": sample["triton"] * per_step,
         }
     direct = rows["grpc/client"]["steps_per_s"]
     for row in rows.values():
@@ -255,23 +266,39 @@ def summarize(samples: dict) -> dict:
     return rows
 
 
-def benchmark(root: Path, preset_name: str, sessions: int, steps: int, rounds: int, workers: int) -> dict:
+def parse_compared(specs: list[str]) -> dict[str, dict[str, str]]:
+    """`NAME:SETTING=VALUE,...` -> {NAME: {SETTING: VALUE}}; a name is a mode's prefix, so not the default's."""
+    compared = {}
+    for spec in specs:
+        name, _, given = spec.partition(":")
+        pairs = [pair.partition("=") for pair in given.split(",") if pair]
+        if not name or name in (DEFAULT_GATEWAY, "grpc") or name in compared or any(not eq for _, eq, _ in pairs):
+            raise ValueError(f"--compare: expected a new NAME:SETTING=VALUE,... (not gateway or grpc), got {spec!r}")
+        compared[name] = {setting: value for setting, _, value in pairs}
+    return compared
+
+
+def benchmark(
+    root: Path, preset_name: str, sessions: int, steps: int, rounds: int, workers: int, compared: dict | None = None
+) -> dict:
     from client import Client
     from serving.host.launcher import start_triton
 
+    gateways = {DEFAULT_GATEWAY: {"workers": workers}} | {name: dict(s) for name, s in (compared or {}).items()}
     repository = prepare(root, preset_name)
     server = start_triton(repository, log_path=root / "triton.log")
     try:
         with Client(server.grpc_url, "grpc") as triton:
             d_model = triton.metadata("mha_session").d_model
         token = np.random.default_rng(0).standard_normal((1, 1, d_model)).astype(np.float32)
-        with gateway_process(server.grpc_url, root / "gateway.log", workers=workers) as (url, gateway):
-            fronts = {
-                "gateway/json": HttpSessions(url, token, b64=False),
-                "gateway/b64": HttpSessions(url, token, b64=True),
-                "grpc/client": GrpcSessions(server.grpc_url, token),
-            }
-            pids = {"gateway": [gateway.pid], "triton": [server.process.pid]}
+        with contextlib.ExitStack() as running:
+            fronts, pids = {}, {"triton": [server.process.pid]}
+            for name, settings in gateways.items():
+                log_path = root / f"{name}.log"
+                url, gateway = running.enter_context(gateway_process(server.grpc_url, log_path, **settings))
+                fronts |= {f"{name}/{e}": HttpSessions(url, token, b64=e == "b64") for e in ENCODINGS}
+                pids[name] = [gateway.pid]
+            fronts["grpc/client"] = GrpcSessions(server.grpc_url, token)
             rows = measure(fronts, pids, sessions, steps, rounds)
     finally:
         server.stop()
@@ -282,6 +309,7 @@ def benchmark(root: Path, preset_name: str, sessions: int, steps: int, rounds: i
         "steps_per_session_per_round": steps,
         "rounds": rounds,
         "gateway_workers": workers,
+        "compared": compared or {},
         "cpus": os.cpu_count(),
     }
     return {"conditions": conditions, "modes": rows, "target": target(rows)}
@@ -298,14 +326,16 @@ def target(rows: dict) -> dict:
 
 def table(results: dict) -> str:
     c = results["conditions"]
+    compared = "".join(f"; {name}: {settings}" for name, settings in c.get("compared", {}).items())
     lines = [
         f"{c['sessions']} sessions, one-token steps, {c['preset']} (d_model {c['d_model']}), "
-        f"{c['rounds']} rounds x {c['steps_per_session_per_round']} steps each, gateway workers {c['gateway_workers']}",
-        f"{'mode':<14} {'steps/s':>8} {'vs gRPC':>8} {'CPU us/step: load gen':>22} {'gateway':>8} {'triton':>8}",
+        f"{c['rounds']} rounds x {c['steps_per_session_per_round']} steps each, gateway workers {c['gateway_workers']}"
+        f"{compared}",
+        f"{'mode':<16} {'steps/s':>8} {'vs gRPC':>8} {'CPU us/step: load gen':>22} {'gateway':>8} {'triton':>8}",
     ]
     for mode, row in results["modes"].items():
         lines.append(
-            f"{mode:<14} {row['steps_per_s']:>8.0f} {row['ratio_to_grpc']:>7.0%} "
+            f"{mode:<16} {row['steps_per_s']:>8.0f} {row['ratio_to_grpc']:>7.0%} "
             f"{row['load_generator_cpu_us_per_step']:>22.0f} {row['gateway_cpu_us_per_step']:>8.0f} "
             f"{row['triton_cpu_us_per_step']:>8.0f}"
         )
@@ -333,6 +363,8 @@ def plot(results: dict, path: Path) -> Path:
         cpu.bar(modes, values, bottom=bottom, label=group.replace("_", " "))
         bottom += values
     cpu.set(title="CPU per step", ylabel="microseconds")
+    for axes in (rate, cpu):
+        axes.tick_params(axis="x", labelrotation=30)
     cpu.legend()
     return save(figure, path)
 
@@ -342,12 +374,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps per session per mode and round (default 100)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (default 1)")
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="NAME:SETTING=VALUE,...",
+        help="another gateway (SERVING_* settings, lowercase, without the prefix) stepped in the same rounds",
+    )
     output.output_arguments(parser, served_preset=True)
 
 
 def run(args: argparse.Namespace) -> int:
     with output.work_folder(args.work, "bench-gateway-") as root:
-        results = benchmark(root, args.preset, args.sessions, args.steps, args.rounds, args.workers)
+        compared = parse_compared(args.compare)
+        results = benchmark(root, args.preset, args.sessions, args.steps, args.rounds, args.workers, compared)
     print(table(results))
     print(output.write(results, args.out, "gateway", plot))
     return 0

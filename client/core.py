@@ -77,6 +77,7 @@ class ClientCore:
         backoff: float = 0.1,
         validate: bool = True,
         session_store: SessionStore | str | None = None,
+        store_secret: bytes | str | Sequence[bytes | str] | None = None,
         checkpoint_every: int = 256,
         recovery_timeout: float = 30.0,
     ) -> None:
@@ -84,12 +85,22 @@ class ClientCore:
         every `checkpoint_every` positions a session writes what it added since the last checkpoint
         there, and a session whose server lost it (a replica, a server or its model process died) is
         rebuilt on a server that answers, for up to `recovery_timeout` s, from the store and the steps
-        since its last checkpoint (client/store.py; docs/design.md, "Durable sessions")."""
+        since its last checkpoint (client/store.py; docs/design.md, "Durable sessions").
+        `store_secret`: what a store named by a directory or URL tags its entries with (several: the
+        first tags, any verifies); None: a public label, which binds each entry to its session and
+        positions and catches changes, but does not stop whoever can write the store from forging one.
+        A SessionStore given as such has its own."""
         if checkpoint_every < 1 or recovery_timeout < 0:
             raise ValueError(
                 f"need checkpoint_every >= 1 and recovery_timeout >= 0, got {checkpoint_every}, {recovery_timeout}"
             )
-        self.store = session_store if isinstance(session_store, SessionStore | None) else open_store(session_store)
+        if isinstance(session_store, SessionStore) and store_secret is not None:
+            raise ValueError(f"store_secret is for a store named by a path or URL; {session_store!r} has its own")
+        self.store = (
+            session_store
+            if isinstance(session_store, SessionStore | None)
+            else open_store(session_store, secret=store_secret)
+        )
         self.checkpoint_every, self.recovery_timeout = checkpoint_every, recovery_timeout
         self.protocol = _wire.check_protocol(protocol)
         self.url = _wire.normalize_url(url, protocol)
@@ -109,7 +120,9 @@ class ClientCore:
         self._timeout_kw = _wire.timeout_kwargs(protocol, timeout)
         self._infos: dict[str, ModelInfo] = {}
         # named prefixes put through this client: (owner, name) -> their tokens, to put one again on a
-        # replica that lacks it, and the replicas that hold it ("" for a direct Triton)
+        # replica that lacks it, and the replicas that hold it ("" for a direct Triton). Held without a cap
+        # here: the gateway bounds them per key (serving/gateway/quotas.py: SERVING_PREFIXES_PER_KEY, and the
+        # prefixes' positions by SERVING_PREFIX_BYTES_PER_KEY); a direct caller holds what it puts
         self._prefix_tokens: dict[tuple[str, str], np.ndarray] = {}
         self._prefix_replicas: dict[tuple[str, str], set[str]] = {}
         self._init_connections()
@@ -235,7 +248,7 @@ class ClientCore:
         inputs = _wire.make_inputs(self._module, tensors)
         kw = {**self._timeout_kw, **({"parameters": {names.ATTENTION_MAPS: True}} if attention_maps else {})}
         result = yield from self._call(f"infer on '{self.model}'", lambda s: s.infer(self.model, inputs, **kw))
-        return _wire.read_stateless(result, maps=attention_maps)
+        return _wire.read_stateless(_wire.decoded(result), maps=attention_maps)
 
     def _send_step(
         self,
@@ -263,6 +276,7 @@ class ClientCore:
             retry=False,
             session=True,
         )
+        result = _wire.decoded(result)  # its outputs read in one pass, not one walk of them per name
         return StepAnswer(
             _wire.read_step(result),
             affinity.replica_from(headers) or replica,

@@ -5,8 +5,13 @@ A checkpoint is an increment: the session's snapshot (serving/engine/snapshots.p
 added since the one before, so the store holds each position once and the increments, restored
 together in order, make the whole cache. Entries are scoped to an owner (the gateway's keyed
 fingerprint of the caller's API key; "" for a direct client) and a session key (random, made by the
-session), and each carries the sha256 of its bytes: a changed entry is refused when read, never
-sent to a server (the server checks again that the blobs are its model's and the owner's).
+session), and each carries a tag (HMAC-SHA256, contract/integrity.py) under the store's secret over its
+owner, session key, positions and bytes: an entry that was changed, or that is another session's, another
+owner's or of other positions, is refused when read, never sent to a server (the server checks again that
+the blobs are its model's and the owner's, and that their values are finite). A store opened without a
+secret (a direct client's) tags under a public label: that binds each entry to its place and catches a
+changed byte, but anyone who can write the store can forge an entry; give the gateways that share a store
+one secret (SERVING_INTEGRITY_SECRETS, or the session secret it is derived from).
 
 Two backends behind `SessionStore`: a local directory (the default of `python -m serving`: nothing to
 install; one host's replicas share it) and Redis (several hosts). `open_store` picks one from a
@@ -22,12 +27,16 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from client.errors import ClientError
+from contract.integrity import PUBLIC_SECRET, STORE_DOMAIN, Keyring
 
-_DIGEST = 64  # hex characters of a sha256, written before each entry's bytes
+_TAGGED = b"mac1:"  # an entry: this, the tag's 64 hex characters, then the blob
+_TAG = len(_TAGGED) + 64
+_OLD_DIGEST = 64  # hex characters of the unkeyed sha256 entries were written with before the tag
 _ENDED = "ended"  # the entry that marks a session ended through another process
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -63,7 +72,12 @@ class Chunk:
 
 
 class SessionStore(abc.ABC):
-    """A session's increments: each covers positions [start, end); `chunks` returns them in order."""
+    """A session's increments: each covers positions [start, end); `chunks` returns them in order.
+    `secret`: what entries are tagged with (several: the first tags, any one verifies, for a rotation);
+    None: a public label (see the module's docstring)."""
+
+    def __init__(self, secret: bytes | str | Sequence[bytes | str] | None = None) -> None:
+        self._keyring = Keyring(PUBLIC_SECRET if secret is None else secret)
 
     @abc.abstractmethod
     def append(self, key: StoreKey, start: int, end: int, blob: bytes) -> None:
@@ -95,13 +109,13 @@ class SessionStore(abc.ABC):
         """Whether the session was ended through another process (`end`)."""
 
     def chunks(self, key: StoreKey) -> list[Chunk]:
-        """The session's increments in order, each checked against its digest; they cover 0 to the
-        last one's end without a gap. StoreError naming the entry otherwise."""
+        """The session's increments in order, each checked against its tag; they cover 0 to the last
+        one's end without a gap. StoreError naming the entry otherwise."""
         chunks, position = [], 0
         for (start, end), entry in sorted(self._entries(key).items()):
             if start != position:
                 raise StoreError(f"session store entry {key.parts[1]}: positions {position} to {start} are missing")
-            chunks.append(Chunk(start, end, _checked(entry, f"session store entry {key.parts[1]} [{start}, {end})")))
+            chunks.append(Chunk(start, end, self._checked(key, start, end, entry)))
             position = end
         return chunks
 
@@ -113,24 +127,43 @@ class SessionStore(abc.ABC):
             self._drop(key, dropped)
         return max((end for start, end in spans if end <= length), default=0)
 
+    def _entry(self, key: StoreKey, start: int, end: int, blob: bytes) -> bytes:
+        """The entry as written: `_TAGGED`, the tag of the blob in its place, the blob."""
+        tag = self._keyring.sign(STORE_DOMAIN, _bound(key, start, end, blob))
+        return b"".join((_TAGGED, tag.encode(), blob))
 
-def _entry(blob: bytes) -> bytes:
-    return hashlib.sha256(blob).hexdigest().encode() + bytes(blob)
+    def _checked(self, key: StoreKey, start: int, end: int, entry: bytes) -> bytes:
+        """The blob of an entry whose tag verifies for this place; StoreError saying why otherwise."""
+        what = f"session store entry {key.parts[1]} [{start}, {end})"
+        if not entry.startswith(_TAGGED):
+            raise StoreError(f"{what} is refused: {_untagged(entry)}; it is not restored")
+        tag, blob = entry[len(_TAGGED) : _TAG], entry[_TAG:]
+        if not self._keyring.verifies(STORE_DOMAIN, _bound(key, start, end, blob), tag):
+            raise StoreError(
+                f"{what} is refused: its integrity tag does not match (the entry was changed, is another session's, "
+                "owner's or position range's, or was written under another secret); it is not restored"
+            )
+        return blob
 
 
-def _checked(entry: bytes, what: str) -> bytes:
-    digest, blob = entry[:_DIGEST].decode(errors="replace"), entry[_DIGEST:]
-    actual = hashlib.sha256(blob).hexdigest()
-    if digest != actual:
-        raise StoreError(f"{what} is corrupt: sha256 expected {digest}, got {actual}; it is not restored")
-    return blob
+def _bound(key: StoreKey, start: int, end: int, blob: bytes) -> list[bytes]:
+    """What an entry's tag is over: the blob and the place it was written for."""
+    return [key.owner.encode(), key.session.encode(), str(start).encode(), str(end).encode(), blob]
+
+
+def _untagged(entry: bytes) -> str:
+    head = entry[:_OLD_DIGEST]
+    if len(head) == _OLD_DIGEST and all(c in b"0123456789abcdef" for c in head):
+        return "it was written in the old format (an unkeyed sha256), which is no longer trusted"
+    return f"it does not start with its integrity tag ({_TAGGED.decode()!r})"
 
 
 class DirectoryStore(SessionStore):
     """Increments as files `<root>/<owner>/<session>/<start>-<end>`, each written to a temporary file
     and renamed into place (a crash leaves no half entry). Folders are 0700."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, secret: bytes | str | Sequence[bytes | str] | None = None) -> None:
+        super().__init__(secret)
         self.root = Path(root)
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
@@ -155,7 +188,7 @@ class DirectoryStore(SessionStore):
             folder = self._make_folder(key)
             handle, temporary = tempfile.mkstemp(dir=folder, prefix=".incoming-")
             with os.fdopen(handle, "wb") as file:
-                file.write(_entry(blob))
+                file.write(self._entry(key, start, end, blob))
             os.replace(temporary, folder / f"{start:012d}-{end:012d}")
         except OSError as error:
             raise StoreError(f"session store {self.root}: cannot write {key.parts[1]}: {error}") from None
@@ -198,7 +231,10 @@ class RedisStore(SessionStore):
     """Increments as fields `<start>-<end>` of one Redis hash per session, `attention-serving:<owner>:
     <session>`, kept `ttl_s` after the last write (a session nobody closes is forgotten)."""
 
-    def __init__(self, url: str, ttl_s: int = 86_400) -> None:
+    def __init__(
+        self, url: str, ttl_s: int = 86_400, secret: bytes | str | Sequence[bytes | str] | None = None
+    ) -> None:
+        super().__init__(secret)
         import redis  # the server's optional dependency: only a Redis store needs it
 
         self.url, self.ttl_s = url, ttl_s
@@ -224,7 +260,7 @@ class RedisStore(SessionStore):
 
         def write(redis):
             with redis.pipeline() as pipe:  # MULTI/EXEC: the field and the expiry together
-                pipe.hset(name, f"{start:012d}-{end:012d}", _entry(blob))
+                pipe.hset(name, f"{start:012d}-{end:012d}", self._entry(key, start, end, blob))
                 pipe.expire(name, self.ttl_s)
                 pipe.execute()
 
@@ -272,12 +308,15 @@ def _without_password(url: str) -> str:
     return re.sub(r"//[^@/]*@", "//***@", url)
 
 
-def open_store(setting: str | os.PathLike | None) -> SessionStore | None:
+def open_store(
+    setting: str | os.PathLike | None, secret: bytes | str | Sequence[bytes | str] | None = None
+) -> SessionStore | None:
     """The store a setting names: None or "" or "none": no store (sessions are not durable); a
-    `redis://` or `rediss://` URL: Redis; anything else: a local directory (made if missing)."""
+    `redis://` or `rediss://` URL: Redis; anything else: a local directory (made if missing). Its
+    entries are tagged with `secret` (SessionStore)."""
     text = "" if setting is None else str(setting).strip()
     if text in ("", "none"):
         return None
     if text.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(text)
-    return DirectoryStore(text)
+        return RedisStore(text, secret=secret)
+    return DirectoryStore(text, secret=secret)

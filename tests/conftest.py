@@ -8,6 +8,9 @@
 
 A module that starts its own servers says so with `pytestmark = pytest.mark.served`; tests that use
 the `triton` or `artifact_dir` fixture are marked here; `unit` is what is left.
+
+The builds the session's later tests need are made ahead in the background (tests/fixtures/prebuilds.py):
+`artifact_dir`, `trained_artifact` and the test modules that define `prebuild_jobs` read what it built.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 from contract.config import ModelConfig, preset
 
 # the real Triton fixtures (`triton`, `triton_repository`, `triton_artifact`) for every tier
-pytest_plugins = ["tests.fixtures.triton", "tests.fixtures.redis", "tests.fixtures.browser"]
+pytest_plugins = ["tests.fixtures.triton", "tests.fixtures.redis", "tests.fixtures.browser", "tests.fixtures.prebuilds"]
 
 # Configs the tests build; `unseen` has sizes no preset uses (odd head_dim, 3 kv heads, 3 layers).
 TEST_CONFIGS = {
@@ -92,24 +95,35 @@ TEST_CONFIGS = {
 
 
 @pytest.fixture(scope="session")
-def artifact_dir(tmp_path_factory):
+def artifact_dir(tmp_path_factory, prebuilds):
     """`artifact_dir(name)` -> an artifact directory built from TEST_CONFIGS[name] once per session,
-    with the variants tests/fixtures/builds.py's `artifact_build(name)` names."""
-    from export.build import build
-    from export.progress import Progress
-    from tests.fixtures.builds import artifact_build
+    with the variants tests/fixtures/builds.py's `artifact_build(name)` names (made ahead in the background
+    where the session's tests need it later: tests/fixtures/prebuilds.py)."""
+    from tests.fixtures.prebuilds import artifact_key
 
     built: dict[str, Path] = {}
 
     def get(name: str) -> Path:
         if name not in built:
-            out = tmp_path_factory.mktemp(f"artifact-{name}")
-            text = artifact_text_files(name, tmp_path_factory)
-            build(TEST_CONFIGS[name], out, artifact_build(name), progress=Progress(enabled=False), text_files=text)
-            built[name] = out
+            built[name] = prebuilds.wait(artifact_key(name)) or build_here(name)
         return built[name]
 
+    def build_here(name: str) -> Path:
+        out = tmp_path_factory.mktemp(artifact_key(name))
+        build_test_artifact(name, out)
+        return out
+
     return get
+
+
+def build_test_artifact(name: str, out: Path) -> None:
+    """TEST_CONFIGS[name] built into `out` with its variants (its tokenizer, where it has one, saved beside)."""
+    from export.build import build
+    from export.progress import Progress
+    from tests.fixtures.builds import artifact_build
+
+    text = artifact_text_files(name, out.with_name(f"{out.name}-text"))
+    build(TEST_CONFIGS[name], out, artifact_build(name), progress=Progress(enabled=False), text_files=text)
 
 
 # The trained model's forms the tests build: the served CPU forms and the quantized caches, whose held-out cost
@@ -119,27 +133,37 @@ TRAINED_VARIANTS = ("fp32-fused", "fp32-static", "fp32-static-int8kv", "fp32-sta
 
 
 @pytest.fixture(scope="session")
-def trained_artifact(tmp_path_factory) -> Path:
+def trained_artifact(tmp_path_factory, prebuilds) -> Path:
     """The model trained here (models/fortunes: export/train.py) imported and built as `make serve` builds it
     (serving/triton/cli.py `export_trained`), once per session with TRAINED_VARIANTS, its held-out text scored
-    through each (the report's `quality`); the artifact's folder."""
-    from serving.triton.cli import export_trained, has_trained
+    through each (the report's `quality`); the artifact's folder (made ahead in the background where the
+    session's tests need it later: tests/fixtures/prebuilds.py)."""
+    from tests.fixtures.prebuilds import TRAINED_KEY
 
-    out, repository = tmp_path_factory.mktemp("artifact-trained"), tmp_path_factory.mktemp("repository-trained")
-    report = export_trained(repository, out, variants=TRAINED_VARIANTS)
-    assert report["passed"] and has_trained(repository), report
+    prebuilt = prebuilds.wait(TRAINED_KEY)
+    if prebuilt is not None:
+        return prebuilt
+    out = tmp_path_factory.mktemp("artifact-trained")
+    build_trained_artifact(out, tmp_path_factory.mktemp("repository-trained"))
     return out
 
 
-def artifact_text_files(name: str, tmp_path_factory) -> tuple[Path, ...]:
-    """The `whole` artifact's tokenizer files (a checkpoint's, as transformers saves them): its served model
-    takes text too (the OpenAI-compatible routes); the others serve token ids only."""
+def build_trained_artifact(out: Path, repository: Path) -> None:
+    from serving.triton.cli import export_trained, has_trained
+
+    report = export_trained(repository, out, variants=TRAINED_VARIANTS)
+    assert report["passed"] and has_trained(repository), report
+
+
+def artifact_text_files(name: str, folder: Path) -> tuple[Path, ...]:
+    """The `whole` artifact's tokenizer files (a checkpoint's, as transformers saves them, into `folder`): its
+    served model takes text too (the OpenAI-compatible routes); the others serve token ids only."""
     if name != "whole":
         return ()
     from contract.files import TEXT_FILES
     from tests.fixtures.text import save_tokenizer
 
-    folder = tmp_path_factory.mktemp("whole-text")
+    folder.mkdir(exist_ok=True)
     save_tokenizer(folder, TEST_CONFIGS[name].vocab_size, template="chatml")
     return tuple(folder / file for file in TEXT_FILES if (folder / file).is_file())
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import re
@@ -37,6 +38,7 @@ from export.progress import Progress
 from serving.triton.cli import TRAINED_PREFIX
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
+from tests.fixtures.prebuilds import Job
 from tests.fixtures.serving_process import serving_process
 from tests.fixtures.triton import selected
 
@@ -108,21 +110,95 @@ def reads_from(index: int, blocks: list[tuple[str, str, str]]) -> set[int]:
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    """`$WORK`: the examples' folder."""
-    return tmp_path_factory.mktemp("readme-work")
+    """`$WORK`: the examples' folder (the one the examples run ahead write into)."""
+    return work_folder(tmp_path_factory.mktemp)
+
+
+@functools.cache
+def work_folder(mktemp) -> Path:
+    return mktemp("readme-work")
 
 
 @pytest.fixture(scope="module")
-def default_stack(tmp_path_factory, trained_artifact):
-    """`python -m serving` on a repository built from the default preset, with the model trained here beside
-    it under its own names, as `make serve` runs it."""
+def default_stack(tmp_path_factory, trained_artifact, prebuilds):
+    """`python -m serving` on a repository built from the default preset (built ahead in the background where
+    the session has time: tests/fixtures/prebuilds.py), with the model trained here beside it under its own
+    names, as `make serve` runs it."""
     stack = tmp_path_factory.mktemp("readme-stack")
-    artifacts = build(preset(DEFAULT_PRESET), stack / "artifacts", progress=Progress(enabled=False))
-    assert artifacts["passed"]
-    repository = write_repository(stack / "artifacts", stack / "model_repository", ServingSettings(threads=1))
+    artifacts = prebuilds.wait(DEFAULT_KEY) or build_default(stack / "artifacts")
+    repository = write_repository(artifacts, stack / "model_repository", ServingSettings(threads=1))
     write_repository(trained_artifact, repository, ServingSettings(threads=1), (SESSION_MODEL,), TRAINED_PREFIX)
     with serving_process(repository, stack) as served:
         yield served
+
+
+DEFAULT_KEY = "readme-default"
+
+
+def build_default(out: Path) -> Path:
+    """The default preset's artifact, as `make serve` builds it, in `out`."""
+    assert build(preset(DEFAULT_PRESET), out, progress=Progress(enabled=False))["passed"]
+    return out
+
+
+def prebuild_jobs(item) -> dict:
+    """For a test that serves the default stack, its build; for an example that only builds, it and the examples
+    it reads from, run ahead (tests/fixtures/prebuilds.py)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    index = params.get("index")
+    if "default_stack" in item.fixturenames or (index is not None and calls_a_server(readme_blocks()[index][1])):
+        return {DEFAULT_KEY: default_job}
+    if index is not None and builds_only(index, readme_blocks()):
+        root = chain_root(index, readme_blocks())
+        return {chain_key(root): functools.partial(chain_job, root)}
+    return {}
+
+
+def builds_only(index: int, blocks: list[tuple[str, str, str]]) -> bool:
+    """Whether example `index` starts no server, calls none, and reads only from examples that do the same: one
+    that can run any time before its test (ahead, in the background)."""
+    code = blocks[index][1]
+    if calls_a_server(code) or any(port in code for port in OWN_SERVER_PORTS):
+        return False
+    return all(builds_only(earlier, blocks) for earlier in reads_from(index, blocks))
+
+
+def chain_root(index: int, blocks: list[tuple[str, str, str]]) -> int:
+    """The first example of the chain `index` reads along (itself where it reads from none)."""
+    earlier = reads_from(index, blocks)
+    return chain_root(min(earlier), blocks) if earlier else index
+
+
+def chain_key(root: int) -> str:
+    return f"readme-examples-{root}"
+
+
+def chain_job(root: int, mktemp) -> Job:
+    """Example `root` and those that read along it, in README order, each's outcome in a file of its own."""
+    blocks = readme_blocks()
+    chain = [index for index in range(len(blocks)) if builds_only(index, blocks) and chain_root(index, blocks) == root]
+    work = work_folder(mktemp)
+    return Job(run_ahead, (chain, work), outcomes_folder(work))
+
+
+def outcomes_folder(work: Path) -> Path:
+    return work.with_name(f"{work.name}-outcomes")
+
+
+def run_ahead(chain: list[int], work: Path) -> None:
+    """Each example of `chain` run as its test would, in turn (a later one may read an earlier one's build)."""
+    folder = outcomes_folder(work)
+    folder.mkdir(exist_ok=True)
+    runs = Runs(work, own_session=False)
+    for index in chain:
+        proc = runs.run(index)
+        outcome = {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+        (folder / f"example-{index}.json").write_text(json.dumps(outcome))
+
+
+def default_job(mktemp) -> Job:
+    out = mktemp("readme-default")
+    return Job(build_default, (out,), out)
 
 
 # An example that starts a server of its own (a whole model's) names ports 8100-8102: each run gives them
@@ -155,8 +231,11 @@ class Runs:
     """Examples run as subprocesses (each in a process group of its own, killed if it outlives its
     TIMEOUT or the module)."""
 
-    def __init__(self, work: Path) -> None:
+    def __init__(self, work: Path, own_session: bool = True) -> None:
         self.work, self.lock, self.running, self.closed = work, threading.Lock(), set(), False
+        # run ahead (tests/fixtures/prebuilds.py), an example keeps its worker's session: its scheduling group
+        # at the lowest priority; a process group of its own still lets `kill` reach its children
+        self.group = {"start_new_session": True} if own_session else {"process_group": 0}
 
     def run(
         self, index: int, served=None, after: tuple[concurrent.futures.Future, ...] = ()
@@ -170,7 +249,7 @@ class Runs:
                 raise RuntimeError("the module ended before this example started")
             proc = subprocess.Popen(
                 [*command, localize(code, served)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                cwd=ROOT, env={**os.environ, "WORK": str(self.work)}, start_new_session=True,
+                cwd=ROOT, env={**os.environ, "WORK": str(self.work)}, **self.group,
             )  # fmt: skip
             self.running.add(proc)
         try:
@@ -195,9 +274,9 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def examples(request, work):
+def examples(request, work, prebuilds):
     """(the runner, index -> the Future of each example this run needs that calls no server nor reads
-    from one that does, started in the background now)."""
+    from one that does: run ahead (tests/fixtures/prebuilds.py) or started in the background now)."""
     blocks = readme_blocks()
     seen, pending = set(), list(selected(request, "index"))
     while pending:  # the selected ones and those they read from
@@ -207,15 +286,38 @@ def examples(request, work):
             pending += reads_from(index, blocks)
     runs, futures = Runs(work), {}
     pool = concurrent.futures.ThreadPoolExecutor(BACKGROUND_WORKERS, thread_name_prefix="readme-example")
+    chains: dict[str, concurrent.futures.Future] = {}  # run ahead: each chain's wait, once
     for index in sorted(seen):  # in README order: what an example waits for is started before it
         earlier = sorted(reads_from(index, blocks))
-        if not calls_a_server(blocks[index][1]) and all(e in futures for e in earlier):
+        key = chain_key(chain_root(index, blocks))
+        if builds_only(index, blocks) and (prebuilds.scheduled(key) or key in chains):
+            if key not in chains:
+                chains[key] = pool.submit(prebuilds.wait, key)
+            futures[index] = outcome_of(chains[key], index)
+        elif not calls_a_server(blocks[index][1]) and all(e in futures for e in earlier):
             futures[index] = pool.submit(runs.run, index, None, tuple(futures[e] for e in earlier))
     try:
         yield runs, futures
     finally:
         runs.close()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def outcome_of(chain: concurrent.futures.Future, index: int) -> concurrent.futures.Future:
+    """A Future of example `index`'s CompletedProcess, read once `chain` (its run ahead) is done."""
+    outcome: concurrent.futures.Future = concurrent.futures.Future()
+
+    def read(done: concurrent.futures.Future) -> None:
+        try:
+            folder = done.result()
+            outcome.set_result(
+                subprocess.CompletedProcess(**json.loads((folder / f"example-{index}.json").read_text()))
+            )
+        except Exception as error:  # the chain's failure is each of its examples'
+            outcome.set_exception(error)
+
+    chain.add_done_callback(read)
+    return outcome
 
 
 def test_the_readme_has_runnable_examples():

@@ -10,8 +10,11 @@ the smallest); rows of a size live in slabs, a `KVPool` each (serving/engine/kv_
 that size. A holder starts in the smallest row that holds its first step and moves up one size at
 a time as it grows, by one copy of what it holds, so a row is at most twice what its holder holds
 (a 1,000-token session in a 1,024-position row). Admission is by bytes: a row comes from an open
-slab of its size with a free row, else from a new slab while the budget has room for it; else the
-allocation (or the growth) is refused (`RowsFull`), and a refused one changes nothing.
+slab of its size with a free row, else from a new slab while the budget has room for it, made by
+closing empty slabs and then by packing the rows of other sizes into fewer slabs (`_packing`); else
+the allocation (or the growth) is refused (`RowsFull`, saying what was asked and where the free bytes
+are), and a refused one changes nothing. Nothing a request asks walks the holders or the slabs: the
+slabs with a free row and the empty ones are indexed, the bytes counted as they change.
 
 Why slabs and not one buffer per size or one per row: a decode step of several rows is one graph run
 only over rows of one buffer (GroupQueryAttention reads a batch of rows of one stride), so rows of a
@@ -32,8 +35,10 @@ which a slab opened or closed later would not keep.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
+import threading
 from collections.abc import Hashable, Iterable, Mapping
 
 import numpy as np
@@ -86,14 +91,19 @@ def cache_kind(cache_dtype: type, width: int, head_dim: int) -> str:
     return names.INT4_CACHE if width * 2 == head_dim and dtype == np.uint8 else dtype.name
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # hashed by identity: the manager's indexes are sets of slabs
 class _Slab:
     pool: KVPool
     free: list[int]  # a heap: the lowest free row first, so live rows cluster and windows stay short
+    holders: dict[int, Holder] = dataclasses.field(default_factory=dict)  # live row -> its holder
 
     @property
     def size(self) -> int:
         return self.pool.capacity
+
+    @property
+    def live(self) -> int:
+        return self.pool.rows - len(self.free)
 
     @property
     def empty(self) -> bool:
@@ -104,6 +114,15 @@ class _Slab:
 class _Place:
     slab: _Slab
     row: int  # the row inside the slab's pool
+
+
+def _amount(nbytes: int) -> str:
+    """Bytes as people read them: in MiB from one MiB up, else in KiB."""
+    return f"{nbytes / (1 << 20):.2f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def _live(slab: _Slab) -> int:
+    return slab.live
 
 
 class CacheManager:
@@ -141,12 +160,22 @@ class CacheManager:
         self.scales = dict(scales or {})
         self.last_logits_session = last_logits_session
         self.identity = snapshots.fingerprint(cfg, self.cache_dtype, graph, graph_sha256)
+        self._row_bytes: dict[int, int] = {}  # size -> bytes, known once (each reads the session's inputs)
         largest = self.row_bytes(self.sizes[-1])
         self._slab_bytes = largest * max(1, min(SLAB_LARGEST_ROWS, budget_bytes // SLAB_BUDGET_SHARE // largest))
-        self._slabs: list[_Slab] = []
+        # Kept as they change, never summed on a request: a request's cost must not grow with the holders
+        # and slabs the budget holds (issue 34, item 5)
+        self._slabs: dict[_Slab, None] = {}  # ordered sets, by opening
+        self._with_room: dict[int, dict[_Slab, None]] = {size: {} for size in self.sizes}  # open slabs with a free row
+        self._empty: dict[_Slab, None] = {}  # open slabs with no live row: closed when the budget needs their room
+        self._allocated = 0  # bytes of the open slabs
+        self._reserved = 0  # bytes of the rows holders hold
+        self._held_positions = 0  # positions every holder holds; `run` changes it outside the engine's lock
+        self._held_lock = threading.Lock()
         self._places: dict[Holder, _Place] = {}
         self._row_copies: dict[int, RowCopy] = {}  # size -> the kernel its slabs share (on a device)
         self.slabs_opened = 0  # since the start: what a fork or a prefix start costs shows here
+        self.rows_moved = 0  # by packing rows into fewer slabs (`_compact`), since the start
         smallest = self.row_bytes(self.sizes[0])
         if budget_bytes < smallest:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no row ({smallest} bytes the smallest)")
@@ -154,7 +183,7 @@ class CacheManager:
             self._open(self.sizes[-1], min(max_rows, budget_bytes // largest))
         mib = budget_bytes / (1 << 20)
         rows = (
-            f"{self._slabs[0].pool.rows} full rows of {self.sizes[-1]}"
+            f"{next(iter(self._slabs)).pool.rows} full rows of {self.sizes[-1]}"
             if full_rows
             else "rows of " + ", ".join(map(str, self.sizes))
         )
@@ -165,7 +194,10 @@ class CacheManager:
     def row_bytes(self, size: int) -> int:
         """Bytes a row of `size` positions takes of the budget (every buffer; not the scratch position
         each row also has, kv_pool.py)."""
-        return KVPool.row_bytes_for(self.session, self.cfg, size)
+        known = self._row_bytes.get(size)
+        if known is None:
+            known = self._row_bytes[size] = KVPool.row_bytes_for(self.session, self.cfg, size)
+        return known
 
     @property
     def capacity(self) -> int:
@@ -175,7 +207,17 @@ class CacheManager:
     @property
     def allocated_bytes(self) -> int:
         """Bytes of the budget the open slabs take."""
-        return sum(slab.pool.rows * self.row_bytes(slab.size) for slab in self._slabs)
+        return self._allocated
+
+    @property
+    def reserved_total(self) -> int:
+        """Bytes of the budget the rows of every holder (sequences and named prefixes) take."""
+        return self._reserved
+
+    @property
+    def held_total(self) -> int:
+        """Bytes the positions of every holder hold."""
+        return self._held_positions * self.bytes_per_position
 
     @property
     def most_rows(self) -> int:
@@ -185,7 +227,7 @@ class CacheManager:
     def most_rows_of(self, size: int) -> int:
         """The most rows of `size` positions the budget holds at once (at most `max_rows`)."""
         if self.full_rows:
-            return self._slabs[0].pool.rows
+            return next(iter(self._slabs)).pool.rows
         return min(self.max_rows, self.budget_bytes // self.row_bytes(size))
 
     @property
@@ -195,6 +237,14 @@ class CacheManager:
 
     def slab_count(self) -> int:
         return len(self._slabs)
+
+    def waste(self) -> dict[str, int]:
+        """Where the budget is not holders' rows: `free` (no slab), `empty_slabs` (open, no live row: given
+        back when needed) and `free_rows` (free rows of slabs with live rows: given back only by moving them,
+        `_compact`), in bytes. Walks the slabs: for reports and tests, not for requests."""
+        free_rows = sum(len(slab.free) * self.row_bytes(slab.size) for slab in self._slabs if not slab.empty)
+        empty = sum(slab.pool.rows * self.row_bytes(slab.size) for slab in self._empty)
+        return {"free": self.budget_bytes - self._allocated, "empty_slabs": empty, "free_rows": free_rows}
 
     def holders(self) -> list[Holder]:
         return list(self._places)
@@ -222,12 +272,12 @@ class CacheManager:
         assert holder not in self._places, f"{holder!r} holds a row already"
         if len(self._places) >= self.max_rows:
             raise RowsFull(positions, f"the engine holds its most sequences at once ({self.max_rows})")
-        self._places[holder] = self._place(self._size_for(positions), positions)
+        self._places[holder] = self._place(holder, self._size_for(positions), positions)
 
     def free(self, holder: Holder) -> None:
         """`holder`'s row goes back to its slab (which stays open for the next holder of its size)."""
-        place = self._places.pop(holder)
-        heapq.heappush(place.slab.free, place.row)
+        self._add_held(-self.length(holder))
+        self._give(self._places.pop(holder))
 
     def grow(self, holder: Holder, positions: int) -> None:
         """`holder` holds `positions` positions from now on: moved, with what it holds, to a larger row
@@ -235,10 +285,11 @@ class CacheManager:
         place = self._places[holder]
         if positions <= place.slab.size:
             return
-        target = self._place(self._size_for(positions), positions)
+        target = self._place(holder, self._size_for(positions), positions, growing=place)
+        place = self._places[holder]  # packing the slabs for its room may have moved it
         target.slab.pool.copy_row(place.row, target.row, place.slab.pool)
         self._places[holder] = target
-        heapq.heappush(place.slab.free, place.row)
+        self._give(place)
 
     def _size_for(self, positions: int) -> int:
         size = next((size for size in self.sizes if size >= positions), None)
@@ -246,35 +297,104 @@ class CacheManager:
             raise ValueError(f"{positions} positions exceed the largest row ({self.sizes[-1]})")
         return size
 
-    def _place(self, size: int, positions: int) -> _Place:
-        """A free row of `size`: in an open slab of that size, else in a new one (closing empty slabs of
-        other sizes when the budget needs their room)."""
-        for slab in self._slabs:
-            if slab.size == size and slab.free:
-                return self._taken(slab)
+    def _place(self, holder: Holder, size: int, positions: int, growing: _Place | None = None) -> _Place:
+        """A free row of `size` for `holder`: in an open slab of that size, else in a new one (closing empty
+        slabs, then packing other sizes' rows into fewer slabs, when the budget needs their room).
+        `growing`: where the holder is now, for what a refusal says."""
+        with_room = self._with_room[size]
+        if with_room:
+            return self._take(next(iter(with_room)), holder)
         row_bytes = self.row_bytes(size)
-        if self.full_rows or not self._make_room(row_bytes):
-            raise RowsFull(positions, self._full_message(size))
-        rows = max(1, min(self._slab_bytes, self.budget_bytes - self.allocated_bytes) // row_bytes)
-        return self._taken(self._open(size, rows))
+        if self.full_rows or not self._make_room(row_bytes, size):
+            raise RowsFull(positions, self._full_message(size, positions, growing))
+        rows = max(1, min(self._slab_bytes, self.budget_bytes - self._allocated) // row_bytes)
+        return self._take(self._open(size, rows), holder)
 
-    def _make_room(self, needed: int) -> bool:
-        """Whether the budget has `needed` bytes free, after closing empty slabs if that gives them."""
-        room = self.budget_bytes - self.allocated_bytes
-        empty = [slab for slab in self._slabs if slab.empty]
-        if room + sum(slab.pool.rows * self.row_bytes(slab.size) for slab in empty) < needed:
-            return False
-        for slab in empty:
-            if room >= needed:
+    def _make_room(self, needed: int, size: int) -> bool:
+        """Whether the budget has `needed` bytes free, after closing empty slabs and then, where that is
+        not enough, packing the rows of other sizes into fewer slabs (`_compact`)."""
+        room = self.budget_bytes - self._allocated
+        empty_bytes = sum(slab.pool.rows * self.row_bytes(slab.size) for slab in self._empty)
+        if room + empty_bytes < needed:
+            moves = self._packing(needed - room - empty_bytes, size)
+            if moves is None:
+                return False
+            self._compact(moves)
+        for slab in list(self._empty):
+            if self.budget_bytes - self._allocated >= needed:
                 break
-            self._slabs.remove(slab)  # its buffers' memory goes with the pool's last reference
-            room += slab.pool.rows * self.row_bytes(slab.size)
+            self._close(slab)
         return True
 
-    def _taken(self, slab: _Slab) -> _Place:
+    def _packing(self, short: int, size: int) -> list[tuple[_Slab, _Slab]] | None:
+        """Moves (from slab, into slab) of live rows of sizes other than `size` that leave slabs empty
+        worth at least `short` bytes, None when packing every size cannot give that much. Only the plan:
+        nothing moves.
+
+        Per size, a slab is emptied when the free rows of the others hold its live ones, the emptiest
+        first, into the fullest. A slab that cannot be emptied then had more rows than the size's free
+        rows in all, and those only fall as slabs empty: what packing leaves of a size's free rows is
+        less than one slab (the bound docs/design.md states)."""
+        moves: list[tuple[_Slab, _Slab]] = []
+        gained = 0
+        for other in self.sizes:
+            if other == size:
+                continue  # every slab of it is full, or it would not be asked for room
+            slabs = sorted((slab for slab in self._slabs if slab.size == other and not slab.empty), key=_live)
+            live = {slab: slab.live for slab in slabs}
+            free = sum(len(slab.free) for slab in slabs)
+            receivers = collections.deque(slab for slab in reversed(slabs) if slab.free)  # the fullest first
+            for donor in slabs:
+                if free < donor.pool.rows:
+                    continue  # the others' free rows cannot hold its live ones
+                while live[donor]:
+                    receiver = receivers[0] if receivers[0] is not donor else receivers[1]
+                    taken = min(live[donor], receiver.pool.rows - live[receiver])
+                    moves += [(donor, receiver)] * taken
+                    live[receiver] += taken
+                    live[donor] -= taken
+                    if live[receiver] == receiver.pool.rows:
+                        receivers.remove(receiver)
+                if donor in receivers:
+                    receivers.remove(donor)
+                live[donor] = donor.pool.rows  # emptied: it takes no row back
+                free -= donor.pool.rows
+                gained += donor.pool.rows * self.row_bytes(other)
+                if gained >= short:
+                    return moves
+        return None
+
+    def _compact(self, moves: list[tuple[_Slab, _Slab]]) -> None:
+        """Each move: a live row of the first slab to a free row of the second (one size), its holder's
+        place with it; what a holder holds is unchanged. The emptied slabs join the empty ones."""
+        for donor, receiver in moves:
+            row, holder = next(iter(donor.holders.items()))
+            source, target = _Place(donor, row), self._take(receiver, holder)
+            receiver.pool.copy_row(row, target.row, donor.pool)
+            self._places[holder] = target
+            self._give(source)
+        self.rows_moved += len(moves)
+
+    def _take(self, slab: _Slab, holder: Holder) -> _Place:
         row = heapq.heappop(slab.free)
         slab.pool.reset(row)
+        slab.holders[row] = holder
+        if not slab.free:
+            del self._with_room[slab.size][slab]
+        self._empty.pop(slab, None)
+        self._reserved += self.row_bytes(slab.size)
         return _Place(slab, row)
+
+    def _give(self, place: _Place) -> None:
+        """A row back to its slab, holding nothing (what it held was counted off, or moved)."""
+        slab = place.slab
+        del slab.holders[place.row]
+        slab.pool.reset(place.row)  # a free row's length 0: decode windows read nothing of it
+        heapq.heappush(slab.free, place.row)
+        self._with_room[slab.size][slab] = None
+        if slab.empty:
+            self._empty[slab] = None
+        self._reserved -= self.row_bytes(slab.size)
 
     def _open(self, size: int, rows: int) -> _Slab:
         pool = KVPool(
@@ -288,16 +408,38 @@ class CacheManager:
         if pool.device != CPU:  # on the host rows move as array copies: no kernel
             self._row_copies[size] = pool.row_copy
         slab = _Slab(pool, list(range(rows)))
-        self._slabs.append(slab)
+        self._slabs[slab] = None
+        self._with_room[size][slab] = None
+        self._empty[slab] = None
+        self._allocated += rows * self.row_bytes(size)
         self.slabs_opened += 1
         return slab
 
-    def _full_message(self, size: int) -> str:
-        mib = 1 << 20
+    def _close(self, slab: _Slab) -> None:
+        """An empty slab closed: its buffers' memory goes with the pool's last reference."""
+        assert slab.empty
+        del self._slabs[slab], self._with_room[slab.size][slab], self._empty[slab]
+        self._allocated -= slab.pool.rows * self.row_bytes(slab.size)
+
+    def _add_held(self, positions: int) -> None:
+        with self._held_lock:
+            self._held_positions += positions
+
+    def _full_message(self, size: int, positions: int, growing: _Place | None) -> str:
+        """Why a row of `size` is refused: what was asked (a growing holder: from what length to what), and
+        where the budget's free bytes are (none of them is room for the row)."""
+        row = f"a row of {size} positions ({_amount(self.row_bytes(size))})"
+        if growing is None:
+            wanted = f"{row} does not fit"
+        else:
+            held = int(growing.slab.pool.lengths[growing.row])
+            wanted = f"growing from {held} to {positions} positions, it needs {row} for its row of {growing.slab.size}"
+        waste = self.waste()
         return (
             f"the KV cache budget is full: {len(self._places)} rows hold live sequences in "
-            f"{self.allocated_bytes / mib:.1f} of {self.budget_bytes / mib:.1f} MiB; a row of {size} positions "
-            f"({self.row_bytes(size) / mib:.2f} MiB) does not fit; retry later or end a sequence"
+            f"{_amount(self._reserved)} of {_amount(self.budget_bytes)}; {wanted}. Free: {_amount(waste['free'])} "
+            f"outside any slab, {_amount(waste['free_rows'])} in free rows of other sizes' slabs, too few to empty "
+            f"a slab by moving rows; retry later or end a sequence"
         )
 
     # --- steps and whole rows, by holder ---------------------------------------------------------------
@@ -313,10 +455,12 @@ class CacheManager:
         for holder in steps:
             place = self._places[holder]
             by_slab.setdefault(id(place.slab), (place.slab, {}))[1][place.row] = holder
+        before = sum(self.length(holder) for holder in steps)
         results: dict[Holder, np.ndarray | Exception] = {}
         for slab, rows in by_slab.values():
             outputs = slab.pool.run({row: steps[holder] for row, holder in rows.items()}, last_only)
             results.update({rows[row]: output for row, output in outputs.items()})
+        self._add_held(sum(self.length(holder) for holder in steps) - before)  # a failed run may have added some
         return results
 
     def read(self, holder: Holder, start: int = 0) -> dict[str, np.ndarray]:
@@ -337,16 +481,20 @@ class CacheManager:
     def write(self, holder: Holder, cache: Mapping[str, np.ndarray], length: int) -> None:
         """`holder` holds `cache` (as `read` gives it, `length` positions) from now on."""
         self.grow(holder, length)
-        place = self._places[holder]
+        place, before = self._places[holder], self.length(holder)
         place.slab.pool.write(place.row, cache, length)
+        self._add_held(length - before)
 
     def copy(self, source: Holder, target: Holder) -> None:
         """`target` holds what `source` holds (on the device when it has one)."""
         self.grow(target, self.length(source))
         (source_place, target_place) = self._places[source], self._places[target]
+        before = self.length(target)
         target_place.slab.pool.copy_row(source_place.row, target_place.row, source_place.slab.pool)
+        self._add_held(self.length(target) - before)
 
     def rewind(self, holder: Holder, length: int) -> None:
         """`holder` keeps its first `length` positions (0 to its length)."""
-        place = self._places[holder]
+        place, before = self._places[holder], self.length(holder)
         place.slab.pool.rewind(place.row, length)
+        self._add_held(length - before)

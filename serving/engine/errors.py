@@ -89,8 +89,9 @@ class CacheFull(ServingError):
     code = UNAVAILABLE
     kind = kinds.CACHE_FULL
 
-    def __init__(self, sequence_id: int | str, message: str) -> None:
-        super().__init__(f"sequence {sequence_id!r} cannot start: {message}")
+    def __init__(self, sequence_id: int | str, message: str, growing: bool = False) -> None:
+        """`growing`: a live sequence's step needed more room (it goes on as it was), not a START."""
+        super().__init__(f"sequence {sequence_id!r} cannot {'grow' if growing else 'start'}: {message}")
         self.sequence_id = sequence_id
 
 

@@ -4,11 +4,18 @@ ids that are gone (to answer a late step precisely), idle eviction, and the coun
 
 Not locked: the store that owns it holds its own lock around every call (execute() and the idle
 sweeper both use it). `release(entry)` gives an entry's memory back (the static engine's row).
+
+The entries are kept in the order they were last used (a touch moves one to the end), so finding the
+idle ones reads only them and the first that is not: a START's sweep and the sweeper's cost the
+sequences they evict, not the thousands that stay (issue 34: a step's cost grew with the idle sessions).
+An owner that sets an entry's `last_used` itself (the concat store, after the step that touched it) keeps
+the order to within that step.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Hashable
 from typing import Generic, Protocol, TypeVar
 
@@ -62,6 +69,7 @@ class LiveSequences(Generic[E]):
         if entry is None:
             raise gone_error(self._gone, sequence_id)
         entry.last_used = self._clock()
+        self.entries[sequence_id] = self.entries.pop(sequence_id)  # the most recently used: last
         return entry
 
     def end(self, sequence_id: SequenceId) -> bool:
@@ -74,7 +82,7 @@ class LiveSequences(Generic[E]):
 
     def evict_idle(self) -> list[SequenceId]:
         deadline = self._clock() - self.idle_timeout
-        idle = [sid for sid, entry in self.entries.items() if entry.last_used <= deadline]
+        idle = list(itertools.takewhile(lambda sid: self.entries[sid].last_used <= deadline, self.entries))
         for sid in idle:
             self._release(self.entries.pop(sid))  # the last reference: the memory is the next sequences'
             self._gone.bury(sid, functools.partial(errors.SequenceEvicted, sid, self.idle_timeout))

@@ -21,9 +21,14 @@ where the one before ended). Metadata
 | `owner` | who may restore it (the gateway's keyed fingerprint of the caller's API key; empty: anyone) |
 
 A blob is refused (`SnapshotError`, naming what differs, expected and actual) when it is not a
-safetensors file, when its metadata is not this model's, graph or dtype, or when its tensors do not
-have the shapes its length and config say; increments are restored together (`decode_chunks`), each
-starting where the one before ended.
+safetensors file, when its metadata is not this model's, graph or dtype, when its tensors do not
+have the shapes its length and config say, or when a float cache holds a value that is not finite
+(naming the tensor and the first such position); increments are restored together (`decode_chunks`),
+each starting where the one before ended.
+
+The metadata says what a blob is for, not who made it: what is handed to users or kept in a store
+carries a keyed tag (contract/integrity.py) that the gateway and the store check before a blob comes
+here. Extra metadata (the gateway's `mac`) is ignored.
 """
 
 from __future__ import annotations
@@ -123,7 +128,20 @@ def _decode_part(blob: bytes, identity: Mapping[str, str], owner: str) -> tuple[
                 f"{length}), got "
                 f"{tensors[name].dtype} {list(tensors[name].shape)}"
             )
+        _check_finite(name, tensors[name], start)
     return tensors, start, length
+
+
+def _check_finite(name: str, values: np.ndarray, start: int) -> None:
+    """A float cache's values are all finite: a NaN or an infinity restored would make every answer after it
+    NaN or far off. Integer codes (a quantized cache) are any byte."""
+    if values.dtype.kind != "f" or np.isfinite(values).all():
+        return
+    head, position, index = (int(i) for i in np.argwhere(~np.isfinite(values))[0])
+    raise SnapshotError(
+        f"snapshot tensor {name}: expected finite values, got {values[head, position, index]} at kv head {head}, "
+        f"position {start + position}, index {index}"
+    )
 
 
 def cache_width(cfg: ModelConfig, dtype: str) -> int:

@@ -168,7 +168,7 @@ class StaticSessionEngine(StepEngine):
             try:
                 self.cache.grow(sequence_id, length)
             except RowsFull as full:
-                raise errors.CacheFull(sequence_id, str(full)) from None
+                raise errors.CacheFull(sequence_id, str(full), growing=True) from None
 
     def _allocate(self, holder: Holder, name: SequenceId | str, positions: int) -> None:
         try:
@@ -305,13 +305,17 @@ class StaticSessionEngine(StepEngine):
         with self._lock:
             return self._slots.evict_idle()
 
+    def sequences(self) -> int:
+        return len(self._slots)
+
     def stats(self) -> CacheStats:
+        """The manager's running counts: reading them walks no sequence (they include the named prefixes'
+        rows, which take the budget as a sequence's do)."""
         with self._lock:
-            live = list(self._slots.entries)
             return CacheStats(
-                sequences=len(live),
-                held_bytes=sum(self.cache.length(holder) for holder in live) * self.cache.bytes_per_position,
-                reserved_bytes=self.cache.reserved_bytes(live),
+                sequences=len(self._slots),
+                held_bytes=self.cache.held_total,
+                reserved_bytes=self.cache.reserved_total,
                 budget_bytes=self.cache.budget_bytes,
                 evictions=self._slots.evictions,
                 allocated_bytes=self.cache.allocated_bytes,

@@ -44,8 +44,8 @@ class StepRequest:
 @dataclasses.dataclass(frozen=True)
 class CacheStats:
     sequences: int
-    held_bytes: int  # what the caches hold now
-    reserved_bytes: int  # what the budget counts: one reservation per live sequence
+    held_bytes: int  # what the caches hold now (the named prefixes' too)
+    reserved_bytes: int  # what the budget counts: one reservation per live sequence and named prefix
     budget_bytes: int
     evictions: int
     allocated_bytes: int  # of the budget, what memory is taken now (static: its open slabs)
@@ -132,6 +132,11 @@ class StepEngine(abc.ABC):
     cfg: ModelConfig
     # the session operations this engine offers (names of SESSION_OPERATIONS); Triton's dispatch reads them
     OPERATIONS: ClassVar[tuple[str, ...]] = ()
+
+    def sequences(self) -> int:
+        """Live sequences, as `stats().sequences`: what a request's gauge update asks (an engine whose
+        stats walk its sequences answers it without them)."""
+        return self.stats().sequences  # type: ignore[attr-defined]  # every engine has its stats
 
     def operations(self) -> dict[str, Operation]:
         """The session operations this engine offers, by name."""

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,10 +18,11 @@ from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
 from starlette.responses import Response
-from starlette.types import Scope
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serving.gateway import openai_api, routes
 from serving.gateway.errors import install_handlers
+from serving.gateway.hot_path import HotRoutes
 from serving.gateway.limits import RequestLimitsMiddleware
 from serving.gateway.metrics import MetricsMiddleware
 from serving.gateway.settings import Settings
@@ -44,10 +48,57 @@ own tokenizer and chat template); `GET /v1/models` answers OpenAI's list (`data`
 """
 
 
+# "1": freeze what start-up made out of the garbage collector's passes. Off: it did not pay here (docs/design.md,
+# "The gateway at the speed of gRPC"), and in a process that is not the gateway's alone (a test's gateway on a
+# thread) it would freeze the host's objects too
+GC_FREEZE = "SERVING_GC_FREEZE"
+# the routes every token pays for: called without FastAPI's per-request work (hot_path.py)
+HOT_ROUTES = frozenset(
+    {
+        ("POST", "/v1/sessions/{session_id}/step"),
+        ("POST", "/v1/attend"),
+        ("POST", "/v1/sessions/{session_id}/generate"),
+        ("POST", "/v1/generate"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    }
+)
+
+
+class GatewayApp(FastAPI):
+    """FastAPI under the gateway's own middleware (metrics outermost, then the request limits), with the hot
+    routes called directly beneath them; FastAPI's stack answers the rest and whatever a hot route declines."""
+
+    edge: ASGIApp | None = None  # set by create_app once the routes are in
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.edge is not None:
+            await self.edge(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+
+def _install_edge(app: GatewayApp) -> HotRoutes:
+    gateway = app.state.gateway
+    candidates = [route for route in (*routes.v1.routes, *openai_api.openai.routes) if _route_key(route) in HOT_ROUTES]
+    hot = HotRoutes(app, functools.partial(FastAPI.__call__, app), candidates)
+    # metrics outermost: they see every answer, the limits' too; the limits run before any parsing
+    app.edge = MetricsMiddleware(RequestLimitsMiddleware(hot, gateway=gateway), metrics=gateway.metrics)
+    return hot
+
+
+def _route_key(route) -> tuple[str, str]:
+    return (next(iter(getattr(route, "methods", None) or {""})), getattr(route, "path", ""))
+
+
 @contextlib.asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: GatewayState = app.state.gateway
     await gateway.start()
+    if os.environ.get(GC_FREEZE) == "1":
+        # what start-up made lives as long as the process: left out of every later collection
+        gc.collect()
+        gc.freeze()
     try:
         yield
     finally:
@@ -57,7 +108,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The gateway as an ASGI app; `settings=None` reads them from the environment."""
     settings = settings or Settings()
-    app = FastAPI(
+    app = GatewayApp(
         title="attention-serving gateway",
         version="1.0.0",
         description=DESCRIPTION,
@@ -75,9 +126,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(routes.v1)  # first: the router tries routes in order, and these are the busy ones
     app.include_router(openai_api.openai)
     app.include_router(routes.health)
-    # added last = outermost: metrics see every answer, the limits run before any parsing
-    app.add_middleware(RequestLimitsMiddleware, gateway=app.state.gateway)
-    app.add_middleware(MetricsMiddleware, metrics=app.state.gateway.metrics)
+    app.state.hot_routes = _install_edge(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

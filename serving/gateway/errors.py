@@ -91,6 +91,13 @@ class TooManySessions(ApiError):
     status, code = 429, "too_many_sessions"
 
 
+class QuotaExceeded(ApiError):
+    """This API key holds as much as its quota lets it (named prefixes, or KV cache bytes of its sessions and
+    prefixes, serving/gateway/quotas.py); the message names the limit, its setting, the figure asked and held."""
+
+    status, code = 429, "quota_exceeded"
+
+
 class Overloaded(ApiError):
     """As many stateless requests are in flight as the gateway lets through: retry shortly."""
 
@@ -127,8 +134,9 @@ DESCRIPTIONS = {
     413: "request body larger than any valid request for the served model can be, or than the configured limit",
     415: "a body of a Content-Type the route does not read (the message names the type sent and those it reads)",
     422: "the body does not match the schema",
-    429: "this API key holds as many open sessions as it may, or the gateway is at its cap on stateless requests "
-    "or on large bodies in flight (see Retry-After)",
+    429: "this API key holds as many open sessions, named prefixes or bytes of KV cache as its quotas let it "
+    "(`too_many_sessions`, `quota_exceeded`: the message names the limit), or the gateway is at its cap on "
+    "stateless requests or on large bodies in flight (`overloaded`, see Retry-After)",
     502: "Triton failed on a request it accepted",
     503: "Triton is unavailable, not ready, or its KV-cache budget is full (see Retry-After)",
     504: "the request took longer than the per-request timeout",

@@ -67,6 +67,11 @@ class Asked:
     logprobs: bool  # answer each token's logprob and its top alternatives
     stream: bool
 
+    @property
+    def positions(self) -> int:
+        """The most positions it adds to its session: the prompt and every new token (the key's quota)."""
+        return (0 if self.ids is None else self.ids.shape[1]) + self.arguments["max_new_tokens"]
+
 
 def checked(body: schemas.GenerateBody, info: ModelInfo, model: str, *, stateless: bool) -> Asked:
     """The request of a parsed body for the session model `info` (named `model`), or 400 naming the field."""

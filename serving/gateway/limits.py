@@ -4,15 +4,17 @@ large bodies in flight.
 - The deadline (`request_deadline`): `SERVING_REQUEST_TIMEOUT_S` from the request's arrival; every
   upstream call of the request ends by then (state.GatewayState.call), so no request outlives it.
 - The body limit: the smaller of `SERVING_MAX_BODY_BYTES` and the most a valid body can need for the
-  served model (validated.body_bound, once its sizes are known). A declared Content-Length over it is
+  served model (validated.body_bound, once its sizes are known); for a restore (POST /v1/sessions), the
+  largest snapshot the session model can produce (`restore_bound`). A declared Content-Length over it is
   refused at once; a chunked body is read up to it and refused as soon as it passes it, so a client
   cannot make the gateway buffer more than the limit.
 - Large bodies: a body over `LARGE_BODY_BYTES` (declared, or once that much of a chunked one has come)
   takes one of `SERVING_LARGE_BODY_CONCURRENCY` places for its whole request, or gets 429 with
   Retry-After at once: megabytes of JSON numbers are several times their size as Python objects while
   they are decoded, and four at once took the gateway from 96 MiB to 1.6 GB. When the last large
-  request in flight ends, the memory it freed is given back to the system (`malloc_trim`), so that a
-  burst does not leave the process at its peak.
+  request in flight ends, or the last with a body over `TRIM_BODY_BYTES` (a restore's snapshot), the
+  memory it freed is given back to the system (`malloc_trim`), so that a burst does not leave the
+  process at its peak.
 
 The body is read here and replayed to the app: FastAPI would turn an error raised while it reads the
 body into a 400.
@@ -34,6 +36,15 @@ from serving.gateway.errors import ApiError, BodyTooLarge, Overloaded, error_res
 # 3x it as Python objects while decoded (a base64 body, 1x: 8 MiB carries the seed model's past of 1,500
 # positions, which stateless callers send every step and must not queue for)
 LARGE_BODY_BYTES = 8 << 20
+# when the last request in flight with a body over this ends, the memory freed is given back to the system: a
+# burst of 12 restores of 4 MiB snapshots (below LARGE_BODY_BYTES) left the gateway 24 MiB larger without it
+TRIM_BODY_BYTES = 1 << 20
+# a snapshot's safetensors header: 2 x n_layers tensor entries of about 100 bytes and the metadata (the model's
+# config as JSON, the graph's name and sha256, the integrity tag): 1,368 bytes for the 2-layer test model
+SNAPSHOT_HEADER_BYTES = 64 << 10
+# the cache dtype is not in what the session model publishes: a float32 cache, the widest, bounds them all
+WIDEST_CACHE_ELEMENT_BYTES = 4
+RESTORE_ROUTE = ("POST", "/v1/sessions")
 # when the request being handled must be answered by, on the event loop's clock (None outside a request)
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
@@ -41,16 +52,17 @@ request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
 class RequestLimitsMiddleware:
     def __init__(self, app: ASGIApp, gateway) -> None:  # gateway: state.GatewayState
         self.app, self.gateway = app, gateway
+        self._sized_bodies = 0  # requests with a body over TRIM_BODY_BYTES in flight
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_deadline.set(asyncio.get_running_loop().time() + self.gateway.settings.request_timeout_s)
-        limit = self.gateway.body_limit
+        limit = _Limit.of(scope, self.gateway)
         declared = _content_length(scope)
-        if declared is not None and declared > limit:
-            await _refuse(scope, receive, send, BodyTooLarge(_too_large(f"declared Content-Length {declared}", limit)))
+        if declared is not None and declared > limit.bytes:
+            await _refuse(scope, receive, send, limit.exceeded(f"declared Content-Length {declared}"))
             return
         large = _LargeBody(self.gateway)
         try:
@@ -61,12 +73,17 @@ class RequestLimitsMiddleware:
             large.release()
             await _refuse(scope, receive, send, error)
             return
+        sized = len(body) > TRIM_BODY_BYTES
+        self._sized_bodies += sized
         try:
             await self.app(scope, _replay(body, receive), send)
         finally:
             large.release()
+            self._sized_bodies -= sized
+            if sized and not self._sized_bodies:
+                give_back_memory()
 
-    async def _read(self, receive: Receive, limit: int, large: _LargeBody) -> bytes:
+    async def _read(self, receive: Receive, limit: _Limit, large: _LargeBody) -> bytes:
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -74,8 +91,8 @@ class RequestLimitsMiddleware:
                 return b"".join(chunks)
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(_too_large("the body", limit))
+            if size > limit.bytes:
+                raise limit.exceeded("the body")
             if size > LARGE_BODY_BYTES and not large.taken:
                 large.take()
             chunks.append(chunk)
@@ -107,11 +124,35 @@ class _LargeBody:
                 give_back_memory()
 
 
-def _too_large(what: str, limit: int) -> str:
-    return (
-        f"request body too large: {what} exceeds the limit of {limit} bytes (the most a valid request "
-        "can need for the served model, or SERVING_MAX_BODY_BYTES)"
-    )
+class _Limit:
+    """The most bytes a request's body may have, and what that figure is."""
+
+    def __init__(self, size: int, meaning: str) -> None:
+        self.bytes, self.meaning = size, meaning
+
+    @classmethod
+    def of(cls, scope: Scope, gateway) -> _Limit:
+        if (scope.get("method"), scope.get("path")) == RESTORE_ROUTE:
+            return cls(gateway.restore_limit, "the largest snapshot the served session model can produce")
+        return cls(gateway.body_limit, "the most a valid request can need for the served model")
+
+    def exceeded(self, what: str) -> BodyTooLarge:
+        return BodyTooLarge(
+            f"request body too large: {what} exceeds the limit of {self.bytes} bytes ({self.meaning}, or "
+            "SERVING_MAX_BODY_BYTES)"
+        )
+
+
+def restore_bound(facts: dict, max_seq_len: int) -> int | None:
+    """The most bytes a snapshot of the session model whose config published `facts` can take: every position
+    up to `max_seq_len` of every layer's keys and values, in the widest cache dtype, and its header; None while
+    the facts lack a size."""
+    sizes = [facts.get(fact) for fact in ("n_layers", "n_kv_heads", "head_dim")]
+    if not all(isinstance(size, int) and size > 0 for size in sizes):
+        return None
+    n_layers, n_kv_heads, head_dim = sizes
+    cache = max_seq_len * n_layers * 2 * n_kv_heads * head_dim * WIDEST_CACHE_ELEMENT_BYTES
+    return cache + SNAPSHOT_HEADER_BYTES
 
 
 async def _refuse(scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:

@@ -345,6 +345,7 @@ class Run:
                 await self._free_kept()
                 continue
             self._owned.append(session)
+            self.gw.quotas.opened(self.owner, session)  # a fork holds positions at once; 429 past the key's quota
             return session
         raise AssertionError("unreachable")
 
@@ -366,6 +367,7 @@ class Run:
 
     async def _prefill(self, upstream: Any, ids: np.ndarray) -> list[Token | None]:
         self.gw.metrics.prompt_tokens.inc(len(ids))  # the choices' own generations each send one token more
+        self.gw.quotas.grow(self.owner, upstream, len(ids))
         generated = upstream.generate(ids, max_new_tokens=0, prompt_logprobs=self.asked.prompt_logprobs)
         async for _ in generated:
             pass
@@ -382,6 +384,7 @@ class Run:
                 arguments["seed"] = (arguments["seed"] + choice.index) % (1 << 63)  # n choices: n draws
             forked = self.asked.n > 1
             prompt_logprobs = None if forked else self.asked.prompt_logprobs
+            self.gw.quotas.grow(self.owner, lease.upstream, len(lease.send) + self.asked.max_new[choice.prompt])
             tokens = lease.upstream.generate(
                 lease.send,
                 max_new_tokens=self.asked.max_new[choice.prompt],
@@ -445,10 +448,13 @@ class Run:
                 held = np.asarray([*lease.held_before.tolist(), *lease.send.tolist(), *answered], np.int64)
             if lease.bound is not None:
                 lease.bound.tokens = held  # None: failed or cut off, what it holds is unknown here
+                self.gw.quotas.settle(self.owner, lease.upstream)
             elif held is not None:
                 self.gw.end_kept(self.gw.conversations.keep(self.owner, lease.upstream, held))
                 kept.add(id(lease.upstream))
         self.gw.end_kept([session for session in self._owned if id(session) not in kept])
+        # kept conversations are the gateway's cache, ended when the budget needs room: no key's share
+        self.gw.quotas.release(*self._owned)
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(self.asked.prompts[choice.prompt]) for choice in self.choices[:: self.asked.n])

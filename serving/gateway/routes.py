@@ -23,9 +23,10 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
-from contract import names
+from contract import integrity, names
 from contract.heads import head_roles, head_statistics
 from contract.inputs import real_tokens
+from contract.integrity import Keyring
 from serving.gateway import generate, schemas, validated
 from serving.gateway.auth import ANONYMOUS, api_key_scheme, bearer_scheme, identify
 from serving.gateway.encoding import Encoding, encode, tensor_json
@@ -328,7 +329,8 @@ SNAPSHOT_BODY = {
         "description": "none: an empty session; a snapshot (GET /v1/sessions/{id}/snapshot) as "
         "application/octet-stream, or a prefix of this key as JSON (application/json, or no Content-Type), for a "
         "session that starts from it. Media types are read case-insensitively, parameters allowed; a body of "
-        "another type is refused (415), never read as an empty session",
+        "another type is refused (415), never read as an empty session. A snapshot is restored only as it was "
+        "handed out: its integrity tag (HMAC) is checked first, and a changed one is refused (400)",
         "content": {
             SNAPSHOT_TYPE: {"schema": {"type": "string", "format": "binary"}},
             "application/json": {"schema": {"$ref": "#/components/schemas/FromPrefix"}},
@@ -349,6 +351,8 @@ async def create_session(request: Request, gw: State, owner: Caller, response: R
     media_type = media_type_of(request)
     raw = await request.body()
     blob = raw if media_type == SNAPSHOT_TYPE else b""
+    if blob:  # before anything goes upstream: only what this service handed out, unchanged, is restored
+        await gw.offload(len(blob), _verified, blob, gw.keyring)
     prefix = None
     if media_type != SNAPSHOT_TYPE and raw.strip():
         if media_type not in ("application/json", ""):
@@ -358,6 +362,13 @@ async def create_session(request: Request, gw: State, owner: Caller, response: R
             raise PrefixNotFound(f"no prefix {prefix!r} (PUT /v1/prefixes/{{name}} first)")
     upstream = gw.client.session(restore=blob or None, owner=owner, prefix=prefix)
     return await _open(gw, gw.sessions.reserve(owner, upstream), response, upstream.open())
+
+
+def _verified(blob: bytes, keyring: Keyring) -> None:
+    try:
+        integrity.snapshot_verified(blob, keyring)
+    except integrity.IntegrityError as error:
+        raise InvalidInput(str(error), param="body") from None
 
 
 def media_type_of(request: Request) -> str:
@@ -402,6 +413,7 @@ async def _open(gw: State, session: GatewaySession, response: Response, opening)
     try:  # START now: a full KV budget or a Triton that cannot serve answers here, not at the first step
         with naming(session, "the new session"):  # its id is the caller's only once it is open
             await gw.call(opening, "opening a session")
+            gw.quotas.opened(session.owner, session.upstream)  # a restored, prefixed or forked start holds some
     except ApiError as error:
         gw.sessions.remove(session.id, session.owner, "refused when opened")
         gw.end_later(session)  # Triton's batcher may hold the sequence; the answer does not wait for it
@@ -416,7 +428,7 @@ async def _open(gw: State, session: GatewaySession, response: Response, opening)
 @v1.post(
     SESSION_PATH + "/step",
     response_model=schemas.StepResponse,
-    responses=responses(400, 401, 404, 409, 413, 422, 502, 503, 504),
+    responses=responses(400, 401, 404, 409, 413, 422, 429, 502, 503, 504),
     summary="Append new tokens to a session and return their output",
     openapi_extra=body_documented(schemas.StepBody),
 )
@@ -433,6 +445,7 @@ async def step(session_id: str, request: Request, owner: Caller, encoding: Respo
 
 async def _step(gw: State, session: GatewaySession, valid: validated.ValidStep) -> np.ndarray:
     """One upstream step; a session whose server-side state is lost or unknown is marked broken."""
+    gw.quotas.grow(session.owner, session.upstream, valid.hidden_states.shape[1])  # 429 before it goes upstream
     try:
         call = session.upstream.step(valid.hidden_states, valid.attention_mask)
         return await gw.call(call, f"step of session '{session.id}'")
@@ -446,6 +459,7 @@ def _session_failed(gw: State, session: GatewaySession, timed_out: str, error: A
     error = renamed(session, error)
     if isinstance(error, SessionConflict):
         gw.sessions.break_(session, f"Triton no longer holds its KV cache ({error.message})")
+        gw.quotas.release(session.upstream)  # nothing held: no share (a timed-out one may hold some: kept)
     elif isinstance(error, UpstreamTimeout):
         gw.sessions.break_(session, timed_out)
     return error
@@ -489,7 +503,7 @@ GENERATED = {
 @v1.post(
     SESSION_PATH + "/generate",
     response_model=schemas.Generated,
-    responses=GENERATED | responses(400, 401, 404, 409, 413, 422, 502, 503, 504),
+    responses=GENERATED | responses(400, 401, 404, 409, 413, 422, 429, 502, 503, 504),
     summary="Generate tokens on the server after the prompt (or after what the session holds); the session keeps "
     "the prompt and every token answered",
 )
@@ -504,6 +518,7 @@ async def generate_in_session(session_id: str, body: schemas.GenerateBody, gw: S
                 "OpenAI-compatible routes, generate with it"
             )
         asked = generate.checked(body, await gw.model_info(model), model, stateless=False)
+        held.enter_context(gw.quotas.growing(owner, session.upstream, asked.positions))  # settled once it ends
         tokens = session.upstream.generate(asked.ids, **asked.arguments)
         timed_out = "a generation timed out, so how many tokens Triton holds for it is unknown"
         on_error = functools.partial(_session_failed, gw, session, timed_out)
@@ -542,7 +557,8 @@ async def snapshot(session_id: str, gw: State, owner: Caller) -> Response:
     async with gw.sessions.using(session_id, owner) as session:
         with naming(session):
             blob = await gw.call(session.upstream.snapshot(), f"snapshot of session '{session.id}'")
-    return Response(blob, media_type=SNAPSHOT_TYPE)
+    signed = await gw.offload(len(blob), integrity.snapshot_signed, blob, gw.keyring)
+    return Response(signed, media_type=SNAPSHOT_TYPE)
 
 
 @v1.post(
@@ -557,6 +573,7 @@ async def rewind(session_id: str, body: schemas.RewindBody, gw: State, owner: Ca
     async with gw.sessions.using(session_id, owner) as session:
         with naming(session):
             length = await gw.call(session.upstream.rewind(body.length), f"rewind of session '{session.id}'")
+        gw.quotas.settle(owner, session.upstream)
     return {"length": length}
 
 
@@ -567,7 +584,7 @@ async def rewind(session_id: str, body: schemas.RewindBody, gw: State, owner: Ca
     "/prefixes/{name}",
     status_code=201,
     response_model=schemas.Prefix,
-    responses=responses(400, 401, 413, 422, 502, 503, 504),
+    responses=responses(400, 401, 413, 422, 429, 502, 503, 504),
     summary="Prefill tokens once as a named prefix of this key; sessions then start from it without a prefill",
     openapi_extra=body_documented(schemas.StepBody),
 )
@@ -578,7 +595,8 @@ async def put_prefix(name: str, request: Request, owner: Caller) -> dict:
     info = await gw.model_info(gw.settings.session_model)
     valid = await gw.offload(len(raw), validated.step, body, info)
     tokens = real_tokens(valid.hidden_states, valid.attention_mask)
-    length = await gw.call(gw.client.put_prefix(name, tokens, owner=owner), f"prefix '{name}'")
+    with gw.quotas.putting_prefix(owner, name, tokens.shape[1]):  # 429 past the key's prefix quotas
+        length = await gw.call(gw.client.put_prefix(name, tokens, owner=owner), f"prefix '{name}'")
     return {"name": name, "length": length}
 
 
@@ -610,6 +628,7 @@ async def get_prefix(name: str, gw: State, owner: Caller) -> dict:
 async def delete_prefix(name: str, gw: State, owner: Caller) -> Response:
     if name not in gw.client.prefixes(owner):
         raise PrefixNotFound(f"no prefix {name!r}")
+    gw.quotas.prefix_deleted(owner, name)  # the client forgets it before its DELETEs go out, whatever they answer
     await gw.call(gw.client.delete_prefix(name, owner=owner), f"deleting prefix '{name}'")
     return Response(status_code=204)
 

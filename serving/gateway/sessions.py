@@ -13,6 +13,11 @@ Statuses, so a caller can tell what happened:
 Everything runs on the event loop, so plain dicts suffice; the only awaits are upstream calls, and
 a session's `busy` flag (set before them) keeps a second request out.
 
+No request walks the table (issue 34: an open through the stack took 1.1 ms beside no idle session,
+20 ms beside 4,000): the working sessions are counted, in all and per key, as they come, break and
+go, and the table is kept in the order the sessions were last used, so the idle sweep reads the idle
+ones and stops at the first that is not.
+
 Any gateway replica serves any session (docs/scale-out.md, "Gateways"): a session's id is a claim
 signed with the gateway's secret (itsdangerous) naming the Triton sequence, the owner (a keyed hash
 of its API key, auth.owner_of) and the Triton replica holding it, so a gateway that has not seen the session resumes it
@@ -25,13 +30,14 @@ process.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from itsdangerous import BadSignature, URLSafeSerializer
@@ -117,17 +123,36 @@ class GatewaySessions:
         another gateway process; `shared`: other gateways serve these sessions too."""
         self.per_key, self.idle_s, self.clock = per_key, idle_s, clock
         self.ids, self._resume, self.shared = ids, resume, shared
-        self._open: dict[str, GatewaySession] = {}
+        self._open: dict[str, GatewaySession] = {}  # least recently used first
+        self._working: collections.Counter[str] = collections.Counter()  # owner -> open, working sessions
+        self._working_total = 0
         self._gone: Tombstones[Gone] = Tombstones(TOMBSTONES)
         self._unclosed: list[GatewaySession] = []  # expired on access, still to be ended upstream
 
     def __len__(self) -> int:
         """Open, working sessions (what the active-sessions gauge shows)."""
-        return sum(1 for s in self._open.values() if s.broken is None)
+        return self._working_total
 
     def held_by(self, owner: str) -> int:
         """The key's open, working sessions (what its limit counts)."""
-        return sum(1 for s in self._open.values() if s.owner == owner and s.broken is None)
+        return self._working[owner]
+
+    def _insert(self, session: GatewaySession) -> None:
+        """Into the table, as the most recently used."""
+        self._open[session.id] = session
+        if session.broken is None:
+            self._count(session.owner, 1)
+
+    def _delete(self, session: GatewaySession) -> None:
+        del self._open[session.id]
+        if session.broken is None:
+            self._count(session.owner, -1)
+
+    def _count(self, owner: str, change: int) -> None:
+        self._working[owner] += change
+        self._working_total += change
+        if not self._working[owner]:
+            del self._working[owner]  # a key that held sessions once keeps no entry
 
     def reserve(self, owner: str, upstream: Any) -> GatewaySession:
         """A place for a new session, counted against the key's limit; its id is provisional until
@@ -139,15 +164,15 @@ class GatewaySessions:
                 f"expire ({self.idle_s:g} s idle)"
             )
         session = GatewaySession(secrets.token_urlsafe(16), owner, upstream, self.clock())
-        self._open[session.id] = session
+        self._insert(session)
         return session
 
     def name(self, session: GatewaySession) -> str:
         """Give an opened session its signed id."""
         upstream = session.upstream
-        del self._open[session.id]
+        self._delete(session)
         session.id = self.ids.issue(Claim(upstream.id, session.owner, upstream.replica or "", upstream.store_key or ""))
-        self._open[session.id] = session
+        self._insert(session)
         return session.id
 
     def get(self, session_id: str, owner: str) -> GatewaySession:
@@ -169,7 +194,7 @@ class GatewaySessions:
         if claim is None or claim.owner != owner:
             return None
         session = GatewaySession(session_id, owner, self._resume(claim), self.clock())
-        self._open[session_id] = session
+        self._insert(session)
         return session
 
     @contextlib.asynccontextmanager
@@ -188,8 +213,12 @@ class GatewaySessions:
         finally:
             session.busy = False
             session.last_used = self.clock()
+            if self._open.get(session.id) is session:  # the most recently used now: last
+                self._open[session.id] = self._open.pop(session.id)
 
     def break_(self, session: GatewaySession, reason: str) -> None:
+        if session.broken is None and self._open.get(session.id) is session:
+            self._count(session.owner, -1)  # no longer counts against its key's limit
         session.broken = reason
 
     def remove(self, session_id: str, owner: str, reason: str) -> GatewaySession:
@@ -201,10 +230,21 @@ class GatewaySessions:
     def idle(self) -> list[GatewaySession]:
         """Remove and return the sessions idle past `idle_s` (busy ones are not idle), to be ended
         upstream by the caller."""
-        expired = self._expire([s for s in self._open.values() if self._expired(s)])
+        expired = self._expire(list(self._idle_ones()))
         expired += self._unclosed
         self._unclosed = []
         return expired
+
+    def _idle_ones(self) -> Iterator[GatewaySession]:
+        """The sessions idle past `idle_s`, from the least recently used to the first that is not idle
+        (a busy one, whose last use is its last answer, is passed over: it is not idle)."""
+        deadline = self.clock() - self.idle_s
+        for session in self._open.values():
+            if session.busy:
+                continue
+            if session.last_used >= deadline:
+                return
+            yield session
 
     def _expired(self, session: GatewaySession) -> bool:
         return not session.busy and session.last_used < self.clock() - self.idle_s
@@ -214,14 +254,15 @@ class GatewaySessions:
         gateway may be stepping them, and the model's idle timeout frees their caches)."""
         if self.shared:
             for session in sessions:
-                del self._open[session.id]
+                self._delete(session)
             return []
         return [self._forget(s, f"closed after {self.idle_s:g} s without a step") for s in sessions]
 
     def drain(self) -> list[GatewaySession]:
         """Remove and return every session (shutdown)."""
         if self.shared:  # the other gateways go on serving them
-            self._open.clear()
+            for session in list(self._open.values()):
+                self._delete(session)
             return self._unclosed
         sessions = [self._forget(s, "the gateway shut down") for s in list(self._open.values())]
         sessions += self._unclosed
@@ -229,6 +270,6 @@ class GatewaySessions:
         return sessions
 
     def _forget(self, session: GatewaySession, reason: str) -> GatewaySession:
-        del self._open[session.id]
+        self._delete(session)
         self._gone.bury(session.id, Gone(session.owner, reason))
         return session

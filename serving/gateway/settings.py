@@ -40,6 +40,31 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=64 * 2**20, gt=0, description="larger request bodies get 413")
     request_timeout_s: float = Field(default=30.0, gt=0, description="per request, upstream included; past it 504")
     sessions_per_key: int = Field(default=16, ge=1, description="open sessions one API key may hold; past it 429")
+    kv_bytes_per_key: int | None = Field(
+        default=None,
+        gt=0,
+        description="bytes of KV cache one API key's sessions and named prefixes may hold together (a position "
+        "counted as 2 x n_layers x n_kv_heads x head_dim x 4 bytes: the cache's dtype is not published, so "
+        "float32, the widest); a step, generation, open or prefix past it gets 429 `quota_exceeded` (unset: "
+        "kv_share_per_key of the session model's KV budget, which its config publishes)",
+    )
+    kv_share_per_key: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="when kv_bytes_per_key is unset, the share of the session model's KV budget one API key may "
+        "hold: with 0.5 no key can take more than half, so no key can keep every other key out (a model that "
+        "does not publish its budget: the share of the serving default, 2 GiB)",
+    )
+    prefixes_per_key: int = Field(
+        default=8, ge=0, description="named prefixes one API key may hold; past it PUT /v1/prefixes gets 429"
+    )
+    prefix_bytes_per_key: int | None = Field(
+        default=None,
+        gt=0,
+        description="bytes of KV cache one API key's named prefixes may hold, within kv_bytes_per_key (prefixes "
+        "never expire, sessions do; unset: half the key's kv_bytes_per_key, the rest kept for its sessions)",
+    )
     session_idle_s: float = Field(default=300.0, gt=0, description="a session unused this long is closed")
     session_store: str | None = Field(
         default=None,
@@ -57,6 +82,13 @@ class Settings(BaseSettings):
         default=None,
         description="signs session ids; give every gateway replica the same one and any of them serves any "
         "session (unset: a random secret, sessions belong to this process)",
+    )
+    integrity_secrets: SecretStr | None = Field(
+        default=None,
+        description="signs the snapshots handed out and the session store's entries (HMAC-SHA256), comma-separated "
+        "for a rotation: the first signs, every one verifies; give every gateway sharing a store the same (unset: "
+        "one derived from the session secret, so snapshots restore and stored sessions rebuild wherever that is "
+        "shared, and only in this process when that is random)",
     )
     readiness_timeout_s: float = Field(
         default=3.0, gt=0, description="how long /readyz waits for Triton's answers to its probe"
@@ -142,6 +174,11 @@ class Settings(BaseSettings):
         if self.api_keys_file is not None:
             keys += read_keys_file(self.api_keys_file)
         return tuple(dict.fromkeys(keys))
+
+    def given_integrity_secrets(self) -> list[str]:
+        """SERVING_INTEGRITY_SECRETS, split at commas (none given: [])."""
+        text = self.integrity_secrets.get_secret_value() if self.integrity_secrets else ""
+        return [secret.strip() for secret in text.split(",") if secret.strip()]
 
     @property
     def auth_enabled(self) -> bool:

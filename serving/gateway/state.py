@@ -15,12 +15,14 @@ from typing import Any, TypeVar
 from client import AsyncClient, ClientError, ModelInfo
 from client.text import TextError, TextModel
 from contract.files import TOKENIZER_FILENAME
+from contract.integrity import Keyring, derived_secret
 from serving.gateway import upstream
 from serving.gateway.auth import owner_of
 from serving.gateway.conversations import Conversations
 from serving.gateway.errors import InvalidInput, Overloaded, UpstreamFailed
-from serving.gateway.limits import request_deadline
+from serving.gateway.limits import request_deadline, restore_bound
 from serving.gateway.metrics import Metrics
+from serving.gateway.quotas import Quotas
 from serving.gateway.sessions import GatewaySession, GatewaySessions, SessionIds, tag
 from serving.gateway.settings import Settings
 from serving.gateway.validated import body_bound
@@ -58,6 +60,8 @@ class GatewayState:
         self.metrics = Metrics(settings.triton_metrics_urls, settings.session_model)
         given = settings.session_secret.get_secret_value() if settings.session_secret else None
         self.secret = given or secrets.token_urlsafe(32)
+        # signs the snapshots handed out and the store's entries; its own secret, or one of the session secret's
+        self.keyring = Keyring(settings.given_integrity_secrets() or derived_secret(self.secret))
         self.sessions = GatewaySessions(
             settings.sessions_per_key,
             settings.session_idle_s,
@@ -71,6 +75,9 @@ class GatewayState:
         # the largest body taken: the configured limit, lowered to what the served model can need once
         # its sizes are known (validated.body_bound)
         self.body_limit = settings.max_body_bytes
+        # a restore's (POST /v1/sessions): the largest snapshot the session model can produce, once its sizes are
+        # known (limits.restore_bound)
+        self.restore_limit = settings.max_body_bytes
         self.request_tokens = settings.max_request_tokens or DEFAULT_REQUEST_TOKENS  # the model's once learned
         self.large_bodies = 0  # requests with a body over LARGE_BODY_BYTES in flight
         self._infos: dict[str, ModelInfo] = {}
@@ -80,6 +87,7 @@ class GatewayState:
         self._attending = 0  # /v1/attend requests in flight (everything runs on the event loop)
         self.started = int(time.time())  # OpenAI's `created` of the served model
         self.conversations = Conversations(settings.conversations_per_key, settings.conversation_idle_s)
+        self.quotas = Quotas(settings)  # what each key's sessions and prefixes hold of the KV cache
         self._text: TextModel | None = None
         self._text_fetch = asyncio.Lock()
         self._generation_client: AsyncClient | None = None
@@ -118,6 +126,7 @@ class GatewayState:
             backoff=0.05,
             validate=False,
             session_store=s.session_store or None,
+            store_secret=self.keyring.secrets,
             checkpoint_every=s.checkpoint_every,
             recovery_timeout=s.request_timeout_s,  # the request's deadline bounds it anyway
         )
@@ -153,11 +162,16 @@ class GatewayState:
 
     def _learned(self, model: str, info: ModelInfo) -> None:
         self._infos[model] = info
+        self.quotas.learn(model, info)
         if model == self.settings.model:
             s = self.settings
             self.request_tokens = limit_tokens(s.max_request_tokens, info)
             max_seq_len = s.max_seq_len or info.facts.get("max_seq_len") or self.request_tokens
             self.body_limit = min(s.max_body_bytes, body_bound(info, self.request_tokens, max_seq_len))
+        if model == self.settings.session_model:
+            max_seq_len = self.settings.max_seq_len or info.facts.get("max_seq_len")
+            bound = restore_bound(info.facts, max_seq_len) if isinstance(max_seq_len, int) else None
+            self.restore_limit = min(self.settings.max_body_bytes, bound or self.settings.max_body_bytes)
 
     async def _learn_models(self) -> None:
         """Both models' metadata as soon as Triton answers, so that the body bound holds from the first
@@ -210,6 +224,7 @@ class GatewayState:
 
     async def end_upstream(self, session: GatewaySession) -> None:
         """Send the session's END to Triton; failures are logged, not raised (the caller is done with it)."""
+        self.quotas.release(session.upstream)  # at once: the key's share is free before the END's answer
         await self._end(session.upstream, f"session {tag(session.id)}")
 
     def end_kept(self, upstreams: list) -> None:
@@ -278,3 +293,5 @@ class GatewayState:
                 log.info("closing %d idle session(s)", len(expired))
                 await asyncio.gather(*(self.end_upstream(s) for s in expired))
             self.end_kept(self.conversations.sweep())
+            if self.sessions.shared:  # idle sessions are forgotten here without an END: their shares too
+                self.quotas.forget_idle(self.settings.session_idle_s)

@@ -258,22 +258,23 @@ def wait_group_gone(pgid: int, timeout: float = GROUP_EXIT_TIMEOUT_S) -> bool:
     return True
 
 
-def mapped_shm_names(prefix: str) -> set[str]:
-    """Names of the /dev/shm regions under `prefix` that some process maps."""
+def mapped_shm_names() -> set[str]:
+    """Names of the /dev/shm regions that some process maps (one pass over every process's maps)."""
     names = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         with contextlib.suppress(OSError):
             for line in maps.read_text().splitlines():
-                if prefix in line:
+                if f" {SHM_DIR}/" in line:
                     names.add(line.rsplit("/", 1)[-1])
     return names
 
 
-def remove_unmapped_shm(prefix: str) -> list[Path]:
-    """Remove the shared-memory regions under `prefix` that no process maps; returns them."""
+def remove_unmapped_shm(prefix: str, in_use: set[str] | None = None) -> list[Path]:
+    """Remove the shared-memory regions under `prefix` that no process maps (`in_use`: the names
+    `mapped_shm_names()` gave, when the caller removes several prefixes' regions); returns them."""
     if not SHM_DIR.is_dir():
         return []
-    in_use, removed = mapped_shm_names(prefix), []
+    in_use, removed = mapped_shm_names() if in_use is None else in_use, []
     for region in SHM_DIR.glob(f"{prefix}*"):
         if region.name not in in_use:
             with contextlib.suppress(FileNotFoundError):
@@ -322,12 +323,17 @@ def _alive(pid: int, started: float | None) -> bool:
 
 def reap_leftovers(temp_dir: Path | None = None) -> list[str]:
     """Remove what runs whose owner died left in `temp_dir` (the system's by default); returns a
-    line for each thing removed."""
-    removed: list[str] = []
+    line for each thing removed. Every group is ended before the shared memory is looked at, once
+    for all of them (a kill of a launcher of many servers leaves many records)."""
+    claimed = []
     for record_path in Path(temp_dir or tempfile.gettempdir()).glob(f"*/{OWNER_FILE}"):
-        claimed = _claim(record_path)
-        if claimed is not None:
-            removed += _reap(record_path.parent, claimed)
+        record = _claim(record_path)
+        if record is not None:
+            claimed.append((record_path.parent, record))
+    removed = [line for _, record in claimed for line in _end_group(record)]
+    in_use = mapped_shm_names() if any(record.get("shm_prefix") for _, record in claimed) else set()
+    for work_dir, record in claimed:
+        removed += _remove_files(work_dir, record, in_use)
     return removed
 
 
@@ -346,17 +352,21 @@ def _claim(record_path: Path) -> dict | None:
     return record
 
 
-def _reap(work_dir: Path, record: dict) -> list[str]:
-    removed = []
+def _end_group(record: dict) -> list[str]:
     pid, owner = record["pid"], record["owner"]
     leader_started = _start_time(pid) if pid is not None else None
     # the group is the recorded one while its leader is the recorded process, or gone (its stubs left)
     if pid is not None and (leader_started is None or leader_started == record["started"]) and group_members(pid):
         kill_group(pid)
         wait_group_gone(pid)
-        removed.append(f"process group {pid} (started by pid {owner}, which is gone)")
+        return [f"process group {pid} (started by pid {owner}, which is gone)"]
+    return []
+
+
+def _remove_files(work_dir: Path, record: dict, shm_in_use: set[str]) -> list[str]:
+    removed = []
     if record.get("shm_prefix"):
-        removed += [str(region) for region in remove_unmapped_shm(record["shm_prefix"])]
+        removed += [str(region) for region in remove_unmapped_shm(record["shm_prefix"], shm_in_use)]
     if record.get("owns_work_dir", True):
         shutil.rmtree(work_dir, ignore_errors=True)
         removed.append(str(work_dir))

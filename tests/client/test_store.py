@@ -1,8 +1,12 @@
 """The session store's two backends (client/store.py), a local directory and a real redis-server:
 increments kept and given back in order, each position once; a rewind's truncation; owners apart;
-a changed or missing entry refused naming it, never given back; what a Redis restart keeps."""
+a changed or missing entry, or one moved from its place (session, owner, positions), refused naming it,
+never given back; secrets and their rotation; what a Redis restart keeps."""
 
 from __future__ import annotations
+
+import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -50,27 +54,68 @@ def test_a_missing_increment_is_refused_naming_the_positions(store):
     store.delete(key)
 
 
-def test_a_changed_entry_is_refused_with_both_digests(tmp_path):
-    store = DirectoryStore(tmp_path)
+def entry_file(store: DirectoryStore, key: StoreKey, start: int, end: int) -> Path:
+    return store.root.joinpath(*key.parts) / f"{start:012d}-{end:012d}"
+
+
+def test_a_changed_entry_is_refused_naming_why(tmp_path):
+    store = DirectoryStore(tmp_path, secret=b"gateway secret")
     key = StoreKey("owner", "changed")
     store.append(key, 0, 5, b"the cache's bytes")
-    (entry,) = [p for p in (tmp_path / key.parts[0] / "changed").iterdir()]
+    entry = entry_file(store, key, 0, 5)
     entry.write_bytes(entry.read_bytes()[:-1] + b"!")
-    with pytest.raises(
-        StoreError, match=r"changed \[0, 5\) is corrupt: sha256 expected [0-9a-f]{64}, got [0-9a-f]{64}"
-    ):
+    with pytest.raises(StoreError, match=r"changed \[0, 5\) is refused: its integrity tag does not match"):
         store.chunks(key)
 
 
-def test_a_changed_redis_entry_is_refused(redis_server):
+def test_an_entry_of_another_session_owner_or_positions_is_refused(tmp_path):
+    """An entry copied from its place into another is refused though its bytes are unchanged: its tag binds
+    the owner, the session key and the positions it was written for."""
+    store = DirectoryStore(tmp_path)  # no secret: the public label still binds each entry to its place
+    alice = StoreKey("owner-a", "alice")
+    store.append(alice, 0, 4, b"alice's first four")
+    written = entry_file(store, alice, 0, 4).read_bytes()
+    for place, start, end in [
+        (StoreKey("owner-a", "other"), 0, 4),  # another session of the same owner
+        (StoreKey("owner-b", "alice"), 0, 4),  # another owner's session of the same key
+        (alice, 4, 8),  # other positions of the same session
+    ]:
+        target = entry_file(store, place, start, end)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(written)
+        with pytest.raises(StoreError, match="integrity tag does not match"):
+            store.chunks(place)
+        target.unlink()
+
+
+def test_entries_verify_under_the_secret_they_were_written_with_or_one_rotated_in_before(tmp_path):
+    old, new = b"old secret", b"new secret"
+    key = StoreKey("owner", "rotated")
+    DirectoryStore(tmp_path, secret=old).append(key, 0, 3, b"under the old")
+    with pytest.raises(StoreError, match="integrity tag does not match"):
+        DirectoryStore(tmp_path, secret=new).chunks(key)
+    with pytest.raises(StoreError, match="integrity tag does not match"):
+        DirectoryStore(tmp_path).chunks(key)  # nor the public label
+    rotating = DirectoryStore(tmp_path, secret=[new, old])  # the new one signs, both verify
+    rotating.append(key, 3, 5, b"under the new")
+    assert [c.blob for c in rotating.chunks(key)] == [b"under the old", b"under the new"]
+    with pytest.raises(StoreError, match=r"\[0, 3\) is refused"):  # once the old secret is dropped
+        DirectoryStore(tmp_path, secret=new).chunks(key)
+
+
+def test_an_entry_in_the_old_unkeyed_format_is_refused_naming_it(redis_server):
+    """An entry rewritten as entries were before they were keyed (the sha256 of the blob, then the blob):
+    a fresh digest no longer makes an entry pass."""
     import redis
 
     store = RedisStore(redis_server.url)
     key = StoreKey("", "changed")
     store.append(key, 0, 2, b"xy")
-    name = RedisStore._name(key)
-    redis.Redis.from_url(redis_server.url).hset(name, f"{0:012d}-{2:012d}", b"0" * 64 + b"xy")
-    with pytest.raises(StoreError, match="is corrupt"):
+    forged = hashlib.sha256(b"zz").hexdigest().encode() + b"zz"
+    redis.Redis.from_url(redis_server.url).hset(RedisStore._name(key), f"{0:012d}-{2:012d}", forged)
+    with pytest.raises(
+        StoreError, match=r"\[0, 2\) is refused: it was written in the old format \(an unkeyed sha256\)"
+    ):
         store.chunks(key)
     store.delete(key)
 

@@ -1,6 +1,10 @@
 """The block's parts (norm x residual): every variant builds, fuses and passes the parity ladder for each,
 and the Triton repository filled from it fits its graphs."""
 
+import functools
+import json
+from pathlib import Path
+
 import pytest
 
 from contract import files, names
@@ -11,6 +15,7 @@ from serving.triton import repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION
 from tests.fixtures.builds import FULL_BUILD, FULL_VARIANTS
 from tests.fixtures.configs import assert_fits, graph_io, loaded_onnx, model_filename_of, read_config
+from tests.fixtures.prebuilds import Job
 
 pytestmark = pytest.mark.slow  # a whole build with its parity ladder per block
 
@@ -22,12 +27,37 @@ BLOCKS = {
 }
 
 
+def block_config(block: str) -> ModelConfig:
+    return ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64, **BLOCKS[block])
+
+
+def build_block(block: str, out: Path) -> None:
+    build(block_config(block), out, FULL_BUILD, progress=Progress(enabled=False))
+
+
+def block_key(block: str) -> str:
+    return f"block-{block}"
+
+
+def prebuild_jobs(item) -> dict:
+    """The block this test reads, built ahead in the background (tests/fixtures/prebuilds.py)."""
+    block = getattr(getattr(item, "callspec", None), "params", {}).get("built")
+    return {block_key(block): functools.partial(block_job, block)} if block in BLOCKS else {}
+
+
+def block_job(block: str, mktemp) -> Job:
+    out = mktemp(block_key(block))
+    return Job(build_block, (block, out), out)
+
+
 @pytest.fixture(scope="module", params=list(BLOCKS))
-def built(request, tmp_path_factory):
-    cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, max_seq_len=64, **BLOCKS[request.param])
-    out = tmp_path_factory.mktemp(f"block-{request.param}")
-    report = build(cfg, out, FULL_BUILD, progress=Progress(enabled=False))
-    return cfg, out, report
+def built(request, tmp_path_factory, prebuilds):
+    """(the block's config, its artifact, the build's report as written)."""
+    out = prebuilds.wait(block_key(request.param))
+    if out is None:
+        out = tmp_path_factory.mktemp(block_key(request.param))
+        build_block(request.param, out)
+    return block_config(request.param), out, json.loads((out / files.REPORT_FILENAME).read_text())
 
 
 def test_every_variant_builds_fuses_and_passes(built):

@@ -20,37 +20,45 @@ from export.onnx_export import plain_graph, save_onnx
 from serving.engine.ort import ort_runner, ort_session
 from tests import reference
 from tests.conftest import TEST_CONFIGS
+from tests.fixtures.prebuilds import Job
 
 ROOT = Path(__file__).resolve().parents[2]
 
 UNSEEN = TEST_CONFIGS["unseen"]  # 96 wide, 6 heads, 2 kv heads, 3 layers
 
 
-@pytest.fixture(scope="module")
-def cli_build(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("cli")
+CLI_BUILD_KEY = "cli-build"
+OUTCOME = "outcome.json"  # the command's exit code and output, kept beside its `--out`
+
+
+def run_cli_build(directory: Path) -> None:
+    """`python -m export build --config ... --out directory/out --variants fp32` in a process of its own."""
     config_path = directory / "my_config.json"
     config_path.write_text(json.dumps(UNSEEN.to_dict()))
-    out = directory / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "export",
-            "build",
-            "--config",
-            str(config_path),
-            "--out",
-            str(out),
-            "--variants",
-            "fp32",
-        ],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return proc, out
+    command = [sys.executable, "-m", "export", "build", "--config", str(config_path), "--out", str(directory / "out")]
+    proc = subprocess.run([*command, "--variants", "fp32"], check=False, capture_output=True, text=True, timeout=300)
+    outcome = {"args": proc.args, "returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
+    (directory / OUTCOME).write_text(json.dumps(outcome))
+
+
+def prebuild_jobs(item) -> dict:
+    """The command's run, made ahead in the background (tests/fixtures/prebuilds.py)."""
+    return {CLI_BUILD_KEY: cli_build_job} if "cli_build" in item.fixturenames else {}
+
+
+def cli_build_job(mktemp) -> Job:
+    directory = mktemp("cli")
+    return Job(run_cli_build, (directory,), directory)
+
+
+@pytest.fixture(scope="module")
+def cli_build(tmp_path_factory, prebuilds):
+    """(the finished command, its `--out`)."""
+    directory = prebuilds.wait(CLI_BUILD_KEY)
+    if directory is None:
+        directory = tmp_path_factory.mktemp("cli")
+        run_cli_build(directory)
+    return subprocess.CompletedProcess(**json.loads((directory / OUTCOME).read_text())), directory / "out"
 
 
 @pytest.mark.slow  # a whole build
@@ -156,7 +164,7 @@ def test_a_variant_that_fails_parity_fails_the_command_and_is_not_kept(tmp_path,
     captured = capsys.readouterr()
     assert "FAIL" in captured.out and "parity failed" in captured.err
     assert not (tmp_path / "model.fp32.onnx").exists()
-    assert not list(tmp_path.parent.glob(".*partial"))  # the staging folder beside it is gone
+    assert not list(tmp_path.parent.glob(f".{tmp_path.name}.*.partial"))  # the staging folder beside it is gone
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["passed"] is False and report["variants"]["fp32"]["file"] is None
     assert report["variants"]["fp32"]["worst"]["present.0.value"]["max_abs"] > 1e-5

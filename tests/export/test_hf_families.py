@@ -13,6 +13,7 @@ proven against transformers' attention classes as before."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import multiprocessing
 import shutil
@@ -35,6 +36,7 @@ from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
 from serving.triton.config import MHA, MHA_GENERATE, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
+from tests.fixtures.prebuilds import Job
 from tests.fixtures.text import save_tokenizer
 from tests.fixtures.triton import selected
 
@@ -135,23 +137,50 @@ class Checkpoint:
         return np.concatenate(tokens[:-1], axis=1), np.concatenate(logits, axis=1)
 
 
+FAMILY_PARAMS = {"checkpoint", "family"}
+
+
+def prebuild_jobs(item) -> dict:
+    """The family this test takes, saved and imported ahead in the background (tests/fixtures/prebuilds.py)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return {
+        family_key(params[name]): functools.partial(family_job, params[name]) for name in FAMILY_PARAMS & set(params)
+    }
+
+
+def family_key(family: str) -> str:
+    return f"hf-{family}"
+
+
+def family_job(family: str, mktemp) -> Job:
+    work = mktemp(family_key(family))
+    return Job(save_and_import, (family, work), work)
+
+
 @pytest.fixture(scope="module")
-def checkpoints(request, tmp_path_factory):
-    """family -> its Checkpoint: the families this run's tests take, saved and imported two at a time in
-    processes of their own (each build is single-threaded: two fill two cores) when first asked for."""
+def checkpoints(request, tmp_path_factory, prebuilds):
+    """family -> its Checkpoint: the families this run's tests take, saved and imported ahead in the background
+    (tests/fixtures/prebuilds.py) or, those not scheduled there, two at a time in processes of their own (each
+    build is single-threaded: two fill two cores) from the module's start; each waited for when first asked for."""
     families = sorted(selected(request, "checkpoint") | selected(request, "family"))
     made: dict[str, Checkpoint] = {}
-    work = {family: tmp_path_factory.mktemp(f"hf-{family}") for family in FAMILIES}
+    work: dict[str, Path] = {}
     spawn = multiprocessing.get_context("spawn")  # a fork would copy this process's torch threads
     with concurrent.futures.ProcessPoolExecutor(2, mp_context=spawn) as pool:
-        built = {family: pool.submit(save_and_import, family, work[family]) for family in families}
+
+        def build_here(family: str) -> concurrent.futures.Future:
+            work[family] = tmp_path_factory.mktemp(family_key(family))
+            return pool.submit(save_and_import, family, work[family])
+
+        built = {family: build_here(family) for family in families if not prebuilds.scheduled(family_key(family))}
 
         def get(family: str) -> Checkpoint:
             if family not in made:
-                if family in built:
-                    built[family].result()
+                ahead = prebuilds.wait(family_key(family))
+                if ahead is not None:
+                    work[family] = ahead
                 else:
-                    save_and_import(family, work[family])
+                    (built.get(family) or build_here(family)).result()
                 made[family] = Checkpoint(family, work[family])
             return made[family]
 

@@ -25,6 +25,7 @@ SECRETS = {
     "SERVING_API_KEYS_FILE": "/run/secrets/door-test-keys",
     "SERVING_SESSION_SECRET": "door-test-session-secret",
     "SERVING_SESSION_STORE": "redis://:door-test-password@127.0.0.1:6379/0",
+    "SERVING_INTEGRITY_SECRETS": "door-test-integrity-new,door-test-integrity-old",
 }
 
 

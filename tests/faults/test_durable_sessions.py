@@ -171,9 +171,12 @@ def changed_and_foreign_entries(served, original, store: Path):
     shutil.copyfile(good, theirs)
 
     def check() -> None:
-        with pytest.raises(SessionLostError, match=r"cannot be recovered: session store entry \w+ \[0, 9\) is corrupt"):
+        with pytest.raises(
+            SessionLostError,
+            match=r"cannot be recovered: session store entry \w+ \[0, 9\) is refused: its integrity tag does not match",
+        ):
             changed.step(sequence.next(1))
-        with pytest.raises(SessionLostError, match="belongs to another owner"):
+        with pytest.raises(SessionLostError, match=r"\[0, 9\) is refused: its integrity tag does not match"):
             foreign.step(sequence.next(1))
         assert client.store.chunks(other._key)  # untouched by the refusals
         for session in (changed, foreign, other):

@@ -9,6 +9,7 @@ and a Hugging Face-style GQA decoder without rotary embeddings; each starts whil
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from export.__main__ import main as export_main
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests import user_modules
+from tests.fixtures.prebuilds import Job
 from tests.fixtures.triton import selected, started_together
 from tests.serving.helpers import Client, new_sequence_id
 
@@ -52,12 +54,17 @@ def hf_gqa():
 LAYOUTS = {"torch-mha": torch_mha, "seeds": seeds, "hf": hf_gqa}
 
 
-def import_and_fill(layout: str, work: Path) -> tuple[Callable, Path, ModelConfig]:
-    """The user's module saved as a state dict, built with the documented command and put in a
-    repository: (the user's forward over a whole sequence, the repository, the import's config)."""
+def weights_file(layout: str, work: Path) -> Path:
+    return work / ("model.safetensors" if layout == "hf" else "weights.pt")
+
+
+def import_and_fill(layout: str, work: Path) -> None:
+    """The user's module saved as a state dict in `work`, built with the documented command into
+    `work`/artifact and put in a repository, `work`/repository (made ahead in the background where the session
+    has time: tests/fixtures/prebuilds.py)."""
     torch.manual_seed(7)
-    module, forward, heads = LAYOUTS[layout]()
-    weights = work / ("model.safetensors" if layout == "hf" else "weights.pt")
+    module, _, heads = LAYOUTS[layout]()
+    weights = weights_file(layout, work)
     if layout == "hf":
         from safetensors.torch import save_file
 
@@ -67,22 +74,51 @@ def import_and_fill(layout: str, work: Path) -> tuple[Callable, Path, ModelConfi
     (work / "serving.json").write_text(json.dumps({"max_seq_len": 64}))
     argv = ["build", "--weights", str(weights), "--layout", layout, *heads, "--config", str(work / "serving.json")]
     assert export_main([*argv, "--out", str(work / "artifact"), "--variants", "fp32-fused,fp32-static"]) == 0
-    repository = write_repository(work / "artifact", work / "repository", SETTINGS, models=("mha", "mha_session"))
-    return forward, repository, ModelConfig.load(work / "artifact")
+    write_repository(work / "artifact", work / "repository", SETTINGS, models=("mha", "mha_session"))
+
+
+def users_forward(layout: str, work: Path) -> Callable:
+    """The user's forward over a whole sequence, its module holding the weights saved in `work`."""
+    module, forward, _ = LAYOUTS[layout]()
+    if layout == "hf":
+        from safetensors.torch import load_file
+
+        module.load_state_dict(load_file(str(weights_file(layout, work))))
+    else:
+        module.load_state_dict(torch.load(str(weights_file(layout, work))))
+    return forward
+
+
+def layout_key(layout: str) -> str:
+    return f"imported-{layout}"
+
+
+def prebuild_jobs(item) -> dict:
+    """The layout this test serves, imported ahead in the background (tests/fixtures/prebuilds.py)."""
+    layout = getattr(getattr(item, "callspec", None), "params", {}).get("served")
+    return {layout_key(layout): functools.partial(layout_job, layout)} if layout in LAYOUTS else {}
+
+
+def layout_job(layout: str, mktemp) -> Job:
+    work = mktemp(layout_key(layout))
+    return Job(import_and_fill, (layout, work), work)
 
 
 @pytest.fixture(scope="module")
-def imports(request, tmp_path_factory):
+def imports(request, tmp_path_factory, prebuilds):
     """layout -> (the user's forward, a Future of the Triton serving the import, its config) for the
-    layouts this session runs: each built here in turn while the Tritons of those before it start in
-    the background; every Triton stopped at the end, together."""
+    layouts this session runs: each imported ahead or here in turn while the Tritons of those before it
+    start in the background; every Triton stopped at the end, together."""
     runs = selected(request, "served")
     with started_together() as start:
         made = {}
         for layout in (layout for layout in LAYOUTS if layout in runs):
-            work = tmp_path_factory.mktemp(f"imported-{layout}")
-            forward, repository, cfg = import_and_fill(layout, work)
-            made[layout] = forward, start(repository, log_path=work / "triton.log"), cfg
+            work = prebuilds.wait(layout_key(layout))
+            if work is None:
+                work = tmp_path_factory.mktemp(layout_key(layout))
+                import_and_fill(layout, work)
+            server = start(work / "repository", log_path=work / "triton.log")
+            made[layout] = users_forward(layout, work), server, ModelConfig.load(work / "artifact")
         yield made
 
 

@@ -1,4 +1,5 @@
-"""What both Python-backend models share: their config, their parameters, their error answers."""
+"""What every Python-backend model shares: its config, its parameters, its error answers, and a stub
+that ends with its server."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ from contract import errors as kinds
 from contract.config import ModelConfig
 from contract.inputs import InputError
 from serving.engine.errors import ServingError
+from serving.triton.watchdog import ParentWatchdog
 
 
 class Loaded:
-    """A model instance's name, Triton config, parameters, version folder and ModelConfig."""
+    """A model instance's name, Triton config, parameters, version folder and ModelConfig, and the
+    watcher that ends its stub once its server is gone (`server_watch`)."""
 
     def __init__(self, args: dict) -> None:
+        # first: a stub whose server dies while it loads or serves can be held forever by a call that
+        # waits for the dead server's answer (docs/reliability.md, "No orphans"), whatever the model
+        self.server_watch = ParentWatchdog()
         self.name = args["model_name"]
         self.model_config = json.loads(args["model_config"])
         self.parameters = {key: value["string_value"] for key, value in self.model_config["parameters"].items()}

@@ -43,6 +43,9 @@ class TritonPythonModel:
             f"{self.model.name}: runner {self.runner.description}; at most {self.max_request_tokens} tokens a request"
         )
 
+    def finalize(self) -> None:
+        self.model.server_watch.stop()
+
     def execute(self, requests: list) -> list:
         return [self._answer(request) for request in requests]
 

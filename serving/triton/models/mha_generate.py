@@ -84,6 +84,9 @@ class TritonPythonModel:
             f"{self.model.name}: generation over {self.session_model}, prompts in chunks of {self.chunk} tokens{text}"
         )
 
+    def finalize(self) -> None:
+        self.model.server_watch.stop()
+
     def execute(self, requests: list) -> None:
         """Each generation on a thread of its own (a decoupled model answers through each one's sender); a
         stop request marks its session's generation, which ends before its next token."""

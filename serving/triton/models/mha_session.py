@@ -27,7 +27,6 @@ from serving.engine.steps import StepRequest, Sweeper, no_result
 from serving.triton import config as triton_config
 from serving.triton import engines, operations
 from serving.triton.models import common
-from serving.triton.watchdog import ParentWatchdog
 
 START = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START
 END = pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END
@@ -45,7 +44,6 @@ class TritonPythonModel:
         self.metrics = SessionGauges(self.model.name, self.engine.cache_kind)
         self.sweeper = Sweeper(self.engine, self._publish, interval=min(0.25, idle / 4))
         pb_utils.Logger.log_info(load_line(self.model.name, self.engine, idle))
-        self.watchdog = ParentWatchdog()  # after the load: no stub should outlive its server
 
     def execute(self, requests: list) -> list:
         parameters = [json.loads(request.parameters() or "{}") for request in requests]  # read once each
@@ -82,7 +80,12 @@ class TritonPythonModel:
 
     def _publish(self, every_value: bool = True) -> None:
         """Gauges to Triton. After a request only what START and END change (each update is a round
-        trip to the Triton process); the sweeper publishes the per-step byte count 4 times a second."""
+        trip to the Triton process); the sweeper publishes the per-step byte count 4 times a second.
+        What a request asks is one count (`engine.sequences()`), whatever the engine holds: the rest is
+        read only when that count changed."""
+        if not every_value and not self.metrics.changed("sequences", self.engine.sequences()):
+            self.metrics.publish({"largest_batch": self.engine.largest_batch})
+            return
         stats = self.engine.stats()
         values = {
             "sequences": stats.sequences,
@@ -93,13 +96,11 @@ class TritonPythonModel:
             "evictions": stats.evictions,
             "largest_batch": self.engine.largest_batch,
         }
-        if not every_value and not self.metrics.changed("sequences", stats.sequences):
-            values = {"largest_batch": self.engine.largest_batch}
         self.metrics.publish(values)
 
     def finalize(self) -> None:
         self.sweeper.stop()
-        self.watchdog.stop()
+        self.model.server_watch.stop()
 
 
 def load_line(model_name: str, engine: factory.SessionEngines, idle: float) -> str:
