@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -48,10 +47,6 @@ own tokenizer and chat template); `GET /v1/models` answers OpenAI's list (`data`
 """
 
 
-# "1": freeze what start-up made out of the garbage collector's passes. Off: it did not pay here (docs/design.md,
-# "The gateway at the speed of gRPC"), and in a process that is not the gateway's alone (a test's gateway on a
-# thread) it would freeze the host's objects too
-GC_FREEZE = "SERVING_GC_FREEZE"
 # the routes every token pays for: called without FastAPI's per-request work (hot_path.py)
 HOT_ROUTES = frozenset(
     {
@@ -95,8 +90,9 @@ def _route_key(route) -> tuple[str, str]:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     gateway: GatewayState = app.state.gateway
     await gateway.start()
-    if os.environ.get(GC_FREEZE) == "1":
-        # what start-up made lives as long as the process: left out of every later collection
+    if gateway.settings.gc_freeze:
+        # what start-up made lives as long as the process: left out of every later collection (off by default: it
+        # did not pay here, and in a process not the gateway's alone, a test's, it would freeze the host's objects)
         gc.collect()
         gc.freeze()
     try:

@@ -36,20 +36,6 @@ def _bind_host(settings: Settings) -> str:
     return host
 
 
-# which HTTP server runs the app (measured in docs/design.md, "The gateway at the speed of gRPC"): uvicorn with
-# httptools and uvloop, each answer written in one piece (the default); uvicorn as it comes ("uvicorn-plain");
-# granian's ASGI server ("granian", for `python -m serving.gateway` only)
-HTTP_SERVERS = ("uvicorn", "uvicorn-plain", "granian")
-
-
-def http_server() -> str:
-    """SERVING_HTTP_SERVER, one of HTTP_SERVERS (default uvicorn)."""
-    chosen = os.environ.get("SERVING_HTTP_SERVER", "uvicorn")
-    if chosen not in HTTP_SERVERS:
-        raise ValueError(f"SERVING_HTTP_SERVER: expected one of {', '.join(HTTP_SERVERS)}, got {chosen!r}")
-    return chosen
-
-
 class CoalescedTransport:
     """A transport whose writes within one turn of the event loop leave as one: uvicorn writes an answer's
     status line and headers, then its body, and each write was a system call and a TCP segment of its own
@@ -97,7 +83,7 @@ def _config(settings: Settings) -> uvicorn.Config:
     return uvicorn.Config(
         create_app(settings),
         host=_bind_host(settings),
-        http=CoalescingHttpToolsProtocol if http_server() == "uvicorn" else "httptools",
+        http=CoalescingHttpToolsProtocol if settings.http_server == "uvicorn" else "httptools",
         loop="uvloop",
         port=settings.port,
         log_level=settings.log_level,
@@ -114,7 +100,7 @@ def serve(settings: Settings | None = None) -> None:
     """Serve in the foreground until SIGINT/SIGTERM (uvicorn then re-raises the signal it caught)."""
     settings = settings or Settings()
     log.info("gateway for Triton gRPC at %s", settings.triton_url)
-    if http_server() == "granian":
+    if settings.http_server == "granian":
         _serve_granian(settings)
         return
     if settings.workers > 1:

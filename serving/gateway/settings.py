@@ -8,7 +8,7 @@ environment (the tests and `python -m serving` pass theirs that way).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -113,6 +113,16 @@ class Settings(BaseSettings):
         ge=1,
         description="/v1/attend: batch x new tokens one request may carry; past it 400 (unset: the served "
         "model's own cap, from its config; a value above the model's is lowered to it)",
+    )
+    http_server: Literal["uvicorn", "uvicorn-plain", "granian"] = Field(
+        default="uvicorn",
+        description="the HTTP server: uvicorn with httptools and uvloop, each answer written in one piece; uvicorn as "
+        "it comes (uvicorn-plain); granian's ASGI server (measured slower here: docs/design.md)",
+    )
+    gc_freeze: bool = Field(
+        default=False,
+        description="gc.freeze() after start-up: what start-up made is left out of every later collection (measured "
+        "as noise here: docs/design.md)",
     )
     workers: int = Field(
         default=1,
