@@ -36,7 +36,9 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from serving.gateway.limits import replay_body
 
 Endpoint = Callable[..., Awaitable[Response]]
 JSON_MEDIA_TYPE = "application/json"
@@ -193,11 +195,11 @@ class HotRoutes:
             await self.fallback(scope, receive, send)
             return
         raw = await _whole_body(receive)
-        replayed = _replay(raw, receive)
+        replayed = replay_body(raw, receive)
         try:
             response = await self._answer(hot, scope, raw, replayed)
         except Declined:
-            await self.fallback(scope, _replay(raw, receive), send)
+            await self.fallback(scope, replay_body(raw, receive), send)
             return
         await response(scope, replayed, send)
 
@@ -242,17 +244,3 @@ async def _whole_body(receive: Receive) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """`receive` that first hands out `body` whole, then what the server says (a disconnect)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay

@@ -76,7 +76,7 @@ class RequestLimitsMiddleware:
         sized = len(body) > TRIM_BODY_BYTES
         self._sized_bodies += sized
         try:
-            await self.app(scope, _replay(body, receive), send)
+            await self.app(scope, replay_body(body, receive), send)
         finally:
             large.release()
             self._sized_bodies -= sized
@@ -171,7 +171,8 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
+    """`receive` that first hands out `body` whole, then what the server says (a disconnect)."""
     sent = False
 
     async def replay() -> Message:
