@@ -150,11 +150,24 @@ class Generation:
         self._stub, self._request, headers = self._open()
         self._answers = answers = queue.Queue()
         self._stub.start_stream(callback=lambda result, error: answers.put((result, error)), headers=headers or None)
-        self._stub.async_stream_infer(**self._request)
+        try:
+            self._stub.async_stream_infer(**self._request)
+        except Exception as refused:
+            raise self._broken_stream(answers) or refused from None
         while self.outcome.finish_reason is None:
             token = self._answer()
             if token is not None:
                 yield token
+
+    @staticmethod
+    def _broken_stream(answers: queue.Queue) -> BaseException | None:
+        """Why a stream broke before its request left: tritonclient then says only that it is "no longer in valid
+        state", the reason having come through the callback (typed, so that a passing failure is recovered)."""
+        try:
+            _, error = answers.get(timeout=1.0)
+        except queue.Empty:
+            return None
+        return stream_error(error) if error is not None else None
 
     def _answer(self) -> int | None:
         """The next response: its token, or None for the final one."""
