@@ -132,6 +132,11 @@ LAUNCHERS = textwrap.dedent(
     told = []
     signal.signal(signal.SIGUSR1, lambda *_: told.append(True))  # not inherited through tritonserver's exec
 
+    def say(line):
+        # one write of a whole line (under PIPE_BUF: atomic): 20 launchers share the pipe, and print's text and
+        # newline once left as two writes, two launchers' lines joined on one
+        os.write(1, (json.dumps(line) + "\\n").encode())
+
     def launch(holds, http, grpc, metrics):
         models = ["mha", "mha_session"] if holds == "none" else ["mha_session"]
         # what is checked is the kill, not twenty starts at once on two cores: a start that failed (once, in a
@@ -150,7 +155,7 @@ LAUNCHERS = textwrap.dedent(
 
         if holds != "none":
             infer("mha_session", 4, sequence_id=1, sequence_start=True)
-        print(json.dumps({"launcher": os.getpid(), "holds": holds, "server": server.process.pid}), flush=True)
+        say({"launcher": os.getpid(), "holds": holds, "server": server.process.pid})
         while not told:
             time.sleep(0.02)
         while holds == "stepping":
@@ -165,7 +170,7 @@ LAUNCHERS = textwrap.dedent(
             try:
                 launch(*run)
             except BaseException:
-                print(json.dumps({"launcher": os.getpid(), "failed": traceback.format_exc()}), flush=True)
+                say({"launcher": os.getpid(), "failed": traceback.format_exc()})
             os._exit(1)
     for _ in runs:
         os.wait()  # the killed launchers
