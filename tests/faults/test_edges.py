@@ -35,12 +35,13 @@ def step(api: httpx.Client, session: str, tokens: int, d_model: int) -> dict:
     return answer.json()
 
 
-def assert_error(answer: httpx.Response, status: int, code: str, *fragments: str) -> None:
+def assert_error(answer: httpx.Response, status: int, code: str, *fragments: str) -> str:
     assert answer.status_code == status, answer.text
     error = answer.json()["error"]
     assert error["code"] == code, error
     for fragment in fragments:
         assert fragment in error["message"], error["message"]
+    return error["message"]
 
 
 @pytest.fixture(scope="module")

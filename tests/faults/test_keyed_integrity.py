@@ -30,6 +30,7 @@ from contract.integrity import IntegrityError, Keyring, snapshot_signed, snapsho
 from serving.engine import snapshots
 from serving.gateway.auth import owner_of
 from serving.gateway.sessions import SessionIds
+from tests.faults.test_edges import assert_error
 from tests.gateway.conftest import running
 
 KEY, OTHER_KEY = "integrity-key-a", "integrity-key-b"
@@ -70,15 +71,6 @@ def other(gateway) -> Iterator[httpx.Client]:
 def step(api: httpx.Client, session: str, tokens: int, d_model: int, seed: int = 0) -> httpx.Response:
     states = np.random.default_rng([seed, tokens]).standard_normal((1, tokens, d_model)).astype(np.float32)
     return api.post(f"/v1/sessions/{session}/step", json={"hidden_states": states.tolist()})
-
-
-def assert_error(answer: httpx.Response, status: int, code: str, *fragments: str) -> str:
-    assert answer.status_code == status, answer.text
-    error = answer.json()["error"]
-    assert error["code"] == code, error
-    for fragment in fragments:
-        assert fragment in error["message"], error["message"]
-    return error["message"]
 
 
 # --- store entries ------------------------------------------------------------------------------------
