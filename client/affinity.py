@@ -28,16 +28,24 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
+from client.keepalive import KeepAlivePool
 from contract.routing import REPLICA_HEADER, SESSION_HEADER
 
 __all__ = ["REPLICA_HEADER", "SESSION_HEADER", "infer", "replica_from", "step_headers"]
+
+
+# A pin an answer over HTTP keep-alive named (client/keepalive.py), as the client keeps it: Envoy names a replica by
+# the host:port of the listener's cluster, so a pin made over its HTTP listener means nothing to its gRPC one and
+# the session's later requests must go the same way. Sent without the mark; a pin without it was made over gRPC
+# (or by an HTTP client, whose every request is HTTP).
+HTTP_PIN = "http:"
 
 
 def step_headers(sequence_id: int, replica: str | None = None) -> dict[str, str]:
     """The headers of one step of session `sequence_id`, pinned to `replica` once an answer named it."""
     headers = {SESSION_HEADER: str(sequence_id)}
     if replica:
-        headers[REPLICA_HEADER] = replica
+        headers[REPLICA_HEADER] = replica.removeprefix(HTTP_PIN)
     return headers
 
 
@@ -57,6 +65,8 @@ def infer(stub: Any, model_name: str, inputs: list, *, headers: Mapping[str, str
     client_timeout (gRPC only, as for tritonclient). Errors are tritonclient's
     InferenceServerException, as from `stub.infer`.
     """
+    if isinstance(stub, KeepAlivePool):  # the asyncio client's session requests over HTTP keep-alive
+        return _http_keepalive(stub, model_name, inputs, dict(headers), **options)
     module = type(stub).__module__
     protocol = "grpc" if module.startswith("tritonclient.grpc") else "http"
     asynchronous = module.endswith(".aio")
@@ -163,6 +173,22 @@ async def _http_aio(stub, model_name: str, inputs: list, headers: dict[str, str]
     length, encoding = (response.headers.get(name) for name in ("Inference-Header-Content-Length", "Content-Encoding"))
     result = InferResult.from_response_body(content, stub._verbose, length, encoding)
     return result, answer
+
+
+async def _http_keepalive(pool: KeepAlivePool, model_name: str, inputs: list, headers: dict[str, str], **options: Any):
+    """tritonclient's HTTP request and answer over client/keepalive.py's connections; its error reader names a
+    failed answer's status and message as tritonclient.http does."""
+    from tritonclient.http import InferResult
+    from tritonclient.http._utils import _get_error
+
+    uri, body, headers = _http_request(model_name, inputs, headers, options)
+    answer = await pool.post(uri, body, headers, timeout=options.get("client_timeout"))
+    error = _get_error(answer)
+    if error is not None:
+        raise error
+    length, encoding = (answer.headers.get(name) for name in ("inference-header-content-length", "content-encoding"))
+    result = InferResult.from_response_body(answer.body, False, None if length is None else int(length), encoding)
+    return result, answer.headers
 
 
 _CALLS = {("grpc", False): _grpc, ("grpc", True): _grpc_aio, ("http", False): _http, ("http", True): _http_aio}

@@ -5,22 +5,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
+from client import affinity
 from client._wire import Health, InferResult, grpc_channel_args
 from client.core import ClientCore, SessionCore, generation_request
 from client.errors import ClientError, ModelNotFoundError
 from client.generation import AsyncGeneration, fetch_text_files
+from client.keepalive import KeepAlivePool
 from client.metadata import ModelInfo
 from client.retry import Operation, run_async
 from contract import names
 from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, text_digest
 
 T = TypeVar("T")
+
+
+@functools.cache
+def _tritonclient_http():
+    import tritonclient.http
+
+    return tritonclient.http
 
 
 class AsyncClient(ClientCore):
@@ -32,8 +42,27 @@ class AsyncClient(ClientCore):
 
     _module_suffix = ".aio"
 
+    def __init__(self, *args: Any, session_http_url: str | None = None, **kwargs: Any) -> None:
+        """`Client`'s arguments, and `session_http_url`: Triton's HTTP address (host:port), for a gRPC client
+        whose session requests (open, step, close, snapshot, rewind, prefixes) should go there over HTTP/1.1
+        keep-alive connections (client/keepalive.py): about half the client's CPU a step of grpc.aio's. The same
+        server (or the same proxy) as `url`; generation streams, metadata and health stay on `url`."""
+        if session_http_url is not None and kwargs.get("protocol", args[1] if len(args) > 1 else "grpc") != "grpc":
+            raise ValueError("session_http_url is for a gRPC client (an HTTP client's session requests are HTTP)")
+        self._session_pool = KeepAlivePool(session_http_url) if session_http_url else None
+        super().__init__(*args, **kwargs)
+        self._settings["session_http_url"] = session_http_url
+
     def _init_connections(self) -> None:
         self._stub_instance = None
+
+    def _session_wire(self, replica: str | None) -> tuple[Any, Any]:
+        if self._session_pool is None or (replica and not replica.startswith(affinity.HTTP_PIN)):
+            return super()._session_wire(replica)  # a session a gRPC answer pinned goes on over gRPC
+        return _tritonclient_http(), self._keepalive
+
+    def _keepalive(self, stub: Any) -> KeepAlivePool:
+        return self._session_pool
 
     def _stub(self):
         if self._stub_instance is None:
@@ -52,6 +81,8 @@ class AsyncClient(ClientCore):
         return await run_async(operation, self._stub)
 
     async def close(self) -> None:
+        if self._session_pool is not None:
+            await self._session_pool.close()
         stub, self._stub_instance = self._stub_instance, None
         if stub is not None:
             with contextlib.suppress(Exception):  # closing a broken connection has nothing to report

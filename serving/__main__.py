@@ -266,7 +266,8 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     from serving.host.front import metrics_urls
     from serving.host.process import owned_folder
 
-    overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
+    overrides = {"triton_url": front.grpc_url, "triton_http_url": front.http_url, "port": args.gateway_port}
+    overrides["triton_metrics_urls"] = metrics_urls(front)
     given = {"host": args.host, "session_store": args.session_store}
     overrides |= {name: value for name, value in given.items() if value is not None}
     overrides |= trained_model_settings(args.model_repository, Settings(**overrides))

@@ -30,6 +30,12 @@ class Settings(BaseSettings):
         default=None, description="a file with one API key per line (blank lines and # comments ignored)"
     )
     triton_url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC address, host:port")
+    triton_http_url: str | None = Field(
+        default=None,
+        description="Triton's HTTP address, host:port, of the same server or proxy as triton_url: session requests "
+        "(open, step, close, snapshot, rewind, prefixes) go there over HTTP/1.1 keep-alive connections, half the "
+        "gateway's CPU a step of gRPC's; unset: over gRPC. Generation streams, metadata and health stay on gRPC",
+    )
     model: str = Field(default=names.MODEL, description="the stateless Triton model")
     session_model: str = Field(default=names.SESSION_MODEL, description="the stateful (sequence batching) Triton model")
     generate_model: str = Field(

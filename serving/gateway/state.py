@@ -129,6 +129,7 @@ class GatewayState:
             store_secret=self.keyring.secrets,
             checkpoint_every=s.checkpoint_every,
             recovery_timeout=s.request_timeout_s,  # the request's deadline bounds it anyway
+            session_http_url=s.triton_http_url or None,
         )
         self.spawn(self._sweep())
         self.spawn(self._learn_models())

@@ -128,6 +128,10 @@ class OneTriton:
         return self.supervisor.server.grpc_url
 
     @property
+    def http_url(self) -> str:
+        return self.supervisor.server.http_url
+
+    @property
     def failed(self) -> str | None:
         return self.supervisor.failed
 

@@ -1,0 +1,149 @@
+"""Requests to Triton's HTTP/REST endpoint over HTTP/1.1 keep-alive connections, each answer read with
+httptools' parser: the transport of the asyncio client's session requests when it is given Triton's HTTP
+address (`AsyncClient(session_http_url=...)`; the gateway's `SERVING_TRITON_HTTP_URL`).
+
+Why its own transport: a session step cost the calling process about 165 us of CPU over grpc.aio, about 80
+over one of these connections and 270 to 310 over tritonclient.http.aio's aiohttp session (the same Triton,
+16 sessions stepping, docs/design.md "The gateway at the speed of gRPC"). The protocol stays tritonclient's:
+client/affinity.py builds the request with its request builder and reads the answer with its InferResult and
+its error reader; this module only carries bytes. A connection serves one request at a time; one cut short (a
+timeout, a cancelled request, a broken answer) is closed, never reused, so a late answer cannot be read as the
+next request's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Mapping
+
+# idle connections kept for reuse; more may be open while requests are in flight, each closed when its answer
+# finds the pool full
+KEPT_IDLE = 64
+
+
+class Answer:
+    """An HTTP answer: status, headers (lower-case names) and body; `status_code` and `read()` as tritonclient's
+    error reader asks of a response."""
+
+    __slots__ = ("body", "headers", "status_code")
+
+    def __init__(self, status_code: int, headers: dict[str, str], body: bytes) -> None:
+        self.status_code, self.headers, self.body = status_code, headers, body
+
+    def read(self) -> bytes:
+        return self.body
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, address: str) -> None:
+        import httptools
+
+        self.address = address
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.answer: asyncio.Future | None = None
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.open = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        import httptools
+
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as error:
+            self._fail(ConnectionError(f"Triton at {self.address} answered what is not HTTP/1.1: {error}"))
+            self.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        answer = Answer(self.parser.get_status_code(), self.headers, b"".join(self.chunks))
+        self.headers, self.chunks = {}, []
+        if not self.parser.should_keep_alive():
+            self.open = False
+        if self.answer is None or self.answer.done():  # an answer nobody asked for: the connection is not ours
+            self.close()
+            return
+        self.answer.set_result(answer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self._fail(ConnectionResetError(f"Triton at {self.address} closed the connection before answering ({exc!r})"))
+
+    def _fail(self, error: Exception) -> None:
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(error)
+
+    async def exchange(self, head: bytes, body: bytes) -> Answer:
+        self.answer = asyncio.get_running_loop().create_future()
+        self.transport.writelines((head, body))
+        return await self.answer
+
+    def close(self) -> None:
+        self.open = False
+        if self.transport is not None:
+            self.transport.close()
+
+
+class KeepAlivePool:
+    """POSTs to one Triton HTTP address, each on an idle connection of the pool or a new one. `url`: host:port
+    (an `http://` prefix is dropped)."""
+
+    def __init__(self, url: str) -> None:
+        self.address = url.removeprefix("http://").rstrip("/")
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"Triton's HTTP address must be host:port, got {url!r}")
+        self.host, self.port = host.strip("[]"), int(port)
+        self._idle: list[_Connection] = []
+        self._busy: set[_Connection] = set()
+
+    async def post(self, uri: str, body: bytes, headers: Mapping[str, str], timeout: float | None = None) -> Answer:
+        """The answer to `POST /uri`; OSError when Triton cannot be reached or drops the connection, TimeoutError
+        past `timeout` seconds (the connection is closed then: its answer may still come)."""
+        lines = [f"POST /{uri} HTTP/1.1\r\nHost: {self.address}\r\nContent-Length: {len(body)}\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
+        head = "".join(lines).encode("latin-1") + b"\r\n"
+        connection = await self._connection()
+        self._busy.add(connection)
+        finished = False
+        try:
+            async with asyncio.timeout(timeout):
+                answer = await connection.exchange(head, body)
+            finished = True
+            return answer
+        finally:
+            self._busy.discard(connection)
+            if finished and connection.open and len(self._idle) < KEPT_IDLE:
+                self._idle.append(connection)
+            else:
+                connection.close()
+
+    async def _connection(self) -> _Connection:
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.open:  # one Triton closed while idle was seen closing by the loop
+                return connection
+        loop = asyncio.get_running_loop()
+        try:
+            _, connection = await loop.create_connection(lambda: _Connection(self.address), self.host, self.port)
+        except OSError as error:  # named: uvloop's words do not say where
+            named = f"{error.strerror or error} (Triton's HTTP address {self.address})"
+            raise type(error)(error.errno, named) from None
+        return connection
+
+    async def close(self) -> None:
+        """Close every connection, idle or in use (a request in flight fails with ConnectionResetError)."""
+        for connection in [*self._idle, *self._busy]:
+            with contextlib.suppress(Exception):
+                connection.close()
+        self._idle.clear()
