@@ -24,10 +24,12 @@ asyncio ones, so the same Call works in both fronts.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import quote
 
+from client._wire import HttpResult
 from client.keepalive import KeepAlivePool
 from contract.routing import REPLICA_HEADER, SESSION_HEADER
 
@@ -148,7 +150,12 @@ def _http_request(model_name: str, inputs: list, headers: dict[str, str], option
     )
     if json_size is not None:
         headers = {**headers, "Inference-Header-Content-Length": json_size}
-    return f"v2/models/{quote(model_name)}/infer", body, headers
+    return _infer_uri(model_name), body, headers
+
+
+@functools.cache
+def _infer_uri(model_name: str) -> str:
+    return f"v2/models/{quote(model_name)}/infer"
 
 
 def _http(stub, model_name: str, inputs: list, headers: dict[str, str], **options: Any):
@@ -163,7 +170,7 @@ def _http(stub, model_name: str, inputs: list, headers: dict[str, str], **option
 
 
 async def _http_aio(stub, model_name: str, inputs: list, headers: dict[str, str], **options: Any):
-    from tritonclient.http.aio import InferResult, _raise_if_error
+    from tritonclient.http.aio import _raise_if_error
 
     uri, body, headers = _http_request(model_name, inputs, headers, options)
     response = await stub._post(request_uri=uri, request_body=body, headers=headers, query_params=None)
@@ -171,14 +178,12 @@ async def _http_aio(stub, model_name: str, inputs: list, headers: dict[str, str]
     answer = {name.lower(): value for name, value in response.headers.items()}
     content = await response.read()
     length, encoding = (response.headers.get(name) for name in ("Inference-Header-Content-Length", "Content-Encoding"))
-    result = InferResult.from_response_body(content, stub._verbose, length, encoding)
-    return result, answer
+    return HttpResult.of(content, None if length is None else int(length), encoding), answer
 
 
 async def _http_keepalive(pool: KeepAlivePool, model_name: str, inputs: list, headers: dict[str, str], **options: Any):
     """tritonclient's HTTP request and answer over client/keepalive.py's connections; its error reader names a
     failed answer's status and message as tritonclient.http does."""
-    from tritonclient.http import InferResult
     from tritonclient.http._utils import _get_error
 
     uri, body, headers = _http_request(model_name, inputs, headers, options)
@@ -187,8 +192,7 @@ async def _http_keepalive(pool: KeepAlivePool, model_name: str, inputs: list, he
     if error is not None:
         raise error
     length, encoding = (answer.headers.get(name) for name in ("inference-header-content-length", "content-encoding"))
-    result = InferResult.from_response_body(answer.body, False, None if length is None else int(length), encoding)
-    return result, answer.headers
+    return HttpResult.of(answer.body, None if length is None else int(length), encoding), answer.headers
 
 
 _CALLS = {("grpc", False): _grpc, ("grpc", True): _grpc_aio, ("http", False): _http, ("http", True): _http_aio}

@@ -83,10 +83,20 @@ class _Connection(asyncio.Protocol):
         if self.answer is not None and not self.answer.done():
             self.answer.set_exception(error)
 
-    async def exchange(self, head: bytes, body: bytes) -> Answer:
-        self.answer = asyncio.get_running_loop().create_future()
+    async def exchange(self, head: bytes, body: bytes, timeout: float | None) -> Answer:
+        loop = asyncio.get_running_loop()
+        self.answer = loop.create_future()
         self.transport.writelines((head, body))
-        return await self.answer
+        # a timer, not asyncio.timeout: the same end at a fraction of its cost on every request
+        timer = None if timeout is None else loop.call_later(timeout, self._timed_out, timeout)
+        try:
+            return await self.answer
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self, timeout: float) -> None:
+        self._fail(TimeoutError(f"no answer from Triton at {self.address} within {timeout:g} s"))
 
     def close(self) -> None:
         self.open = False
@@ -117,8 +127,7 @@ class KeepAlivePool:
         self._busy.add(connection)
         finished = False
         try:
-            async with asyncio.timeout(timeout):
-                answer = await connection.exchange(head, body)
+            answer = await connection.exchange(head, body, timeout)
             finished = True
             return answer
         finally:

@@ -17,6 +17,7 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from types import TracebackType
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily
@@ -85,8 +86,20 @@ class Metrics:
             registry=self.registry,
         )
         self.kv_cache = KvCacheGauge(triton_metrics, session_model, self.upstream_errors)
+        # each (method, route, status)'s counter and histogram, looked up once: `labels()` checks and locks per call
+        self._answered: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         if triton_metrics:  # else left out: a made-up 0 would read as an empty cache
             self.registry.register(self.kv_cache)
+
+    def answered(self, method: str, route: str, status: str, seconds: float) -> None:
+        """One HTTP request answered: counted and timed by method, route and status (a bounded set: methods and
+        routes are the known ones or `other` and `unmatched`)."""
+        labels = (method, route, status)
+        series = self._answered.get(labels)
+        if series is None:
+            series = self._answered[labels] = (self.requests.labels(*labels), self.latency.labels(*labels))
+        series[0].inc()
+        series[1].observe(seconds)
 
     def generation(self, prompt_tokens: int) -> GenerationTimer:
         """A generation starting now with `prompt_tokens` to prefill: waiting until its first `token()`."""
@@ -201,9 +214,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
-            labels = (method_of(scope), route_of(scope), str(status))
-            self.metrics.requests.labels(*labels).inc()
-            self.metrics.latency.labels(*labels).observe(time.perf_counter() - started)
+            self.metrics.answered(method_of(scope), route_of(scope), str(status), time.perf_counter() - started)
 
 
 def method_of(scope: Scope) -> str:
