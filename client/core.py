@@ -723,6 +723,12 @@ class SessionCore:
         client = self.client
         if client.protocol != "grpc":
             raise ClientError("generation streams over gRPC: open the client with protocol='grpc'")
+        if self.replica and self.replica.startswith(affinity.HTTP_PIN):
+            raise ServerUnavailableError(
+                f"session {self.id} is pinned to replica {self.replica!r} through the proxy's HTTP port, and a "
+                f"generation streams over gRPC, which that pin does not name: behind a proxy, send session requests "
+                f"over gRPC (no session_http_url; the gateway's SERVING_TRITON_HTTP_URL unset)"
+            )
         if (self._restore is not None or self._prefix is not None) and not self.started:
             yield from self._open()
         info = yield from client._metadata(client.session_model)

@@ -259,15 +259,17 @@ def gateway_host(args: argparse.Namespace) -> str:
 
 def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     """Run until a signal arrives or nothing is left to serve; the gateway (unless --no-gateway)
-    talks gRPC to the front (Triton, or Envoy), with its other settings from SERVING_* variables."""
+    talks gRPC to the front (Triton, or Envoy; a Triton also HTTP, for session requests), with its other settings
+    from SERVING_* variables."""
     if args.no_gateway:
         return watch(front, stop)
     from serving.gateway import Settings, banner, run_gateway
-    from serving.host.front import metrics_urls
+    from serving.host.front import OneTriton, metrics_urls
     from serving.host.process import owned_folder
 
-    overrides = {"triton_url": front.grpc_url, "triton_http_url": front.http_url, "port": args.gateway_port}
-    overrides["triton_metrics_urls"] = metrics_urls(front)
+    overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
+    if isinstance(front, OneTriton):  # no proxy between: session requests over HTTP keep-alive (Settings says why)
+        overrides["triton_http_url"] = front.http_url
     given = {"host": args.host, "session_store": args.session_store}
     overrides |= {name: value for name, value in given.items() if value is not None}
     overrides |= trained_model_settings(args.model_repository, Settings(**overrides))

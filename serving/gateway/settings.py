@@ -32,9 +32,11 @@ class Settings(BaseSettings):
     triton_url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC address, host:port")
     triton_http_url: str | None = Field(
         default=None,
-        description="Triton's HTTP address, host:port, of the same server or proxy as triton_url: session requests "
-        "(open, step, close, snapshot, rewind, prefixes) go there over HTTP/1.1 keep-alive connections, half the "
-        "gateway's CPU a step of gRPC's; unset: over gRPC. Generation streams, metadata and health stay on gRPC",
+        description="Triton's HTTP address, host:port, of the same server as triton_url: session requests (open, "
+        "step, close, snapshot, rewind, prefixes) go there over HTTP/1.1 keep-alive connections, about half the "
+        "gateway's CPU a step of gRPC's; unset: over gRPC. Generation streams, metadata and health stay on gRPC. "
+        "For a Triton reached directly: behind Envoy a session's replica pin names the listener that made it, and "
+        "a generation stream (gRPC) cannot follow a pin made over HTTP",
     )
     model: str = Field(default=names.MODEL, description="the stateless Triton model")
     session_model: str = Field(default=names.SESSION_MODEL, description="the stateful (sequence batching) Triton model")

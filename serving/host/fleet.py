@@ -41,10 +41,6 @@ class Fleet:
     def grpc_url(self) -> str:
         return self.envoy.grpc_url
 
-    @property
-    def http_url(self) -> str:
-        return self.envoy.http_url
-
     def replicas(self) -> list[Replica]:
         """The replicas Envoy routes to (those whose supervisor has not given up)."""
         return [

@@ -145,7 +145,8 @@ def test_a_refused_address_is_unavailable_and_a_bad_one_is_refused_at_once():
 
 def test_a_session_goes_on_over_the_transport_its_pin_was_made_on(triton, served_cfg):
     """A proxy's pin names a replica on one of its listeners: a session pinned over gRPC goes on over gRPC even in
-    a client of HTTP session requests, and one pinned over HTTP is refused by a gRPC-only client, by name."""
+    a client of HTTP session requests, and one pinned over HTTP is refused by a gRPC-only client and by a generation
+    (a gRPC stream), by name."""
     from serving.host.launcher import free_port
 
     token = hidden(served_cfg, 1, 1, seed=3)
@@ -160,15 +161,20 @@ def test_a_session_goes_on_over_the_transport_its_pin_was_made_on(triton, served
                 await opened.step(token)
                 # the same session in the other client, pinned as a proxy's gRPC listener would (Triton ignores it)
                 output = await client.session(opened.id, replica="Z3JwYy1yZXBsaWNh").step(token)
+                over_http_pin = affinity.HTTP_PIN + "aHR0cC1yZXBsaWNh"
                 with pytest.raises(ServerUnavailableError) as refused:
-                    await grpc_only.session(opened.id, replica=affinity.HTTP_PIN + "aHR0cC1yZXBsaWNh").step(token)
+                    await grpc_only.session(opened.id, replica=over_http_pin).step(token)
+                with pytest.raises(ServerUnavailableError) as not_streamed:
+                    async for _ in client.session(opened.id, replica=over_http_pin).generate([1, 2]):
+                        pass
                 await opened.step(token)
                 length = opened.length  # as the server counts it
             with pytest.raises(ServerUnavailableError) as unpinned:
                 await client.session().step(token)
-        return output, length, unpinned.value, refused.value
+        return output, length, unpinned.value, refused.value, not_streamed.value
 
-    output, length, unpinned, refused = asyncio.run(pinned())
+    output, length, unpinned, refused, not_streamed = asyncio.run(pinned())
     assert output.shape == (1, 1, served_cfg.d_model) and length == 3  # the refused step never left
     assert closed in unpinned.message
     assert "through the proxy's HTTP port" in refused.message and "session_http_url" in refused.message
+    assert "generation streams over gRPC" in not_streamed.message and "SERVING_TRITON_HTTP_URL" in not_streamed.message

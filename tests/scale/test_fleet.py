@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 from bench.gateway import gateway_process
-from client import Client, SessionLostError, affinity
+from client import Client, SessionLostError
 from contract import errors as kinds
 from contract import names
 from serving.host.launcher import EXIT_TIMEOUT_S
@@ -65,8 +65,8 @@ def layout(fleet) -> tuple[dict[int, int], Path]:
 
 def replica_index(fleet, pin: str) -> int:
     """The replica a pin names (Envoy's pin is the base64 of host:port; a gRPC step names the gRPC port,
-    an HTTP one the HTTP port, kept by a client of keep-alive session requests with affinity.HTTP_PIN before it)."""
-    port = int(base64.b64decode(pin.removeprefix(affinity.HTTP_PIN)).decode().rsplit(":", 1)[1])
+    an HTTP one the HTTP port)."""
+    port = int(base64.b64decode(pin).decode().rsplit(":", 1)[1])
     grpc_ports, _ = layout(fleet)
     http_ports = {int(p): int(i) for i, p in re.findall(r"replica (\d+) +HTTP [\d.]+:(\d+)", fleet.output())}
     return {**grpc_ports, **http_ports}[port]
@@ -129,10 +129,9 @@ def test_24_sessions_over_both_protocols_each_stay_on_one_replica_and_equal_the_
 @contextlib.contextmanager
 def second_gateway(fleet):
     """`python -m serving.gateway` on Envoy, with the first gateway's session secret and store (and, as it,
-    no keys, and session requests over Envoy's HTTP listener)."""
+    no keys)."""
     triton, store = f"127.0.0.1:{fleet.grpc_port}", fleet.output_path.parent / "sessions"
-    settings = {"session_secret": SECRET, "session_store": store, "triton_http_url": f"127.0.0.1:{fleet.http_port}"}
-    with gateway_process(triton, Path(os.devnull), api_keys="", **settings) as (url, _):
+    with gateway_process(triton, Path(os.devnull), api_keys="", session_secret=SECRET, session_store=store) as (url, _):
         yield url
 
 
