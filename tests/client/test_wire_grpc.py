@@ -26,14 +26,18 @@ def _request(inputs: list) -> bytes:
     return request.SerializeToString(deterministic=True)
 
 
-def test_inputs_made_once_build_the_request_tritonclients_inputs_build():
+def their_inputs(infer_input: type) -> list:
+    """ARRAYS as tritonclient's own InferInputs (`infer_input`: the gRPC or the HTTP class) describe them."""
     theirs = []
     for name, array in ARRAYS.items():
         datatype = "BYTES" if array.dtype == object else _wire.TRITON_DTYPES[array.dtype]
-        infer_input = InferInput(name, list(array.shape), datatype)
-        infer_input.set_data_from_numpy(array)
-        theirs.append(infer_input)
-    assert _request(_wire.make_inputs(grpc_aio, ARRAYS)) == _request(theirs)
+        theirs.append(infer_input(name, list(array.shape), datatype))
+        theirs[-1].set_data_from_numpy(array)
+    return theirs
+
+
+def test_inputs_made_once_build_the_request_tritonclients_inputs_build():
+    assert _request(_wire.make_inputs(grpc_aio, ARRAYS)) == _request(their_inputs(InferInput))
 
 
 def test_an_answer_read_once_holds_what_tritonclient_reads_per_name():

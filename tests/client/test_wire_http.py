@@ -13,7 +13,7 @@ from tritonclient.http import InferInput, InferResult
 from tritonclient.http._utils import _get_inference_request
 
 from client import _wire
-from tests.client.test_wire_grpc import ARRAYS
+from tests.client.test_wire_grpc import ARRAYS, their_inputs
 
 
 def _request(inputs: list) -> tuple[bytes, int | None]:
@@ -22,13 +22,7 @@ def _request(inputs: list) -> tuple[bytes, int | None]:
 
 
 def test_inputs_made_once_build_the_request_tritonclients_inputs_build():
-    theirs = []
-    for name, array in ARRAYS.items():
-        datatype = "BYTES" if array.dtype == object else _wire.TRITON_DTYPES[array.dtype]
-        infer_input = InferInput(name, list(array.shape), datatype)
-        infer_input.set_data_from_numpy(array)
-        theirs.append(infer_input)
-    assert _request(_wire.make_inputs(http, ARRAYS)) == _request(theirs)
+    assert _request(_wire.make_inputs(http, ARRAYS)) == _request(their_inputs(InferInput))
 
 
 def answer(arrays: dict[str, np.ndarray], binary: bool = True) -> tuple[bytes, int]:
