@@ -209,9 +209,17 @@ def loadable_models(repository: Path, backends: Path) -> tuple[list[str], dict[s
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct free ports: each socket stays bound until all are picked (two `free_port()` in a row can
+    answer the same port, and the server given it twice then cannot listen)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 class TritonServer(ManagedProcess):
@@ -557,7 +565,8 @@ def start_triton(
         raise TritonStartError(f"no model repository at {repository}")
     ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
     check_ports_free(host, {name: port for name, port in ports.items() if port})
-    ports = {name: port or free_port(host) for name, port in ports.items()}
+    missing = [name for name, port in ports.items() if not port]
+    ports |= dict(zip(missing, free_ports(len(missing), host), strict=True))
     work_dir = Path(tempfile.mkdtemp(prefix="triton-"))
     try:
         install, models = _prepare(repository, models, tritonserver, work_dir)
