@@ -17,9 +17,9 @@ import asyncio
 import contextlib
 from collections.abc import Mapping
 
-# idle connections kept for reuse; more may be open while requests are in flight, each closed when its answer
-# finds the pool full
-KEPT_IDLE = 64
+# idle connections kept for reuse: one per request in flight at the busiest moment, up to this (a gateway of 16
+# keys' 16 sessions each); more may be open meanwhile, each closed when its answer finds the pool full
+KEPT_IDLE = 256
 
 
 class Answer:
