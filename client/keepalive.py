@@ -53,6 +53,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         import httptools
 
+        if self.answer is None or self.answer.done():  # bytes nobody asked for: not to be read as the next answer
+            self.close()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -68,12 +71,17 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         answer = Answer(self.parser.get_status_code(), self.headers, b"".join(self.chunks))
         self.headers, self.chunks = {}, []
+        if answer.status_code < 200:  # an interim answer (100 Continue): the answer follows
+            return
         if not self.parser.should_keep_alive():
             self.open = False
         if self.answer is None or self.answer.done():  # an answer nobody asked for: the connection is not ours
             self.close()
             return
         self.answer.set_result(answer)
+
+    def eof_received(self) -> None:
+        self.open = False  # closing: connection_lost comes a loop turn later, too late for a request taken meanwhile
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.open = False
@@ -116,14 +124,14 @@ class KeepAlivePool:
         self.host, self.port = host.strip("[]"), int(port)
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
+        self._closed = False
 
     async def post(self, uri: str, body: bytes, headers: Mapping[str, str], timeout: float | None = None) -> Answer:
         """The answer to `POST /uri`; OSError when Triton cannot be reached or drops the connection, TimeoutError
-        past `timeout` seconds (the connection is closed then: its answer may still come)."""
-        lines = [f"POST /{uri} HTTP/1.1\r\nHost: {self.address}\r\nContent-Length: {len(body)}\r\n"]
-        lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
-        head = "".join(lines).encode("latin-1") + b"\r\n"
-        connection = await self._connection()
+        past `timeout` seconds, connecting included (the connection is closed then: its answer may still come);
+        ValueError for a header that would break the request's head (a line break, a NUL, not latin-1)."""
+        head = self._head(uri, len(body), headers)
+        connection = await self._connection(timeout)
         self._busy.add(connection)
         finished = False
         try:
@@ -132,26 +140,39 @@ class KeepAlivePool:
             return answer
         finally:
             self._busy.discard(connection)
-            if finished and connection.open and len(self._idle) < KEPT_IDLE:
+            if finished and connection.open and not self._closed and len(self._idle) < KEPT_IDLE:
                 self._idle.append(connection)
             else:
                 connection.close()
 
-    async def _connection(self) -> _Connection:
+    def _head(self, uri: str, length: int, headers: Mapping[str, str]) -> bytes:
+        lines = [f"POST /{uri} HTTP/1.1\r\nHost: {self.address}\r\nContent-Length: {length}\r\n"]
+        for name, value in headers.items():
+            if any(mark in f"{name}{value}" for mark in "\r\n\0"):
+                raise ValueError(f"header {name!r}: {value!r} holds a line break or a NUL")
+            lines.append(f"{name}: {value}\r\n")
+        return "".join(lines).encode("latin-1") + b"\r\n"
+
+    async def _connection(self, timeout: float | None) -> _Connection:
         while self._idle:
             connection = self._idle.pop()
-            if connection.open:  # one Triton closed while idle was seen closing by the loop
+            if connection.open and not connection.transport.is_closing():  # Triton may have closed it while idle
                 return connection
         loop = asyncio.get_running_loop()
         try:
-            _, connection = await loop.create_connection(lambda: _Connection(self.address), self.host, self.port)
+            async with asyncio.timeout(timeout):  # a new connection only: the deadline covers connecting too
+                _, connection = await loop.create_connection(lambda: _Connection(self.address), self.host, self.port)
+        except TimeoutError:
+            raise TimeoutError(f"no connection to Triton at {self.address} within {timeout:g} s") from None
         except OSError as error:  # named: uvloop's words do not say where
             named = f"{error.strerror or error} (Triton's HTTP address {self.address})"
             raise type(error)(error.errno, named) from None
         return connection
 
     async def close(self) -> None:
-        """Close every connection, idle or in use (a request in flight fails with ConnectionResetError)."""
+        """Close every connection, idle or in use (a request in flight fails with ConnectionResetError; one still
+        connecting is closed when its answer comes)."""
+        self._closed = True
         for connection in [*self._idle, *self._busy]:
             with contextlib.suppress(Exception):
                 connection.close()

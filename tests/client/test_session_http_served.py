@@ -1,8 +1,9 @@
 """The asyncio client's session requests over Triton's HTTP port (`session_http_url`, client/keepalive.py):
 against the real Triton of tests/fixtures/triton.py they answer what the same requests answer over gRPC, bit
 for bit and within 1e-5 of the PyTorch original, with the server's errors typed and named as over gRPC;
-against sockets that misbehave (refuse, hang up, answer garbage, never answer) each request fails with a typed
-error and its connection is never used again."""
+against sockets that misbehave (refuse, hang up, answer garbage, never answer, never accept, answer unasked) each
+request fails with a typed error within its deadline and its connection is never used again; a header that would
+break the request's head is refused before anything is sent."""
 
 from __future__ import annotations
 
@@ -178,3 +179,69 @@ def test_a_session_goes_on_over_the_transport_its_pin_was_made_on(triton, served
     assert closed in unpinned.message
     assert "through the proxy's HTTP port" in refused.message and "session_http_url" in refused.message
     assert "generation streams over gRPC" in not_streamed.message and "SERVING_TRITON_HTTP_URL" in not_streamed.message
+
+
+def test_the_deadline_covers_connecting_to_an_address_that_never_accepts():
+    """A listener whose backlog is full drops new connection attempts, as a black-holed address does: the request
+    ends at its timeout, not after the kernel's minutes of retries."""
+    import socket
+    import time
+
+    with contextlib.ExitStack() as held:
+        listener = held.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        address = listener.getsockname()
+        for _ in range(4):  # fill the backlog; never accepted
+            filler = held.enter_context(socket.socket())
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(address)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"within 0\.5 s"):
+            asyncio.run(KeepAlivePool(f"127.0.0.1:{address[1]}").post("v2/models/m/infer", b"", {}, timeout=0.5))
+        assert time.monotonic() - started < 5
+
+
+def test_a_header_that_would_break_the_requests_head_is_refused_before_anything_is_sent():
+    pool = KeepAlivePool("127.0.0.1:1")  # nothing listens: a request that left would fail otherwise
+    for value in ("pin\r\nX-Injected: 1", "pin\n", "pin\0", "pin\u2028"):
+        with pytest.raises(ValueError, match=r"line break or a NUL|latin-1"):  # or what latin-1 cannot write
+            asyncio.run(pool.post("v2/models/m/infer", b"", {"x-session-replica": value}))
+
+
+def test_an_interim_answer_is_skipped_and_bytes_nobody_asked_for_close_the_connection():
+    """`100 Continue` then the answer: the answer is the request's; a stray answer after it closes the connection,
+    so it is never read as the next request's."""
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray"
+
+    async def twice() -> tuple[list, list]:
+        accepted = []
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(writer)
+            while await reader.read(65536):
+                writer.write(interim + answer)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(stray)  # after the answer, with no request waiting
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        pool = KeepAlivePool(f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            answers = []
+            for _ in range(2):
+                answers.append(await pool.post("v2/models/m/infer", b"{}", {}, timeout=5))
+                await asyncio.sleep(0.2)  # the stray answer arrives meanwhile
+            return answers, accepted
+        finally:
+            await pool.close()
+            for writer in accepted:
+                writer.close()
+            server.close()
+
+    answers, accepted = asyncio.run(twice())
+    assert [(a.status_code, a.body) for a in answers] == [(200, b"ok"), (200, b"ok")]
+    assert len(accepted) == 2  # the connection that received the stray answer was closed, not reused
