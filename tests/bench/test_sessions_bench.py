@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from bench.__main__ import main
+from bench.timing import Budget
 from contract.config import preset
 
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -35,7 +36,10 @@ def test_the_sessions_benchmark_times_every_operation_and_sizes_each_blob(bench_
         raw = 2 * cfg.n_layers * cfg.n_kv_heads * row["length"] * cfg.head_dim * 4  # fp32 keys and values
         assert raw < row["blob_bytes"] < raw + 4096, row  # the tensors and a header of metadata
         for name in ("prefill_torch", "prefill_onnx", "snapshot", "restore", "fork", "rewind"):
-            assert row["operations"][name]["runs"] >= 3 and row["operations"][name]["median_ms"] > 0, name
+            # a call whose warm-up outlasts --seconds (a prefill beside 5 other benchmarks: seen at 64 tokens) is
+            # timed Budget.slow_runs times, the others Budget.min_runs times at least
+            assert row["operations"][name]["runs"] >= Budget.slow_runs, (name, row["operations"][name])
+            assert row["operations"][name]["median_ms"] > 0, name
         assert row["prefill_onnx_over_restore"] > 0 and row["floor_ms"] > 0
     assert [row["length"] for row in results["lengths"]] == [16, 64]
     cost = results["cost_to_others"]
