@@ -44,9 +44,9 @@ from bench import results as output
 from bench.plot import save
 from contract import files
 
-MODES = ("gateway/json", "gateway/b64", "grpc/client")
 DEFAULT_GATEWAY = "gateway"  # the gateway of the default settings (and --workers): the target is its
 ENCODINGS = ("json", "b64")
+MODES = (*(f"{DEFAULT_GATEWAY}/{encoding}" for encoding in ENCODINGS), "grpc/client")  # without --compare
 KEY = "bench-key"
 
 

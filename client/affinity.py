@@ -43,6 +43,11 @@ __all__ = ["REPLICA_HEADER", "SESSION_HEADER", "infer", "replica_from", "step_he
 HTTP_PIN = "http:"
 
 
+def pinned_over_http(replica: str | None) -> bool:
+    """Whether `replica` is a pin made over HTTP keep-alive (HTTP_PIN)."""
+    return replica is not None and replica.startswith(HTTP_PIN)
+
+
 def step_headers(sequence_id: int, replica: str | None = None) -> dict[str, str]:
     """The headers of one step of session `sequence_id`, pinned to `replica` once an answer named it."""
     headers = {SESSION_HEADER: str(sequence_id)}
@@ -176,9 +181,7 @@ async def _http_aio(stub, model_name: str, inputs: list, headers: dict[str, str]
     response = await stub._post(request_uri=uri, request_body=body, headers=headers, query_params=None)
     await _raise_if_error(response)
     answer = {name.lower(): value for name, value in response.headers.items()}
-    content = await response.read()
-    length, encoding = (response.headers.get(name) for name in ("Inference-Header-Content-Length", "Content-Encoding"))
-    return HttpResult.of(content, None if length is None else int(length), encoding), answer
+    return _read_answer(await response.read(), answer), answer
 
 
 async def _http_keepalive(pool: KeepAlivePool, model_name: str, inputs: list, headers: dict[str, str], **options: Any):
@@ -191,8 +194,13 @@ async def _http_keepalive(pool: KeepAlivePool, model_name: str, inputs: list, he
     error = _get_error(answer)
     if error is not None:
         raise error
-    length, encoding = (answer.headers.get(name) for name in ("inference-header-content-length", "content-encoding"))
-    return HttpResult.of(answer.body, None if length is None else int(length), encoding), answer.headers
+    return _read_answer(answer.body, answer.headers), answer.headers
+
+
+def _read_answer(body: bytes, headers: Mapping[str, str]) -> Any:
+    """An HTTP answer's result, from its body and its headers (lower-case names)."""
+    length = headers.get("inference-header-content-length")
+    return HttpResult.of(body, None if length is None else int(length), headers.get("content-encoding"))
 
 
 _CALLS = {("grpc", False): _grpc, ("grpc", True): _grpc_aio, ("http", False): _http, ("http", True): _http_aio}

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
+import importlib
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -26,13 +26,6 @@ from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, text_
 T = TypeVar("T")
 
 
-@functools.cache
-def _tritonclient_http():
-    import tritonclient.http
-
-    return tritonclient.http
-
-
 class AsyncClient(ClientCore):
     """`client.Client` for asyncio: same arguments, awaitable methods, `async with`.
 
@@ -47,22 +40,20 @@ class AsyncClient(ClientCore):
         whose session requests (open, step, close, snapshot, rewind, prefixes) should go there over HTTP/1.1
         keep-alive connections (client/keepalive.py): about half the client's CPU a step of grpc.aio's. The same
         server (or the same proxy) as `url`; generation streams, metadata and health stay on `url`."""
-        if session_http_url is not None and kwargs.get("protocol", args[1] if len(args) > 1 else "grpc") != "grpc":
+        super().__init__(*args, **kwargs)
+        if session_http_url is not None and self.protocol != "grpc":
             raise ValueError("session_http_url is for a gRPC client (an HTTP client's session requests are HTTP)")
         self._session_pool = KeepAlivePool(session_http_url) if session_http_url else None
-        super().__init__(*args, **kwargs)
+        self._session_module = importlib.import_module("tritonclient.http") if session_http_url else None
         self._settings["session_http_url"] = session_http_url
 
     def _init_connections(self) -> None:
         self._stub_instance = None
 
-    def _session_wire(self, replica: str | None) -> tuple[Any, Any]:
-        if self._session_pool is None or (replica and not replica.startswith(affinity.HTTP_PIN)):
+    def _session_wire(self, replica: str | None) -> tuple[Any, KeepAlivePool | None]:
+        if self._session_pool is None or (replica and not affinity.pinned_over_http(replica)):
             return super()._session_wire(replica)  # a session a gRPC answer pinned goes on over gRPC
-        return _tritonclient_http(), self._keepalive
-
-    def _keepalive(self, stub: Any) -> KeepAlivePool:
-        return self._session_pool
+        return self._session_module, self._session_pool
 
     def _stub(self):
         if self._stub_instance is None:

@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -35,6 +35,7 @@ from client.errors import (
     UnknownSessionError,
 )
 from client.generation import stream_request
+from client.keepalive import KeepAlivePool
 from client.metadata import ModelInfo, parse_facts, parse_metadata, with_facts
 from client.retry import Call, Detach, Local, Operation, RetryPolicy, Sleep, retried
 from client.store import SessionStore, StoreError, StoreKey, open_store
@@ -57,10 +58,6 @@ class StepAnswer:
     def length_or(self, otherwise: int) -> int:
         """The positions the server says it holds, or `otherwise` when it says none (-1 once ended)."""
         return self.held_length if self.held_length is not None and self.held_length >= 0 else otherwise
-
-
-def _same(stub: Any) -> Any:
-    return stub
 
 
 class ClientCore:
@@ -134,17 +131,17 @@ class ClientCore:
     def _init_connections(self) -> None:
         """The front's connection bookkeeping (connections themselves open on first use)."""
 
-    def _session_wire(self, replica: str | None) -> tuple[Any, Callable[[Any], Any]]:
+    def _session_wire(self, replica: str | None) -> tuple[Any, KeepAlivePool | None]:
         """How a request of a session pinned to `replica` travels: the tritonclient module whose inputs it carries,
-        and what a Call's stub becomes for it (the stub itself; the asyncio client's keep-alive pool, for a session
-        that has no pin yet or one made over it: affinity.HTTP_PIN)."""
-        if replica and replica.startswith(affinity.HTTP_PIN) and self.protocol == "grpc":
+        and the keep-alive pool it goes over (None: the Call's stub; the asyncio client's pool serves a session that
+        has no pin yet or one made over it, affinity.HTTP_PIN)."""
+        if affinity.pinned_over_http(replica) and self.protocol == "grpc":
             raise ServerUnavailableError(
                 f"the session is pinned to replica {replica!r} through the proxy's HTTP port, and this client sends "
                 f"session requests over gRPC to {self.url}: give it Triton's HTTP address too (session_http_url; "
                 f"the gateway's SERVING_TRITON_HTTP_URL), as the client that opened the session had"
             )
-        return self._module, _same
+        return self._module, None
 
     def sibling(self, session_model: str) -> Self:
         """A client of the same server, models and settings but the session model `session_model` (another model
@@ -281,7 +278,7 @@ class ClientCore:
         direct Triton ignores both. `parameters`: a session operation's (contract/names.py);
         `route_as`: the session whose replica the request must reach (a fork: the one forked)."""
         # never retried: the server may have appended to the session's cache before the failure
-        module, transport = self._session_wire(replica)
+        module, pool = self._session_wire(replica)
         inputs = _wire.make_inputs(module, tensors)
         kw = {**_wire.sequence_kwargs(sequence_id, start, end), **self._timeout_kw}
         if parameters:
@@ -289,13 +286,13 @@ class ClientCore:
         headers = affinity.step_headers(sequence_id if route_as is None else route_as, replica)
         result, headers = yield from self._call(
             f"step of session {sequence_id}",
-            lambda s: affinity.infer(transport(s), self.session_model, inputs, headers=headers, **kw),
+            lambda s: affinity.infer(s if pool is None else pool, self.session_model, inputs, headers=headers, **kw),
             retry=False,
             session=True,
         )
         result = _wire.decoded(result)  # its outputs read in one pass, not one walk of them per name
         pinned = affinity.replica_from(headers)
-        if pinned and transport is not _same:
+        if pinned and pool is not None:
             pinned = affinity.HTTP_PIN + pinned
         return StepAnswer(
             _wire.read_step(result),
@@ -723,7 +720,7 @@ class SessionCore:
         client = self.client
         if client.protocol != "grpc":
             raise ClientError("generation streams over gRPC: open the client with protocol='grpc'")
-        if self.replica and self.replica.startswith(affinity.HTTP_PIN):
+        if affinity.pinned_over_http(self.replica):
             raise ServerUnavailableError(
                 f"session {self.id} is pinned to replica {self.replica!r} through the proxy's HTTP port, and a "
                 f"generation streams over gRPC, which that pin does not name: behind a proxy, send session requests "

@@ -5,10 +5,10 @@ address (`AsyncClient(session_http_url=...)`; the gateway's `SERVING_TRITON_HTTP
 Why its own transport: a session step cost the calling process about 165 us of CPU over grpc.aio, about 80
 over one of these connections and 270 to 310 over tritonclient.http.aio's aiohttp session (the same Triton,
 16 sessions stepping, docs/design.md "The gateway at the speed of gRPC"). The protocol stays tritonclient's:
-client/affinity.py builds the request with its request builder and reads the answer with its InferResult and
-its error reader; this module only carries bytes. A connection serves one request at a time; one cut short (a
-timeout, a cancelled request, a broken answer) is closed, never reused, so a late answer cannot be read as the
-next request's.
+client/affinity.py builds the request with its request builder and reads a failed answer with its error reader
+(a good one with client/_wire.py's HttpResult, tested against its InferResult); this module only carries bytes.
+A connection serves one request at a time; one cut short (a timeout, a cancelled request, a broken answer) is
+closed, never reused, so a late answer cannot be read as the next request's.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Mapping
+from typing import Any
 
 # idle connections kept for reuse: one per request in flight at the busiest moment, up to this (a gateway of 16
 # keys' 16 sessions each); more may be open meanwhile, each closed when its answer finds the pool full
@@ -35,12 +36,21 @@ class Answer:
         return self.body
 
 
-class _Connection(asyncio.Protocol):
-    def __init__(self, address: str) -> None:
+def _httptools() -> Any:
+    try:
         import httptools
+    except ImportError:  # the client package alone does not bring it; the serving extra does (uvicorn's parser)
+        raise ImportError(
+            "session_http_url needs httptools (pip install httptools, or attention-serving[serving])"
+        ) from None
+    return httptools
 
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, address: str, httptools: Any) -> None:
         self.address = address
         self.parser = httptools.HttpResponseParser(self)
+        self.parse_error = httptools.HttpParserError
         self.transport: asyncio.Transport | None = None
         self.answer: asyncio.Future | None = None
         self.headers: dict[str, str] = {}
@@ -51,14 +61,12 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        import httptools
-
         if self.answer is None or self.answer.done():  # bytes nobody asked for: not to be read as the next answer
             self.close()
             return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as error:
+        except self.parse_error as error:
             self._fail(ConnectionError(f"Triton at {self.address} answered what is not HTTP/1.1: {error}"))
             self.close()
 
@@ -122,6 +130,7 @@ class KeepAlivePool:
         if not host or not port.isdigit():
             raise ValueError(f"Triton's HTTP address must be host:port, got {url!r}")
         self.host, self.port = host.strip("[]"), int(port)
+        self._httptools = _httptools()
         self._idle: list[_Connection] = []
         self._busy: set[_Connection] = set()
         self._closed = False
@@ -161,13 +170,16 @@ class KeepAlivePool:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):  # a new connection only: the deadline covers connecting too
-                _, connection = await loop.create_connection(lambda: _Connection(self.address), self.host, self.port)
+                _, connection = await loop.create_connection(self._new_connection, self.host, self.port)
         except TimeoutError:
             raise TimeoutError(f"no connection to Triton at {self.address} within {timeout:g} s") from None
         except OSError as error:  # named: uvloop's words do not say where
             named = f"{error.strerror or error} (Triton's HTTP address {self.address})"
             raise type(error)(error.errno, named) from None
         return connection
+
+    def _new_connection(self) -> _Connection:
+        return _Connection(self.address, self._httptools)
 
     async def close(self) -> None:
         """Close every connection, idle or in use (a request in flight fails with ConnectionResetError; one still

@@ -1,7 +1,6 @@
 """The block's parts (norm x residual): every variant builds, fuses and passes the parity ladder for each,
 and the Triton repository filled from it fits its graphs."""
 
-import functools
 import json
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from serving.triton import repository
 from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION
 from tests.fixtures.builds import FULL_BUILD, FULL_VARIANTS
 from tests.fixtures.configs import assert_fits, graph_io, loaded_onnx, model_filename_of, read_config
-from tests.fixtures.prebuilds import Job
+from tests.fixtures.prebuilds import folder_job
 
 pytestmark = pytest.mark.slow  # a whole build with its parity ladder per block
 
@@ -42,12 +41,7 @@ def block_key(block: str) -> str:
 def prebuild_jobs(item) -> dict:
     """The block this test reads, built ahead in the background (tests/fixtures/prebuilds.py)."""
     block = getattr(getattr(item, "callspec", None), "params", {}).get("built")
-    return {block_key(block): functools.partial(block_job, block)} if block in BLOCKS else {}
-
-
-def block_job(block: str, mktemp) -> Job:
-    out = mktemp(block_key(block))
-    return Job(build_block, (block, out), out)
+    return {block_key(block): folder_job(block_key(block), build_block, block)} if block in BLOCKS else {}
 
 
 @pytest.fixture(scope="module", params=list(BLOCKS))

@@ -13,7 +13,6 @@ proven against transformers' attention classes as before."""
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import json
 import multiprocessing
 import shutil
@@ -36,7 +35,7 @@ from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
 from serving.triton.config import MHA, MHA_GENERATE, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
-from tests.fixtures.prebuilds import Job
+from tests.fixtures.prebuilds import folder_job
 from tests.fixtures.text import save_tokenizer
 from tests.fixtures.triton import selected
 
@@ -144,17 +143,13 @@ def prebuild_jobs(item) -> dict:
     """The family this test takes, saved and imported ahead in the background (tests/fixtures/prebuilds.py)."""
     params = getattr(getattr(item, "callspec", None), "params", {})
     return {
-        family_key(params[name]): functools.partial(family_job, params[name]) for name in FAMILY_PARAMS & set(params)
+        family_key(params[name]): folder_job(family_key(params[name]), save_and_import, params[name])
+        for name in FAMILY_PARAMS & set(params)
     }
 
 
 def family_key(family: str) -> str:
     return f"hf-{family}"
-
-
-def family_job(family: str, mktemp) -> Job:
-    work = mktemp(family_key(family))
-    return Job(save_and_import, (family, work), work)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ and a Hugging Face-style GQA decoder without rotary embeddings; each starts whil
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ from export.__main__ import main as export_main
 from serving.triton.config import ServingSettings
 from serving.triton.repository import write_repository
 from tests import user_modules
-from tests.fixtures.prebuilds import Job
+from tests.fixtures.prebuilds import folder_job
 from tests.fixtures.triton import selected, started_together
 from tests.serving.helpers import Client, new_sequence_id
 
@@ -96,12 +95,7 @@ def layout_key(layout: str) -> str:
 def prebuild_jobs(item) -> dict:
     """The layout this test serves, imported ahead in the background (tests/fixtures/prebuilds.py)."""
     layout = getattr(getattr(item, "callspec", None), "params", {}).get("served")
-    return {layout_key(layout): functools.partial(layout_job, layout)} if layout in LAYOUTS else {}
-
-
-def layout_job(layout: str, mktemp) -> Job:
-    work = mktemp(layout_key(layout))
-    return Job(import_and_fill, (layout, work), work)
+    return {layout_key(layout): folder_job(layout_key(layout), import_and_fill, layout)} if layout in LAYOUTS else {}
 
 
 @pytest.fixture(scope="module")
