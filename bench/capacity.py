@@ -7,15 +7,15 @@ Writes `capacity.json` and `capacity.png` and prints a table.
   made by the serving factory (serving/engine/factory.py: what `python -m serving` loads, with
   `--min-row-positions` max_seq_len for full rows) takes sessions of `--session-tokens` (1,000)
   positions until it refuses one: each a restore of one such session's snapshot (what a prefill
-  would leave, without computing it again). Reported: the count, the bytes the open slabs took, and
-  the ratio to fp32 full rows (today's admission).
+  would leave, without computing it again). Reported: the count, the bytes the rows took, and
+  the ratio to fp32 full rows.
 - Decode step at past P (`--pasts`, 1,024 and 4,096): one session holding P positions steps one
   token (and is rewound to P, so every step reads P); per cache, `--rounds` rounds taking turns,
   against the PyTorch original's step at the same past (its cache fed back) and the floor: the
   cache's bytes at P read once at the copy bandwidth measured in the same run.
 - 16 sessions at `--batch-past` (1,000) decode one token each in one execute(): steps per second
-  per cache with sized rows (all in rows of one size: one slab), and fp32 with the 16 spread over
-  slabs of four sizes (what stepping rows of several sizes costs: a graph run per slab).
+  per cache with sized reservations, and fp32 with the 16 at pasts of four sizes (one pool of one stride:
+  they decode in one graph run whatever their lengths).
 - Served: the same per cache as `mha_session` in a real Triton (`--kv-dtype`, the bundled binary, one
   server per cache, all up at once, taking turns by round): 16 sessions prefilled to `--batch-past`
   stepping concurrently through the asyncio gRPC client, `--served-steps` steps each; steps per second.
@@ -162,8 +162,8 @@ def _decode_call(served, past: int, token: np.ndarray):
 
 
 def batch_throughput(directory: Path, caches: list[str], past: int, rounds: int, seconds: float, threads: int) -> dict:
-    """Steps per second of 16 sessions decoding together: rows of one size per cache, and fp32 rows
-    of four sizes (SPREAD_PASTS: the 16 sit in slabs of 4 sizes, a graph run each)."""
+    """Steps per second of 16 sessions decoding together: at one past per cache, and fp32 at four pasts
+    (SPREAD_PASTS), with the decode graph runs a step of the 16 took (one pool: one)."""
     from serving.engine.steps import StepRequest
 
     setups = {f"{cache}, one size": (cache, [past] * BATCH) for cache in caches}
@@ -182,6 +182,11 @@ def batch_throughput(directory: Path, caches: list[str], past: int, rounds: int,
                 served.rewind(i, length)
 
         calls[name] = call
+    runs = {}
+    for name, call in calls.items():
+        before = engines[name].runs.decode_runs
+        call()
+        runs[name] = engines[name].runs.decode_runs - before
     timings = {name: Timing() for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
@@ -190,9 +195,9 @@ def batch_throughput(directory: Path, caches: list[str], past: int, rounds: int,
         name: {
             **timings[name].to_dict(),
             "steps_per_s": BATCH / timings[name].median_ms * 1e3,
-            "slabs": s.cache.slab_count(),
+            "decode_runs_per_step": runs[name],
         }
-        for name, s in engines.items()
+        for name in engines
     }
 
 
@@ -235,7 +240,7 @@ def benchmark(args: argparse.Namespace, root: Path) -> dict:
         for sized in (False, True):
             served = engine(directory, cache, budget, sized, args.threads)
             admission[f"{cache}, {'sized' if sized else 'full'} rows"] = admitted(served, args.session_tokens)
-            del served  # its slabs' memory goes before the next engine's
+            del served  # its pool's memory goes before the next engine's
     baseline = admission.get("fp32, full rows", {}).get("sessions")
     for entry in admission.values():
         entry["vs_fp32_full"] = entry["sessions"] / baseline if baseline else None
@@ -277,7 +282,8 @@ def table(results: dict) -> str:
         ratios = ", ".join(f"{c} {r:.2f}x" for c, r in entry["vs_fp32"].items())
         lines.append(f"decode at P{past}: {cells}; vs fp32-static: {ratios}")
     for name, entry in results["batch"].items():
-        lines.append(f"16 sessions, {name}: {entry['steps_per_s']:.0f} steps/s ({entry['slabs']} slabs)")
+        runs = entry["decode_runs_per_step"]
+        lines.append(f"16 sessions, {name}: {entry['steps_per_s']:.0f} steps/s ({runs} decode graph run(s) a step)")
     for cache, entry in results["served"].items():
         ratio = f" ({entry['vs_fp32']:.2f}x fp32)" if entry["vs_fp32"] else ""
         lines.append(f"served, 16 sessions, {cache}: {entry['steps_per_s']:.0f} steps/s{ratio}")

@@ -32,13 +32,11 @@ everywhere: they must agree).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
 import json
 import os
-import queue
 import subprocess
 import threading
 import time
@@ -187,83 +185,44 @@ def sse_data(lines: Iterator[str]) -> Iterator[str]:
             yield line.removeprefix("data: ")
 
 
-class Gatherer:
-    """The steps waiting together run in one `engine.execute`, as Triton's sequence batcher gathers
-    `mha_session`'s requests (max_queue_delay 0: it never waits for more than are there)."""
+class Answers:
+    """An in-process generation's answers from the engine core (a core.Responder): each token handed to
+    `received` as the core picks it (on the core's thread), the final answer or error kept."""
 
-    def __init__(self, engine, max_batch: int) -> None:
-        self.engine, self.max_batch = engine, max_batch
-        self.waiting: queue.SimpleQueue = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, name="gatherer", daemon=True)
+    def __init__(self, received: Callable[[int], None]) -> None:
+        self.received, self.error, self.done = received, None, threading.Event()
 
-    def __enter__(self) -> Gatherer:
-        self.thread.start()
-        return self
+    def send(self, outputs) -> None:
+        from contract.generation import TOKEN_ID
 
-    def __exit__(self, *exc: object) -> None:
-        self.waiting.put(None)
-        self.thread.join()
+        if TOKEN_ID in outputs:
+            self.received(int(outputs[TOKEN_ID][0]))
 
-    def execute(self, requests: list) -> list:
-        """`engine.execute`'s signature: each request waits for the gatherer's next run."""
-        answers = [concurrent.futures.Future() for _ in requests]
-        for request, answer in zip(requests, answers, strict=True):
-            self.waiting.put((request, answer))
-        return [answer.result() for answer in answers]
+    def finish(self, outputs=None, error=None) -> None:
+        self.error = error
+        self.done.set()
 
-    def _serve(self) -> None:
-        stopping = False
-        while not stopping:
-            batch = [self.waiting.get()]
-            while len(batch) < self.max_batch and not self.waiting.empty():
-                batch.append(self.waiting.get())
-            stopping = batch[-1] is None  # put once every generation has ended: nothing comes after it
-            steps = [item for item in batch if item is not None]
-            if not steps:
-                continue
-            try:
-                results = self.engine.execute([request for request, _ in steps])
-            except Exception as error:  # the whole run failed: every step is told
-                for _, answer in steps:
-                    answer.set_exception(error)
-                continue
-            for (_, answer), result in zip(steps, results, strict=True):
-                answer.set_result(result)
+    def cancelled(self) -> bool:
+        return False
 
 
-def in_process_candidate(engine, cfg: ModelConfig, chunk: int, max_batch: int) -> Generate:
-    """serving/engine/generation.py's loop over `mha_session`'s engine in this process: prefill in chunks of
-    `chunk` ids, then a token a step, each step's request `last_only`."""
+def in_process_candidate(engine_core) -> Generate:
+    """The served model's engine core (serving/engine/core.py) over `mha_session`'s engine built in this process
+    from the same repository and settings: each generation a request to it, stateless as the served ones."""
     from contract.generation import GenerationRequest
-    from serving.engine import generation as loop
-    from serving.engine.steps import StepRequest
+    from serving.engine import core
 
     sequences = itertools.count(1 << 40)
 
-    def stream_over(execute: Callable[[list], list]) -> Stream:
-        def stream(prompt: np.ndarray, tokens: int, received: Callable[[int], None]) -> None:
-            sequence = next(sequences)
+    def stream(prompt: np.ndarray, tokens: int, received: Callable[[int], None]) -> None:
+        answers = Answers(received)
+        asked = GenerationRequest(max_new_tokens=tokens, session_start=True, session_end=True)
+        engine_core.submit(core.Generate(next(sequences), answers, prompt=prompt.astype(np.int64), asked=asked))
+        answers.done.wait()
+        if answers.error is not None:
+            raise BenchError(f"in-process generation: {answers.error}") from answers.error
 
-            def step(ids: np.ndarray, start: bool, end: bool) -> tuple[np.ndarray | None, int]:
-                (result,) = execute([StepRequest(sequence, start, end, ids[None], last_only=True)])
-                if isinstance(result, Exception):
-                    raise BenchError(f"in-process step of sequence {sequence}: {result}") from result
-                return (result[0, -1] if result.shape[1] else None), engine.length(sequence)
-
-            request = GenerationRequest(max_new_tokens=tokens, session_start=True, session_end=True)
-            logits, held = loop.prefill(step, prompt, True, chunk)
-            emit = lambda choice: received(choice.token)  # noqa: E731
-            loop.generate(step, request, logits, held, cfg.max_seq_len, emit, prompt_ids=prompt.tolist())
-
-        return stream
-
-    def generate(prompts: np.ndarray, tokens: int) -> Generated:
-        if len(prompts) == 1:
-            return concurrently(stream_over(engine.execute), prompts, tokens)
-        with Gatherer(engine, max_batch) as gatherer:
-            return concurrently(stream_over(gatherer.execute), prompts, tokens)
-
-    return generate
+    return lambda prompts, tokens: concurrently(stream, prompts, tokens)
 
 
 def transformers_candidate(checkpoint: Path, threads: int) -> Generate:
@@ -324,8 +283,8 @@ def genai_candidate(peer: whole_model.GenaiPeer) -> Generate:
 
 
 def repository_for(artifact: Path, root: Path, plan: Plan, threads: int) -> Path:
-    """`mha` and `mha_session` (with `mha_generate` beside it) of the artifact, sized for the machine's
-    threads and for every concurrent generation in one execute()."""
+    """`mha` and `mha_session` (which generates) of the artifact, sized for the machine's threads and for every
+    concurrent generation's rows at once."""
     from contract.deployment import ServingSettings
     from serving.triton import config as triton_config
     from serving.triton.repository import write_repository
@@ -342,21 +301,13 @@ def repository_for(artifact: Path, root: Path, plan: Plan, threads: int) -> Path
     return write_repository(artifact, root / "repository", settings, models=models)
 
 
-def prefill_chunk(repository: Path) -> int:
-    """The prompt chunk `mha_generate` steps with, from its config (the in-process loop uses the same)."""
-    from serving.triton import config as triton_config
-
-    config = triton_config.parse((repository / triton_config.MHA_GENERATE / "config.pbtxt").read_text())
-    return int(config.parameters[triton_config.P_PREFILL_CHUNK].string_value)
-
-
 @contextlib.contextmanager
 def candidates(cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: int) -> Iterator[dict[str, Generate]]:
     """Every candidate, ready (the servers started); stopped and closed afterwards."""
     import httpx
 
     from bench.gateway import gateway_process
-    from bench.serving import STATIC_MODEL, session_engine
+    from bench.serving import STATIC_MODEL, session_core
     from client import Client
     from export.progress import Progress
     from serving.host.launcher import start_triton
@@ -371,11 +322,12 @@ def candidates(cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: i
             url, _ = stack.enter_context(gateway_process(server.grpc_url, root / "gateway.log", api_keys=GATEWAY_KEY))
         client = stack.enter_context(Client(server.grpc_url))
         http = stack.enter_context(httpx.Client(timeout=120, limits=httpx.Limits(max_connections=None)))
-        engine = session_engine(repository, STATIC_MODEL, cfg)
+        engine_core = session_core(repository, STATIC_MODEL, cfg)
+        stack.callback(engine_core.stop)
         made: dict[str, Generate] = {
             SERVED: served_candidate(client),
             GATEWAY: gateway_candidate(http, url),
-            IN_PROCESS: in_process_candidate(engine, cfg, prefill_chunk(repository), engine_batch(repository)),
+            IN_PROCESS: in_process_candidate(engine_core),
             TORCH: transformers_candidate(Path(facts["checkpoint"]), threads),
         }
         if facts["genai"]["used"]:
@@ -384,14 +336,6 @@ def candidates(cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: i
             facts["genai"]["version"] = peer.version
             made[GENAI] = genai_candidate(peer)
         yield {name: made[name] for name in CANDIDATES if name in made}
-
-
-def engine_batch(repository: Path) -> int:
-    """`mha_session`'s max_batch_size: the most steps Triton's sequence batcher runs in one execute()."""
-    from serving.triton import config as triton_config
-
-    text = (repository / triton_config.MHA_SESSION / "config.pbtxt").read_text()
-    return int(triton_config.parse(text).max_batch_size)
 
 
 # --- measuring --------------------------------------------------------------------------------------------

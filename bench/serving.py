@@ -187,11 +187,25 @@ def wire_bytes(cfg: ModelConfig, past: int) -> dict:
 def session_engine(repository: Path, model: str, cfg: ModelConfig):
     """The session engine of `model` in the repository, built as the model builds it (no Triton)."""
     from serving.triton import engines
+
+    return engines.session_engine(repository / model / "1", cfg, model_parameters(repository, model), f"bench-{model}")
+
+
+def session_core(repository: Path, model: str, cfg: ModelConfig):
+    """The engine core of `model` in the repository over its engine, as the model makes them (no Triton),
+    started: stop it when done."""
+    from serving.engine.core import EngineCore
+    from serving.triton import engines
+
+    settings = engines.session_settings(model_parameters(repository, model))
+    return EngineCore(session_engine(repository, model, cfg), engines.core_settings(settings)).start()
+
+
+def model_parameters(repository: Path, model: str) -> dict[str, str]:
     from serving.triton.config import parse
 
     config = parse((repository / model / "config.pbtxt").read_text())
-    parameters = {key: value.string_value for key, value in config.parameters.items()}
-    return engines.session_engine(repository / model / "1", cfg, parameters, config.max_batch_size, f"bench-{model}")
+    return {key: value.string_value for key, value in config.parameters.items()}
 
 
 def in_process(engine, cfg: ModelConfig, past: int, runs: int) -> dict:

@@ -298,56 +298,6 @@ def _decoded(output: Any, raw: bytes | None, result: Any) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(tuple(output.shape))
 
 
-class HttpResult:
-    """An HTTP answer whose outputs are binary (as every request here asks), read in one pass, with tritonclient
-    InferResult's `as_numpy(name)`, `get_response()` and `get_output(name)`: tritonclient's reader defines two
-    classes for each answer it reads, about 40 us of a session step's CPU."""
-
-    def __init__(self, response: dict, arrays: dict[str, np.ndarray]) -> None:
-        self._response, self._arrays = response, arrays
-
-    @classmethod
-    def of(cls, body: bytes, header_length: int | None, encoding: str | None = None) -> Any:
-        """The answer `body` whose first `header_length` bytes are its JSON; tritonclient's InferResult where any
-        output is not binary, or the body is compressed, or all JSON."""
-        import rapidjson  # tritonclient's HTTP JSON reader
-
-        if header_length is None or encoding is not None:
-            return _tritonclient_http_result(body, header_length, encoding)
-        response, arrays, offset = rapidjson.loads(body[:header_length]), {}, header_length
-        for output in response.get("outputs", ()):
-            size = (output.get("parameters") or {}).get("binary_data_size")
-            dtype = NUMPY_DTYPES.get(output["datatype"])
-            if size is None or (dtype is None and output["datatype"] != "BYTES"):  # in the JSON, or BF16
-                return _tritonclient_http_result(body, header_length, encoding)
-            arrays[output["name"]] = _binary_output(body, offset, size, dtype, output["shape"])
-            offset += size
-        return cls(response, arrays)
-
-    def as_numpy(self, name: str) -> np.ndarray | None:
-        return self._arrays.get(name)
-
-    def get_response(self) -> dict:
-        return self._response
-
-    def get_output(self, name: str) -> dict | None:
-        return next((output for output in self._response.get("outputs", ()) if output["name"] == name), None)
-
-
-def _binary_output(body: bytes, offset: int, size: int, dtype: np.dtype | None, shape: list[int]) -> np.ndarray:
-    if dtype is None:  # BYTES: tritonclient's own reading
-        from tritonclient.utils import deserialize_bytes_tensor
-
-        return deserialize_bytes_tensor(body[offset : offset + size]).reshape(shape)
-    return np.frombuffer(body, dtype=dtype, count=size // dtype.itemsize, offset=offset).reshape(shape)
-
-
-def _tritonclient_http_result(body: bytes, header_length: int | None, encoding: str | None) -> Any:
-    from tritonclient.http import InferResult
-
-    return InferResult.from_response_body(body, False, header_length, encoding)
-
-
 def decoded(result: Any) -> Any:
     """The answer with its outputs read once (`DecodedResult`) where it is a gRPC one; an HTTP one as it is."""
     return DecodedResult(result) if type(result).__module__.startswith("tritonclient.grpc") else result

@@ -6,18 +6,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from client import affinity
 from client._wire import Health, InferResult, grpc_channel_args
 from client.core import ClientCore, SessionCore, generation_request
-from client.errors import ClientError, ModelNotFoundError
+from client.errors import ClientError
 from client.generation import AsyncGeneration, fetch_text_files
-from client.keepalive import KeepAlivePool
 from client.metadata import ModelInfo
 from client.retry import Operation, run_async
 from contract import names
@@ -35,25 +32,8 @@ class AsyncClient(ClientCore):
 
     _module_suffix = ".aio"
 
-    def __init__(self, *args: Any, session_http_url: str | None = None, **kwargs: Any) -> None:
-        """`Client`'s arguments, and `session_http_url`: Triton's HTTP address (host:port), for a gRPC client
-        whose session requests (open, step, close, snapshot, rewind, prefixes) should go there over HTTP/1.1
-        keep-alive connections (client/keepalive.py): about half the client's CPU a step of grpc.aio's. The same
-        server (or the same proxy) as `url`; generation streams, metadata and health stay on `url`."""
-        super().__init__(*args, **kwargs)
-        if session_http_url is not None and self.protocol != "grpc":
-            raise ValueError("session_http_url is for a gRPC client (an HTTP client's session requests are HTTP)")
-        self._session_pool = KeepAlivePool(session_http_url) if session_http_url else None
-        self._session_module = importlib.import_module("tritonclient.http") if session_http_url else None
-        self._settings["session_http_url"] = session_http_url
-
     def _init_connections(self) -> None:
         self._stub_instance = None
-
-    def _session_wire(self, replica: str | None) -> tuple[Any, KeepAlivePool | None]:
-        if self._session_pool is None or (replica and not affinity.pinned_over_http(replica)):
-            return super()._session_wire(replica)  # a session a gRPC answer pinned goes on over gRPC
-        return self._session_module, self._session_pool
 
     def _stub(self):
         if self._stub_instance is None:
@@ -72,8 +52,6 @@ class AsyncClient(ClientCore):
         return await run_async(operation, self._stub)
 
     async def close(self) -> None:
-        if self._session_pool is not None:
-            await self._session_pool.close()
         stub, self._stub_instance = self._stub_instance, None
         if stub is not None:
             with contextlib.suppress(Exception):  # closing a broken connection has nothing to report
@@ -142,28 +120,17 @@ class AsyncClient(ClientCore):
         return session._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling), end=True)
 
     async def text_files(self) -> tuple[str, dict[str, bytes]] | None:
-        """The tokenizer files the generation model serves, as (their digest, name -> content), each checked
+        """The tokenizer files the session model serves, as (their digest, name -> content), each checked
         against the digest its config publishes; None when it serves none (no tokenizer: token ids only)."""
-        try:
-            digest = await self._run(self._text_digest())
-        except ModelNotFoundError:  # a repository written without the generation model: token ids only
-            return None
+        digest = await self._run(self._text_digest())
         if digest is None:
             return None
-        files = await fetch_text_files(self._new_stream_stub(), self.generate_model, self.timeout)
+        files = await fetch_text_files(self._new_stream_stub(), self.session_model, self.timeout)
         found = text_digest({name: hashlib.sha256(data).hexdigest() for name, data in files.items()})
         if found != digest:
-            model = self.generate_model
+            model = self.session_model
             raise ClientError(f"'{model}' answered text files of digest {found}, its config says {digest}")
         return digest, files
-
-    async def stepped_session_model(self) -> str | None:
-        """The session model the generation model steps (`session_model` when its config does not say); None when
-        the server has no generation model (an attention model's repository)."""
-        try:
-            return await self._run(self._stepped_session_model())
-        except ModelNotFoundError:
-            return None
 
     async def put_prefix(self, name: str, tokens: np.ndarray, owner: str | None = None) -> int:
         """As `Client.put_prefix`."""
@@ -194,14 +161,17 @@ class AsyncSession(SessionCore):
         *,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop_token_ids: Sequence[int] = (),
+        end: bool = False,
         **sampling,
     ) -> AsyncGeneration:
         """As `Session.generate`: `async for token in session.generate(...)`; a bad input is raised at
         the first iteration."""
-        return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling))
+        return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling), end=end)
 
     def _generation(self, ids: Any, request: GenerationRequest, end: bool = False) -> AsyncGeneration:
         request = dataclasses.replace(request, session_end=end)
+        if end:  # nothing to keep: the server ends it
+            self._key = None
         client = self.client
         self._prompt = np.zeros((1, 0), np.int64)
 
@@ -214,7 +184,9 @@ class AsyncSession(SessionCore):
 
         async def ended(outcome, failure) -> None:
             await client._run(self._generated(self._prompt, outcome.tokens, outcome.held_length))
-            self.closed = self.closed or end
+            if end:  # the server ended the session with the generation; Triton's slot is given back with END
+                with contextlib.suppress(ClientError):  # best effort: Triton's idle timeout frees it otherwise
+                    await client._run(self._close())
 
         return AsyncGeneration(open_stream, recover, client.timeout, ended)
 

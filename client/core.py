@@ -35,7 +35,6 @@ from client.errors import (
     UnknownSessionError,
 )
 from client.generation import stream_request
-from client.keepalive import KeepAlivePool
 from client.metadata import ModelInfo, parse_facts, parse_metadata, with_facts
 from client.retry import Call, Detach, Local, Operation, RetryPolicy, Sleep, retried
 from client.store import SessionStore, StoreError, StoreKey, open_store
@@ -72,7 +71,6 @@ class ClientCore:
         model: str = names.MODEL,
         session_model: str = names.SESSION_MODEL,
         *,
-        generate_model: str = generation.MODEL,
         timeout: float = 30.0,
         retries: int = 3,
         backoff: float = 0.1,
@@ -105,7 +103,7 @@ class ClientCore:
         self.checkpoint_every, self.recovery_timeout = checkpoint_every, recovery_timeout
         self.protocol = _wire.check_protocol(protocol)
         self.url = _wire.normalize_url(url, protocol)
-        self.model, self.session_model, self.generate_model = model, session_model, generate_model
+        self.model, self.session_model = model, session_model
         self.timeout, self.validate = timeout, validate
         self._settings = {
             "timeout": timeout,
@@ -131,24 +129,21 @@ class ClientCore:
     def _init_connections(self) -> None:
         """The front's connection bookkeeping (connections themselves open on first use)."""
 
-    def _session_wire(self, replica: str | None) -> tuple[Any, KeepAlivePool | None]:
-        """How a request of a session pinned to `replica` travels: the tritonclient module whose inputs it carries,
-        and the keep-alive pool it goes over (None: the Call's stub; the asyncio client's pool serves a session that
-        has no pin yet or one made over it, affinity.HTTP_PIN)."""
-        if affinity.pinned_over_http(replica) and self.protocol == "grpc":
-            raise ServerUnavailableError(
-                f"the session is pinned to replica {replica!r} through the proxy's HTTP port, and this client sends "
-                f"session requests over gRPC to {self.url}: give it Triton's HTTP address too (session_http_url; "
-                f"the gateway's SERVING_TRITON_HTTP_URL), as the client that opened the session had"
+    def _session_module(self) -> Any:
+        """The tritonclient module a session request's inputs are made with: gRPC's (the session model is
+        decoupled and takes streams only, client/affinity.py); an HTTP client is told so."""
+        if self.protocol != "grpc":
+            raise ClientError(
+                f"sessions and generations go over gRPC streams ('{self.session_model}' is a decoupled model, which "
+                f"Triton serves on streams only): open the client with protocol='grpc' (stateless calls, health "
+                f"and metadata work over HTTP too)"
             )
-        return self._module, None
+        return self._module
 
     def sibling(self, session_model: str) -> Self:
         """A client of the same server, models and settings but the session model `session_model` (another model
         set of the same repository: its sessions are opened there)."""
-        return type(self)(
-            self.url, self.protocol, self.model, session_model, generate_model=self.generate_model, **self._settings
-        )
+        return type(self)(self.url, self.protocol, self.model, session_model, **self._settings)
 
     def _call(self, what: str, fn, *, retry: bool = True, session: bool = False) -> Operation[Any]:
         return retried(Call(fn, f"{what} at {self.url}", retry, session), self.policy)
@@ -227,24 +222,14 @@ class ClientCore:
             self._infos[model] = with_facts(parse_metadata(raw), parse_facts(config))
         return self._infos[model]
 
-    def _generation_facts(self) -> Operation[dict]:
-        """What the generation model's config publishes (client/metadata.py `parse_facts`)."""
-        model = self.generate_model
-        kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
-        config = yield from self._call(f"config of '{model}'", lambda s: s.get_model_config(model, **kw))
-        return parse_facts(config)
-
     def _text_digest(self) -> Operation[str | None]:
-        """The digest of the tokenizer files the generation model serves (contract.generation.text_digest);
-        None when it has none (a model imported without a tokenizer.json, or not a whole model)."""
-        digest = (yield from self._generation_facts()).get(generation.P_TEXT_DIGEST)
+        """The digest of the tokenizer files the session model serves (contract.generation.text_digest); None
+        when it has none (a model imported without a tokenizer.json, or not a whole model)."""
+        kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
+        model = self.session_model
+        config = yield from self._call(f"config of '{model}'", lambda s: s.get_model_config(model, **kw))
+        digest = parse_facts(config).get(generation.P_TEXT_DIGEST)
         return str(digest) if digest else None
-
-    def _stepped_session_model(self) -> Operation[str]:
-        """The session model the generation model steps (its config's `session_model`): a repository may serve
-        more than one model set, and a generation's sessions must be opened in the model it steps."""
-        stepped = (yield from self._generation_facts()).get(generation.P_SESSION_MODEL)
-        return str(stepped) if stepped else self.session_model
 
     def _infer(
         self,
@@ -278,25 +263,21 @@ class ClientCore:
         direct Triton ignores both. `parameters`: a session operation's (contract/names.py);
         `route_as`: the session whose replica the request must reach (a fork: the one forked)."""
         # never retried: the server may have appended to the session's cache before the failure
-        module, pool = self._session_wire(replica)
-        inputs = _wire.make_inputs(module, tensors)
+        inputs = _wire.make_inputs(self._session_module(), tensors)
         kw = {**_wire.sequence_kwargs(sequence_id, start, end), **self._timeout_kw}
         if parameters:
             kw["parameters"] = parameters
         headers = affinity.step_headers(sequence_id if route_as is None else route_as, replica)
         result, headers = yield from self._call(
             f"step of session {sequence_id}",
-            lambda s: affinity.infer(s if pool is None else pool, self.session_model, inputs, headers=headers, **kw),
+            lambda s: affinity.infer(s, self.session_model, inputs, headers=headers, **kw),
             retry=False,
             session=True,
         )
         result = _wire.decoded(result)  # its outputs read in one pass, not one walk of them per name
-        pinned = affinity.replica_from(headers)
-        if pinned and pool is not None:
-            pinned = affinity.HTTP_PIN + pinned
         return StepAnswer(
             _wire.read_step(result),
-            pinned or replica,
+            affinity.replica_from(headers) or replica,
             _wire.read_held_length(result),
             _wire.read_snapshot(result),
             result,
@@ -385,10 +366,6 @@ class SessionCore:
         # a resumed session: ended through this process, it is marked ended in the store
         self._ends = StoreKey(owner or "", store_key) if client.store is not None and store_key else None
         self._checkpointed, self._since, self._replayable = 0, [], True
-        # a whole model's last token id, where this process saw it (its steps and generations): a generation
-        # without ids on a server that kept no logits after it sends it again after a rewind by one
-        self._last_token: int | None = None
-        self._resend_last = False
         self._next_checkpoint = client.checkpoint_every
         self.recoveries = 0  # times this session was rebuilt after its server lost it
 
@@ -415,7 +392,6 @@ class SessionCore:
             answer = yield from self._send(tensors, end)
         self.started, self.closed, self.replica = True, end, answer.replica
         self.length = answer.length_or(self.length + answer.output.shape[1])
-        self._remember_last(tensors)
         if self._key is not None:
             yield from self._keep(tensors, end)
         return answer.output
@@ -619,8 +595,6 @@ class SessionCore:
             answer = yield from self._start(tensors, parameters, route_as, replica)
         self.replica, self._restore, self._prefix = answer.replica, None, None
         self.started = True
-        if fork_of is not None:
-            self._last_token = fork_of._last_token
         self.length = answer.length_or(0)
         if self._key is not None and self.length:  # its start is in no log: only a checkpoint keeps it
             self._replayable = False
@@ -660,10 +634,7 @@ class SessionCore:
 
     def _rewind(self, length: int) -> Operation[int]:
         """Keep the first `length` positions; the next step continues from there. The new length."""
-        before = self.length
         yield from self._operate({names.OPERATION: names.REWIND, names.REWIND_TO: int(length)})
-        if self.length != before:
-            self._last_token = None  # the token before the new end was never seen here as a last one
         if self._key is not None:
             yield from self._after_rewind(self.length)
         return self.length
@@ -718,14 +689,7 @@ class SessionCore:
         if self.closed:
             raise UnknownSessionError(f"session {self.id} is closed", status=None)
         client = self.client
-        if client.protocol != "grpc":
-            raise ClientError("generation streams over gRPC: open the client with protocol='grpc'")
-        if affinity.pinned_over_http(self.replica):
-            raise ServerUnavailableError(
-                f"session {self.id} is pinned to replica {self.replica!r} through the proxy's HTTP port, and a "
-                f"generation streams over gRPC, which that pin does not name: behind a proxy, send session requests "
-                f"over gRPC (no session_http_url; the gateway's SERVING_TRITON_HTTP_URL unset)"
-            )
+        client._session_module()  # gRPC only: an HTTP client is told so
         if (self._restore is not None or self._prefix is not None) and not self.started:
             yield from self._open()
         info = yield from client._metadata(client.session_model)
@@ -735,8 +699,6 @@ class SessionCore:
                 "(token ids in, logits out) generates",
                 input_name=names.INPUT_IDS,
             )
-        if ids is None and self._resend_last:  # the server asked for the last token again (after a rewind)
-            ids, self._resend_last = [self._last_token], False
         prompt = _wire.as_array([] if ids is None else ids, names.INPUT_IDS)
         prompt = prompt.reshape(1, -1).astype(np.int64) if prompt.ndim <= 1 else prompt
         request = dataclasses.replace(request, session_start=not self.started)
@@ -747,32 +709,19 @@ class SessionCore:
             check_token_values(info.sizes, {names.INPUT_IDS: prompt})
         except InputError as error:
             raise InvalidInputError(str(error), input_name=error.input_name) from None
-        stream = stream_request(client.generate_model, self.id, prompt, request, client._module)  # gRPC's
+        stream = stream_request(client.session_model, self.id, prompt, request, client._module, self._owner)
         self._sent = prompt
         return stream, affinity.step_headers(self.id, self.replica), prompt
 
     def _recover_for_generation(self, error: ClientError) -> Operation[bool]:
-        """Before any token: a durable session its server lost is rebuilt, and a server that kept no
-        logits after the session's last token is sent that token again after a rewind by one; the
-        generation is then sent again. Anything else is the generation's error."""
-        if error.kind == kinds.NO_NEXT_LOGITS and self._last_token is not None and not self._resend_last:
-            last = self._last_token
-            yield from self._rewind(self.length - 1)
-            self._last_token, self._resend_last = last, True
-            return True
+        """Before any token: a durable session its server lost is rebuilt, and the generation is then sent
+        again. Anything else is the generation's error."""
         held_and_forgotten = isinstance(error, UnknownSessionError) and error.kind == kinds.SEQUENCE_UNKNOWN
         lost = isinstance(error, SessionLostError | ServerUnavailableError) or held_and_forgotten
         if self._key is None or not self.started or not lost:
             return False
         yield from self._recover(error)
         return True
-
-    def _remember_last(self, tensors: dict) -> None:
-        """The last real token id of what was just sent (a whole model's steps)."""
-        ids = tensors.get(names.INPUT_IDS)
-        if ids is not None and ids.shape[-1]:
-            kept = real_tokens(ids, tensors.get(names.ATTENTION_MASK))
-            self._last_token = int(kept[0, -1]) if kept.shape[-1] else self._last_token
 
     def _generated(self, prompt: np.ndarray, answered: list[int], held: int | None) -> Operation[None]:
         """After a generation (whole, stopped early or failed): the session holds the prompt and every
@@ -782,8 +731,6 @@ class SessionCore:
             return  # nothing reached the server's session: it may not even have started
         self.started = True
         self.length = held if held is not None and held >= 0 else self.length + prompt.shape[1] + len(answered)
-        if answered or prompt.shape[1]:
-            self._last_token = int(answered[-1]) if answered else int(prompt[0, -1])
         if self._key is not None:
             kept = np.concatenate([prompt, np.array([answered], np.int64).reshape(1, -1)], axis=1)
             yield from self._keep({names.INPUT_IDS: kept}, end=False)
@@ -797,9 +744,10 @@ def generation_request(
     max_new_tokens: int = generation.DEFAULT_MAX_NEW_TOKENS,
     stop_token_ids: Sequence[int] = (),
     prompt_logprobs: int | None = None,
+    reuse_prefix: bool = False,
     **sampling: Any,
 ) -> generation.GenerationRequest:
-    """The request of `generate`'s keyword arguments (SamplingParams' fields besides these three)."""
+    """The request of `generate`'s keyword arguments (SamplingParams' fields besides these four)."""
     unknown = sorted(set(sampling) - set(generation.SAMPLING_FIELDS))
     if unknown:
         raise TypeError(f"unknown generation arguments {unknown}; sampling takes {list(generation.SAMPLING_FIELDS)}")
@@ -808,6 +756,7 @@ def generation_request(
         stop_token_ids=tuple(stop_token_ids),
         sampling=SamplingParams(**sampling),
         prompt_logprobs=prompt_logprobs,
+        reuse_prefix=reuse_prefix,
     )
 
 

@@ -90,7 +90,6 @@ _BY_KIND: dict[str, type[ClientError]] = {
     kinds.INVALID_INPUT: InvalidInputError,
     kinds.SEQUENCE_TOO_LONG: InvalidInputError,
     kinds.PREFIX_UNKNOWN: InvalidInputError,
-    kinds.NO_NEXT_LOGITS: InvalidInputError,
     kinds.CACHE_FULL: ServerBusyError,
     **dict.fromkeys(kinds.GONE_SEQUENCE, UnknownSessionError),
     kinds.SEQUENCE_LOST: SessionLostError,

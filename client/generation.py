@@ -1,4 +1,4 @@
-"""A generation on the server as the client sees it: a stream of tokens from `mha_generate`
+"""A generation on the server as the client sees it: a stream of tokens from the session model's engine core
 (contract/generation.py), blocking (`Generation`) or asyncio (`AsyncGeneration`).
 
 Each is an iterable of the generated token ids (ints), in order, as the server answers them; after the
@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import queue
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ class Outcome:
     prompt_logprobs: list[Token | None] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     held_length: int | None = None
+    cached_tokens: int = 0  # prompt ids a kept row saved (contract.generation.REUSE_PREFIX)
     answered: bool = False  # the final response (or an error) came: the request is over on the server
 
     def take(self, result) -> int | None:
@@ -62,6 +64,8 @@ class Outcome:
             self.answered = True
             self.finish_reason = reason.reshape(-1)[0].decode()
             self.held_length = int(result.as_numpy(names.HELD_LENGTH).reshape(-1)[0])
+            cached = result.as_numpy(generation.CACHED_TOKENS)
+            self.cached_tokens = 0 if cached is None else int(cached.reshape(-1)[0])
             return None
         token = int(result.as_numpy(generation.TOKEN_ID)[0])
         top_ids = result.as_numpy(generation.TOP_TOKEN_IDS)
@@ -121,6 +125,11 @@ class Generation:
     @property
     def held_length(self) -> int | None:
         return self.outcome.held_length
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt ids the server took from a kept row instead of computing them (`reuse_prefix`)."""
+        return self.outcome.cached_tokens
 
     def __iter__(self) -> Iterator[int]:
         """The tokens; leaving the loop early (the iterator closed or dropped) stops the generation."""
@@ -235,6 +244,7 @@ class AsyncGeneration:
     logprobs = Generation.logprobs
     finish_reason = Generation.finish_reason
     held_length = Generation.held_length
+    cached_tokens = Generation.cached_tokens
     prompt_logprobs = Generation.prompt_logprobs
 
     async def __aiter__(self) -> AsyncIterator[int]:
@@ -321,7 +331,7 @@ class AsyncGeneration:
         if not self.outcome.answered:
             with contextlib.suppress(Exception):  # the server stops within one step
                 self._responses.cancel()
-        else:  # the stream half-closed and read to its end: a stream cut off instead keeps mha_generate
+        else:  # the stream half-closed and read to its end: a stream cut off instead keeps the session model
             # from unloading at the server's stop (measured: Triton's exit timeout, every time)
             self._sending.put_nowait(None)
             with contextlib.suppress(Exception):
@@ -343,9 +353,17 @@ class AsyncGeneration:
 
 
 def stream_request(
-    model: str, sequence_id: int, ids: np.ndarray, request: generation.GenerationRequest, module
+    model: str,
+    sequence_id: int,
+    ids: np.ndarray,
+    request: generation.GenerationRequest,
+    module,
+    parameters: dict | None = None,
 ) -> dict:
-    """async_stream_infer's arguments (a stream_infer request) for one generation."""
+    """async_stream_infer's arguments (a stream_infer request) for one generation; `parameters`: the request's
+    others (its session's owner). A generation that starts its session carries Triton's START flag (the sequence
+    batcher holds the session's slot from it); one that ends it is followed by an END of its own once answered
+    (`Generation`'s end: a request after it on the same sequence, a stop, must still find the sequence)."""
     tensor = module.InferInput(names.INPUT_IDS, list(ids.shape), "INT64")
     tensor.set_data_from_numpy(ids)
     return {
@@ -353,7 +371,8 @@ def stream_request(
         "inputs": [tensor],
         "outputs": [module.InferRequestedOutput(name) for name in OUTPUTS],
         "sequence_id": sequence_id,
-        "parameters": request.to_parameters(),
+        "sequence_start": request.session_start,
+        "parameters": request.to_parameters() | (parameters or {}),
     }
 
 
@@ -368,13 +387,21 @@ def stream_error(error: BaseException) -> BaseException:
 
 
 def stop_request(request: dict) -> dict:
-    """The request that stops the generation `request` started (its session's), on the same stream."""
+    """The request that stops the generation `request` started (its session's), on the same stream. It carries
+    no token, as an empty input (Triton's batcher reads a request's batch size from its first input)."""
     return {
         "model_name": request["model_name"],
-        "inputs": [],
+        "inputs": [no_ids(type(request["inputs"][0]))],
         "sequence_id": request["sequence_id"],
         "parameters": {generation.STOP_GENERATION: True},
     }
+
+
+def no_ids(make_input) -> Any:
+    """An `input_ids` of no token, (1, 0), made with tritonclient's InferInput class `make_input`."""
+    tensor = make_input(names.INPUT_IDS, [1, 0], "INT64")
+    tensor.set_data_from_numpy(np.zeros((1, 0), np.int64))
+    return tensor
 
 
 OUTPUTS = (
@@ -384,6 +411,7 @@ OUTPUTS = (
     generation.TOP_LOGPROBS,
     generation.FINISH_REASON,
     names.HELD_LENGTH,
+    generation.CACHED_TOKENS,
     generation.PROMPT_LOGPROB,
     generation.PROMPT_TOP_TOKEN_IDS,
     generation.PROMPT_TOP_LOGPROBS,
@@ -391,11 +419,20 @@ OUTPUTS = (
 
 
 async def fetch_text_files(stub, model: str, timeout: float) -> dict[str, bytes]:
-    """The tokenizer files `model` (a generation model, contract/generation.py) serves: name -> content, from
-    one request on a stream of `stub` (a tritonclient.grpc.aio client of its own, closed here)."""
+    """The tokenizer files `model` (a whole model's session model, contract/generation.py) serves: name ->
+    content, from one request on a stream of `stub` (a tritonclient.grpc.aio client of its own, closed here)."""
 
-    async def request():
-        yield {"model_name": model, "inputs": [], "parameters": {generation.TEXT_FILES: True}}
+    from tritonclient.grpc import InferInput
+
+    async def request():  # a sequence of its own (START and END): the session model takes sequences only
+        yield {
+            "model_name": model,
+            "inputs": [no_ids(InferInput)],
+            "sequence_id": secrets.randbits(63) or 1,
+            "sequence_start": True,
+            "sequence_end": True,
+            "parameters": {generation.TEXT_FILES: True},
+        }
 
     files: dict[str, bytes] | None = None
     try:  # read to the stream's end (the request half-closes it): a stream cut off holds the model at Triton's stop

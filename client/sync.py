@@ -178,19 +178,25 @@ class Session(SessionCore):
         *,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
         stop_token_ids: Sequence[int] = (),
+        end: bool = False,
         **sampling,
     ) -> Generation:
-        """Generate on the server after `ids` (T,) or (1, T) (None: after what the session holds, where
-        this server generated last): iterate the result for the token ids as they come; then its
-        `finish_reason`, `tokens`, `logprobs`. `sampling`: contract.sampling.SamplingParams' fields
-        (temperature 0.0 greedy by default, top_k, top_p, min_p, the penalties, seed, logprobs). The
-        session keeps the prompt and every token answered; leaving the loop early stops the server
-        within one step (`close()` does too). `prompt_logprobs=N`: each prompt token's logprob given the ones
-        before it and the top N there (the result's `prompt_logprobs`, before the first token). gRPC only."""
-        return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling))
+        """Generate on the server after `ids` (T,) or (1, T) (None: after what the session holds): iterate the
+        result for the token ids as they come; then its `finish_reason`, `tokens`, `logprobs`. `sampling`:
+        contract.sampling.SamplingParams' fields (temperature 0.0 greedy by default, top_k, top_p, min_p, the
+        penalties, seed, logprobs). The session keeps the prompt and every token answered; leaving the loop
+        early stops the server within one step (`close()` does too). `prompt_logprobs=N`: each prompt token's
+        logprob given the ones before it and the top N there (the result's `prompt_logprobs`, before the first
+        token). `end=True`: the session ends with the generation (a new session's only request: stateless).
+        `reuse_prefix=True` with `end=True`: the server starts from its longest kept row of this session's
+        owner that shares the prompt's beginning, and keeps this one's for the next (the result's
+        `cached_tokens`). gRPC only."""
+        return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling), end=end)
 
     def _generation(self, ids: Any, request: GenerationRequest, end: bool = False) -> Generation:
         request = dataclasses.replace(request, session_end=end)
+        if end:  # nothing to keep: the server ends it
+            self._key = None
         client = self.client
         prepared = [client._run(self._prepare_generation(ids, request))]  # bad input fails here, not when iterated
         self._prompt = prepared[0][2]
@@ -203,7 +209,9 @@ class Session(SessionCore):
 
         def ended(outcome, failure) -> None:
             client._run(self._generated(self._prompt, outcome.tokens, outcome.held_length))
-            self.closed = self.closed or end
+            if end:  # the server ended the session with the generation; Triton's slot is given back with END
+                with contextlib.suppress(ClientError):  # best effort: Triton's idle timeout frees it otherwise
+                    client._run(self._close())
 
         recover = lambda error: client._run(self._recover_for_generation(error))  # noqa: E731
         return Generation(open_stream, recover, client.timeout, ended)

@@ -85,8 +85,16 @@ class SessionSettings:
     max_batch: int = 32  # most sequences in one execute() (the concat engine's TensorRT profile)
     # the static engine's smallest row (max_seq_len: every session reserves a full row from START)
     min_row_positions: int = MIN_ROW_POSITIONS
+    # the engine core's (serving/engine/core.py): new tokens one step of the loop runs (every decoding row's,
+    # then prompt chunks: a joining prompt holds the decoders up for at most one chunk of what is left), rows
+    # kept for prefix reuse per owner, and an owner's generations running at once (more wait their turn)
+    step_tokens: int = 256
+    kept_per_owner: int = 8
+    generations_per_owner: int = 16
 
     def __post_init__(self) -> None:
+        if self.step_tokens < 1 or self.kept_per_owner < 0 or self.generations_per_owner < 0:
+            raise ValueError(f"need step_tokens >= 1, kept_per_owner >= 0 and generations_per_owner >= 0, got {self}")
         if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose {ENGINE_STATIC} or {ENGINE_CONCAT}")
         if (
@@ -123,6 +131,9 @@ class ServingSettings:
     kv_dtype: str = KV_FLOAT
     min_row_positions: int = _SESSION.min_row_positions
     weights_dtype: str = WEIGHTS_FLOAT  # both python models: the projections' weights (WEIGHT_DTYPES)
+    step_tokens: int = _SESSION.step_tokens  # mha_session: the engine core's (SessionSettings)
+    kept_per_owner: int = _SESSION.kept_per_owner
+    generations_per_owner: int = _SESSION.generations_per_owner
 
     def __post_init__(self) -> None:
         self.session()  # the engine's checks, once
@@ -147,6 +158,9 @@ class ServingSettings:
             self.threads,
             self.max_batch_size,
             self.min_row_positions,
+            self.step_tokens,
+            self.kept_per_owner,
+            self.generations_per_owner,
         )
 
     def request_tokens(self, cfg: ModelConfig) -> int:

@@ -18,12 +18,8 @@ SEQUENCE_LOST = "sequence_lost"  # its cache died with the process that held it
 SEQUENCE_TOO_LONG = "sequence_too_long"  # the step would pass max_seq_len
 CACHE_FULL = "cache_full"  # no room for another sequence now: retry later
 PREFIX_UNKNOWN = "prefix_unknown"  # a session started from a prefix this server does not hold
-# a generation without new ids on a server that holds no logits after the session's last token (it did not
-# generate it last, or the session changed since): the client sends that token again after a rewind by one
-NO_NEXT_LOGITS = "no_next_logits"
 KINDS = frozenset(
     {
-        NO_NEXT_LOGITS,
         INVALID_INPUT,
         SEQUENCE_UNKNOWN,
         SEQUENCE_ENDED,
@@ -35,6 +31,18 @@ KINDS = frozenset(
     }
 )
 GONE_SEQUENCE = frozenset({SEQUENCE_UNKNOWN, SEQUENCE_ENDED, SEQUENCE_EVICTED, SEQUENCE_LOST})
+# the gRPC status each kind's error has where it travels as a unary answer (Triton maps the model's
+# TritonError code to it); a stream's answer carries the message only, and the client gives it this status
+GRPC_STATUS = {
+    INVALID_INPUT: "INVALID_ARGUMENT",
+    SEQUENCE_UNKNOWN: "INVALID_ARGUMENT",
+    SEQUENCE_ENDED: "INVALID_ARGUMENT",
+    SEQUENCE_EVICTED: "INVALID_ARGUMENT",
+    SEQUENCE_TOO_LONG: "INVALID_ARGUMENT",
+    PREFIX_UNKNOWN: "INVALID_ARGUMENT",
+    CACHE_FULL: "UNAVAILABLE",
+    SEQUENCE_LOST: "UNAVAILABLE",
+}
 
 _TAG = re.compile(r"\[(\w+)\] ")
 

@@ -1,12 +1,14 @@
-"""Generation on the server: what a request of `mha_generate` carries and what its responses answer.
+"""Generation on the server: what a generation request of the session model carries and what its responses
+answer.
 
-`mha_generate` (serving/triton/models/mha_generate.py) is a decoupled Triton model beside a whole model's
-`mha_session`: a request names a session (its sequence id, Triton's correlation id), brings new token ids
-(or none, to continue after what the session holds) and the sampling parameters; the model steps the
-session through `mha_session` until `max_new_tokens`, a stop token, the session's end (max_seq_len) or
-cancellation, and answers one response per token, then a final one with the finish reason. The session
-keeps every token it was given and generated: the prompt and each generated token are in its KV cache
-when the generation ends, so snapshot, fork, rewind and a next generation go on from there.
+A whole model's session model (`mha_session`, decoupled: serving/triton/models/mha_session.py) generates in its
+engine core (serving/engine/core.py): a request with the parameter `generate` names a session (its sequence id,
+Triton's correlation id), brings new token ids (or none, to continue after what the session holds) and the
+sampling parameters; the core decodes it with every other running generation, a token each step, until
+`max_new_tokens`, a stop token, the session's end (max_seq_len) or cancellation, and answers one response per
+token, then a final one with the finish reason. The session keeps every token it was given and generated: the
+prompt and each generated token are in its KV cache when the generation ends, so snapshot, fork, rewind and a
+next generation go on from there.
 
 One table of names and one parser, used by the server, the client and the gateway alike.
 """
@@ -22,14 +24,17 @@ from typing import Any
 from contract.inputs import InputError
 from contract.sampling import MAX_LOGPROBS, SamplingParams
 
-MODEL = "mha_generate"  # the decoupled model beside a whole model's mha_session (names.SESSION_MODEL)
-PREFILL_CHUNK = 128  # prompt tokens per step: a decoding session waits at most one such chunk for a joiner
-
 # --- request parameters (Triton request parameters: bool, int or string values) ---------------------------
+GENERATE = "generate"  # true: the request is a generation (not a step)
+PRIORITY = "priority"  # an integer, lower first among generations waiting for their turn (default 0)
 MAX_NEW_TOKENS = "max_new_tokens"
 STOP_TOKEN_IDS = "stop_token_ids"  # a string: the ids, comma-separated ("" for none)
 SESSION_START = "session_start"  # START the sequence before the prompt (a new session, or a stateless call)
 SESSION_END = "session_end"  # END it after the generation (a stateless call: nothing kept)
+# start from the longest prefix of the prompt that a kept row of the same owner holds (a copy of it, rewound to
+# where the two part), and keep this generation's row for the next request when it ends with its session
+# (the engine core's prefix reuse: the owner is the request's `owner` parameter, names.OWNER)
+REUSE_PREFIX = "reuse_prefix"
 # a request of its own on the generation's stream: stop the session's generation before its next token; it
 # then answers its final response (the finish reason `cancelled` and the positions held), so the client
 # that stops knows exactly what the session keeps (a dropped stream stops it too, unanswered)
@@ -41,7 +46,6 @@ PROMPT_LOGPROBS = "prompt_logprobs"
 # a request of its own: answer the tokenizer files this model serves with (TEXT_FILE_NAMES and
 # TEXT_FILE_CONTENTS in one response); nothing is generated and no session is touched
 TEXT_FILES = "text_files"
-P_SESSION_MODEL = "session_model"  # the model config's parameter: the session model it steps (its sequences)
 P_TEXT_DIGEST = "text_digest"  # the model config's parameter: `text_digest` of those files (absent: none)
 # the sampling parameters, by SamplingParams' own field names; floats travel as strings (Triton's request
 # parameters have no float type)
@@ -54,6 +58,7 @@ LOGPROB = "logprob"  # [1] float32: its log-probability (contract/sampling.py sa
 TOP_TOKEN_IDS = "top_token_ids"  # [N] int64: the N most likely ids at this position (N = logprobs)
 TOP_LOGPROBS = "top_logprobs"  # [N] float32: theirs
 FINISH_REASON = "finish_reason"  # [1] bytes, on the final response only
+CACHED_TOKENS = "cached_tokens"  # [1] int64, on the final response: prompt ids a kept row saved (REUSE_PREFIX)
 PROMPT_LOGPROB = "prompt_logprob"  # [T] float32: each prompt token's logprob (NaN: the first, nothing before it)
 PROMPT_TOP_TOKEN_IDS = "prompt_top_token_ids"  # [T, N] int64: the N most likely ids at each prompt position
 PROMPT_TOP_LOGPROBS = "prompt_top_logprobs"  # [T, N] float32: theirs
@@ -82,6 +87,7 @@ class GenerationRequest:
     session_start: bool = False
     session_end: bool = False
     prompt_logprobs: int | None = None  # N: each prompt token's logprob and the top N there (None: not asked)
+    reuse_prefix: bool = False  # REUSE_PREFIX
 
     def check(self, vocab_size: int, max_seq_len: int) -> None:
         """Raises InputError naming the parameter, what it takes and what it got."""
@@ -98,11 +104,14 @@ class GenerationRequest:
     def to_parameters(self) -> dict[str, bool | int | str]:
         """Triton request parameters (what `from_parameters` reads back)."""
         values: dict[str, bool | int | str] = {
+            GENERATE: True,
             MAX_NEW_TOKENS: self.max_new_tokens,
             STOP_TOKEN_IDS: ",".join(map(str, self.stop_token_ids)),
             SESSION_START: self.session_start,
             SESSION_END: self.session_end,
         }
+        if self.reuse_prefix:
+            values[REUSE_PREFIX] = True
         if self.prompt_logprobs is not None:
             values[PROMPT_LOGPROBS] = self.prompt_logprobs
         for name in SAMPLING_FIELDS:
@@ -125,6 +134,7 @@ class GenerationRequest:
             session_start=_boolean(SESSION_START, parameters.get(SESSION_START, False)),
             session_end=_boolean(SESSION_END, parameters.get(SESSION_END, False)),
             prompt_logprobs=_optional_integer(PROMPT_LOGPROBS, parameters.get(PROMPT_LOGPROBS)),
+            reuse_prefix=_boolean(REUSE_PREFIX, parameters.get(REUSE_PREFIX, False)),
         )
 
 

@@ -259,17 +259,15 @@ def gateway_host(args: argparse.Namespace) -> str:
 
 def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     """Run until a signal arrives or nothing is left to serve; the gateway (unless --no-gateway)
-    talks gRPC to the front (Triton, or Envoy; a Triton also HTTP, for session requests), with its other settings
+    talks gRPC to the front (Triton, or Envoy), with its other settings
     from SERVING_* variables."""
     if args.no_gateway:
         return watch(front, stop)
     from serving.gateway import Settings, banner, run_gateway
-    from serving.host.front import OneTriton, metrics_urls
+    from serving.host.front import metrics_urls
     from serving.host.process import owned_folder
 
     overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
-    if isinstance(front, OneTriton):  # no proxy between: session requests over HTTP keep-alive (Settings says why)
-        overrides["triton_http_url"] = front.http_url
     given = {"host": args.host, "session_store": args.session_store}
     overrides |= {name: value for name, value in given.items() if value is not None}
     overrides |= trained_model_settings(args.model_repository, Settings(**overrides))
@@ -292,11 +290,11 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
 def trained_model_settings(repository: Path, settings) -> dict:
     """A repository that holds the trained model beside the default one: the OpenAI-compatible routes serve it
     (as `fortunes`), unless SERVING_GENERATE_MODEL or SERVING_SERVED_MODEL_NAME say otherwise."""
-    from serving.triton.cli import has_trained, trained_models
+    from serving.triton.cli import has_trained, trained_model
 
     if not has_trained(repository):
         return {}
-    chosen = {"generate_model": trained_models()[1], "served_model_name": files.TRAINED_MODEL_NAME}
+    chosen = {"generate_model": trained_model(), "served_model_name": files.TRAINED_MODEL_NAME}
     return {name: value for name, value in chosen.items() if name not in settings.model_fields_set}
 
 

@@ -71,8 +71,8 @@ def static_cache(
     files: Mapping[str, Path], cfg: ModelConfig, settings: SessionSettings, model_name: str
 ) -> tuple[CacheManager, list[str]]:
     """The cache on the best device; on CUDA with ONNX Runtime's CUDA graphs when a probe of them works
-    (decode steps are launch-bound on a GPU; the cache is then one slab of full rows), else without
-    (the reason goes to the log) and sized to the session as on the CPU."""
+    (decode steps are launch-bound on a GPU), else without (the reason goes to the log). On a device every
+    session reserves a full row (its memory is committed at once); on the host a granule at a time."""
     placement = choose_placement(
         cfg, tensorrt.Limits(), tensorrt.trt_cache_dir(model_name), allow_tensorrt=False, cuda_graphs=True
     )
@@ -90,8 +90,8 @@ def static_cache(
 def _cache(
     files: Mapping[str, Path], cfg: ModelConfig, settings: SessionSettings, placement: Placement, full_rows=False
 ) -> CacheManager:
-    """Rows sized to the session from `min_row_positions`; `full_rows`: one slab of max_seq_len rows. A
-    whole model's prefills that ask for the last position only run its last-logits graph."""
+    """Reservations of `min_row_positions` at a time; `full_rows`: a whole row each. A whole model's prefills
+    that ask for the last position only run its last-logits graph."""
     path = model_file(files, placement)
     session = open_session(path, placement, settings.threads)
     last_logits = _last_logits_session(path, placement, settings.threads) if cfg.whole else None

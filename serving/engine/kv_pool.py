@@ -32,6 +32,9 @@ one directly.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import mmap
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -61,6 +64,41 @@ PREFILL_CHUNK = 512
 MERGE_BYTES = 1 << 20
 
 
+@dataclasses.dataclass
+class GraphRuns:
+    """The graph runs of a cache since it opened (shared by a cache manager's slabs): what the engine core's
+    gauges read a step's runs from (how many decode runs a step of its decoding rows took)."""
+
+    decode_runs: int = 0  # decode windows run (one graph run each)
+    decode_rows: int = 0  # rows that stepped a token in them (idle rows inside a window not counted)
+    prefill_runs: int = 0  # prefill chunks run (one graph run each)
+    most_decode_rows: int = 0  # the most rows one decode run has stepped
+
+    def decoded(self, rows: int) -> None:
+        self.decode_runs += 1
+        self.decode_rows += rows
+        self.most_decode_rows = max(self.most_decode_rows, rows)
+
+
+MAP_NORESERVE = 0x4000  # Linux's (asm-generic): Python 3.11's mmap module does not name it
+
+
+def host_buffer(shape: tuple[int, ...], dtype: type) -> tuple[np.ndarray, mmap.mmap]:
+    """Zeros of `shape`, as address space whose pages the kernel commits only as they are written: an anonymous
+    private mapping with MAP_NORESERVE, so that a pool of many long rows costs the memory its rows fill, not its
+    size (the kernel's heuristic overcommit refuses a plain mapping larger than the machine's memory: seen with
+    64 GiB on a 24 GiB machine, which MAP_NORESERVE maps). MemoryError where the kernel refuses even that (its
+    strict overcommit, vm.overcommit_memory 2)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    try:
+        mapping = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    except OSError as error:
+        if error.errno == errno.ENOMEM:
+            raise MemoryError(f"the kernel refused {size} bytes of address space for a KV cache: {error}") from None
+        raise
+    return np.frombuffer(mapping, dtype, count=int(np.prod(shape))).reshape(shape), mapping
+
+
 class KVPool:
     """`rows` cache rows of up to `capacity` positions for the static graph of `session`.
 
@@ -81,7 +119,12 @@ class KVPool:
         device_id: int = 0,
         row_copy: RowCopy | None = None,
         last_logits_session=None,
+        runs: GraphRuns | None = None,
+        lazy: bool = False,
     ) -> None:
+        """`runs`: where its graph runs are counted. `lazy`: on the host, buffers whose pages are committed as rows
+        fill and given back as rows are released (`host_buffer`, `release`): the memory follows what the rows
+        hold, whatever the pool's size; MemoryError where the kernel refuses the address space."""
         import onnxruntime as ort
 
         assert rows > 0 and capacity > 0
@@ -100,6 +143,7 @@ class KVPool:
         self.new_tokens_name, self.output_name = names.model_input(cfg), names.model_output(cfg)
         self.positioned = any(i.name == names.POSITION_IDS for i in session.get_inputs())  # learned positions
         self.last_logits_session = last_logits_session
+        self.runs = runs or GraphRuns()
         self.cache_dtype, width = cache_layout(session)
         self.past_names = names.past_names(cfg.n_layers)
         self.present_names = names.present_names(cfg.n_layers)
@@ -107,7 +151,13 @@ class KVPool:
         shape = (rows, *self.row_shape)
         # zeros, not garbage: no kernel should read past a row's length, and if one did it must
         # not read NaN. On the CPU the pages of np.zeros are only touched as rows fill up.
-        self._host = [np.zeros(shape, self.cache_dtype) for _ in self.past_names] if self.device == CPU else []
+        self._mappings: list[mmap.mmap] = []
+        self.lazy = lazy and self.device == CPU
+        if self.lazy:
+            made = [host_buffer(shape, self.cache_dtype) for _ in self.past_names]
+            self._host, self._mappings = [array for array, _ in made], [mapping for _, mapping in made]
+        else:
+            self._host = [np.zeros(shape, self.cache_dtype) for _ in self.past_names] if self.device == CPU else []
         self.buffers = [ort.OrtValue.ortvalue_from_numpy(array) for array in self._host] or [
             ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.cache_dtype), CUDA, device_id)
             for _ in self.past_names
@@ -149,6 +199,19 @@ class KVPool:
     def reset(self, row: int) -> None:
         """Row `row` holds nothing from now on (its old positions are never read again)."""
         self.lengths[row] = 0
+
+    def release(self, row: int) -> None:
+        """Row `row` holds nothing from now on, and a lazy pool gives its pages back to the kernel (madvise
+        MADV_DONTNEED: they read as zeros again, committed anew only when written)."""
+        self.reset(row)
+        if not self._mappings:
+            return
+        page = mmap.PAGESIZE
+        start, end = row * self.row_bytes, (row + 1) * self.row_bytes
+        first, last = -(-start // page) * page, end // page * page  # the pages wholly inside the row
+        if last > first:
+            for mapping in self._mappings:
+                mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def rows_at(self, low: int, count: int = 1) -> CacheRows:
         """Rows [low, low + count) of every cache buffer, by address."""
@@ -238,6 +301,7 @@ class KVPool:
             positions[row - low] = self.lengths[row]
         lengths = self.lengths[low : low + count].astype(np.int32)  # seqlens_k: length after - 1
         output = window.run(hidden, lengths, positions)
+        self.runs.decoded(len(rows))
         return self._advance(rows, [steps[row].shape[0] for row in rows], output, low)
 
     def _prefill(self, row: int, hidden: np.ndarray, last_only: bool = False) -> np.ndarray:
@@ -268,6 +332,7 @@ class KVPool:
         binding.bind_output(self.output_name, CPU)
         self.rows_at(row).bind(binding, inputs=self.past_names, outputs=self.present_names)
         session.run_with_iobinding(binding, self._prefill_options)
+        self.runs.prefill_runs += 1
         (output,) = self._advance([row], [new], binding.get_outputs()[0].numpy(), row).values()
         return output
 

@@ -72,6 +72,15 @@ class LiveSequences(Generic[E]):
         self.entries[sequence_id] = self.entries.pop(sequence_id)  # the most recently used: last
         return entry
 
+    def rename(self, sequence_id: SequenceId, into: SequenceId) -> E:
+        """The live sequence's entry goes on as `into` (what it holds unchanged); `sequence_id` has ended."""
+        entry = self.touch(sequence_id)
+        del self.entries[sequence_id]
+        self._gone.revive(into)
+        self.entries[into] = entry
+        self._gone.bury(sequence_id, functools.partial(errors.SequenceEnded, sequence_id))
+        return entry
+
     def end(self, sequence_id: SequenceId) -> bool:
         """Free a sequence (END); False if it held nothing."""
         entry = self.entries.pop(sequence_id, None)

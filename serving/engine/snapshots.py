@@ -19,6 +19,10 @@ where the one before ended). Metadata
 | `length` | the positions held |
 | `start` | the first position the blob holds (0: the whole cache; more: a checkpoint's increment) |
 | `owner` | who may restore it (the gateway's keyed fingerprint of the caller's API key; empty: anyone) |
+| `token_ids` | a whole model's ids at positions `start` to `length` (JSON), where the server knew them |
+
+A restored session whose blobs carry `token_ids` goes on from its last token like any other (a generation
+without new ids), and its rows can be reused as a prefix; without them, the server asks for a token.
 
 A blob is refused (`SnapshotError`, naming what differs, expected and actual) when it is not a
 safetensors file, when its metadata is not this model's, graph or dtype, when its tensors do not
@@ -66,12 +70,37 @@ def fingerprint(cfg: ModelConfig, dtype: str, graph: str = "", graph_sha256: str
 
 
 def encode(
-    cache: Mapping[str, np.ndarray], identity: Mapping[str, str], length: int, owner: str = "", start: int = 0
+    cache: Mapping[str, np.ndarray],
+    identity: Mapping[str, str],
+    length: int,
+    owner: str = "",
+    start: int = 0,
+    token_ids: np.ndarray | None = None,
 ) -> bytes:
-    """`cache`: past name -> (n_kv_heads, length - start, width), positions `start` to `length`."""
+    """`cache`: past name -> (n_kv_heads, length - start, width), positions `start` to `length`; `token_ids`:
+    the session's ids at positions 0 to `length` where known (the blob carries its positions')."""
     tensors = {name: np.ascontiguousarray(array[:, : length - start]) for name, array in cache.items()}
     metadata = {**identity, "length": str(length), "start": str(start), "owner": owner}
+    if token_ids is not None and len(token_ids) == length:
+        metadata["token_ids"] = json.dumps([int(token) for token in token_ids[start:length]])
     return safetensors.numpy.save(tensors, metadata=metadata)
+
+
+def token_ids(blobs: Sequence[bytes]) -> np.ndarray | None:
+    """The token ids a snapshot's blobs (a whole cache, or its increments in order) carry, int32; None when any
+    blob does not carry them (they were not known where it was made) or they do not cover its positions. Read
+    once the blobs are restored (decode_chunks has checked them)."""
+    found = []
+    for blob in blobs:
+        metadata = _metadata(blob)
+        text = metadata.get("token_ids")
+        if text is None:
+            return None
+        ids = json.loads(text)
+        if len(ids) != int(metadata["length"]) - int(metadata.get("start", "0")):
+            return None
+        found += ids
+    return np.asarray(found, np.int32)
 
 
 def decode_chunks(

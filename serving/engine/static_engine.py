@@ -97,6 +97,11 @@ class StaticSessionEngine(StepEngine):
         """What the cache holds: float32, float16, int8 or int4."""
         return self.cache.cache_kind
 
+    @property
+    def runs(self):
+        """The graph runs of its cache so far (kv_pool.GraphRuns)."""
+        return self.cache.runs
+
     def length(self, sequence_id: SequenceId) -> int:
         with self._lock:
             held = sequence_id in self._slots.entries
@@ -115,11 +120,12 @@ class StaticSessionEngine(StepEngine):
         tokens = real_tokens(request.hidden, request.mask)[0]  # (T_real, d_model), or ids (T_real,)
         keep = None if len(tokens) == new else request.mask[0].astype(bool)
         if request.start:
-            if len(tokens) > self.max_positions:
-                raise errors.SequenceTooLong(request.sequence_id, len(tokens), self.max_positions)
-            self._start(request.sequence_id, len(tokens))
+            positions = max(len(tokens), request.reserve)
+            if positions > self.max_positions:
+                raise errors.SequenceTooLong(request.sequence_id, positions, self.max_positions)
+            self._start(request.sequence_id, positions)
         else:
-            self._grown(request.sequence_id, len(tokens))
+            self._grown(request.sequence_id, len(tokens), request.reserve)
         if len(tokens) == 0:
             return None
         return _Work(request.sequence_id, step_tokens(self.cfg, tokens, self.cache.dtype), keep, request.last_only)
@@ -158,11 +164,12 @@ class StaticSessionEngine(StepEngine):
             self._allocate(sequence_id, sequence_id, positions)
             self._slots.add(sequence_id, Slot(sequence_id, self._clock()))
 
-    def _grown(self, sequence_id: SequenceId, new: int) -> None:
-        """The live sequence holding `new` more positions (moved to a larger row if need be)."""
+    def _grown(self, sequence_id: SequenceId, new: int, reserve: int = 0) -> None:
+        """The live sequence holding `new` more positions, with room for `reserve` in all (moved to a larger
+        row if need be)."""
         with self._lock:
             self._slots.touch(sequence_id)
-            length = self.cache.length(sequence_id) + new
+            length = max(self.cache.length(sequence_id) + new, reserve)
             if length > self.max_positions:
                 raise errors.SequenceTooLong(sequence_id, length, self.max_positions)
             try:
@@ -183,16 +190,19 @@ class StaticSessionEngine(StepEngine):
 
     # --- session operations: snapshot, restore, fork, rewind ------------------------------------------
 
-    def snapshot(self, sequence_id: SequenceId, owner: str = "", since: int = 0) -> bytes:
+    def snapshot(
+        self, sequence_id: SequenceId, owner: str = "", since: int = 0, token_ids: np.ndarray | None = None
+    ) -> bytes:
         """The live sequence's cache from position `since` (0: all of it; more: the increment since a
-        checkpoint) as a blob (snapshots.py) only `owner` restores; the sequence goes on unchanged."""
+        checkpoint) as a blob (snapshots.py) only `owner` restores, carrying `token_ids` (its ids, where the
+        caller knows them); the sequence goes on unchanged."""
         with self._lock:
             length = self._touched(sequence_id)
             if not 0 <= since <= length:
                 held = f"sequence {sequence_id!r} holds {length} positions"
                 raise errors.InvalidRequest(f"{held}: a snapshot starts at 0 to {length}, got {since}")
             cache = self.cache.read(sequence_id, since)
-        return snapshots.encode(cache, self.cache.identity, length, owner, since)
+        return snapshots.encode(cache, self.cache.identity, length, owner, since, token_ids)
 
     def restore(self, sequence_id: SequenceId, blob: bytes | Sequence[bytes], owner: str = "") -> int:
         """Start `sequence_id` holding the cache of `blob` (or of several: a snapshot's increments, in
@@ -215,6 +225,13 @@ class StaticSessionEngine(StepEngine):
         with self._lock:
             length = self._touched(sequence_id)
         return self._start_copy(into, sequence_id, length)
+
+    def rename(self, sequence_id: SequenceId, into: SequenceId) -> None:
+        """The live sequence goes on as `into`, its row unmoved (the engine core keeps a finished generation's
+        row for prefix reuse this way); `sequence_id` has ended."""
+        with self._lock:
+            self._slots.rename(sequence_id, into).sequence_id = into
+            self.cache.rename(sequence_id, into)
 
     def rewind(self, sequence_id: SequenceId, length: int) -> int:
         """The live sequence keeps its first `length` positions; the next step continues from there."""

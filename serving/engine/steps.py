@@ -39,6 +39,10 @@ class StepRequest:
     # names.LAST_ONLY: answer only the last real position's output (1, 1, width). As the request sent it:
     # check_step refuses anything but a bool, so a bad value is that request's own error
     last_only: bool = False
+    # the positions the sequence will hold once the work this step begins is done (a prompt stepped in chunks,
+    # a generation's prompt and its tokens): room for them is taken now, so that a later chunk or token is never
+    # refused for room (0: only this step's)
+    reserve: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

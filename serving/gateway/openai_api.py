@@ -5,11 +5,12 @@ the generation model, which serves the files its checkpoint came with. Each choi
 server (contract/generation.py) in a session of its own; its text is detokenized as the tokens come
 (client.text.Detokenizer), so streamed pieces add up to exactly the text answered whole, stop strings left out.
 
-Sessions (conversations.py): a prompt that extends what an earlier request of the same key left in a kept
-session forks that session's KV cache, rewinds the fork to where the two part and prefills only the rest;
-`usage.prompt_tokens_details.cached_tokens` says how many were reused. `n` choices share one prefill: the
-prompt is stepped once, then forked. A request naming a `session` the key holds goes on in that session.
-Each finished choice's session is kept for the next request (SERVING_CONVERSATIONS_PER_KEY; 0: ended).
+Prefix reuse is the engine core's (serving/engine/core.py): each choice is a stateless generation with
+`reuse_prefix`, so the server starts it from the longest kept row of the same key (owner) that shares its
+prompt's beginning, prefills only the rest, and keeps its row for the next request; whichever gateway sent the
+earlier one. `usage.prompt_tokens_details.cached_tokens` says how many prompt ids were reused. `n` choices
+share one prefill: the prompt is generated with no new token first (its row kept), then each choice starts from
+that row. A request naming a `session` the key holds goes on in that session.
 
 Errors are OpenAI's shape (errors.py), 400 for a bad field with `param` naming it; a streamed answer that fails
 after its first chunk ends with a `data:` error object, then `data: [DONE]`, as vLLM's server does.
@@ -36,13 +37,11 @@ from client.generation import Token
 from client.text import Detokenizer, TextError, TextModel
 from contract import generation
 from serving.gateway import openai_schemas as schemas
-from serving.gateway.conversations import shared_prefix
 from serving.gateway.errors import (
     ApiError,
     InvalidInput,
     SessionConflict,
     TooManySessions,
-    UpstreamBusy,
     UpstreamTimeout,
     error_body,
     responses,
@@ -209,8 +208,15 @@ class Lease:
 
     upstream: Any  # client.AsyncSession
     send: np.ndarray  # the prompt ids the session does not hold yet (>= 1)
-    held_before: np.ndarray  # the prompt ids it holds already (a fork's, a bound session's)
-    bound: GatewaySession | None = None  # the caller's own session
+    held_before: np.ndarray  # the prompt ids it holds already (a bound session's)
+    bound: GatewaySession | None = None  # the caller's own session; None: a stateless generation
+
+
+def shared_prefix(held: np.ndarray, prompt: np.ndarray) -> int:
+    """How many leading ids `held` and `prompt` share."""
+    n = min(len(held), len(prompt))
+    differ = np.flatnonzero(held[:n] != prompt[:n])
+    return int(differ[0]) if differ.size else n
 
 
 @dataclasses.dataclass
@@ -232,12 +238,12 @@ class Run:
     def __init__(self, gw: GatewayState, owner: str, asked: Asked, text: TextModel, model: str) -> None:
         self.gw, self.owner, self.asked, self.text, self.model = gw, owner, asked, text, model
         self.choices: list[Choice] = []
-        self.cached = 0  # prompt tokens reused from a kept session
+        self.cached = 0  # prompt tokens reused from a kept row
         self.created = int(time.time())
         self.id = ("chatcmpl-" if asked.chat else "cmpl-") + secrets.token_hex(12)
         self.held = contextlib.AsyncExitStack()
         self._pulls: list[Pull] = []
-        self._owned: list[Any] = []  # sessions opened for this request (kept or ended at its end)
+        self._owned: list[Any] = []  # the stateless generations' sessions (counted in the key's quota meanwhile)
         self._bound: GatewaySession | None = None
         self._scores: list[Token | None] = []  # n choices: the prompt's scores from its one prefill
 
@@ -247,9 +253,8 @@ class Run:
         """A session for every choice (opened, forked, or the caller's own), each prompt prefilled once."""
         if self.asked.session is not None:
             if self.gw.generates_beside:
-                stepped = (await self.gw.generation_client()).session_model
                 raise InvalidInput(
-                    f"session: '{self.model}' generates over '{stepped}', and the sessions of /v1/sessions are "
+                    f"session: '{self.model}' is '{self.gw.generate_model}', and the sessions of /v1/sessions are "
                     f"'{self.gw.settings.session_model}''s: a session cannot be bound across models",
                     param="session",
                 )
@@ -263,13 +268,14 @@ class Run:
             self._add_choices(0, [lease])
             return
         for at, ids in enumerate(self.asked.prompts):
-            base = await self._pooled_lease(ids)
-            leases = [base] if self.asked.n == 1 else await self._forked(base)
-            self._add_choices(at, leases)
+            if self.asked.n > 1:
+                await self._prefill_once(ids)
+            self._add_choices(at, [Lease(await self._stateless(), ids, ids[:0]) for _ in range(self.asked.n)])
 
     def _count_against_the_keys_limit(self, sessions: int) -> None:
         """A request's sessions count against the key's SERVING_SESSIONS_PER_KEY while it runs, beside the
-        sessions the key holds (a kept conversation's do not: the gateway ends them when it needs to)."""
+        sessions the key holds (the rows the server keeps for prefix reuse do not: it ends them when it needs
+        the room)."""
         in_flight, limit = self.gw.openai_sessions, self.gw.settings.sessions_per_key
         held = self.gw.sessions.held_by(self.owner) + in_flight.get(self.owner, 0)
         if held + sessions > limit:
@@ -310,68 +316,26 @@ class Run:
         self.cached = keep
         return Lease(upstream, ids[keep:], ids[:keep], session)
 
-    async def _pooled_lease(self, ids: np.ndarray) -> Lease:
-        """A fork of the key's kept session sharing the longest prefix with `ids` (rewound to it), or a new one."""
-        conversations = self.gw.conversations
-        kept, shared = (None, 0) if self.asked.prompt_logprobs is not None else conversations.longest(self.owner, ids)
-        if kept is None:
-            return Lease(await self._opened(None), ids, ids[:0])
-        kept.busy += 1
-        try:
-            child = await self._opened(kept.upstream)
-        except (SessionConflict, UpstreamTimeout):  # the kept session is gone: never forked again; start afresh
-            conversations.forget(kept.upstream)
-            self.gw.end_kept([kept.upstream])
-            return Lease(await self._opened(None), ids, ids[:0])
-        finally:
-            kept.busy -= 1
-        conversations.used(kept)
-        keep = min(shared, len(ids) - 1)
-        if keep < child.length:
-            await self.gw.call(child.rewind(keep), "rewinding a kept conversation's fork")
-        self.cached = max(self.cached, keep)
-        return Lease(child, ids[keep:], ids[:keep])
+    async def _stateless(self) -> Any:
+        """A new session of the key for one stateless generation (sent with its first request), counted in the
+        key's quota while it runs."""
+        session = (await self.gw.generation_client()).session(owner=self.owner)
+        self._owned.append(session)
+        self.gw.quotas.opened(self.owner, session)
+        return session
 
-    async def _opened(self, fork_of: Any) -> Any:
-        """A new session of the key (a fork of `fork_of`), opened; a full KV budget first ends the kept
-        conversations (their caches are the first to give up), then is the caller's 503."""
-        for attempt in range(2):
-            session = (await self.gw.generation_client()).session(owner=self.owner)
-            try:
-                await self.gw.call(session.open(fork_of=fork_of), "opening a session")
-            except UpstreamBusy:
-                if attempt or not len(self.gw.conversations):
-                    raise
-                await self._free_kept()
-                continue
-            self._owned.append(session)
-            self.gw.quotas.opened(self.owner, session)  # a fork holds positions at once; 429 past the key's quota
-            return session
-        raise AssertionError("unreachable")
-
-    async def _free_kept(self) -> None:
-        log.info("the KV budget is full: ending %d kept conversation(s)", len(self.gw.conversations))
-        await self.gw.end_every_kept()
-
-    async def _forked(self, base: Lease) -> list[Lease]:
-        """`n` choices of one prompt: the prompt prefilled once in `base` (scored if asked), then forked; each
-        choice then sends the prompt's last token itself (a fork holds no logits of its own)."""
-        ids = np.concatenate([base.held_before, base.send])
-        scores = await self._prefill(base.upstream, base.send)
-        leases = [Lease(await self._opened(base.upstream), ids[-1:], ids[:-1]) for _ in range(self.asked.n - 1)]
-        leases.insert(0, Lease(base.upstream, ids[-1:], ids[:-1]))
-        for lease in leases:
-            await self.gw.call(lease.upstream.rewind(len(ids) - 1), "rewinding a fork by one")
-        self._scores = scores
-        return leases
-
-    async def _prefill(self, upstream: Any, ids: np.ndarray) -> list[Token | None]:
+    async def _prefill_once(self, ids: np.ndarray) -> None:
+        """`n` choices of one prompt: the prompt generated once with no new token, its row kept by the server,
+        so that each choice starts from it (scored here if asked)."""
+        session = await self._stateless()
         self.gw.metrics.prompt_tokens.inc(len(ids))  # the choices' own generations each send one token more
-        self.gw.quotas.grow(self.owner, upstream, len(ids))
-        generated = upstream.generate(ids, max_new_tokens=0, prompt_logprobs=self.asked.prompt_logprobs)
-        async for _ in generated:
-            pass
-        return generated.prompt_logprobs
+        self.gw.quotas.grow(self.owner, session, len(ids))
+        generated = session.generate(
+            ids, max_new_tokens=0, prompt_logprobs=self.asked.prompt_logprobs, end=True, reuse_prefix=True
+        )
+        await self.gw.call(_drained(generated), "prefilling the prompt of n choices")
+        self._scores = generated.prompt_logprobs
+        self.cached = max(self.cached, generated.cached_tokens)
 
     # generations ---------------------------------------------------------------------------------------------
 
@@ -385,11 +349,14 @@ class Run:
             forked = self.asked.n > 1
             prompt_logprobs = None if forked else self.asked.prompt_logprobs
             self.gw.quotas.grow(self.owner, lease.upstream, len(lease.send) + self.asked.max_new[choice.prompt])
+            stateless = lease.bound is None
             tokens = lease.upstream.generate(
                 lease.send,
                 max_new_tokens=self.asked.max_new[choice.prompt],
                 stop_token_ids=self.asked.stop_ids,
                 prompt_logprobs=prompt_logprobs,
+                end=stateless,
+                reuse_prefix=stateless,
                 **arguments,
             )
             what = f"choice {choice.index} of {self.id}"
@@ -435,32 +402,33 @@ class Run:
         return [None] * len(choice.lease.held_before) + list(scored)
 
     async def end(self) -> None:
-        """Each generation closed; each finished choice's session kept for the next request (or ended), every
-        other session this request opened ended (a failure anywhere, from the first open on)."""
+        """Each generation closed (its stateless session ends with it on the server, its row kept there for the
+        next request); a bound session's ids noted; the key's quota released of the stateless ones."""
         for pull in self._pulls:
             await pull.close()
-        kept = set()
         for choice in self.choices:
             lease, finished = choice.lease, choice.finish_reason is not None and choice.index < len(self._pulls)
-            held = None
-            if finished:
-                answered = self._pulls[choice.index].tokens.tokens
-                held = np.asarray([*lease.held_before.tolist(), *lease.send.tolist(), *answered], np.int64)
             if lease.bound is not None:
+                held = None
+                if finished:
+                    answered = self._pulls[choice.index].tokens.tokens
+                    held = np.asarray([*lease.held_before.tolist(), *lease.send.tolist(), *answered], np.int64)
                 lease.bound.tokens = held  # None: failed or cut off, what it holds is unknown here
                 self.gw.quotas.settle(self.owner, lease.upstream)
-            elif held is not None:
-                self.gw.end_kept(self.gw.conversations.keep(self.owner, lease.upstream, held))
-                kept.add(id(lease.upstream))
-        self.gw.end_kept([session for session in self._owned if id(session) not in kept])
-        # kept conversations are the gateway's cache, ended when the budget needs room: no key's share
         self.gw.quotas.release(*self._owned)
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(self.asked.prompts[choice.prompt]) for choice in self.choices[:: self.asked.n])
         completion = sum(len(choice.tokens) for choice in self.choices)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        return usage | {"prompt_tokens_details": {"cached_tokens": self.cached}}
+        return usage | {"prompt_tokens_details": {"cached_tokens": self.cached_tokens()}}
+
+    def cached_tokens(self) -> int:
+        """Prompt ids the server reused: a bound session's, the one prefill's of n choices, or the most any
+        choice's generation reused (its final response says)."""
+        if self.asked.n > 1 or self._bound is not None:
+            return self.cached
+        return max([self.cached, *(pull.tokens.cached_tokens for pull in self._pulls)])
 
 
 # --- answers -----------------------------------------------------------------------------------------------
@@ -575,7 +543,7 @@ async def completions(request: Request, owner: Caller) -> Response:
     "/chat/completions",
     responses=ANSWERED | responses(400, 401, 404, 409, 413, 429, 502, 503, 504),
     summary="OpenAI's Chat Completions: messages rendered by the model's chat template, the reply generated on "
-    "the server; a conversation's next turn forks the KV cache its last turn left",
+    "the server; a conversation's next turn starts from the KV cache its last turn left there",
     openapi_extra=body_documented(schemas.ChatBody),
 )
 async def chat_completions(request: Request, owner: Caller) -> Response:
@@ -618,6 +586,11 @@ async def _whole(run: Run) -> Response:
     async with run.held:
         await asyncio.gather(*(_drain(run, choice) for choice in run.choices))
         return Response(orjson.dumps(Renderer(run).whole()), media_type="application/json")
+
+
+async def _drained(generated) -> None:
+    async for _ in generated:
+        pass
 
 
 async def _drain(run: Run, choice: Choice) -> None:

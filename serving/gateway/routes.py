@@ -511,10 +511,10 @@ async def generate_in_session(session_id: str, body: schemas.GenerateBody, gw: S
     async with contextlib.AsyncExitStack() as held:
         session = await held.enter_async_context(gw.sessions.using(session_id, owner))  # busy until the answer ends
         model = gw.settings.session_model
-        stepped = (await gw.generation_client()).session_model
-        if stepped != model:
+        generating = gw.generate_model
+        if generating != model:
             raise InvalidInput(
-                f"the generation model steps '{stepped}', and this session is '{model}''s: POST /v1/generate, or the "
+                f"'{generating}' generates, and this session is '{model}''s: POST /v1/generate, or the "
                 "OpenAI-compatible routes, generate with it"
             )
         asked = generate.checked(body, await gw.model_info(model), model, stateless=False)
@@ -532,11 +532,11 @@ async def generate_in_session(session_id: str, body: schemas.GenerateBody, gw: S
     responses=GENERATED | responses(400, 401, 413, 422, 502, 503, 504),
     summary="Generate tokens after a prompt in a sequence of its own, ended afterwards (nothing is kept)",
 )
-async def generate_stateless(body: schemas.GenerateBody, gw: State) -> Response:
+async def generate_stateless(body: schemas.GenerateBody, gw: State, owner: Caller) -> Response:
     client = await gw.generation_client()
-    model = client.session_model  # generation steps the session model, in a sequence of its own
+    model = client.session_model  # the generating session model, in a sequence of its own
     asked = generate.checked(body, await gw.model_info(model), model, stateless=True)
-    tokens = client.generate(asked.ids, **asked.arguments)
+    tokens = client.session(owner=owner).generate(asked.ids, end=True, **asked.arguments)
     return await generate.answer(gw, tokens, asked, "stateless generation", _as_is, contextlib.AsyncExitStack())
 
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from contract import generation, names
+from contract import names
 from serving.gateway.model_server import checked_url
 
 LOOPBACK = "127.0.0.1"
@@ -30,18 +30,14 @@ class Settings(BaseSettings):
         default=None, description="a file with one API key per line (blank lines and # comments ignored)"
     )
     triton_url: str = Field(default="127.0.0.1:8001", description="Triton's gRPC address, host:port")
-    triton_http_url: str | None = Field(
-        default=None,
-        description="Triton's HTTP address, host:port, of the same server as triton_url: session requests (open, "
-        "step, close, snapshot, rewind, prefixes) go there over HTTP/1.1 keep-alive connections, about half the "
-        "gateway's CPU a step of gRPC's; unset: over gRPC. Generation streams, metadata and health stay on gRPC. "
-        "For a Triton reached directly: behind Envoy a session's replica pin names the listener that made it, and "
-        "a generation stream (gRPC) cannot follow a pin made over HTTP",
-    )
     model: str = Field(default=names.MODEL, description="the stateless Triton model")
-    session_model: str = Field(default=names.SESSION_MODEL, description="the stateful (sequence batching) Triton model")
-    generate_model: str = Field(
-        default=generation.MODEL, description="the decoupled Triton model that generates (a whole model's)"
+    session_model: str = Field(
+        default=names.SESSION_MODEL, description="the session model (decoupled: its engine core keeps the sessions)"
+    )
+    generate_model: str | None = Field(
+        default=None,
+        description="the session model of a whole model whose engine generates for the OpenAI-compatible routes and "
+        "POST /v1/generate (unset: session_model); a repository serving two model sets names the second here",
     )
     host: str = Field(default=LOOPBACK, description="address to bind; loopback unless told")
     port: int = Field(default=8080, ge=0, le=65535, description="the HTTP port (0: one the system picks)")
@@ -143,18 +139,6 @@ class Settings(BaseSettings):
         default=None,
         description="the model's id on the OpenAI-compatible routes (`model` in a request, GET /v1/models' "
         "`data[].id`); unset: the session model's name",
-    )
-    conversations_per_key: int = Field(
-        default=8,
-        ge=0,
-        description="OpenAI routes: how many ended requests' sessions one key keeps so that a next request "
-        "extending its prompt forks their KV cache instead of prefilling again (0: none kept); they do not "
-        "count against sessions_per_key",
-    )
-    conversation_idle_s: float = Field(
-        default=300.0,
-        gt=0,
-        description="a kept conversation's session unused this long is ended (its KV cache freed)",
     )
     triton_metrics_urls: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),

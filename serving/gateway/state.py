@@ -18,7 +18,6 @@ from contract.files import TOKENIZER_FILENAME
 from contract.integrity import Keyring, derived_secret
 from serving.gateway import upstream
 from serving.gateway.auth import owner_of
-from serving.gateway.conversations import Conversations
 from serving.gateway.errors import InvalidInput, Overloaded, UpstreamFailed
 from serving.gateway.limits import request_deadline, restore_bound
 from serving.gateway.metrics import Metrics
@@ -86,12 +85,10 @@ class GatewayState:
         self._tasks: set[asyncio.Task] = set()  # the sweeper, the models' metadata, ENDs sent after a request
         self._attending = 0  # /v1/attend requests in flight (everything runs on the event loop)
         self.started = int(time.time())  # OpenAI's `created` of the served model
-        self.conversations = Conversations(settings.conversations_per_key, settings.conversation_idle_s)
         self.quotas = Quotas(settings)  # what each key's sessions and prefixes hold of the KV cache
         self._text: TextModel | None = None
         self._text_fetch = asyncio.Lock()
         self._generation_client: AsyncClient | None = None
-        self._generation_lookup = asyncio.Lock()
         self.openai_sessions: dict[str, int] = {}  # per key: sessions the OpenAI routes' requests hold now
 
     @property
@@ -120,7 +117,6 @@ class GatewayState:
             "grpc",
             s.model,
             s.session_model,
-            generate_model=s.generate_model,
             timeout=s.request_timeout_s,
             retries=2,
             backoff=0.05,
@@ -129,8 +125,9 @@ class GatewayState:
             store_secret=self.keyring.secrets,
             checkpoint_every=s.checkpoint_every,
             recovery_timeout=s.request_timeout_s,  # the request's deadline bounds it anyway
-            session_http_url=s.triton_http_url or None,
         )
+        generating = s.generate_model or s.session_model
+        self._generation_client = self._client if generating == s.session_model else self._client.sibling(generating)
         self.spawn(self._sweep())
         self.spawn(self._learn_models())
 
@@ -140,7 +137,6 @@ class GatewayState:
             task.cancel()
         await asyncio.gather(*sweeping, return_exceptions=True)
         await asyncio.gather(*(self.end_upstream(s) for s in self.sessions.drain()))
-        await self.end_every_kept()
         await asyncio.gather(*self._tasks, return_exceptions=True)  # ENDs already on their way
         if self.generates_beside:
             await self._generation_client.close()
@@ -228,15 +224,6 @@ class GatewayState:
         self.quotas.release(session.upstream)  # at once: the key's share is free before the END's answer
         await self._end(session.upstream, f"session {tag(session.id)}")
 
-    def end_kept(self, upstreams: list) -> None:
-        """End kept conversations' sessions (conversations.py) beside the request."""
-        for kept in upstreams:
-            self.spawn(self._end(kept, "a kept conversation"), name="end-conversation")
-
-    async def end_every_kept(self) -> None:
-        """End every kept conversation's session now (the gateway stops, or the KV budget is full)."""
-        await asyncio.gather(*(self._end(kept, "a kept conversation") for kept in self.conversations.drain()))
-
     async def _end(self, upstream, what: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = min(loop.time() + CLOSE_TIMEOUT_S, request_deadline.get() or float("inf"))  # within a request's
@@ -247,22 +234,20 @@ class GatewayState:
             log.warning("ending %s upstream failed (Triton will expire it): %r", what, error)
 
     async def generation_client(self) -> AsyncClient:
-        """The client whose session model is the one the generation model steps (its config says which): the
-        session routes' own client when they are one model set, another of the same settings when the repository
-        serves a second set beside them (`python -m serving`: the trained model beside the default one)."""
-        async with self._generation_lookup:
-            if self._generation_client is None:
-                stepped = await self.call(self.client.stepped_session_model(), "the generation model's config")
-                if stepped is None:  # no generation model (yet): the session routes' client, asked again next time
-                    return self.client
-                same = stepped == self.settings.session_model
-                self._generation_client = self.client if same else self.client.sibling(stepped)
+        """The client of the session model that generates (SERVING_GENERATE_MODEL): the session routes' own, or
+        another of the same settings when the repository serves a second model set beside theirs (`python -m
+        serving`: the trained model beside the default one)."""
+        assert self._generation_client is not None, "the gateway is not started"
         return self._generation_client
 
     @property
     def generates_beside(self) -> bool:
-        """Whether the generation model steps a session model of its own (not the session routes')."""
+        """Whether the generating session model is not the session routes' own."""
         return self._generation_client is not None and self._generation_client is not self._client
+
+    @property
+    def generate_model(self) -> str:
+        return self.settings.generate_model or self.settings.session_model
 
     async def text(self) -> TextModel:
         """The served model's tokenizer (client/text.py), fetched from the generation model once and checked
@@ -273,10 +258,10 @@ class GatewayState:
         return self._text
 
     async def _fetched_text(self) -> TextModel:
-        fetched = await self.call(self.client.text_files(), "the model's tokenizer files")
+        fetched = await self.call((await self.generation_client()).text_files(), "the model's tokenizer files")
         if fetched is None:
             raise InvalidInput(
-                f"'{self.settings.generate_model}' serves no tokenizer (its checkpoint had no "
+                f"'{self.generate_model}' serves no tokenizer (its checkpoint had no "
                 f"{TOKENIZER_FILENAME}): it takes token ids (POST /v1/generate), not text"
             )
         digest, files = fetched
@@ -286,13 +271,12 @@ class GatewayState:
             raise UpstreamFailed(f"the model's text files (digest {digest[:12]}) cannot be read: {error}") from None
 
     async def _sweep(self) -> None:
-        interval = min(self.settings.session_idle_s / 2, self.settings.conversation_idle_s / 2, 10.0)
+        interval = min(self.settings.session_idle_s / 2, 10.0)
         while True:
             await asyncio.sleep(interval)
             expired = self.sessions.idle()
             if expired:
                 log.info("closing %d idle session(s)", len(expired))
                 await asyncio.gather(*(self.end_upstream(s) for s in expired))
-            self.end_kept(self.conversations.sweep())
             if self.sessions.shared:  # idle sessions are forgotten here without an END: their shares too
                 self.quotas.forget_idle(self.settings.session_idle_s)

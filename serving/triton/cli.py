@@ -73,7 +73,12 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.idle_timeout_seconds,
         help="mha_session: seconds after which an idle sequence loses its cache",
     )
-    add("--max-batch-size", type=int, default=defaults.max_batch_size, help="mha_session: sequences per execute()")
+    add(
+        "--max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="mha_session (concat engine): the largest batch its TensorRT profile takes",
+    )
     add(
         "--max-request-tokens",
         type=int,
@@ -104,8 +109,27 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--min-row-positions",
         type=int,
         default=defaults.min_row_positions,
-        help="mha_session (static): the smallest row a session starts in; rows double as it grows "
-        "(max_seq_len: a full row per session from its START)",
+        help="mha_session (static): the positions a session reserves at a time, from its START on, as it grows "
+        "(max_seq_len: a full row per session)",
+    )
+    add(
+        "--step-tokens",
+        type=int,
+        default=defaults.step_tokens,
+        help="mha_session: new tokens one step of the engine core runs: every decoding row's, then prompt chunks "
+        "(a joining prompt holds the decoders up for at most one chunk)",
+    )
+    add(
+        "--kept-per-owner",
+        type=int,
+        default=defaults.kept_per_owner,
+        help="mha_session: rows each owner (API key) keeps for prefix reuse after its stateless generations (0: none)",
+    )
+    add(
+        "--generations-per-owner",
+        type=int,
+        default=defaults.generations_per_owner,
+        help="mha_session: an owner's generations running at once; more wait their turn (0: no cap)",
     )
 
 
@@ -120,6 +144,9 @@ def settings_from(args: argparse.Namespace) -> ServingSettings:
         weights_dtype=args.weights_dtype,
         min_row_positions=args.min_row_positions,
         max_request_tokens=args.max_request_tokens,
+        step_tokens=args.step_tokens,
+        kept_per_owner=args.kept_per_owner,
+        generations_per_owner=args.generations_per_owner,
     )
 
 
@@ -165,20 +192,18 @@ def export_default(
 TRAINED_PREFIX = f"{files.TRAINED_MODEL_NAME}_"  # the trained model's Triton models: fortunes_mha_session, ...
 
 
-def trained_models() -> tuple[str, str]:
-    """The Triton models of the model trained here (files.TRAINED_MODEL): its session and generation models."""
-    from serving.triton.config import MHA_GENERATE, MHA_SESSION
+def trained_model() -> str:
+    """The Triton model of the model trained here (files.TRAINED_MODEL): its session model, which generates."""
+    from serving.triton.config import MHA_SESSION
 
-    return f"{TRAINED_PREFIX}{MHA_SESSION}", f"{TRAINED_PREFIX}{MHA_GENERATE}"
+    return f"{TRAINED_PREFIX}{MHA_SESSION}"
 
 
 def has_trained(repository: Path) -> bool:
-    """Whether `repository` holds the trained model's session model and its generation model."""
-    from serving.triton.config import TRITON_CONFIG_FILENAME
+    """Whether `repository` holds the trained model's session model."""
     from serving.triton.repository import is_complete
 
-    session, generate = trained_models()
-    return is_complete(repository, (session,)) and (repository / generate / TRITON_CONFIG_FILENAME).is_file()
+    return is_complete(repository, (trained_model(),))
 
 
 def export_trained(

@@ -7,11 +7,13 @@ the ONNX graph its model loads.
 - `mha` (python backend): stateless, the graph's inputs and outputs exactly (docs/design.md, "Tensor names") with the
   batch axis in `dims` (`max_batch_size: 0`: Triton must not add a batch axis of its own, the
   graph already has one). The mask and the past are optional: a first call leaves the past out.
-- `mha_session` (python backend): Triton sequence batching. A step sends the new tokens only,
-  `hidden_states` [1, T, d_model] (a whole model's `input_ids` [1, T] int64, answered by `logits`
-  [1, T, vocab_size]) and optionally their `attention_mask` [1, T]; the server keeps
-  each sequence's cache. Strategy `oldest` (`direct` fills empty batch slots with null requests
-  that need answers too); `allow_ragged_batch` lets steps with different T share one execute().
+- `mha_session` (python backend, decoupled): Triton sequence batching hands every request to the model's
+  engine core (serving/engine/core.py), which keeps each session's cache, orders and batches its requests and
+  answers them from its own thread. A step sends the new tokens only, `hidden_states` [1, T, d_model] (a whole
+  model's `input_ids` [1, T] int64, answered by `logits` [1, T, vocab_size]) and optionally their
+  `attention_mask` [1, T]; a whole model's generations are requests to it too (contract/generation.py),
+  answered a token at a time. Strategy `oldest` (`direct` fills empty batch slots with null requests that need
+  answers too); `allow_ragged_batch` lets requests with different T share one execute().
 - `mha_onnx` (onnxruntime backend, GPU hosts): stateless like `mha`, with the TensorRT
   accelerator in FP16 with the TensorRT options of `contract.tensorrt_options` (the engine's own).
 
@@ -49,11 +51,9 @@ ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_
 
 # The module that implements each python-backend model; the shim `model.py` imports it.
 _MODELS_PACKAGE = __name__.rpartition(".")[0] + ".models"  # serving.triton.models, beside this module
-MHA_GENERATE = generation.MODEL  # written beside a whole model's mha_session (write_repository)
 IMPLEMENTATIONS = {
     MHA: f"{_MODELS_PACKAGE}.mha",
     MHA_SESSION: f"{_MODELS_PACKAGE}.mha_session",
-    MHA_GENERATE: f"{_MODELS_PACKAGE}.mha_generate",
 }
 
 # Parameter keys the python models read (serving/triton/models/*.py, serving/triton/engines.py).
@@ -70,9 +70,11 @@ P_IDLE_TIMEOUT = "idle_timeout_seconds"
 P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
 P_MIN_ROW_POSITIONS = "min_row_positions"  # mha_session (static): the smallest row
 P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
-P_SESSION_MODEL = generation.P_SESSION_MODEL  # mha_generate: the session model it steps
-P_PREFILL_CHUNK = "prefill_chunk"  # mha_generate: prompt tokens per step
-P_TEXT_DIGEST = generation.P_TEXT_DIGEST  # mha_generate: the digest of its text files (none: no tokenizer)
+P_MAX_BATCH = "max_batch"  # mha_session: the concat engine's largest batch (its TensorRT profile)
+P_STEP_TOKENS = "step_tokens"  # mha_session: the engine core's tokens a step
+P_KEPT_PER_OWNER = "kept_per_owner"  # mha_session: rows kept for prefix reuse per owner
+P_GENERATIONS_PER_OWNER = "generations_per_owner"  # mha_session: an owner's generations running at once
+P_TEXT_DIGEST = generation.P_TEXT_DIGEST  # mha_session: the digest of its text files (none: no tokenizer)
 # The model's sizes and limits, published in both python models' configs so that any caller reads the
 # facts from Triton's model-config API (the session model's IO does not show its layers or cache)
 MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_seq_len")
@@ -137,16 +139,28 @@ def mha_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSe
 
 
 def mha_session_config(
-    cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings, engine: str | None = None
+    cfg: ModelConfig,
+    onnx_files: dict[str, str],
+    settings: ServingSettings,
+    engine: str | None = None,
+    text_files: dict[str, str] | None = None,
 ) -> pb.ModelConfig:
     """`engine` overrides `settings.engine` (the repository falls back to `concat` when the static
-    graph could not be built for the config)."""
+    graph could not be built for the config). A whole model's config also declares the generation's outputs;
+    `text_files` (name -> sha256): the tokenizer files in its version folder, which it answers a `text_files`
+    request with; their digest is published (P_TEXT_DIGEST) so that a gateway knows the files it fetched."""
     config = _python_model(MHA_SESSION, cfg, onnx_files, settings)
     config.max_batch_size = settings.max_batch_size  # Triton's batch axis = one row per sequence
-    ragged = {"allow_ragged_batch": True}  # steps with different T share one execute()
+    config.model_transaction_policy.decoupled = True  # answered from the engine core's thread, a token at a time
+    ragged = {"allow_ragged_batch": True}  # requests with different T share one execute()
     new_tokens, answer = names.model_input_spec(cfg), names.model_output_spec(cfg)  # without their batch axis
+    # optional: a stop, a text files request, a generation that goes on carry none (a step without them is told so)
     config.input.add(
-        name=new_tokens.name, data_type=_data_type(new_tokens, "float32"), dims=_dims(new_tokens.shape[1:]), **ragged
+        name=new_tokens.name,
+        data_type=_data_type(new_tokens, "float32"),
+        dims=_dims(new_tokens.shape[1:]),
+        optional=True,
+        **ragged,
     )
     config.input.add(name=names.ATTENTION_MASK, data_type=pb.TYPE_INT64, dims=[-1], optional=True, **ragged)
     config.output.add(name=answer.name, data_type=pb.TYPE_FP32, dims=_dims(answer.shape[1:]))
@@ -156,38 +170,40 @@ def mha_session_config(
     config.input.add(name=names.SNAPSHOT, data_type=pb.TYPE_STRING, dims=[-1], optional=True)
     config.output.add(name=names.SNAPSHOT, data_type=pb.TYPE_STRING, dims=[1])
     _add_attention_maps(config, cfg, batch_axis=False)  # the operation names.ATTENTION_MAPS_OPERATION
+    if cfg.whole:
+        _add_generation_outputs(config)
+    # Triton's sequence batcher keeps each session's slot from START to END (a draining server serves them until
+    # they end) and hands requests over as they come; the engine core orders, batches and answers them
     batching = config.sequence_batching
     batching.max_sequence_idle_microseconds = settings.triton_idle_microseconds
     batching.oldest.max_candidate_sequences = candidate_sequences(cfg, settings)
     batching.oldest.max_queue_delay_microseconds = settings.max_queue_delay_microseconds
-    _set_parameters(
-        config,
-        {
-            P_KV_CACHE_BYTES: settings.kv_cache_bytes,
-            P_IDLE_TIMEOUT: f"{settings.idle_timeout_seconds:g}",
-            P_ENGINE: engine or settings.engine,
-            P_MIN_ROW_POSITIONS: settings.min_row_positions,
-        },
-    )
+    parameters = {
+        P_KV_CACHE_BYTES: settings.kv_cache_bytes,
+        P_IDLE_TIMEOUT: f"{settings.idle_timeout_seconds:g}",
+        P_ENGINE: engine or settings.engine,
+        P_MIN_ROW_POSITIONS: settings.min_row_positions,
+        P_MAX_BATCH: settings.max_batch_size,
+        P_STEP_TOKENS: settings.step_tokens,
+        P_KEPT_PER_OWNER: settings.kept_per_owner,
+        P_GENERATIONS_PER_OWNER: settings.generations_per_owner,
+    }
+    if text_files:
+        parameters[P_TEXT_DIGEST] = generation.text_digest(text_files)
+    _set_parameters(config, parameters)
     return config
 
 
-def mha_generate_config(cfg: ModelConfig, settings: ServingSettings, text_files: dict[str, str]) -> pb.ModelConfig:
-    """The decoupled generation model (contract/generation.py): `input_ids` [1, T] in (optional: none
-    continues a session), one response per generated token, a final one with the finish reason. `text_files`
-    (name -> sha256): the tokenizer files in its version folder, which it answers a `text_files` request with;
-    their digest is published (P_TEXT_DIGEST) so a gateway knows the files it fetched are these."""
-    config = _python_model(MHA_GENERATE, cfg, {}, settings)
-    config.max_batch_size = 0
-    config.model_transaction_policy.decoupled = True
-    config.input.add(name=names.INPUT_IDS, data_type=pb.TYPE_INT64, dims=[1, -1], optional=True)
+def _add_generation_outputs(config: pb.ModelConfig) -> None:
+    """A generation's responses (contract/generation.py): a token's, the prompt's scores, the final one's, the
+    tokenizer files'."""
     for name, data_type, dims in (
         (generation.TOKEN_ID, pb.TYPE_INT64, [1]),
         (generation.LOGPROB, pb.TYPE_FP32, [1]),
         (generation.TOP_TOKEN_IDS, pb.TYPE_INT64, [-1]),
         (generation.TOP_LOGPROBS, pb.TYPE_FP32, [-1]),
         (generation.FINISH_REASON, pb.TYPE_STRING, [1]),
-        (names.HELD_LENGTH, pb.TYPE_INT64, [1]),
+        (generation.CACHED_TOKENS, pb.TYPE_INT64, [1]),
         (generation.PROMPT_LOGPROB, pb.TYPE_FP32, [-1]),
         (generation.PROMPT_TOP_TOKEN_IDS, pb.TYPE_INT64, [-1, -1]),
         (generation.PROMPT_TOP_LOGPROBS, pb.TYPE_FP32, [-1, -1]),
@@ -195,11 +211,6 @@ def mha_generate_config(cfg: ModelConfig, settings: ServingSettings, text_files:
         (generation.TEXT_FILE_CONTENTS, pb.TYPE_STRING, [-1]),
     ):
         config.output.add(name=name, data_type=data_type, dims=dims)
-    parameters = {P_SESSION_MODEL: MHA_SESSION, P_PREFILL_CHUNK: generation.PREFILL_CHUNK}
-    if text_files:
-        parameters[P_TEXT_DIGEST] = generation.text_digest(text_files)
-    _set_parameters(config, parameters)
-    return config
 
 
 def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from contract.config import ModelConfig
 from serving.engine import factory
+from serving.engine.core import CoreSettings
 from serving.engine.errors import EngineError
 from serving.engine.ort import CPU, CUDA
 from serving.engine.placement import TENSORRT
@@ -48,14 +49,30 @@ def threads(parameters: dict[str, str]) -> int:
     return _number(parameters, triton_config.P_THREADS, int, "0")
 
 
-def session_settings(parameters: dict[str, str], max_batch: int) -> SessionSettings:
+def session_settings(parameters: dict[str, str]) -> SessionSettings:
+    defaults = SessionSettings()
     return SessionSettings(
         engine=parameters.get(triton_config.P_ENGINE, ENGINE_STATIC),
         kv_cache_bytes=_number(parameters, triton_config.P_KV_CACHE_BYTES, int),
         idle_timeout_seconds=_number(parameters, triton_config.P_IDLE_TIMEOUT, float),
         threads=threads(parameters),
-        max_batch=max_batch,
+        max_batch=_number(parameters, triton_config.P_MAX_BATCH, int, str(defaults.max_batch)),
         min_row_positions=_number(parameters, triton_config.P_MIN_ROW_POSITIONS, int),
+        step_tokens=_number(parameters, triton_config.P_STEP_TOKENS, int, str(defaults.step_tokens)),
+        kept_per_owner=_number(parameters, triton_config.P_KEPT_PER_OWNER, int, str(defaults.kept_per_owner)),
+        generations_per_owner=_number(
+            parameters, triton_config.P_GENERATIONS_PER_OWNER, int, str(defaults.generations_per_owner)
+        ),
+    )
+
+
+def core_settings(settings: SessionSettings) -> CoreSettings:
+    """The engine core's settings of the session model's (serving/engine/core.py)."""
+    return CoreSettings(
+        step_tokens=settings.step_tokens,
+        min_chunk=min(CoreSettings.min_chunk, settings.step_tokens),
+        kept_per_owner=settings.kept_per_owner,
+        generations_per_owner=settings.generations_per_owner,
     )
 
 
@@ -78,8 +95,8 @@ def inspection_runner(version: Path, cfg: ModelConfig, parameters: dict[str, str
 
 
 def session_engine(
-    version: Path, cfg: ModelConfig, parameters: dict[str, str], max_batch: int, model_name: str
+    version: Path, cfg: ModelConfig, parameters: dict[str, str], model_name: str
 ) -> factory.SessionEngines:
-    settings = session_settings(parameters, max_batch)
+    settings = session_settings(parameters)
     inspection = inspection_file(version, parameters)
     return factory.session_engine(onnx_files(version, parameters), cfg, settings, model_name, inspection)

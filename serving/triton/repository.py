@@ -7,6 +7,7 @@
                                        and the inspection graph for attention maps (INSPECTION_FILES)
     REPO/mha_onnx/1/model.onnx         the onnxruntime backend's default file name
     REPO/<model>/1/SHA256SUMS          each graph's sha256 from the build's report (serving/triton/digests.py)
+    REPO/mha_session/1/tokenizer.json ...  a whole model's text files (contract/files.py TEXT_FILES), listed too
 
 Only variants that passed the parity ladder (report.json) are ever copied, and only when the file is
 still the one the build checked (its sha256 as the report recorded it); the Python models check the
@@ -19,7 +20,7 @@ import json
 import shutil
 from pathlib import Path
 
-from contract import names
+from contract import generation, names
 from contract.config import ModelConfig
 from contract.deployment import ENGINE_CONCAT, ENGINE_OPERATIONS, ENGINE_STATIC, KV_INT4, KV_INT8, WEIGHTS_INT8
 from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, TEXT_FILES, model_filename
@@ -129,14 +130,14 @@ def checked_digest(path: Path, report: dict) -> str:
     return recorded
 
 
-def _copy_graphs(artifact_dir: Path, report: dict, version: Path, copies: dict[str, str]) -> None:
-    """Each graph (artifact file name -> its name in `version`), checked against the build's digest,
-    copied, and the digests written beside them."""
+def _copy_graphs(artifact_dir: Path, report: dict, version: Path, copies: dict[str, str]) -> dict[str, str]:
+    """Each graph (artifact file name -> its name in `version`), checked against the build's digest and
+    copied; name in `version` -> sha256."""
     recorded = {}
     for source, target in sorted(copies.items()):
         recorded[target] = checked_digest(artifact_dir / source, report)
         shutil.copyfile(artifact_dir / source, version / target)
-    digests.write(version, recorded)
+    return recorded
 
 
 def python_files(choices: dict[str, tuple[str, ...]], passing: set[str]) -> dict[str, str]:
@@ -200,8 +201,10 @@ def write_repository(
     prefix: str = "",
 ) -> Path:
     """Fill `repository_dir` with `models` built from `artifact_dir`; return the repository path. `prefix` names
-    a second model set of the same repository (`fortunes_mha_session`, `fortunes_mha_generate`): its models are
-    written under the prefixed names, and its generation model steps its own session model."""
+    a second model set of the same repository (`fortunes_mha_session`): its models are written under the
+    prefixed names. A whole model's session model carries the checkpoint's text files (the tokenizer, its special
+    tokens, the chat template), checked against the build's digests and listed in its SHA256SUMS, which the
+    model checks again when it loads."""
     artifact_dir, repository = Path(artifact_dir), Path(repository_dir)
     settings = settings or ServingSettings()
     unknown = [m for m in models if m not in triton_config.MODELS]
@@ -225,41 +228,29 @@ def write_repository(
     for name in models:
         version = _fresh_version_dir(repository / f"{prefix}{name}")
         configs[name].name = f"{prefix}{name}"
-        (repository / configs[name].name / triton_config.TRITON_CONFIG_FILENAME).write_text(
-            triton_config.to_text(configs[name])
-        )
         shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
         if name in triton_config.PYTHON_MODELS:
             shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)
             copies = {onnx_file: onnx_file for onnx_file in files[name].values()}
         else:
             copies = {model_filename(ONNX_BACKEND_VARIANT): triton_config.ONNX_BACKEND_FILENAME}
-        _copy_graphs(artifact_dir, report, version, copies)
-    if triton_config.MHA_SESSION in models and cfg.whole:  # logits to pick from: generation on the server
-        _write_generate_model(repository, artifact_dir, cfg, settings, prefix)
+        recorded = _copy_graphs(artifact_dir, report, version, copies)
+        if name == triton_config.MHA_SESSION and cfg.whole:  # its text travels with the model that generates
+            text = _copy_text_files(artifact_dir, report, version)
+            if text:
+                digest = generation.text_digest(text)
+                configs[name].parameters[triton_config.P_TEXT_DIGEST].string_value = digest
+            recorded |= text
+        digests.write(version, recorded)
+        (repository / configs[name].name / triton_config.TRITON_CONFIG_FILENAME).write_text(
+            triton_config.to_text(configs[name])
+        )
     return repository
-
-
-def _write_generate_model(
-    repository: Path, artifact_dir: Path, cfg: ModelConfig, settings: ServingSettings, prefix: str
-) -> None:
-    """`mha_generate` beside `mha_session`: no graph of its own (it steps the session model); the checkpoint's
-    text files (the tokenizer, its special tokens, the chat template) travel in its version folder, checked
-    against the build's digests and listed in its SHA256SUMS, which the model checks again when it loads."""
-    name = f"{prefix}{triton_config.MHA_GENERATE}"
-    version = _fresh_version_dir(repository / name)
-    text = _copy_text_files(artifact_dir, _read_report(artifact_dir), version)
-    config = triton_config.mha_generate_config(cfg, settings, text)
-    config.name = name
-    config.parameters[triton_config.P_SESSION_MODEL].string_value = f"{prefix}{triton_config.MHA_SESSION}"
-    (repository / name / triton_config.TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
-    shutil.copyfile(artifact_dir / MODEL_CONFIG_FILENAME, version / MODEL_CONFIG_FILENAME)
-    shutil.copyfile(SHIM_SOURCE, version / SHIM_FILENAME)
 
 
 def _copy_text_files(artifact_dir: Path, report: dict, version: Path) -> dict[str, str]:
     """The artifact's text files (report.json `text_files`: name -> sha256) copied into `version`, each seen to
-    still have its recorded digest first, and their digests written beside them; name -> sha256."""
+    still have its recorded digest first; name -> sha256."""
     recorded = report.get("text_files", {})
     for file_name, digest in sorted(recorded.items()):
         if not (artifact_dir / file_name).is_file():
@@ -268,7 +259,6 @@ def _copy_text_files(artifact_dir: Path, report: dict, version: Path) -> dict[st
         if changed:
             raise RepositoryError(f"{changed}; build it again")
         shutil.copyfile(artifact_dir / file_name, version / file_name)
-    digests.write(version, recorded)
     return dict(recorded)
 
 

@@ -14,6 +14,7 @@ import tritonclient.http as httpclient
 
 from client import AsyncClient, Client, retry
 from client.errors import (
+    ClientError,
     InvalidInputError,
     ModelNotFoundError,
     RequestTimeoutError,
@@ -25,7 +26,7 @@ from contract import names
 from export.parity import TOLERANCES, Scenario, compare_rung
 from serving.engine.ort import Forward
 from tests.client.conftest import DelayedProxy
-from tests.fixtures.served import PROTOCOLS, SEQUENCES, full_forward, hidden, live_sequences, url
+from tests.fixtures.served import PROTOCOLS, SEQUENCES, SESSION_PROTOCOLS, full_forward, hidden, live_sequences, url
 from tests.fixtures.triton import metric
 
 
@@ -82,7 +83,7 @@ def test_async_infer_matches_pytorch_over_prefill_and_decode(triton, served_cfg,
 # --- sessions -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_session_equals_the_full_causal_forward_and_ends_on_exit(triton, served_cfg, served_reference, protocol):
     pieces = [hidden(served_cfg, 1, 6, seed=1)] + [hidden(served_cfg, 1, 1, seed=2 + i) for i in range(10)]
     before = metric(triton, SEQUENCES, names.SESSION_MODEL)
@@ -121,7 +122,7 @@ def fail_inside(session, x) -> None:
 
 def test_a_session_is_ended_even_when_the_block_fails(triton, served_cfg):
     before = metric(triton, SEQUENCES, names.SESSION_MODEL)
-    with Client(triton.http_url, "http") as client:
+    with Client(triton.grpc_url) as client:
         session = client.session()
         with pytest.raises(KeyError, match="the caller's own error"):
             fail_inside(session, hidden(served_cfg, 1, 2, seed=6))
@@ -129,7 +130,7 @@ def test_a_session_is_ended_even_when_the_block_fails(triton, served_cfg):
     assert live_sequences(triton, before) == before
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_concurrent_async_sessions_each_equal_their_own_forward(triton, served_cfg, served_reference, protocol):
     async def drive(client, seed):
         pieces = [hidden(served_cfg, 1, 3 + seed % 3, seed=100 + seed)] + [
@@ -147,7 +148,7 @@ def test_concurrent_async_sessions_each_equal_their_own_forward(triton, served_c
         np.testing.assert_allclose(served, full_forward(served_reference, pieces), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_one_client_serves_sessions_from_several_threads(triton, served_cfg, served_reference, protocol):
     results = {}
 
@@ -218,7 +219,7 @@ def test_server_rejections_are_typed_and_the_server_keeps_serving(triton, served
         np.testing.assert_array_equal(client.infer(x).output, before)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_session_the_server_forgot_is_unknown(triton, served_cfg, protocol):
     x = hidden(served_cfg, 1, 2, seed=8)
     with Client(url(triton, protocol), protocol) as client:
@@ -233,13 +234,23 @@ def test_a_session_the_server_forgot_is_unknown(triton, served_cfg, protocol):
             assert fresh.step(x).shape == (1, 2, served_cfg.d_model)
 
 
+def test_an_http_client_is_told_that_sessions_go_over_grpc(triton, served_cfg):
+    """The session model is decoupled, which Triton serves on gRPC streams only: an HTTP client's stateless
+    calls work, and a session is refused before anything is sent, naming what to do."""
+    x = hidden(served_cfg, 1, 2, seed=8)
+    with Client(triton.http_url, "http") as client:
+        assert client.infer(x).output.shape == (1, 2, served_cfg.d_model)
+        with pytest.raises(ClientError, match="protocol='grpc'"):
+            client.session().step(x)
+
+
 def fill_budget(client, sessions: list, token: np.ndarray) -> None:
     for _ in range(1024):  # far more sessions than TEST_SETTINGS' budget holds
         sessions.append(client.session())
         sessions[-1].step(token)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_full_kv_cache_budget_is_server_busy(triton, served_cfg, protocol):
     token = hidden(served_cfg, 1, 1, seed=9)
     with Client(url(triton, protocol), protocol) as client:
@@ -258,7 +269,7 @@ def test_a_full_kv_cache_budget_is_server_busy(triton, served_cfg, protocol):
             session.step(token)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_session_opened_before_its_first_step_computes_the_same(triton, served_cfg, protocol):
     steps = [hidden(served_cfg, 1, n, seed=20 + n) for n in (4, 1, 1)]
     with Client(url(triton, protocol), protocol) as client:
@@ -305,7 +316,7 @@ def test_a_request_slower_than_the_timeout_times_out(triton, served_cfg, protoco
         assert client.infer(hidden(served_cfg, 1, 2, seed=11)).output.shape == (1, 2, served_cfg.d_model)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_async_a_step_slower_than_the_timeout_times_out(triton, served_cfg, protocol):
     async def run():
         async with AsyncClient(url(triton, protocol), protocol, timeout=0.001, validate=False) as hasty:

@@ -14,13 +14,13 @@ import pytest
 from client import AsyncClient, Client
 from client.errors import InvalidInputError, UnknownSessionError
 from contract import names
-from tests.fixtures.served import PROTOCOLS, SEQUENCES, full_forward, hidden, live_sequences, url
+from tests.fixtures.served import SEQUENCES, SESSION_PROTOCOLS, full_forward, hidden, live_sequences, url
 from tests.fixtures.triton import metric
 
 STEPS = 32
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_restored_session_continues_as_the_uninterrupted_one(triton, served_cfg, served_reference, protocol):
     pieces = [hidden(served_cfg, 1, 9, seed=20)] + [hidden(served_cfg, 1, 1, seed=21 + i) for i in range(STEPS + 1)]
     with Client(url(triton, protocol), protocol) as client, client.session() as original:
@@ -48,7 +48,7 @@ def test_the_restored_steps_each_match_the_pytorch_original(triton, served_cfg, 
     np.testing.assert_allclose(np.concatenate(outputs, axis=1), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_forks_branches_each_equal_the_forward_over_their_own_tokens(triton, served_cfg, served_reference, protocol):
     trunk_tokens = hidden(served_cfg, 1, 7, seed=50)
     left = [hidden(served_cfg, 1, 1, seed=51 + i) for i in range(6)]
@@ -63,7 +63,7 @@ def test_a_forks_branches_each_equal_the_forward_over_their_own_tokens(triton, s
     np.testing.assert_allclose(right_out, full_forward(served_reference, [trunk_tokens, *right])[:, 7:], atol=1e-5)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_rewind_then_new_tokens_equals_never_having_had_the_dropped_ones(
     triton, served_cfg, served_reference, protocol
 ):

@@ -33,7 +33,7 @@ from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_runner, ort_session
 from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
-from serving.triton.config import MHA, MHA_GENERATE, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
+from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.prebuilds import folder_job
 from tests.fixtures.text import save_tokenizer
@@ -288,12 +288,10 @@ def served(request, checkpoints, tmp_path_factory):
     repository = work / "repository"
     for family in sorted(selected(request, "checkpoint") | selected(request, "family")):
         own = write_repository(checkpoints(family).artifact, work / family, SETTINGS, models=(MHA, MHA_SESSION))
-        for model in (MHA, MHA_SESSION, MHA_GENERATE):  # the generation model steps its family's session model
+        for model in (MHA, MHA_SESSION):  # the session model generates too
             target = shutil.copytree(own / model, repository / served_name(model, family))
             config = triton_config.parse((target / TRITON_CONFIG_FILENAME).read_text())
             config.name = target.name
-            if model == MHA_GENERATE:
-                config.parameters[triton_config.P_SESSION_MODEL].string_value = served_name(MHA_SESSION, family)
             (target / TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
     with start_triton(repository, log_path=work / "triton.log") as server:
         yield server
@@ -317,11 +315,7 @@ def test_served_a_session_and_stateless_calls_equal_the_causal_lm(checkpoint, se
 
 def served_models(family: str) -> dict[str, str]:
     """The client's model names for a family served under its own names."""
-    return {
-        "model": served_name(MHA, family),
-        "session_model": served_name(MHA_SESSION, family),
-        "generate_model": served_name(MHA_GENERATE, family),
-    }
+    return {"model": served_name(MHA, family), "session_model": served_name(MHA_SESSION, family)}
 
 
 GENERATED = 24

@@ -33,9 +33,7 @@ def running(**settings) -> Iterator[RunningGateway]:
 
 @pytest.fixture(scope="session")
 def gateway(triton) -> Iterator[RunningGateway]:
-    # session requests over Triton's HTTP port, as `python -m serving` runs it (tests that put a proxy on the gRPC
-    # port run theirs over gRPC)
-    settings = {"triton_url": triton.grpc_url, "triton_http_url": triton.http_url}
+    settings = {"triton_url": triton.grpc_url}
     with running(api_keys=KEYS, sessions_per_key=SESSIONS_PER_KEY, **settings) as gateway:
         yield gateway
 
@@ -140,7 +138,7 @@ def whole(artifact_dir, whole_triton):
     from export.artifacts import load_model
     from tests.fixtures.triton import WHOLE_ARTIFACT
 
-    settings = {"triton_url": whole_triton.grpc_url, "triton_http_url": whole_triton.http_url}
+    settings = {"triton_url": whole_triton.grpc_url}
     with running(api_keys=(WHOLE_KEY,), **settings) as gateway:
         headers = {"Authorization": f"Bearer {WHOLE_KEY}"}
         with httpx.Client(base_url=gateway.url, headers=headers, timeout=60) as api:

@@ -414,21 +414,6 @@ def test_triton_down_gives_503_and_liveness_stays(triton):
         client.close()
 
 
-def test_an_unreachable_triton_http_address_reads_not_ready_and_refuses_sessions_by_name(triton):
-    from serving.host.launcher import free_port
-
-    closed = f"127.0.0.1:{free_port()}"
-    settings = {"triton_url": triton.grpc_url, "triton_http_url": closed, "readiness_timeout_s": 5.0}
-    with running(api_keys=KEYS, **settings) as half, httpx.Client(base_url=half.url) as client:
-        client.headers["X-API-Key"] = KEYS[0]
-        ready = client.get("/readyz")  # the session model's probe goes where its sessions would
-        assert_error(ready, 503, "upstream_unavailable", "not ready", names.SESSION_MODEL, closed.split(":")[1])
-        created = client.post("/v1/sessions")
-        assert_error(created, 503, "upstream_unavailable", "opening a session", closed.split(":")[1])
-        assert client.post("/v1/attend", json={"hidden_states": states().tolist()}).status_code == 200  # gRPC
-        assert client.get("/healthz").status_code == 200
-
-
 # --- metrics --------------------------------------------------------------------------------
 
 

@@ -11,9 +11,12 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import np_to_triton_dtype
 
+from client import affinity
 from contract import names
 
 PROTOCOLS = {"http": httpclient, "grpc": grpcclient}
+# the session model is decoupled: Triton takes its requests on gRPC streams only (client/affinity.py)
+SESSION_PROTOCOLS = ["grpc"]
 _ids = itertools.count(random.randrange(1 << 40, 1 << 41))  # apart from other tests' sequence ids
 
 
@@ -22,8 +25,8 @@ def new_sequence_id() -> int:
 
 
 class Client:
-    """One protocol's tritonclient, for `mha` calls and `mha_session` steps; close() it (Triton waits
-    for open connections when it shuts down)."""
+    """One protocol's tritonclient, for `mha` calls and `mha_session` steps (gRPC: each a stream of one request,
+    tritonclient's request and answer); close() it (Triton waits for open connections when it shuts down)."""
 
     def __init__(self, server, protocol: str) -> None:
         self.module = PROTOCOLS[protocol]
@@ -35,7 +38,10 @@ class Client:
             tensor = self.module.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
             tensor.set_data_from_numpy(np.ascontiguousarray(array))
             inputs.append(tensor)
-        result = self.client.infer(model, inputs, **sequence)
+        if model == names.SESSION_MODEL:
+            result, _ = affinity.infer(self.client, model, inputs, headers={}, **sequence)
+        else:
+            result = self.client.infer(model, inputs, **sequence)
         response = result.get_response()
         if isinstance(response, dict):  # HTTP
             outputs = [output["name"] for output in response["outputs"]]

@@ -17,7 +17,7 @@ from client import AsyncClient, Client
 from client.errors import InvalidInputError
 from contract import names
 from export.build import attention_maps_runner
-from tests.fixtures.served import PROTOCOLS, full_forward, hidden, url
+from tests.fixtures.served import PROTOCOLS, SESSION_PROTOCOLS, full_forward, hidden, url
 
 pytestmark = pytest.mark.served
 ATOL = 1e-5
@@ -92,7 +92,7 @@ def test_a_request_without_the_parameter_carries_no_maps_and_a_wrong_value_is_re
             raw.infer("mha", [infer_input], parameters={names.ATTENTION_MAPS: "yes"})
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_sessions_maps_are_the_originals_over_its_held_tokens_and_leave_it_unchanged(
     triton, served_cfg, served_reference, maps_reference, protocol
 ):

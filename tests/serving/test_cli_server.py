@@ -4,9 +4,10 @@
         --kv-cache-mib 3 --idle-timeout 2
     python -m serving --no-gateway --model-repository R --http-port .. --grpc-port .. --metrics-port ..
 
-then plain KServe v2 JSON over HTTP (urllib, no tritonclient) against the independent float64
-implementation in tests/reference.py; the small KV budget (4 sequences) and the short idle timeout
-of that repository for the budget and eviction errors; and SIGINT leaves no process behind.
+then plain KServe v2 JSON over HTTP (urllib, no tritonclient) to the stateless model and tritonclient's gRPC
+streams to the session model (decoupled: Triton serves it on streams only, and says so over HTTP) against the
+independent float64 implementation in tests/reference.py; the small KV budget and the short idle timeout of
+that repository for the budget and eviction errors; and SIGINT leaves no process behind.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from serving.host.launcher import answers_200, free_port
 from tests import reference
 from tests.fixtures.serving_process import descendants, still_running
 from tests.fixtures.triton import metric, wait_for_metric
-from tests.serving.helpers import PROTOCOLS, Client, new_sequence_id
+from tests.serving.helpers import Client, new_sequence_id
 
 pytestmark = pytest.mark.served
 
-IDLE_SECONDS = 2.0  # our cache evicts after this; Triton forgets the sequence after twice this
+IDLE_SECONDS = 2.0  # the engine evicts an idle session after this
 # 3 MiB of budget: 4 sequences of max_seq_len 1024 (768 bytes a position), 16 in rows of 256 positions,
 # where a session starts (rows sized to the session)
 CAPACITY = 16
@@ -165,17 +166,18 @@ def test_stateless_json_matches_the_independent_implementation(served):
             np.testing.assert_allclose(got[names.present_name(layer, kind)], array, atol=1e-5, rtol=1e-5)
 
 
-def test_session_json_with_sequence_parameters_matches_the_independent_implementation(served):
+def test_a_session_over_grpc_streams_matches_the_independent_implementation_and_http_is_told_why_not(served):
     cfg, sequence_id = served.cfg, new_sequence_id()
     hidden = np.random.default_rng(1).standard_normal((1, 6, cfg.d_model)).astype(np.float32)
     pieces = [(0, 3, True, False), (3, 4, False, False), (4, 6, False, True)]  # prefill, decode, decode + END
-    got = []
-    for begin, end, start, last in pieces:
-        status, body = post(served, "mha_session", session_body(sequence_id, hidden[:, begin:end], start, last))
-        assert status == 200, body
-        got.append(outputs(body)[names.OUTPUT])
+    with Client(served, "grpc") as grpc:
+        got = [
+            grpc.step(sequence_id, hidden[:, begin:end], start=start, end=last) for begin, end, start, last in pieces
+        ]
     expected, _ = reference.forward(cfg, served.weights, hidden)
     np.testing.assert_allclose(np.concatenate(got, axis=1), expected, atol=1e-5, rtol=1e-5)
+    status, answer = post(served, "mha_session", session_body(new_sequence_id(), hidden[:, :1], start=True))
+    assert status == 501 and "decoupled" in answer["error"], answer  # Triton's own answer: streams only
 
 
 def _hidden_json(served: Served, shape: list[int], datatype: str = "FP32") -> dict:
@@ -189,8 +191,6 @@ def _hidden_json(served: Served, shape: list[int], datatype: str = "FP32") -> di
         ("mha", "wrong dtype"),
         ("mha", "missing input"),
         ("mha", "mask length"),
-        ("mha_session", "wrong shape"),
-        ("mha_session", "mask length"),
     ],
 )
 def test_a_wrong_json_request_gets_400_naming_the_input(served, model, case):
@@ -206,15 +206,9 @@ def test_a_wrong_json_request_gets_400_naming_the_input(served, model, case):
             [_hidden_json(served, [1, 2, d]), tensor(names.ATTENTION_MASK, np.ones((1, 3), np.int64))],
             names.ATTENTION_MASK,
         )
-    body = {"inputs": inputs}
-    sequence_id = new_sequence_id()
-    if model == "mha_session":
-        body["parameters"] = {"sequence_id": sequence_id, "sequence_start": True}
-    status, answer = post(served, model, body)
+    status, answer = post(served, model, {"inputs": inputs})
     assert status == 400, answer
     assert named in answer["error"], answer
-    if model == "mha_session":  # its START was refused by the model, but Triton holds the sequence: end it
-        post(served, model, session_body(sequence_id, np.zeros((1, 0, d), np.float32), end=True))
 
 
 def test_json_that_does_not_parse_gets_triton_cores_500(served):
@@ -242,12 +236,11 @@ def test_a_full_budget_refuses_new_sessions_and_the_others_keep_working(served):
         firsts = {sid: one_token(served, k) for k, sid in enumerate(ids)}
         for sid, hidden in firsts.items():
             grpc.step(sid, hidden, start=True)
-        refused_http, refused_grpc = new_sequence_id(), new_sequence_id()
-        status, answer = post(served, "mha_session", session_body(refused_http, one_token(served, 9), start=True))
-        assert status == 503 and "KV cache budget" in answer["error"] and str(refused_http) in answer["error"]
+        refused_grpc = new_sequence_id()
         with pytest.raises(InferenceServerException) as refused:
             grpc.step(refused_grpc, one_token(served, 9), start=True)
         assert refused.value.status() == "StatusCode.UNAVAILABLE" and "retry later" in refused.value.message()
+        assert "KV cache budget" in refused.value.message() and str(refused_grpc) in refused.value.message()
 
         for k, sid in enumerate(ids):  # the admitted sessions go on, with the right numbers
             second = one_token(served, 100 + k)
@@ -258,38 +251,35 @@ def test_a_full_budget_refuses_new_sessions_and_the_others_keep_working(served):
         assert wait_for_metric(served, "attention_kv_cache_bytes", "mha_session", held) == held
 
         grpc.end(ids[0], d)  # memory comes back, and with it room for one more
-        assert metric(served, "attention_kv_cache_sequences", "mha_session") == CAPACITY - 1
+        sequences = "attention_kv_cache_sequences"  # the engine core publishes it within a quarter second
+        assert wait_for_metric(served, sequences, "mha_session", CAPACITY - 1) == CAPACITY - 1
         held = (CAPACITY - 1) * served.cfg.kv_cache_bytes(1, 2)
         assert wait_for_metric(served, "attention_kv_cache_bytes", "mha_session", held) == held
         grpc.step(refused_grpc, one_token(served, 9), start=True)
-        for sid in [*ids[1:], refused_grpc, refused_http]:  # ending a refused one releases Triton's slot
+        for sid in [*ids[1:], refused_grpc]:
             grpc.end(sid, d)
-    assert metric(served, "attention_kv_cache_sequences", "mha_session") == 0
-    assert metric(served, "attention_kv_cache_bytes", "mha_session") == 0
+    assert wait_for_metric(served, "attention_kv_cache_sequences", "mha_session", 0) == 0
+    assert wait_for_metric(served, "attention_kv_cache_bytes", "mha_session", 0) == 0
 
 
 def test_an_idle_session_is_evicted_its_memory_freed_and_its_next_step_says_so(served):
     d, evictions = served.cfg.d_model, metric(served, "attention_kv_cache_evictions", "mha_session")
-    by_protocol = {protocol: new_sequence_id() for protocol in PROTOCOLS}
-    clients = {protocol: Client(served, protocol) for protocol in PROTOCOLS}
-    try:
-        for protocol, sid in by_protocol.items():
-            clients[protocol].step(sid, one_token(served, 0), start=True)
-        assert metric(served, "attention_kv_cache_sequences", "mha_session") == 2
-        deadline = time.monotonic() + 3 * IDLE_SECONDS  # the sweeper looks every IDLE_SECONDS / 4
+    sessions = [new_sequence_id(), new_sequence_id()]
+    with Client(served, "grpc") as grpc:
+        for sid in sessions:
+            grpc.step(sid, one_token(served, 0), start=True)
+        assert wait_for_metric(served, "attention_kv_cache_sequences", "mha_session", 2) == 2
+        deadline = time.monotonic() + 3 * IDLE_SECONDS  # the engine core looks 4 times a second
         while metric(served, "attention_kv_cache_evictions", "mha_session") < evictions + 2:
             assert time.monotonic() < deadline, "no eviction"
             time.sleep(0.1)
         assert metric(served, "attention_kv_cache_bytes", "mha_session") == 0  # no request needed to free it
-        for protocol, sid in by_protocol.items():
+        for sid in sessions:
             with pytest.raises(InferenceServerException) as evicted:
-                clients[protocol].step(sid, one_token(served, 1))
-            assert evicted.value.status() == {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}[protocol]
+                grpc.step(sid, one_token(served, 1))
+            assert evicted.value.status() == "StatusCode.INVALID_ARGUMENT"
             assert f"sequence {sid} was evicted after 2 s idle" in evicted.value.message()
-            np.testing.assert_array_equal(clients[protocol].end(sid, d), np.zeros((1, 0, d)))  # close still works
-    finally:
-        for client in clients.values():
-            client.close()
+            np.testing.assert_array_equal(grpc.end(sid, d), np.zeros((1, 0, d)))  # close still works
 
 
 # --- last: stopping leaves nothing behind --------------------------------------------------------------

@@ -66,10 +66,11 @@ def test_sha256sum_reads_the_same_file(version):
     assert checked.returncode == 0 and checked.stdout.count(": OK") == 2, checked
 
 
-def test_the_tokenizer_travels_into_the_generation_model_checked_and_a_changed_one_is_refused(artifact_dir, tmp_path):
-    """A whole model's text files (the `whole` artifact carries a tokenizer): copied into mha_generate's version
-    folder, listed in its SHA256SUMS with the build's digests, their one digest published in its config; a
-    tokenizer.json changed in the artifact after the build fails the repository naming it."""
+def test_the_tokenizer_travels_into_the_session_model_checked_and_a_changed_one_is_refused(artifact_dir, tmp_path):
+    """A whole model's text files (the `whole` artifact carries a tokenizer): copied into its session model's
+    version folder (the model that generates), listed in its SHA256SUMS with the build's digests beside its
+    graphs, their one digest published in its config; a tokenizer.json changed in the artifact after the build
+    fails the repository naming it."""
     import json
 
     from contract import generation
@@ -82,11 +83,13 @@ def test_the_tokenizer_travels_into_the_generation_model_checked_and_a_changed_o
     assert TOKENIZER_FILENAME in recorded and set(recorded) <= set(TEXT_FILES)
     models = (triton_config.MHA, triton_config.MHA_SESSION)
     repository = write_repository(artifact, tmp_path / "repository", models=models)
-    version = repository / triton_config.MHA_GENERATE / "1"
+    version = repository / triton_config.MHA_SESSION / "1"
     assert {name: sha256(version / name) for name in recorded} == recorded
     assert {name: digests.read(version)[name] for name in recorded} == recorded
     digests.verify(version, recorded)
-    config = triton_config.parse((repository / triton_config.MHA_GENERATE / "config.pbtxt").read_text())
+    config = triton_config.parse((repository / triton_config.MHA_SESSION / "config.pbtxt").read_text())
+    graphs = [value.string_value for key, value in config.parameters.items() if key.startswith("onnx_file")]
+    assert graphs and set(graphs) <= set(digests.read(version))  # the graphs' digests beside the text files'
     assert config.parameters[triton_config.P_TEXT_DIGEST].string_value == generation.text_digest(recorded)
 
     with (artifact / TOKENIZER_FILENAME).open("a") as tokenizer:

@@ -21,7 +21,7 @@ PARAMETERS = {
 def test_the_static_engine_is_the_default_everywhere():
     assert SessionSettings().engine == ENGINE_STATIC
     assert triton_config.ServingSettings().engine == ENGINE_STATIC
-    assert engines.session_settings(PARAMETERS, max_batch=8).engine == ENGINE_STATIC
+    assert engines.session_settings(PARAMETERS).engine == ENGINE_STATIC
 
 
 def test_the_repository_defaults_are_the_engines():
@@ -32,20 +32,34 @@ def test_the_repository_defaults_are_the_engines():
         served.threads,
         served.max_batch_size,
         served.min_row_positions,
+        served.step_tokens,
+        served.kept_per_owner,
+        served.generations_per_owner,
     ) == (
         engine.kv_cache_bytes,
         engine.idle_timeout_seconds,
         engine.threads,
         engine.max_batch,
         engine.min_row_positions,
+        engine.step_tokens,
+        engine.kept_per_owner,
+        engine.generations_per_owner,
     )
 
 
 def test_parameters_are_read_typed():
-    settings = engines.session_settings(
-        {**PARAMETERS, triton_config.P_ENGINE: ENGINE_CONCAT, triton_config.P_THREADS: "2"}, max_batch=4
+    given = {triton_config.P_ENGINE: ENGINE_CONCAT, triton_config.P_THREADS: "2", triton_config.P_MAX_BATCH: "4"}
+    given |= {triton_config.P_STEP_TOKENS: "64", triton_config.P_KEPT_PER_OWNER: "0"}
+    settings = engines.session_settings(PARAMETERS | given)
+    assert settings == SessionSettings(
+        ENGINE_CONCAT, 1048576, 60.0, threads=2, max_batch=4, step_tokens=64, kept_per_owner=0
     )
-    assert settings == SessionSettings(ENGINE_CONCAT, 1048576, 60.0, threads=2, max_batch=4)
+    core = engines.core_settings(settings)
+    assert (core.step_tokens, core.kept_per_owner, core.generations_per_owner) == (
+        64,
+        0,
+        settings.generations_per_owner,
+    )
 
 
 @pytest.mark.parametrize(
@@ -59,7 +73,7 @@ def test_an_unknown_engine_is_refused_naming_the_choices(make):
 
 def test_an_unknown_engine_parameter_is_refused_at_load():
     with pytest.raises(EngineError, match="unknown engine 'bogus'"):
-        engines.session_settings({**PARAMETERS, triton_config.P_ENGINE: "bogus"}, max_batch=8)
+        engines.session_settings({**PARAMETERS, triton_config.P_ENGINE: "bogus"})
 
 
 @pytest.mark.parametrize(
@@ -69,11 +83,12 @@ def test_an_unknown_engine_parameter_is_refused_at_load():
         ({**PARAMETERS, triton_config.P_KV_CACHE_BYTES: "two gigabytes"}, "'kv_cache_bytes' must be int"),
         ({**PARAMETERS, triton_config.P_THREADS: "-1"}, "invalid session settings"),
         ({**PARAMETERS, triton_config.P_MIN_ROW_POSITIONS: "0"}, "invalid session settings"),
+        ({**PARAMETERS, triton_config.P_STEP_TOKENS: "0"}, "need step_tokens >= 1"),
     ],
 )
 def test_a_missing_or_wrong_parameter_is_named(parameters, message):
     with pytest.raises(EngineError, match=message):
-        engines.session_settings(parameters, max_batch=8)
+        engines.session_settings(parameters)
 
 
 def test_model_files_map_to_their_placements(tmp_path):

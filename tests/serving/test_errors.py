@@ -1,4 +1,5 @@
-"""The bad-input matrix of both models over HTTP and gRPC (part of the fault suite, docs/reliability.md):
+"""The bad-input matrix of both models, the stateless one over HTTP and gRPC, the session model over gRPC streams
+(the only way to a decoupled model) (part of the fault suite, docs/reliability.md):
 a 4xx-class answer whose message names the input (or the sequence) and what was expected; then a
 correct request gets the same output as before the error, so the server kept serving and no state
 changed.
@@ -19,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from contract import names
 from contract.config import ModelConfig
-from tests.serving.helpers import PROTOCOLS, new_sequence_id
+from tests.serving.helpers import PROTOCOLS, SESSION_PROTOCOLS, new_sequence_id
 
 INVALID = {"http": "400", "grpc": "StatusCode.INVALID_ARGUMENT"}
 
@@ -136,7 +137,7 @@ SESSION_CASES = {
 }
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 @pytest.mark.parametrize("case", SESSION_CASES)
 def test_a_bad_step_leaves_the_sequence_as_it_was(clients, served_cfg, protocol, case):
     """The same steps on two sequences, one of them with a bad step in between: same outputs after."""
@@ -160,10 +161,10 @@ def test_a_bad_step_leaves_the_sequence_as_it_was(clients, served_cfg, protocol,
             stepper.end(sequence_id, served_cfg.d_model)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_step_of_no_tokens_computes_nothing_and_changes_nothing(clients, served_cfg, protocol):
-    """Between START and END, a step of no tokens answers no output (it asks the length: the generation
-    model does): the sequence goes on as its twin does."""
+    """Between START and END, a step of no tokens answers no output (it asks the length): the sequence goes on
+    as its twin does."""
     stepper = clients[protocol]
     rng = np.random.default_rng(4)
     steps = [rng.standard_normal((1, n, served_cfg.d_model)).astype(np.float32) for n in (3, 1)]
@@ -178,7 +179,7 @@ def test_a_step_of_no_tokens_computes_nothing_and_changes_nothing(clients, serve
             stepper.end(sequence_id, served_cfg.d_model)
 
 
-@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_step_for_an_unknown_or_ended_sequence_names_it(clients, served_cfg, protocol):
     stepper, sequence_id = clients[protocol], new_sequence_id()
     hidden = np.ones((1, 1, served_cfg.d_model), np.float32)

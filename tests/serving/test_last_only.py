@@ -148,7 +148,7 @@ def test_a_start_without_tokens_asking_for_the_last_position_answers_no_position
 def test_the_factory_gives_a_whole_models_static_cache_a_graph_of_the_last_position_only(artifact, original):
     settings = SessionSettings(kv_cache_bytes=1 << 20, idle_timeout_seconds=60.0, threads=1)
     engine = factory.session_engine({CPU: artifact / model_filename("fp32-static")}, original.cfg, settings, "built")
-    logits = engine.cache.last_logits_session.get_outputs()[0]
+    logits = engine.cache.pool.last_logits_session.get_outputs()[0]
     assert logits.name == names.LOGITS and logits.shape[1:] == [1, original.cfg.vocab_size]
 
 

@@ -1,4 +1,4 @@
-"""Triton's dispatch of the session operations (serving/triton/operations.py) reads the engine's table
+"""Triton's dispatch of the session operations (serving/engine/operations.py) reads the engine's table
 (`StepEngine.operations()`): an operation the engine does not offer is refused naming the engine and
 what it offers, the flags are checked against the table, the method the table names is called with
 the request's parameters, and a put_prefix gets its real tokens only. Without Triton: the engine here
@@ -14,9 +14,9 @@ import pytest
 
 from contract import names
 from contract.config import ModelConfig
+from serving.engine import operations
 from serving.engine.errors import InvalidRequest
 from serving.engine.steps import SESSION_OPERATIONS, StepEngine, StepRequest
-from serving.triton import operations
 
 CFG = ModelConfig(d_model=16, n_heads=2, n_kv_heads=2, n_layers=1, max_seq_len=32)
 

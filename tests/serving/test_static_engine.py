@@ -78,7 +78,7 @@ def test_the_pool_full_refuses_a_start_and_end_gives_the_slot_back(engine, origi
     )
     (refused,) = answer(engine, StepRequest(99, True, False, token))
     assert isinstance(refused, errors.CacheFull) and refused.code == errors.UNAVAILABLE
-    assert "is full: 3 rows hold live sequences" in str(refused) and "a row of 64 positions" in str(refused)
+    assert "is full: 3 live sequences reserve" in str(refused) and "a new one needs" in str(refused)
     answer(engine, StepRequest(1, False, True, np.zeros((1, 0, d), np.float32)))  # END without tokens
     (started,) = answer(engine, StepRequest(99, True, False, token))
     assert isinstance(started, np.ndarray) and engine.stats().sequences == 3

@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
-from contract.deployment import ENGINE_CONCAT, ENGINE_STATIC, ENGINES, MAX_LIVE_SEQUENCES
+from contract.deployment import ENGINE_CONCAT, ENGINE_STATIC, ENGINES
 from export import choices
 from serving.triton import config as triton_config
 from serving.triton import digests, engines, repository
@@ -69,8 +69,11 @@ def test_session_config_takes_new_tokens_only_and_fits_the_graph(artifact_dir, t
     assert [t.name for t in config.output] == [names.OUTPUT, names.HELD_LENGTH, names.SNAPSHOT, *maps]
     assert_fits(config.output[3:], graph_io(repo / MHA_SESSION / "1" / model_filename_of(config)), True)
     assert list(config.output[1].dims) == [1]
+    # decoupled: the engine core answers from its own thread (a generation a token at a time); Triton's sequence
+    # batcher keeps the sessions' slots. Every input is optional: a stop or a text files request carries none
+    assert config.model_transaction_policy.decoupled and config.HasField("sequence_batching")
     assert [t.allow_ragged_batch for t in config.input] == [True, True, False]
-    assert [t.optional for t in config.input] == [False, True, True]
+    assert all(t.optional for t in config.input)
     blob_in, blob_out = config.input[2], config.output[2]
     # in: one blob, or a durable session's increments in order; out: a snapshot's one blob
     assert (blob_in.data_type, list(blob_in.dims), blob_out.data_type) == (pb.TYPE_STRING, [-1], pb.TYPE_STRING)
@@ -81,6 +84,20 @@ def test_session_config_takes_new_tokens_only_and_fits_the_graph(artifact_dir, t
         assert_fits([config.input[0], config.output[0]], graph, batch_axis_added=True)
     else:
         assert_fits([*config.input[:2], config.output[0]], graph, batch_axis_added=True)
+
+
+def test_a_whole_models_session_config_answers_generations(artifact_dir, tmp_path):
+    """The session model of a whole model generates: its config declares a generation's outputs (a token's,
+    the prompt's scores, the final one's, the tokenizer files') and publishes the digest of its text files."""
+    from contract import generation
+
+    repo = repository.write_repository(artifact_dir("whole"), tmp_path, models=(MHA_SESSION,))
+    config = read_config(repo, MHA_SESSION)
+    declared = {t.name for t in config.output}
+    assert {generation.TOKEN_ID, generation.FINISH_REASON, generation.CACHED_TOKENS, names.LOGITS} <= declared
+    assert {generation.TEXT_FILE_NAMES, generation.PROMPT_LOGPROB} <= declared
+    assert triton_config.parameter(config, triton_config.P_TEXT_DIGEST)
+    assert [p.name for p in tmp_path.iterdir()] == [MHA_SESSION]  # no model beside it
 
 
 def test_each_python_model_gets_a_graph_per_placement(built):
@@ -109,30 +126,18 @@ def test_a_config_the_static_form_cannot_take_gets_the_concat_engine(artifact_di
     assert triton_config.parameter(config, triton_config.P_ONNX_FILE) == "model.fp32-fused.onnx"
 
 
-def test_session_batching_is_oldest_and_both_timeouts_come_from_one_setting(artifact_dir, tmp_path):
-    settings = ServingSettings(idle_timeout_seconds=7.5, kv_cache_bytes=123 << 20)
+def test_session_batching_is_oldest_and_the_timeouts_and_the_cores_settings_come_from_the_settings(
+    artifact_dir, tmp_path
+):
+    settings = ServingSettings(idle_timeout_seconds=7.5, kv_cache_bytes=123 << 20, step_tokens=64, kept_per_owner=3)
     repo = repository.write_repository(artifact_dir("gqa"), tmp_path, settings, models=(MHA_SESSION,))
     config = read_config(repo, MHA_SESSION)
     assert config.sequence_batching.WhichOneof("strategy_choice") == "oldest"  # `direct` injects null requests
     assert config.sequence_batching.max_sequence_idle_microseconds == 15_000_000  # Triton forgets after 2x
     assert triton_config.parameter(config, triton_config.P_IDLE_TIMEOUT) == "7.5"
     assert triton_config.parameter(config, triton_config.P_KV_CACHE_BYTES) == str(123 << 20)
-
-
-@pytest.mark.parametrize("budget_mib", [1, 64, 2048])
-@pytest.mark.parametrize(("kv_dtype", "bits"), [("float", 16), ("int8", 8), ("int4", 4)])
-def test_triton_has_more_sequence_slots_than_the_engine_admits_sequences(budget_mib, kv_dtype, bits):
-    """With every slot taken Triton holds a START unanswered: the engine must refuse first. It admits
-    at most as many sequences as the budget has rows of the smallest size in the narrowest cache (fp16
-    on CUDA for a float cache), and never more than MAX_LIVE_SEQUENCES (2 GiB on the tiny model would be
-    65,536 int4 rows of 256 positions); slots cover the live rows, as many evicted ones Triton still
-    holds, and as many refused STARTs awaiting their END."""
-    cfg = preset("tiny")
-    settings = ServingSettings(kv_cache_bytes=budget_mib << 20, kv_dtype=kv_dtype)
-    slots = triton_config.mha_session_config(cfg, {}, settings).sequence_batching.oldest.max_candidate_sequences
-    smallest = min(settings.min_row_positions, cfg.max_seq_len)
-    rows = settings.kv_cache_bytes * 8 // (cfg.kv_cache_bytes(1, smallest, 1) * bits)
-    assert slots >= 3 * min(rows, MAX_LIVE_SEQUENCES) and slots >= 1024, (rows, slots)
+    assert triton_config.parameter(config, triton_config.P_STEP_TOKENS) == "64"
+    assert triton_config.parameter(config, triton_config.P_KEPT_PER_OWNER) == "3"
 
 
 # The tiny preset's row of 512 positions is 2 x 2 layers x 4 heads x 8 x 512 = 65,536 values: 256 KiB in

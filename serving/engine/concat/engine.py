@@ -26,6 +26,7 @@ from serving.engine import errors, snapshots
 from serving.engine.concat.batching import Step, run_steps
 from serving.engine.concat.copies import DeviceCopies, HostCopies, copies_for, nbytes
 from serving.engine.concat.store import KVCacheStore
+from serving.engine.kv_pool import GraphRuns
 from serving.engine.runner import InspectionRunner, Runner
 from serving.engine.sequences import SequenceId
 from serving.engine.steps import StepEngine, StepRequest, check_step, no_result, step_tokens
@@ -55,6 +56,7 @@ class ConcatSessionEngine(StepEngine):
         self.inspection = inspection or InspectionRunner(None, self.cfg)
         self.copies = copies or copies_for(runner)
         self.largest_batch = 0  # most steps one graph run has taken (proof that batching happens)
+        self.runs = GraphRuns()  # one padded run per execute(), counted as a decode run of all its steps
 
     @property
     def description(self) -> str:
@@ -100,13 +102,14 @@ class ConcatSessionEngine(StepEngine):
             # so a client's close() succeeds also after an eviction or a refused START
             return None
         tokens = real_tokens(request.hidden, request.mask)[0]  # (T_real, d_model), or ids (T_real,)
-        if request.start:
-            if len(tokens) > self.max_positions:
-                raise errors.SequenceTooLong(request.sequence_id, len(tokens), self.max_positions)
+        if request.start:  # every sequence reserves max_seq_len here: `reserve` is only checked against it
+            if max(len(tokens), request.reserve) > self.max_positions:
+                positions = max(len(tokens), request.reserve)
+                raise errors.SequenceTooLong(request.sequence_id, positions, self.max_positions)
             entry = self.store.start(request.sequence_id, self.runner.empty_past())
         else:
             entry = self.store.get(request.sequence_id)
-            self.store.check_length(request.sequence_id, entry, len(tokens))
+            self.store.check_length(request.sequence_id, entry, max(len(tokens), request.reserve - entry.length))
         if len(tokens) == 0:
             return None
         keep = None if len(tokens) == new else request.mask[0].astype(bool)
@@ -120,6 +123,7 @@ class ConcatSessionEngine(StepEngine):
                 results[index] = error
             return
         self.largest_batch = max(self.largest_batch, len(runnable))
+        self.runs.decoded(len(runnable))
         for (index, (request, _, keep)), outcome in zip(runnable.items(), outcomes, strict=True):
             self.store.update(request.sequence_id, outcome.present, outcome.length, outcome.nbytes)
             if request.last_only:
@@ -132,16 +136,19 @@ class ConcatSessionEngine(StepEngine):
 
     # --- session operations: snapshot, restore, fork, rewind ------------------------------------------
 
-    def snapshot(self, sequence_id: SequenceId, owner: str = "", since: int = 0) -> bytes:
+    def snapshot(
+        self, sequence_id: SequenceId, owner: str = "", since: int = 0, token_ids: np.ndarray | None = None
+    ) -> bytes:
         """The live sequence's cache from position `since` (0: all of it; more: the increment since a
-        checkpoint) as a blob (snapshots.py) only `owner` restores; the sequence goes on unchanged."""
+        checkpoint) as a blob (snapshots.py) only `owner` restores, carrying `token_ids` where known; the
+        sequence goes on unchanged."""
         entry = self.store.get(sequence_id)
         caches, length = entry.caches, entry.length
         if not 0 <= since <= length:
             held = f"sequence {sequence_id!r} holds {length} positions"
             raise errors.InvalidRequest(f"{held}: a snapshot starts at 0 to {length}, got {since}")
         cache = {name: value.numpy()[0, :, since:] for name, value in zip(self.runner.past_names, caches, strict=True)}
-        return snapshots.encode(cache, self.identity, length, owner, since)
+        return snapshots.encode(cache, self.identity, length, owner, since, token_ids)
 
     def restore(self, sequence_id: SequenceId, blob: bytes | Sequence[bytes], owner: str = "") -> int:
         """Start `sequence_id` holding the cache of `blob` (or of several: a snapshot's increments, in
@@ -163,6 +170,10 @@ class ConcatSessionEngine(StepEngine):
         entry = self.store.get(sequence_id)
         self.store.start(into, entry.caches, entry.length, entry.nbytes)
         return entry.length
+
+    def rename(self, sequence_id: SequenceId, into: SequenceId) -> None:
+        """The live sequence goes on as `into` (its cache unmoved); `sequence_id` has ended."""
+        self.store.rename(sequence_id, into)
 
     def rewind(self, sequence_id: SequenceId, length: int) -> int:
         """The live sequence keeps its first `length` positions; the next step continues from there."""

