@@ -479,7 +479,7 @@ class EngineCore:
         """`publish(stats)`: called from the loop's thread a few times a second when the stats changed."""
         self.engine, self.cfg = engine, engine.cfg
         self.settings = settings or CoreSettings()
-        self._publish, self._published = publish, None
+        self._publish, self._published, self._sessions_published = publish, None, 0
         self._inbox: collections.deque[Request] = collections.deque()
         self._wake = threading.Condition()
         self._queues: dict[SequenceId, collections.deque[Request]] = {}
@@ -544,8 +544,12 @@ class EngineCore:
         return any(queue and sid not in self._work for sid, queue in self._queues.items())
 
     def _tick(self) -> None:
+        """A few times a second: idle eviction and the gauges; the gauges at once when a session started or
+        ended (a drain waits for the live sessions' count to reach 0)."""
         now = time.monotonic()
         if now < self._next_tick:
+            if self._publish is not None and self.engine.sequences() != self._sessions_published:
+                self._publish_stats()
             return
         self._next_tick = now + self.settings.tick_s
         for sid in self.engine.evict_idle():
@@ -960,6 +964,7 @@ class EngineCore:
         if self._publish is None:
             return
         now = (dataclasses.astuple(self.stats), self.engine.stats())
+        self._sessions_published = now[1].sequences
         if now != self._published:
             self._published = now
             self._publish(dataclasses.replace(self.stats))

@@ -126,6 +126,9 @@ IN_USE_S = 0.4  # how long the sessions are stepped (the stateless model asked) 
 LAUNCHERS = textwrap.dedent(
     """
     import json, os, signal, sys, time, traceback, urllib.request
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from client import affinity
     from serving.host.launcher import TritonStartError, start_triton
 
     repository, d_model, every, runs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), json.loads(sys.argv[4])
@@ -153,13 +156,20 @@ LAUNCHERS = textwrap.dedent(
             post = urllib.request.Request(url, body.encode(), {"Content-Type": "application/json"})
             urllib.request.urlopen(post, timeout=60).read()
 
+        stub = grpcclient.InferenceServerClient(server.grpc_url)  # made after the fork: a channel of its own
+
+        def step(tokens, **sequence):  # the session model is decoupled: a stream of one request (client/affinity.py)
+            tensor = grpcclient.InferInput("hidden_states", [1, tokens, d_model], "FP32")
+            tensor.set_data_from_numpy(np.full((1, tokens, d_model), 0.5, np.float32))
+            affinity.infer(stub, "mha_session", [tensor], headers={}, sequence_id=1, **sequence)
+
         if holds != "none":
-            infer("mha_session", 4, sequence_id=1, sequence_start=True)
+            step(4, sequence_start=True)
         say({"launcher": os.getpid(), "holds": holds, "server": server.process.pid})
         while not told:
             time.sleep(0.02)
         while holds == "stepping":
-            infer("mha_session", 1, sequence_id=1)
+            step(1)
             time.sleep(every)
         while holds == "none":
             infer("mha", 64)  # one request after another: one is in flight at the kill

