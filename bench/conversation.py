@@ -9,15 +9,15 @@ tokenizer trained on a fixed corpus and Llama 3's chat template (tests/fixtures/
 imported from that folder with the documented command (`python -m export build --weights DIR --layout hf
 --variants fp32-fused,fp32-static`); the checkpoint and the artifact are kept under `--work` and reused.
 
-Served for real: Triton (`mha_session`, `mha_generate` beside it) and the gateway with API keys, called
+Served for real: Triton (`mha_session`: its engine core generates) and the gateway with API keys, called
 with the official `openai` SDK, streamed. A conversation of length L: its first request is a user message
 whose rendered prompt is about L tokens (a fresh random first line, then text of the tokenizer's corpus);
 the next turn re-sends it with the assistant's answer and a short new user message. Each conversation has
 an API key of its own, so that its first request shares nothing with any session the gateway keeps:
 
 - `cold`: the first request: the whole prompt prefilled (`cached_tokens` 0);
-- `warm`: the next turn: the gateway forks the session the first request left and prefills only what the
-  turn adds (`cached_tokens`: the ids reused);
+- `warm`: the next turn: the session model's engine core finds the row the first request left (kept for
+  its owner, the API key) and prefills only what the turn adds (`cached_tokens`: the ids reused);
 - `torch prefill`: transformers' forward over the cold prompt's ids (one call, the last position's
   logits), the PyTorch original's cost of the same prefill, in this process.
 
@@ -229,7 +229,7 @@ def prepare(folder: Path, shape: Shape, seed: int) -> dict:
 
 def keys_for(plan: Plan) -> dict[tuple[int, int], str]:
     """(round, length) -> the API key of that conversation (round -1: the untimed one). A key of its own:
-    the gateway keeps a key's ended sessions, and a first request must find none to fork."""
+    the engine core keeps an owner's finished rows, and a first request must find none to reuse."""
     return {
         (turn, length): f"bench-conversation-{turn + 1}-{length}-{secrets.token_hex(4)}"
         for turn in range(-1, plan.rounds)
@@ -241,7 +241,7 @@ def keys_for(plan: Plan) -> dict[tuple[int, int], str]:
 def serving(artifact: Path, root: Path, plan: Plan, threads: int, keys: list[str]) -> Iterator[tuple[str, dict]]:
     """Triton serving the artifact and the gateway in front of it (on a thread), ready; the gateway's URL
     and what the servers were given. Stopped afterwards."""
-    from bench.generate import prefill_chunk
+    from bench.serving import model_parameters
     from contract.config import ModelConfig
     from contract.deployment import ServingSettings
     from export.progress import Progress
@@ -256,14 +256,14 @@ def serving(artifact: Path, root: Path, plan: Plan, threads: int, keys: list[str
     # idle) in full rows: no measured request waits for kept conversations to be ended to make room
     sessions = 2 * plan.conversations
     settings = ServingSettings(threads=threads, kv_cache_bytes=cfg.kv_cache_bytes(sessions, cfg.max_seq_len))
-    models = (triton_config.MHA, triton_config.MHA_SESSION)  # mha_generate is written beside mha_session
+    models = (triton_config.MHA, triton_config.MHA_SESSION)
     repository = write_repository(artifact, root / "repository", settings, models=models)
     facts = {
         "kv_cache_bytes": settings.kv_cache_bytes,
         "kv_budget_sessions_of_max_seq_len": sessions,
         "max_seq_len": cfg.max_seq_len,
         "threads": threads,
-        "prefill_chunk": prefill_chunk(repository),
+        "step_tokens": int(model_parameters(repository, models[1])[triton_config.P_STEP_TOKENS]),
     }
     progress = Progress()
     with progress.stage("start Triton"):

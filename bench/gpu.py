@@ -572,28 +572,47 @@ def runner_lines(log_path: Path) -> list[str]:
 def generation(directory: Path, device: Device, plan: Plan, progress: Progress) -> dict:
     """Greedy generation of a Llama-shaped whole model: a `plan.generation_prompt`-token prompt per row,
     then `plan.generation_tokens` tokens, at each of `plan.generation_batches` concurrent generations:
-    the serving engine's own loop (serving/engine/generation.py) over `mha_session`'s engine built here as
+    the served model's engine core (serving/engine/core.py) over `mha_session`'s engine built here as
     the server builds it (on a GPU: fp16-static with CUDA graphs, prompts through the last-logits graph;
-    concurrent generations' steps gathered into one engine run, as Triton's sequence batcher gathers
-    them: bench/generate.py's in-process candidate) against transformers' LlamaForCausalLM in fp16 with
+    every running generation's token in one engine run a step: bench/generate.py's in-process
+    candidate) against transformers' LlamaForCausalLM in fp16 with
     the same weights (its dynamic cache, the rows as one batch), one warm-up then
     `plan.generation_rounds` rounds in alternating order. Reported per batch: time to the first token, the
     gap between a generation's tokens (median and 90th percentile), tokens/s of the median round, and
     how long the two greedy sequences agree (both fp16: a rounding can part them where two logits are
     nearly equal)."""
     from bench.generate import in_process_candidate
-    from bench.whole_model import agreement
-    from contract.generation import PREFILL_CHUNK
     from serving.engine import factory
+    from serving.engine.core import EngineCore
+    from serving.triton.engines import core_settings
 
     model = artifacts.load_model(directory).to(device.torch).half()
     cfg = model.cfg
     most = max(plan.generation_batches)
-    engine = generation_engine(directory, cfg, most, plan.generation_prompt + plan.generation_tokens)
-    generators = {
-        ENGINE_LOOP: in_process_candidate(engine, cfg, PREFILL_CHUNK, most),
-        TRANSFORMERS: transformers_generator(model, device),
+    engine, settings = generation_engine(directory, cfg, most, plan.generation_prompt + plan.generation_tokens)
+    engine_core = EngineCore(engine, core_settings(settings)).start()
+    try:
+        rows = generation_rows(
+            {ENGINE_LOOP: in_process_candidate(engine_core), TRANSFORMERS: transformers_generator(model, device)},
+            cfg,
+            plan,
+            progress,
+        )
+    finally:
+        engine_core.stop()
+    return {
+        "prompt": plan.generation_prompt,
+        "tokens": plan.generation_tokens,
+        "engine": factory.describe(engine),
+        "rows": rows,
     }
+
+
+def generation_rows(generators: dict[str, Callable], cfg: ModelConfig, plan: Plan, progress: Progress) -> list[dict]:
+    """Each batch of `plan.generation_batches`: every generator on the same prompts, a warm-up then the
+    rounds in alternating order."""
+    from bench.whole_model import agreement
+
     rng = np.random.default_rng(0)
     rows = []
     for batch in plan.generation_batches:
@@ -607,18 +626,13 @@ def generation(directory: Path, device: Device, plan: Plan, progress: Progress) 
                         runs[name].append(generated)
         rows.append({"batch": batch, "candidates": {name: generation_summary(r) for name, r in runs.items()}})
         rows[-1]["agreement"] = agreement(runs[ENGINE_LOOP][-1].tokens, runs[TRANSFORMERS][-1].tokens)
-    return {
-        "prompt": plan.generation_prompt,
-        "tokens": plan.generation_tokens,
-        "engine": factory.describe(engine),
-        "rows": rows,
-    }
+    return rows
 
 
 def generation_engine(directory: Path, cfg: ModelConfig, rows: int, positions: int):
     """`mha_session`'s engine of the artifact, built by the factory as the server builds it: on a CUDA
     host the fp16 static graph with CUDA graphs, else the fp32 one; its KV budget holds `rows` rows of
-    the config's max_seq_len (full rows on a GPU) or of `positions`."""
+    the config's max_seq_len (full rows on a GPU) or of `positions`. (engine, its settings)"""
     from contract.files import model_filename
     from serving.engine import factory
     from serving.engine.placement import CPU as ON_CPU
@@ -628,7 +642,8 @@ def generation_engine(directory: Path, cfg: ModelConfig, rows: int, positions: i
     files = {ON_CPU: directory / model_filename("fp32-static"), ON_CUDA: directory / model_filename("fp16-static")}
     row = cfg.kv_cache_bytes(batch=1, length=cfg.max_seq_len)  # fp32: room for the fp16 rows too
     settings = SessionSettings(kv_cache_bytes=(rows + 1) * row, idle_timeout_seconds=3600.0, max_batch=rows)
-    return factory.session_engine({k: v for k, v in files.items() if v.is_file()}, cfg, settings, "mha_session")
+    found = {k: v for k, v in files.items() if v.is_file()}
+    return factory.session_engine(found, cfg, settings, "mha_session"), settings
 
 
 def transformers_generator(model, device: Device) -> Callable:

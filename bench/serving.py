@@ -4,11 +4,12 @@ Writes `serving.json` and `serving.png` and prints tables and the targets.
 
 - latency of one decode step (batch 1, one new token) against the past length, p50 and p99:
   `in-process/static` and `in-process/concat` (mha_session's two engines built from the repository
-  as the model builds them, without Triton), `stateful/grpc` (mha_session: the slot pool over the
-  static cache), `stateful/grpc/concat` (the same model with per-sequence caches batched by
-  padding), `stateful/http`, `stateless/grpc` and `stateless/http` (mha: the client sends the whole
-  cache and gets the presents back), and `noop/grpc`: a Python model with mha_session's sequence
-  batching that answers its input, Triton's own cost for the same call;
+  as the model builds them, without Triton), `stateful/grpc` (mha_session: its engine core over the
+  static cache, each step a gRPC stream of one request, the only way Triton takes a decoupled model's
+  request), `stateful/grpc/concat` (the same model with per-sequence caches batched by padding),
+  `stateless/grpc` and `stateless/http` (mha: the client sends the whole cache and gets the presents
+  back), and `noop/grpc`: a decoupled Python model with mha_session's sequence batching that answers
+  its input, Triton's own cost for the same call;
 - bytes a step puts on the wire, request and response;
 - decode throughput of each engine, and of the no-op model (the ceiling Triton and the client set on
   this machine), against the number of concurrent sessions at two past lengths
@@ -58,7 +59,6 @@ MODES = (
     "in-process/concat",
     "stateful/grpc",
     "stateful/grpc/concat",
-    "stateful/http",
     "stateless/grpc",
     "stateless/http",
     "noop/grpc",
@@ -243,7 +243,11 @@ def stateless(server, protocol: str, cfg: ModelConfig, past: int, runs: int) -> 
 def stateful(
     server, protocol: str, cfg: ModelConfig, past: int, runs: int, sequence_id: int, model: str = STATIC_MODEL
 ) -> dict:
-    """A session prefilled with `past` tokens, then `runs` timed steps (its past grows by `runs`)."""
+    """A session prefilled with `past` tokens, then `runs` timed steps (its past grows by `runs`); each
+    request a gRPC stream of one request, as client/affinity.py sends a session's (`protocol` is gRPC:
+    Triton refuses a unary call to a decoupled model)."""
+    from client import affinity
+
     module = _module(protocol)
     client = module.InferenceServerClient(_url(server, protocol))
     rng = np.random.default_rng(3)
@@ -252,11 +256,15 @@ def stateful(
     )
     token = infer_inputs(module, {names.HIDDEN_STATES: rng.standard_normal((1, 1, cfg.d_model)).astype(np.float32)})
     close = infer_inputs(module, {names.HIDDEN_STATES: np.zeros((1, 0, cfg.d_model), np.float32)})
+
+    def step(inputs: list, **sequence) -> None:
+        affinity.infer(client, model, inputs, headers={}, sequence_id=sequence_id, **sequence)
+
     try:
-        client.infer(model, prefill, sequence_id=sequence_id, sequence_start=True)
-        return timed(lambda: client.infer(model, token, sequence_id=sequence_id), runs)
+        step(prefill, sequence_start=True)
+        return timed(lambda: step(token), runs)
     finally:
-        client.infer(model, close, sequence_id=sequence_id, sequence_end=True)
+        step(close, sequence_end=True)
         client.close()
 
 
@@ -279,6 +287,8 @@ async def concurrent_steps(
     """Steps per second of `count` sessions stepping concurrently (prefills and ends not counted)."""
     import tritonclient.grpc.aio as aioclient
 
+    from client import affinity
+
     client = aioclient.InferenceServerClient(url)
     rng = np.random.default_rng(4)
     prefill = infer_inputs(
@@ -287,17 +297,21 @@ async def concurrent_steps(
     token = infer_inputs(aioclient, {names.HIDDEN_STATES: rng.standard_normal((1, 1, cfg.d_model)).astype(np.float32)})
     close = infer_inputs(aioclient, {names.HIDDEN_STATES: np.zeros((1, 0, cfg.d_model), np.float32)})
     ids = [first_id + k for k in range(count)]
+
+    def step(sequence_id: int, inputs: list, **sequence):
+        return affinity.infer(client, model, inputs, headers={}, sequence_id=sequence_id, **sequence)
+
     try:
-        await asyncio.gather(*(client.infer(model, prefill, sequence_id=i, sequence_start=True) for i in ids))
+        await asyncio.gather(*(step(i, prefill, sequence_start=True) for i in ids))
 
         async def decode(sequence_id: int) -> None:
             for _ in range(steps):
-                await client.infer(model, token, sequence_id=sequence_id)
+                await step(sequence_id, token)
 
         started = time.perf_counter()
         await asyncio.gather(*(decode(i) for i in ids))
         elapsed = time.perf_counter() - started
-        await asyncio.gather(*(client.infer(model, close, sequence_id=i, sequence_end=True) for i in ids))
+        await asyncio.gather(*(step(i, close, sequence_end=True) for i in ids))
     finally:
         await client.close()
     return count * steps / elapsed
@@ -386,8 +400,8 @@ def prepare(root: Path, progress: Progress) -> Path:
 
 
 def write_noop_model(repository: Path) -> None:
-    """`noop`: mha_session's Triton config (sequence batching and all) on a Python model that answers
-    its input: Triton's own cost of a session step, measured beside ours."""
+    """`noop`: mha_session's Triton config (decoupled, sequence batching and all) on a Python model that
+    answers its input: Triton's own cost of a session step, measured beside ours."""
     from serving.triton.config import parse, to_text
 
     config = parse((repository / STATIC_MODEL / "config.pbtxt").read_text())
@@ -403,14 +417,15 @@ import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
-    def execute(self, requests):
-        answers = []
+    def execute(self, requests):  # decoupled: each answer goes through its request's sender
         for request in requests:
             hidden = pb_utils.get_input_tensor_by_name(request, "hidden_states").as_numpy()
             held = np.array([[hidden.shape[1]]], np.int64)  # as mha_session answers both outputs
             outputs = [pb_utils.Tensor("output", hidden), pb_utils.Tensor("held_length", held)]
-            answers.append(pb_utils.InferenceResponse(outputs))
-        return answers
+            request.get_response_sender().send(
+                pb_utils.InferenceResponse(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            )
+        return None
 """
 
 
@@ -472,7 +487,6 @@ def latency_rows(server, engines: dict, cfg: ModelConfig, plan: Plan, deadline: 
             sequence = (1 << 40) + 10 * k
             modes["stateful/grpc"] = stateful(server, "grpc", cfg, past, plan.steps, sequence)
             modes["stateful/grpc/concat"] = stateful(server, "grpc", cfg, past, plan.steps, sequence + 1, CONCAT_MODEL)
-            modes["stateful/http"] = stateful(server, "http", cfg, past, plan.steps, sequence + 2)
             for protocol in ("grpc", "http"):
                 modes[f"stateless/{protocol}"] = stateless(server, protocol, cfg, past, plan.steps)
             modes["noop/grpc"] = stateful(server, "grpc", cfg, 1, plan.steps, sequence + 3, NOOP)

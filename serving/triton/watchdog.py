@@ -29,13 +29,27 @@ class ParentWatchdog:
 
     def __init__(self) -> None:
         python = shutil.which("python3") or sys.executable  # the launcher puts the serving venv first on PATH
-        command = [python, "-I", "-S", str(Path(__file__).resolve()), str(os.getpid()), str(os.getppid())]
+        command = [python, "-I", "-S", str(Path(__file__).resolve()), str(os.getpid()), str(server_of_this_stub())]
         self._watcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, close_fds=True)
 
     def stop(self) -> None:
         """An orderly unload: the watcher ends first, so that no process outlives the stub."""
         self._watcher.kill()
         self._watcher.wait()
+
+
+def server_of_this_stub() -> int:
+    """The server this stub should have as parent: the pid the Python backend gave the stub on its command
+    line (its 6th argument) where this is the backend's stub, else the parent; 0 (none) when the parent is
+    init already. A server that died while its stub was loading (its port already in use) left the stub to
+    init before `initialize` ran, and a watcher told to wait on init's pid would wait forever (seen: an
+    orphan stub)."""
+    parent = os.getppid()
+    arguments = Path("/proc/self/cmdline").read_bytes().split(b"\0")
+    if arguments[0].endswith(b"triton_python_backend_stub") and len(arguments) > 5 and arguments[5].isdigit():
+        given = int(arguments[5])
+        return given if given == parent else 0
+    return 0 if parent == 1 else parent
 
 
 def parent_and_start(pid: int) -> tuple[int, int] | None:

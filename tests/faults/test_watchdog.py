@@ -103,3 +103,39 @@ def test_an_orderly_unload_ends_the_watcher():
     finally:
         end(stub, watcher)
         server.kill()
+
+
+ORPHANED_STUB = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from serving.triton.watchdog import ParentWatchdog
+    while os.getppid() != 1:  # its server dies before it is loaded
+        time.sleep(0.01)
+    Path(sys.argv[1] + ".part").write_text(str(ParentWatchdog()._watcher.pid))
+    os.replace(sys.argv[1] + ".part", sys.argv[1])
+    time.sleep(60)
+    """
+)
+
+
+def test_a_stub_whose_server_died_before_it_loaded_is_ended(tmp_path):
+    """Seen: a tritonserver that exits at start (its port taken) while its stub loads leaves the stub to init
+    before `initialize` makes the watcher; the watcher must not take init for the server."""
+    told = tmp_path / "watcher"
+    launch = "import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]]).pid)"
+    server = subprocess.run(
+        [sys.executable, "-c", launch, ORPHANED_STUB, str(told)], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    stub = int(server.stdout.split()[0])  # (the watcher's own line about the kill may follow)
+    started, watcher = time.monotonic(), None
+    try:
+        while not told.is_file() and time.monotonic() - started < 10:
+            time.sleep(0.02)
+        watcher = int(told.read_text())
+        while (alive(stub) or alive(watcher)) and time.monotonic() - started < 10 + 3 * GRACE_S:
+            time.sleep(0.02)
+        assert not alive(stub), "the orphaned stub was left running"
+        assert not alive(watcher), "the watcher outlived the stub"
+    finally:
+        end(stub, *([watcher] if watcher else []))
