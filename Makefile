@@ -15,7 +15,7 @@ GPU_VENV := .venv-gpu
 # which must not meet ours, so it has an environment of its own (bench/genai_peer.py runs there)
 GENAI_VENV := .venv-genai
 
-.PHONY: install browser test lint format serve bench bench-peers export reference clean gpu-install gpu-proof
+.PHONY: install browser test lint format serve bench bench-peers bench-server-peers export reference clean gpu-install gpu-proof
 
 install: $(STAMP)
 
@@ -62,6 +62,11 @@ bench: install
 
 bench-peers: install
 	$(BIN)/python -c "from bench.whole_model import ensure_genai_venv; print(ensure_genai_venv())"
+
+# The generation bench's server peers (bench/server_peers.py), once, into .peers/: llama.cpp's server built from
+# llama-cpp-python's source distribution (about 8 minutes on 2 cores), vLLM CPU in a venv of its own (3.4 GB)
+bench-server-peers: install
+	$(BIN)/python -m bench.server_peers
 
 # docs/reference.md from the code (tests/test_guide.py fails when it is stale)
 reference: install

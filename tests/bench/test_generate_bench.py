@@ -1,9 +1,11 @@
 """`python -m bench generate` end to end, bounded: the session's build of TEST_CONFIGS["whole"] (its weights
 written as transformers' checkpoint, not imported again), a 16-token prompt and 8 greedy tokens at 1 and 4
-generations at once, one round, every candidate: Triton's `mha_generate` through the client, the gateway's
-`POST /v1/generate` as Server-Sent Events, the same loop in-process, onnxruntime-genai and transformers.
-Timings are not asserted (a smoke test); the tokens are: fp32 everywhere, each candidate answers exactly
-transformers' greedy tokens. And a gateway without the route: the candidate is left out, the reason said."""
+generations at once, one round, every candidate but the server peers (built outside the suite): Triton's
+`mha_session` through the client, the gateway's `POST /v1/generate` as Server-Sent Events and its `POST
+/v1/completions`, the same engine core in-process, onnxruntime-genai and transformers; then a 36-id joiner among
+4 streams and 2 s of idle CPU. Timings are not asserted (a smoke test); the tokens are: fp32 everywhere, each
+candidate answers exactly transformers' greedy tokens. And a gateway without the route: the candidate is left
+out, the reason said."""
 
 import contextlib
 import http.server
@@ -21,7 +23,7 @@ from bench import generate
 from bench.__main__ import main
 from tests.conftest import TEST_CONFIGS
 
-STREAMED = (generate.SERVED, generate.GATEWAY, generate.IN_PROCESS)  # a gap per token of every generation
+STREAMED = (generate.SERVED, generate.GATEWAY, generate.OPENAI, generate.IN_PROCESS)  # a gap per token of each
 BATCHED = (generate.GENAI, generate.TORCH)  # a gap per decode step of the one batch
 
 
@@ -33,7 +35,7 @@ def bench_jobs(root, artifact_dir, finished) -> dict:
     config.write_text(TEST_CONFIGS["whole"].to_json())
     work = root / "work"
     shutil.copytree(artifact_dir("whole"), work / "whole" / "artifact")  # no import again
-    argv = ["generate", "--config", str(config), "--quick", "--threads", "1"]
+    argv = ["generate", "--config", str(config), "--quick", "--threads", "1", "--no-server-peers"]
 
     def run() -> int:
         built = finished("whole-genai")
@@ -62,21 +64,33 @@ def test_every_candidate_generates_transformers_greedy_tokens_and_is_measured(be
     assert [row["concurrency"] for row in results["rows"]] == [1, 4] and plan["tokens"] == 8
     for row in results["rows"]:
         count = row["concurrency"]
-        assert set(row["candidates"]) == set(generate.CANDIDATES)
+        assert set(row["candidates"]) == set(STREAMED + BATCHED)
         for name, entry in row["candidates"].items():
             steps = count * (plan["tokens"] - 1) if name in STREAMED else plan["tokens"] - 1
             assert entry["ttft_ms"]["generations"] == count and entry["itl_ms"]["gaps"] == steps, name
             assert entry["tokens_per_s"] > 0 and entry["ttft_ms"]["p50"] > 0, name
             assert 0 < entry["itl_ms"]["p50"] <= entry["itl_ms"]["p99"], name
             greedy = entry["greedy"]
+            if name == generate.OPENAI:  # it streams text: its ids are not checked here
+                assert greedy is None
+                continue
             assert greedy["of"] == count * plan["tokens"], name
             assert greedy["agree_before_first_difference"] == plan["tokens"], (name, greedy)
+    # (the OpenAI route runs the generation /v1/generate runs, whose ids are checked above)
+    joiner = results["joiner"]
+    assert joiner["running"] == 4 and joiner["joiner_ids"] == 36 and joiner["gaps"]["during"] > 0, joiner
+    assert joiner["chunk_ms"] > 0 and len(joiner["joiner_ttft_ms"]) == 1
+    idle = results["idle"]["ours (Triton and its stubs, the gateway)"]
+    assert idle["seconds"] == 2 and idle["cpu_s"] >= 0
     assert set(results["targets"]) == {
         "served_vs_in_process_C1",
         "served_C4_vs_C1",
-        *(f"served_vs_{peer}_C{count}" for peer in BATCHED for count in (1, 4)),
+        f"served_vs_{generate.GENAI}_C1",
+        "joiner_raises_p99_itl_by_at_most_a_chunk",
+        "idle_cpu_under_1_percent",
     }
-    assert "greedy = transformers" in run.stdout and "goals:" in run.stdout
+    assert results["targets"]["served_C4_vs_C1"]["prefill_ceiling"] > 1
+    assert "greedy = transformers" in run.stdout and "goals:" in run.stdout and "joiner: 36 ids" in run.stdout
 
 
 class NoRoutes(http.server.BaseHTTPRequestHandler):

@@ -1,6 +1,6 @@
 """bench/server_peers.py without a built peer and without a network: the streamed chunks of each server read
-as tokens (canned events in each server's own shape), the measures as bench/generate.py defines them, the
-request every server gets, and a peer that is not here reported unavailable with its reason."""
+as tokens (canned events in each server's own shape), the request every server gets, and a peer that is not
+here reported unavailable with its reason."""
 
 import itertools
 import json
@@ -109,40 +109,6 @@ def test_stream_completion_sends_the_key_and_checks_the_count_against_the_usage(
     coalesced = [event(choices=[choice(" t1 t2")]), event(choices=[], usage={"completion_tokens": 2}), "data: [DONE]"]
     with pytest.raises(peers.PeerError, match="streamed 1 tokens in its chunks, its usage says 2"):
         peers.stream_completion("http://peer", "m", [1], 2, http=serving(coalesced))
-
-
-def test_concurrently_runs_every_prompt_and_checks_each_answers_all_its_tokens():
-    prompts = np.arange(8, dtype=np.int64).reshape(4, 2)
-    mock = serving(LLAMA_LINES)
-    done = peers.concurrently("http://peer", "m", prompts, 3, http=mock)
-    assert done.ids == [[9, 0, 7]] * 4 and done.tokens == 12 and len(done.first_ms) == 4 and len(done.gaps_ms) == 8
-    with pytest.raises(peers.PeerError, match="answered 3 tokens, expected 5"):
-        peers.concurrently("http://peer", "m", prompts, 5, http=mock)
-
-
-def streamed(started: float, arrivals: list[float], ended: float, cached: int | None = None) -> peers.Streamed:
-    usage = {"completion_tokens": len(arrivals), "prompt_tokens_details": {"cached_tokens": cached}}
-    return peers.Streamed(arrivals, [1] * len(arrivals), started, ended, usage)
-
-
-def test_measures_are_bench_generates():
-    """tokens/s: every token of a round over its first request to its last end, the median over rounds; TTFT:
-    each generation's request to its first token; ITL: the gaps between a generation's tokens."""
-    one = peers.round_of([streamed(0.0, [0.1, 0.2, 0.4], 0.5), streamed(0.1, [0.3, 0.5, 0.6], 1.1, cached=0)], 3)
-    assert one.first_ms == pytest.approx([100.0, 200.0])
-    assert one.gaps_ms == pytest.approx([100.0, 200.0, 200.0, 100.0])
-    assert one.wall_s == pytest.approx(1.1) and one.tokens == 6 and one.cached == [None, 0] and one.chunks == [3, 3]
-    two = peers.round_of([streamed(0.0, [0.2, 0.3, 0.4], 0.6), streamed(0.0, [0.2, 0.3, 0.4], 0.4)], 3)
-    three = peers.round_of([streamed(0.0, [0.1, 0.2, 0.3], 2.0), streamed(0.0, [0.1, 0.2, 0.3], 0.3)], 3)
-    measured = peers.measures([one, two, three])
-    assert measured["tokens_per_s_rounds"] == pytest.approx([6 / 1.1, 10.0, 3.0])
-    assert measured["tokens_per_s"] == pytest.approx(6 / 1.1)
-    first = [100, 200, 200, 200, 100, 100]
-    assert measured["ttft_ms"] == {"p50": pytest.approx(float(np.percentile(first, 50))), "generations": 6}
-    gaps = [100, 200, 200, 100] + [100] * 8
-    assert measured["itl_ms"]["p50"] == pytest.approx(100.0)
-    assert measured["itl_ms"]["p99"] == pytest.approx(float(np.percentile(gaps, 99)))
-    assert measured["itl_ms"]["gaps"] == 12
 
 
 def test_word_merges_rebuild_every_word_from_its_characters():
