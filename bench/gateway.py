@@ -19,10 +19,10 @@ Everything shares the machine's cores, so the CPU columns say where the time goe
 of steps is fixed by the arguments.
 
 `--compare NAME:SETTING=VALUE,...` adds a gateway of other settings (SERVING_* variables, e.g.
-`granian:http_server=granian`, `w2:workers=2`, or `viagrpc:triton_http_url=` for session requests over
-gRPC) in front of the same Triton, stepped in the same rounds as modes `NAME/json` and `NAME/b64`: choices
-are measured side by side, never across runs. Every gateway sends session requests to Triton's HTTP port
-(`SERVING_TRITON_HTTP_URL`), as `python -m serving` runs it, unless its settings say otherwise.
+`granian:http_server=granian` or `w2:workers=2`) in front of the same Triton, stepped in the same rounds as
+modes `NAME/json` and `NAME/b64`: choices are measured side by side, never across runs. Every gateway sends a
+session's requests to Triton's gRPC port, each a stream of one request (the session model is decoupled:
+client/affinity.py).
 """
 
 from __future__ import annotations
@@ -288,8 +288,7 @@ def benchmark(
 
     repository = prepare(root, preset_name)
     server = start_triton(repository, log_path=root / "triton.log")
-    base = {"triton_http_url": server.http_url}  # as `python -m serving` runs it: session requests over HTTP
-    gateways = {DEFAULT_GATEWAY: base | {"workers": workers}} | {name: base | s for name, s in (compared or {}).items()}
+    gateways = {DEFAULT_GATEWAY: {"workers": workers}} | dict(compared or {})
     try:
         with Client(server.grpc_url, "grpc") as triton:
             d_model = triton.metadata("mha_session").d_model

@@ -142,12 +142,20 @@ def _one_request_stream(stub) -> Any:
     return method
 
 
+# Triton's answer to a new request once it is shutting down (a unary call's status: UNAVAILABLE), as a stream
+# carries it (seen, Triton 2.51, a START after SIGTERM: "Server is stopping, scheduler for model has stopped
+# accepting new inference requests")
+_TRITON_STOPPING = "stopped accepting new inference requests"
+
+
 def _status(message: str) -> str:
-    """The gRPC status a stream's error would have had as a unary answer: by its kind (contract/errors.py), or
-    INVALID_ARGUMENT for Triton's own input checks; UNKNOWN otherwise."""
+    """The gRPC status a stream's error would have had as a unary answer: by its kind (contract/errors.py),
+    INVALID_ARGUMENT for Triton's own input checks, UNAVAILABLE for a server shutting down; UNKNOWN otherwise."""
     kind, _ = kinds.read(message)
     if kind is not None:
         return kinds.GRPC_STATUS.get(kind, "UNKNOWN")
+    if _TRITON_STOPPING in message:
+        return "UNAVAILABLE"
     return "INVALID_ARGUMENT" if any(check in message for check in _TRITON_INPUT_CHECKS) else "UNKNOWN"
 
 

@@ -35,8 +35,8 @@ WEIGHTS_FLOAT, WEIGHTS_INT8 = "float", "int8"
 WEIGHT_DTYPES = (WEIGHTS_FLOAT, WEIGHTS_INT8)
 NARROWEST_CACHE_BITS = {KV_FLOAT: 16, KV_INT8: 8, KV_INT4: 4}  # on any placement
 CPU_CACHE_BITS = {KV_FLOAT: 32, KV_INT8: 8, KV_INT4: 4}
-# The smallest row of the static engine (serving/engine/sized_pool.py): a session's first row (a 2-layer,
-# 8-head fp32 model at head_dim 64: 2 MiB). Smaller rows would move short sessions more often for little gain.
+# The static engine's reservation granule (serving/engine/cache_manager.py): what a session reserves at its
+# start and adds each time it outgrows its reservation (a 2-layer, 8-head fp32 model at head_dim 64: 2 MiB).
 MIN_ROW_POSITIONS = 256
 # The most sequences one engine holds at once whatever its budget: Triton's sequence batcher keeps a
 # slot per candidate sequence (serving/triton/config.py sizes them from this), and a budget of small

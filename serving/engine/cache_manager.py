@@ -20,7 +20,8 @@ captured graph holds its buffers' addresses).
 Admission is by bytes: a holder's allocation or growth is refused (`RowsFull`, saying what was asked and
 what the budget holds) when its reservation would pass the budget, or when every row is taken; a refused one
 changes nothing. Nothing a request asks walks the holders: the reserved and held totals are counted as they
-change, and the free rows are a heap (the lowest first, so live rows cluster and decode windows stay short).
+change, and the free rows are a heap (the lowest first, so live rows cluster and decode windows stay short; a row kept
+idle moves to the highest free row, `rename(..., aside=True)`).
 """
 
 from __future__ import annotations
@@ -209,11 +210,23 @@ class CacheManager:
         self.pool.release(row)
         heapq.heappush(self._free, row)
 
-    def rename(self, holder: Holder, into: Holder) -> None:
-        """`holder`'s row and reservation are `into`'s from now on (nothing moves)."""
+    def rename(self, holder: Holder, into: Holder, aside: bool = False) -> None:
+        """`holder`'s row and reservation are `into`'s from now on. `aside`: the row moves to the highest free
+        row where that is above it (a copy of its used positions), away from the live rows, which take the
+        lowest: a row kept idle among the decoding rows would split their decode window in two graph runs, or
+        be read by it every step."""
         assert into not in self._rows, f"{into!r} holds a row already"
-        self._rows[into] = self._rows.pop(holder)
+        row = self._rows.pop(holder)
         self._reserved_positions[into] = self._reserved_positions.pop(holder)
+        top = max(self._free, default=-1)
+        if aside and top > row:
+            self._free.remove(top)
+            self.pool.copy_row(row, top)
+            self.pool.release(row)
+            self._free.append(row)
+            heapq.heapify(self._free)
+            row = top
+        self._rows[into] = row
 
     def grow(self, holder: Holder, positions: int) -> None:
         """`holder` holds up to `positions` positions from now on: its reservation grows where it is too small

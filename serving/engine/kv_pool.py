@@ -103,7 +103,7 @@ class KVPool:
     """`rows` cache rows of up to `capacity` positions for the static graph of `session`.
 
     `row_copy`: the kernel that moves its rows on a device (serving/engine/kernels.py), shared by the
-    slabs of one row shape (a cache manager passes one; made at first use otherwise). On the CPU the
+    pools of one row shape (a cache manager passes one; made at first use otherwise). On the CPU the
     buffers are host arrays, and rows move as array copies of their used positions.
 
     `last_logits_session`: a whole model's same static graph answering only each run's last position's

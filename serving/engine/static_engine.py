@@ -227,11 +227,12 @@ class StaticSessionEngine(StepEngine):
         return self._start_copy(into, sequence_id, length)
 
     def rename(self, sequence_id: SequenceId, into: SequenceId) -> None:
-        """The live sequence goes on as `into`, its row unmoved (the engine core keeps a finished generation's
-        row for prefix reuse this way); `sequence_id` has ended."""
+        """The live sequence goes on as `into` (the engine core keeps a finished generation's row for prefix
+        reuse this way), its row moved aside from the live ones (CacheManager.rename); `sequence_id` has
+        ended."""
         with self._lock:
             self._slots.rename(sequence_id, into).sequence_id = into
-            self.cache.rename(sequence_id, into)
+            self.cache.rename(sequence_id, into, aside=True)
 
     def rewind(self, sequence_id: SequenceId, length: int) -> int:
         """The live sequence keeps its first `length` positions; the next step continues from there."""

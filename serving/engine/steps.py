@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import os
-import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -52,7 +50,7 @@ class CacheStats:
     reserved_bytes: int  # what the budget counts: one reservation per live sequence and named prefix
     budget_bytes: int
     evictions: int
-    allocated_bytes: int  # of the budget, what memory is taken now (static: its open slabs)
+    allocated_bytes: int  # memory the cache takes now (static: the reservations on the host, the pool on a device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,29 +201,3 @@ def rounds(requests: Sequence[StepRequest]) -> list[list[int]]:
             rounds.append([])
         rounds[k].append(index)
     return rounds
-
-
-class Sweeper:
-    """Every `interval`: evict idle sequences (so memory comes back without new requests), then call
-    `on_tick` (the model publishes its gauges there, off the request path). `engine` is either
-    session engine (anything with `evict_idle()`)."""
-
-    def __init__(self, engine, on_tick: Callable[[], None], interval: float) -> None:
-        self.engine, self.on_tick, self.interval = engine, on_tick, interval
-        self._parent = os.getppid()  # inside Triton: the tritonserver whose stub this is
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kv-cache-sweeper", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            if os.getppid() != self._parent:
-                # the server is gone: a gauge update would wait for its answer forever, holding the GIL
-                # the stub needs to exit (measured: a stub of a killed server lived on for 40 s and more)
-                return
-            self.engine.evict_idle()
-            self.on_tick()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

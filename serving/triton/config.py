@@ -237,8 +237,8 @@ def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
         short = most_sequences(cfg, budget, smallest_row=smallest, cache_bits=CPU_CACHE_BITS[dtype])
         capped = " (the hard cap on live sequences, whatever the budget)" if short == MAX_LIVE_SEQUENCES else ""
         lines.append(
-            f"{MHA_SESSION}: rows sized to the session: up to {short}{capped} sequences of up to {smallest} "
-            f"positions on the CPU ({cache}) at once, each moving to a row twice as long as it grows"
+            f"{MHA_SESSION}: reservations sized to the session: up to {short}{capped} sequences of up to {smallest} "
+            f"positions on the CPU ({cache}) at once, each reserving {smallest} positions more as it grows"
         )
     if on_cpu < FEW_SESSIONS:
         lines.append(f"warning: only {on_cpu} sessions fit at once on the CPU; raise --kv-cache-mib to hold more")

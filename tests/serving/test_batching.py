@@ -19,10 +19,11 @@ from serving.engine import errors, tensorrt
 from serving.engine.concat import ConcatSessionEngine, KVCacheStore
 from serving.engine.concat.batching import Step, layout, run_steps
 from serving.engine.concat.copies import DeviceCopies, HostCopies, copies_for
+from serving.engine.core import CoreSettings, EngineCore
 from serving.engine.ort import CPU
 from serving.engine.placement import choose_placement
 from serving.engine.runner import Runner
-from serving.engine.steps import StepRequest, Sweeper
+from serving.engine.steps import StepRequest
 
 
 @pytest.fixture(
@@ -202,19 +203,23 @@ def test_two_steps_of_one_sequence_in_one_execute_run_in_order(engine, runner):
     np.testing.assert_allclose(np.concatenate([*both, last], axis=1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_the_sweeper_evicts_idle_sequences_in_the_background(runner):
+def test_the_engine_core_evicts_idle_sequences_in_the_background(runner):
+    """No request comes: the core's loop wakes a few times a second and evicts what went idle (memory comes
+    back without traffic), and publishes what it holds."""
     store = KVCacheStore(runner.cfg.kv_cache_bytes(1, 1), runner.cfg.max_seq_len, 1 << 30, idle_timeout=0.2)
     engine = ConcatSessionEngine(runner, store)
     engine.execute([StepRequest("idle", True, False, tokens(runner.cfg, 2, 0))])
-    ticks = []
-    sweeper = Sweeper(store, lambda: ticks.append(store.stats()), interval=0.05)
+    published = []
+    core = EngineCore(engine, CoreSettings(tick_s=0.05), publish=published.append).start()
     try:
         deadline = time.monotonic() + 5
-        while not (ticks and ticks[-1].sequences == 0) and time.monotonic() < deadline:
+        while store.stats().sequences and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        sweeper.stop()
-    assert ticks[-1].sequences == 0 and ticks[-1].held_bytes == 0 and ticks[-1].evictions == 1
+        core.stop()
+    stats = store.stats()
+    assert stats.sequences == 0 and stats.held_bytes == 0 and stats.evictions == 1
+    assert published, "the core published its stats"
     (late,) = engine.execute([StepRequest("idle", False, False, tokens(runner.cfg, 1, 1))])
     assert isinstance(late, errors.SequenceEvicted)
 

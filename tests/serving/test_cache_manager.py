@@ -12,7 +12,7 @@ import pytest
 
 from contract.files import model_filename
 from export.artifacts import load_model
-from serving.engine import errors
+from serving.engine import errors, kv_pool
 from serving.engine.cache_manager import CacheManager, row_sizes
 from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_session
@@ -167,3 +167,31 @@ def test_a_rows_memory_is_committed_as_it_fills_and_given_back_when_it_is_freed(
     for holder in range(filled):
         cache.free(holder)
     assert process.memory_info().rss - before < 0.2 * expected
+
+
+def test_a_row_renamed_aside_leaves_the_live_rows_one_decode_window_and_keeps_what_it_held(
+    session, original, monkeypatch
+):
+    """The engine core keeps a finished generation's row (renamed aside): it moves to the highest free row, so
+    an idle kept row never sits between decoding rows (no idle row is worth merging over here)."""
+    monkeypatch.setattr(kv_pool, "MERGE_BYTES", 0)
+    engine = sized_engine(session, original.cfg, budget_rows_of_64=8, max_rows=8)
+    rng, d = np.random.default_rng(5), original.cfg.d_model
+    references = {sid: Reference(original) for sid in "abc"}
+    for sid in "abc":
+        hidden = tokens(rng, 5, d)
+        answer(engine, StepRequest(sid, True, False, hidden))
+        references[sid].step(hidden)
+    assert [engine.cache._rows[sid] for sid in "abc"] == [0, 1, 2]
+    engine.rename("b", ("kept", 0))
+    assert engine.cache._rows[("kept", 0)] == 7 and engine.length(("kept", 0)) == 5
+    hidden = {sid: tokens(rng, 1, d) for sid in "ac"}
+    runs = engine.runs.decode_runs
+    outputs = answer(engine, *(StepRequest(sid, False, False, h) for sid, h in hidden.items()))
+    assert engine.runs.decode_runs == runs + 1  # rows 0 and 2: the freed row between them holds nothing
+    for (sid, h), output in zip(hidden.items(), outputs, strict=True):
+        np.testing.assert_allclose(output, references[sid].step(h), atol=1e-5, rtol=1e-5)
+    assert engine.fork(("kept", 0), "again") == 5 and engine.cache._rows["again"] == 1  # the lowest free row
+    h = tokens(rng, 1, d)
+    (output,) = answer(engine, StepRequest("again", False, False, h))
+    np.testing.assert_allclose(output, references["b"].step(h), atol=1e-5, rtol=1e-5)

@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
+from client import Client as ProductClient
+from client import ServerBusyError
 from contract import names
 from contract.config import ModelConfig
 from serving.host.launcher import answers_200, free_port
@@ -285,11 +287,27 @@ def test_an_idle_session_is_evicted_its_memory_freed_and_its_next_step_says_so(s
 # --- last: stopping leaves nothing behind --------------------------------------------------------------
 
 
-def test_sigint_stops_triton_and_leaves_no_process(served):
+def open_sessions_until_refused(client, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        client.session().open().close()
+        time.sleep(0.05)
+
+
+def test_sigint_drains_refusing_new_sessions_as_busy_and_leaves_no_process(served):
+    """Triton serves an open session until it ends, and answers a new one's START (in a stream, a message
+    only) with "stopped accepting new inference requests", which the client reads as a busy server: a
+    caller retries elsewhere."""
     started: dict[int, str] = {}  # Triton serves a private copy of the repository: found as descendants
     descendants(served.process.pid, started)
     commands = " ".join(started.values())
     assert "bin/tritonserver" in commands and commands.count("triton_python_backend_stub") == 2, started
+    with ProductClient(served.grpc_url, retries=0) as client:
+        held = client.session().open()
+        served.process.send_signal(signal.SIGINT)
+        with pytest.raises(ServerBusyError, match="stopped accepting new inference requests"):
+            open_sessions_until_refused(client, seconds=10)  # until Triton has taken the signal
+        held.close()
     assert stop(served) == 0, served.output_path.read_text()
     assert still_running(started) == []
     assert "SIGINT: shutting down" in served.output_path.read_text()

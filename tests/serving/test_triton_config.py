@@ -150,25 +150,25 @@ def test_session_batching_is_oldest_and_the_timeouts_and_the_cores_settings_come
             [
                 "mha_session: KV cache budget 64 MiB = 256 sequences of up to 512 positions on the CPU (fp32), "
                 "512 on a GPU (fp16)",
-                "mha_session: rows sized to the session: up to 512 sequences of up to 256 positions on the CPU "
-                "(fp32) at once, each moving to a row twice as long as it grows",
+                "mha_session: reservations sized to the session: up to 512 sequences of up to 256 positions on the CPU "
+                "(fp32) at once, each reserving 256 positions more as it grows",
             ],
         ),
         (
             ServingSettings(kv_cache_bytes=1 << 20, kv_dtype="int8"),
             [
                 "mha_session: KV cache budget 1 MiB = 16 sequences of up to 512 positions on the CPU (int8)",
-                "mha_session: rows sized to the session: up to 32 sequences of up to 256 positions on the CPU "
-                "(int8) at once, each moving to a row twice as long as it grows",
+                "mha_session: reservations sized to the session: up to 32 sequences of up to 256 positions on the CPU "
+                "(int8) at once, each reserving 256 positions more as it grows",
             ],
         ),
         (  # 65,536 rows of 256 positions fit: the engine holds MAX_LIVE_SEQUENCES at most
             ServingSettings(kv_cache_bytes=1 << 30, kv_dtype="int4"),
             [
                 "mha_session: KV cache budget 1024 MiB = 32768 sequences of up to 512 positions on the CPU (int4)",
-                "mha_session: rows sized to the session: up to 8192 (the hard cap on live sequences, whatever the "
-                "budget) sequences of up to 256 positions on the CPU (int4) at once, each moving to a row twice as "
-                "long as it grows",
+                "mha_session: reservations sized to the session: up to 8192 (the hard cap on live sequences, "
+                "whatever the budget) sequences of up to 256 positions on the CPU (int4) at once, each reserving 256 "
+                "positions more as it grows",
             ],
         ),
         (

@@ -8,7 +8,9 @@ How a request is routed (docs/scale-out.md):
   replica has left the cluster the answer is a `[sequence_lost]` error, never another replica;
 - a request with SESSION_HEADER and no REPLICA_HEADER (a session's first step) is hashed on the
   session id over the healthy replicas; the answer names the replica in REPLICA_HEADER. A START
-  that a replica refuses before running it (stopping, cache full, unreachable) is retried on another;
+  that never reached a replica (unreachable, a refused stream) is retried on another; a replica's own
+  refusal (stopping, cache full) travels inside the stream (the session model is decoupled: its requests
+  are gRPC streams), which Envoy does not read, and reaches the client as a busy server;
 - anything else (stateless inference, metadata, health) goes to the least loaded healthy replica.
 
 The replicas come from files Envoy watches (file-based EDS: membership and drain change without a
@@ -328,13 +330,14 @@ def _has_header(name: str) -> dict[str, Any]:
 
 
 def _retry_policy(protocol: str, retries: int, stateless: bool) -> dict[str, Any]:
-    """Retries of requests that did not run: refused by Triton before running (UNAVAILABLE / 503:
-    stopping, cache full) or never sent. A stateless call is pure, so a reset retries it too."""
+    """Retries of requests that did not run: never sent, or (a stateless call) refused by Triton before
+    running (UNAVAILABLE / 503: stopping). A stateless call is pure, so a reset retries it too. A session's
+    START is a stream whose refusal comes in its messages with an OK status: nothing for Envoy to read."""
     conditions = ["connect-failure", "refused-stream"] + (["reset"] if stateless else [])
     policy: dict[str, Any] = {"num_retries": retries}
-    if protocol == "grpc":
+    if stateless and protocol == "grpc":
         conditions.append("unavailable")
-    else:
+    elif stateless:
         conditions.append("retriable-status-codes")
         policy["retriable_status_codes"] = [503]
     policy["retry_on"] = ",".join(conditions)
@@ -399,9 +402,10 @@ def _cluster(protocol: str, sessions: bool, upstreams: Upstreams, settings: Prox
         # a replica removed from the list leaves now, healthy or not: removal ends its sessions
         "ignore_health_on_host_removal": True,
         "health_checks": [_health_check(settings)],
-        # a replica whose model stub died answers every request INTERNAL while Triton's readiness
+        # a replica whose model stub died answers every unary request INTERNAL while Triton's readiness
         # stays 200 (measured on 2.51): five in a row eject it, and a passing health check must not
-        # bring it back (Envoy's default does)
+        # bring it back (Envoy's default does). Stateless calls only: a session's requests are streams,
+        # whose errors come inside them with an OK status (the supervisor reloads a dead session model)
         "outlier_detection": {
             "consecutive_5xx": 5,
             "interval": _seconds(settings.ejection_check_s),

@@ -1,8 +1,9 @@
 """`mha_session`: the session model, decoupled. Its `execute()` only reads each request into one of the engine
 core's (serving/engine/core.py) and hands it over; the core's loop owns the batch and answers every request
 from its own thread, through a sender thread of this model's (a response's trip to Triton overlaps the next
-graph run). No sequence batcher: the core keeps each session's requests in order, and its engine (static or
-concat, the `engine` parameter) knows which sessions live.
+graph run). Triton's sequence batcher (oldest strategy) routes a session's requests to this instance and keeps
+its slot until END; the core keeps each session's requests in order, and its engine (static or concat, the
+`engine` parameter) knows which sessions live.
 
 What a request is, by its parameters (contract/names.py, contract/generation.py):
 
@@ -238,7 +239,10 @@ class SessionGauges:
         "sequences": ("attention_kv_cache_sequences", "Sequences holding a KV cache"),
         "held_bytes": ("attention_kv_cache_bytes", "Bytes the KV caches hold"),
         "reserved_bytes": ("attention_kv_cache_reserved_bytes", "Bytes of the budget reserved by live sequences"),
-        "allocated_bytes": ("attention_kv_cache_allocated_bytes", "Bytes of the budget taken by the open row slabs"),
+        "allocated_bytes": (
+            "attention_kv_cache_allocated_bytes",
+            "Bytes of memory the KV cache takes (the host: what sessions reserve; a device: the pool)",
+        ),
         "budget_bytes": ("attention_kv_cache_budget_bytes", "The KV cache budget in bytes"),
         "evictions": ("attention_kv_cache_evictions", "Sequences evicted for idleness so far"),
         "running": ("attention_engine_running", "Generations and steps the engine core is running"),
