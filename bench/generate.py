@@ -92,7 +92,7 @@ class Plan:
     server_peers: bool = True  # llama.cpp's server and vLLM, where built
     joiner: int = 2000  # the joiner's prompt ids (0: no joiner scenario)
     joiner_tokens: int = 8  # the joiner's tokens
-    joiner_after: int = 16  # the running streams' tokens before the joiner is sent
+    joiner_after: int = 32  # the running streams' tokens before the joiner is sent
     idle_s: float = 30.0  # how long each server's idle CPU is measured (0: not measured)
 
     @classmethod
@@ -536,18 +536,20 @@ def joined(stream: Stream, running: np.ndarray, tokens: int, joiner: np.ndarray,
 
 
 def joiner_summary(rounds: list[Joined], plan: Plan, step_tokens: int) -> dict:
-    """The running streams' gaps before the joiner was sent and while it was prefilled (those ending between its
-    request and its first token, and the one in flight then), p99 each over the rounds; one chunk's time: the
+    """The running streams' gaps before the joiner was sent (once every stream decodes) and while it was
+    prefilled (those ending between its request and its first token, and the one in flight then), p99 each over
+    the rounds; one chunk's time: the
     joiner's prefill time over its chunks (the core gives a waiting prompt what the step's token budget leaves
     after the decoders: `step_tokens` - the running streams)."""
     before, during, chunk_ms = [], [], []
     chunk = max(step_tokens - plan.joined, 1)
     for one in rounds:
+        steady = max(times[0] for times in one.arrivals)  # every stream decoding: their prompts are in
         for times in one.arrivals:
             for start, end in itertools.pairwise(times):
-                if end < one.sent:
+                if steady <= start and end < one.sent:
                     before.append((end - start) * 1e3)
-                elif start < one.first:
+                elif end >= one.sent and start < one.first:
                     during.append((end - start) * 1e3)
         chunk_ms.append((one.first - one.sent) * 1e3 / -(-plan.joiner // chunk))
     if not before or not during:

@@ -35,7 +35,7 @@ from client.errors import ClientError
 from contract import errors as kinds
 from contract.routing import REPLICA_HEADER, SESSION_HEADER
 
-__all__ = ["REPLICA_HEADER", "SESSION_HEADER", "infer", "replica_from", "step_headers"]
+__all__ = ["REPLICA_HEADER", "SESSION_HEADER", "infer", "replica_from", "result", "send", "step_headers", "stream"]
 
 # Triton's own checks of a request (its inputs, its sequence), as a stream answers them (a message only, no
 # status code): they are the caller's mistakes, as INVALID_ARGUMENT says of a unary call's
@@ -77,14 +77,64 @@ def infer(stub: Any, model_name: str, inputs: list, *, headers: Mapping[str, str
     stream's deadline). Errors are tritonclient's InferenceServerException, as from `stub.infer`: a stream
     carries an error's message only, so its status is the one a unary answer would have had (`_status`).
     """
-    module = type(stub).__module__
-    if not module.startswith("tritonclient.grpc"):
+    _check_grpc(stub, model_name)
+    call = _stream_aio if type(stub).__module__.endswith(".aio") else _stream
+    return call(stub, model_name, inputs, dict(headers), **options)
+
+
+def stream(stub: Any, model_name: str, inputs: list, *, headers: Mapping[str, str], **options: Any) -> Any:
+    """A request of many answers (a generation) as a stream of one request, on the client's own channel: the gRPC
+    call, whose responses (ModelStreamInferResponse) the blocking client iterates and the asyncio one `read()`s;
+    `result(response)` reads each. `cancel()` it to leave early (the server drops the request within a step).
+    `options` as `infer`'s."""
+    _check_grpc(stub, model_name)
+    request = _grpc_request(model_name, inputs, options)
+    metadata = stub._get_metadata(dict(headers))
+    return _one_request_stream(stub)(request, metadata=metadata, timeout=options.get("client_timeout"))
+
+
+def result(response: Any) -> Any:
+    """One response of a `stream`: tritonclient's InferResult, or its error raised as `infer` raises one."""
+    return _answer(response)
+
+
+def send(stub: Any, model_name: str, inputs: list, *, headers: Mapping[str, str], **options: Any) -> Any:
+    """A request answered with nothing but its end (a generation's stop): its stream read to the end, the first
+    error raised as `infer` raises one; for the asyncio client, an awaitable of that."""
+    call = stream(stub, model_name, inputs, headers=headers, **options)
+    return _drained_aio(call) if type(stub).__module__.endswith(".aio") else _drained(call)
+
+
+def _drained(call) -> None:
+    import grpc
+    from tritonclient.grpc._utils import raise_error_grpc
+
+    try:
+        for response in call:
+            if response.error_message:
+                _answer(response)
+    except grpc.RpcError as error:
+        raise_error_grpc(error)
+
+
+async def _drained_aio(call) -> None:
+    import grpc
+    from tritonclient.grpc._utils import raise_error_grpc
+
+    try:
+        while (response := await call.read()) is not grpc.aio.EOF:
+            if response.error_message:
+                _answer(response)
+    except grpc.RpcError as error:
+        raise_error_grpc(error)
+
+
+def _check_grpc(stub: Any, model_name: str) -> None:
+    if not type(stub).__module__.startswith("tritonclient.grpc"):
         raise ClientError(
             f"'{model_name}' takes session requests on gRPC streams only (a decoupled model: Triton refuses a unary "
             "call to it): open the client with protocol='grpc'"
         )
-    call = _stream_aio if module.endswith(".aio") else _stream
-    return call(stub, model_name, inputs, dict(headers), **options)
 
 
 def _grpc_request(model_name: str, inputs: list, options: dict[str, Any]):

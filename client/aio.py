@@ -44,10 +44,6 @@ class AsyncClient(ClientCore):
                 self._stub_instance = self._module.InferenceServerClient(self.url, conn_timeout=self.timeout)
         return self._stub_instance
 
-    def _new_stream_stub(self):
-        """A gRPC client of its own for one generation's stream (closed with it)."""
-        return self._module.InferenceServerClient(self.url, channel_args=grpc_channel_args(self.policy))
-
     async def _run(self, operation: Operation[T]) -> T:
         return await run_async(operation, self._stub)
 
@@ -125,7 +121,7 @@ class AsyncClient(ClientCore):
         digest = await self._run(self._text_digest())
         if digest is None:
             return None
-        files = await fetch_text_files(self._new_stream_stub(), self.session_model, self.timeout)
+        files = await fetch_text_files(self._stub(), self.session_model, self.timeout)
         found = text_digest({name: hashlib.sha256(data).hexdigest() for name, data in files.items()})
         if found != digest:
             model = self.session_model
@@ -177,7 +173,7 @@ class AsyncSession(SessionCore):
 
         async def open_stream():
             stream, headers, self._prompt = await client._run(self._prepare_generation(ids, request))
-            return client._new_stream_stub(), stream, headers
+            return client._stub(), stream, headers
 
         async def recover(error) -> bool:
             return await client._run(self._recover_for_generation(error))

@@ -7,8 +7,9 @@ positions the session holds. `tokens` keeps the ids and `logprobs` each one's `T
 the top alternatives the request asked for). Leaving the loop early, or `close()`, cancels the request:
 the server stops within one step, and the session keeps what was answered.
 
-The stream is gRPC's (Triton's decoupled models answer over a bidirectional stream); each generation
-opens its own channel, since a tritonclient stream is one per client object.
+The stream is gRPC's (Triton takes a decoupled model's requests on ModelStreamInfer only): the generation is a
+stream of one request on the client's own channel (client/affinity.py `stream`), its responses read as they
+come, and a stop is a request of its own on the session's sequence. No channel is opened per generation.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import contextlib
 import dataclasses
 import queue
 import secrets
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-from client import errors
+from client import affinity, errors
+from client._wire import decoded
 from client.errors import ClientError, RequestTimeoutError
 from contract import generation, names
 
@@ -48,9 +51,27 @@ class Outcome:
     cached_tokens: int = 0  # prompt ids a kept row saved (contract.generation.REUSE_PREFIX)
     answered: bool = False  # the final response (or an error) came: the request is over on the server
 
+    def read(self, response, failure: BaseException | None) -> int | None:
+        """A stream's next message: a response (None: the stream ended), or the gRPC error that broke it; its
+        token (None for the final response and the prompt's scores), or the request's error raised typed."""
+        if failure is not None:  # a gRPC error: the stream broke (the server went away, a deadline)
+            from tritonclient.grpc._utils import get_error_grpc
+
+            self.answered = True  # an error is a request's final answer: nothing is left running
+            raise errors.from_exception(get_error_grpc(failure), session=True) from None
+        if response is None:
+            raise ClientError("the server closed the generation's stream before its end")
+        try:
+            result = affinity.result(response)
+        except Exception as error:  # the request's error, as the server answered it
+            self.answered = True
+            raise stream_error(error) from None
+        return self.take(result)
+
     def take(self, result) -> int | None:
         """One response: the token it carries (None for the final one, which says how it ended, and for the
         prompt's scores)."""
+        result = decoded(result)  # its outputs read once, not once per name asked
         scored = result.as_numpy(generation.PROMPT_LOGPROB)
         if scored is not None:
             self.prompt_logprobs = prompt_tokens(
@@ -96,13 +117,13 @@ class Generation:
         timeout: float,
         on_end: Callable[[Outcome, BaseException | None], None],
     ) -> None:
-        """`open_stream()` -> (a tritonclient.grpc InferenceServerClient of its own, async_stream_infer's
-        arguments, the stream's headers); `recover(error)`: whether the session was rebuilt after a loss
-        that came before any token (the generation is then sent again); `on_end` is told once what was
-        answered, and the error that ended it if any (the session's bookkeeping)."""
+        """`open_stream()` -> (the client's tritonclient.grpc InferenceServerClient, the generation's request
+        (`stream_request`), its headers); `recover(error)`: whether the session was rebuilt after a loss that
+        came before any token (the generation is then sent again); `on_end` is told once what was answered,
+        and the error that ended it if any (the session's bookkeeping)."""
         self.outcome = Outcome()
         self._open, self._recover, self._timeout, self._on_end = open_stream, recover, timeout, on_end
-        self._stub = self._request = self._answers = None
+        self._stub = self._request = self._headers = self._call = self._answers = None
         self._done = False
         self._iterator = self._generate()
 
@@ -155,44 +176,28 @@ class Generation:
             self._finish(failure)
 
     def _stream(self) -> Iterator[int]:
-        self._close_stub(cancel=False)
-        self._stub, self._request, headers = self._open()
+        self._cancel()
+        self._stub, self._request, self._headers = self._open()
         self._answers = answers = queue.Queue()
-        self._stub.start_stream(callback=lambda result, error: answers.put((result, error)), headers=headers or None)
-        try:
-            self._stub.async_stream_infer(**self._request)
-        except Exception as refused:
-            raise self._broken_stream(answers) or refused from None
+        self._call = call = affinity.stream(self._stub, headers=self._headers, **self._request)
+        threading.Thread(target=_read_into, args=(call, answers), name="generation-stream", daemon=True).start()
         while self.outcome.finish_reason is None:
             token = self._answer()
             if token is not None:
                 yield token
 
-    @staticmethod
-    def _broken_stream(answers: queue.Queue) -> BaseException | None:
-        """Why a stream broke before its request left: tritonclient then says only that it is "no longer in valid
-        state", the reason having come through the callback (typed, so that a passing failure is recovered)."""
-        try:
-            _, error = answers.get(timeout=1.0)
-        except queue.Empty:
-            return None
-        return stream_error(error) if error is not None else None
-
     def _answer(self) -> int | None:
         """The next response: its token, or None for the final one."""
         try:
-            result, error = self._answers.get(timeout=self._timeout)
+            response, failure = self._answers.get(timeout=self._timeout)
         except queue.Empty:
             raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
-        if error is not None:
-            self.outcome.answered = True  # an error is a request's final answer: nothing is left running
-            raise stream_error(error)
-        return self.outcome.take(result)
+        return self.outcome.read(response, failure)
 
     def _stop(self) -> None:
         """Ask the server to stop before its next token, and read what it still answers up to its final
         response: the tokens it stepped in meanwhile are the session's too (kept in `tokens`)."""
-        self._stub.async_stream_infer(**stop_request(self._request))
+        affinity.send(self._stub, headers=self._headers, **stop_request(self._request))
         while self.outcome.finish_reason is None:
             self._answer()
 
@@ -201,26 +206,37 @@ class Generation:
         self._iterator.close()
         self._finish(None)
 
-    def _close_stub(self, cancel: bool) -> None:
-        stub, self._stub = self._stub, None
-        if stub is None:
-            return
-        with contextlib.suppress(Exception):  # a broken stream has nothing more to say
-            stub.stop_stream(cancel_requests=cancel)
-        with contextlib.suppress(Exception):
-            stub.close()
+    def _cancel(self) -> None:
+        """The stream left: cancelled where the server may still answer (it drops the request within a step)."""
+        call, self._call = self._call, None
+        if call is not None and not self.outcome.answered:
+            with contextlib.suppress(Exception):
+                call.cancel()
 
     def _finish(self, failure: BaseException | None) -> None:
         if self._done:
             return
         self._done = True
-        if failure is None and self.outcome.finish_reason is None and self._stub is not None:
+        if failure is None and self.outcome.finish_reason is None and self._call is not None:
             try:
                 self._stop()
             except Exception as error:  # the stream broke while stopping: what it held is unknown
                 failure = error
-        self._close_stub(cancel=not self.outcome.answered)
+        self._cancel()
         self._on_end(self.outcome, failure)
+
+
+def _read_into(call, answers: queue.Queue) -> None:
+    """A blocking stream's responses into `answers` as (response, None), then (None, None) at its end, or (None,
+    the gRPC error) where it broke."""
+    import grpc
+
+    try:
+        for response in call:
+            answers.put((response, None))
+        answers.put((None, None))
+    except grpc.RpcError as error:
+        answers.put((None, error))
 
 
 class AsyncGeneration:
@@ -233,10 +249,10 @@ class AsyncGeneration:
         timeout: float,
         on_end: Callable[[Outcome, BaseException | None], Awaitable[None]],
     ) -> None:
-        """As `Generation`'s, awaitable: `open_stream` gives a tritonclient.grpc.aio client of its own."""
+        """As `Generation`'s, awaitable: `open_stream` gives the client's tritonclient.grpc.aio client."""
         self.outcome = Outcome()
         self._open, self._recover, self._timeout, self._on_end = open_stream, recover, timeout, on_end
-        self._stub = self._request = self._answers = None
+        self._stub = self._request = self._headers = self._call = None
         self._done = self._closing = False
         self._iterator = self._generate()
 
@@ -277,41 +293,28 @@ class AsyncGeneration:
             await self._finish(failure)
 
     async def _stream(self) -> AsyncIterator[int]:
-        await self._close_stub()
-        self._stub, self._request, headers = await self._open()
-        self._sending: asyncio.Queue = asyncio.Queue()
-        self._sending.put_nowait(self._request)
-
-        async def requests():
-            while (request := await self._sending.get()) is not None:
-                yield request
-
-        self._responses = self._stub.stream_infer(requests(), headers=headers or None)
-        self._received = self._responses.__aiter__()
+        self._cancel()
+        self._stub, self._request, self._headers = await self._open()
+        self._call = affinity.stream(self._stub, headers=self._headers, **self._request)
         while self.outcome.finish_reason is None:
             token = await self._answer()
             if token is not None:
                 yield token
 
     async def _answer(self) -> int | None:
+        import grpc
+
         try:
-            result, error = await asyncio.wait_for(self._received.__anext__(), self._timeout)
-        except StopAsyncIteration:
-            raise ClientError("the server closed the generation's stream before its end") from None
+            response = await asyncio.wait_for(self._call.read(), self._timeout)
         except TimeoutError:
             raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
-        if error is not None:
-            self.outcome.answered = True  # an error is a request's final answer: nothing is left running
-            raise stream_error(error)
-        return self.outcome.take(result)
-
-    async def _drain(self) -> None:
-        async for _ in self._received:
-            pass
+        except grpc.RpcError as error:
+            return self.outcome.read(None, error)
+        return self.outcome.read(None if response is grpc.aio.EOF else response, None)
 
     async def _stop(self) -> None:
         """As `Generation._stop`."""
-        self._sending.put_nowait(stop_request(self._request))
+        await affinity.send(self._stub, headers=self._headers, **stop_request(self._request))
         while self.outcome.finish_reason is None:
             await self._answer()
 
@@ -324,31 +327,23 @@ class AsyncGeneration:
         await self._iterator.aclose()
         await self._finish(None)
 
-    async def _close_stub(self) -> None:
-        stub, self._stub = self._stub, None
-        if stub is None:
-            return
-        if not self.outcome.answered:
-            with contextlib.suppress(Exception):  # the server stops within one step
-                self._responses.cancel()
-        else:  # the stream half-closed and read to its end: a stream cut off instead keeps the session model
-            # from unloading at the server's stop (measured: Triton's exit timeout, every time)
-            self._sending.put_nowait(None)
+    def _cancel(self) -> None:
+        """As `Generation._cancel`."""
+        call, self._call = self._call, None
+        if call is not None and not self.outcome.answered:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._drain(), self._timeout)
-        with contextlib.suppress(Exception):
-            await stub.close()
+                call.cancel()
 
     async def _finish(self, failure: BaseException | None) -> None:
         if self._done:
             return
         self._done = True
-        if failure is None and self.outcome.finish_reason is None and self._stub is not None:
+        if failure is None and self.outcome.finish_reason is None and self._call is not None:
             try:
                 await self._stop()
             except Exception as error:  # the stream broke while stopping: what it held is unknown
                 failure = error
-        await self._close_stub()
+        self._cancel()
         await self._on_end(self.outcome, failure)
 
 
@@ -360,8 +355,8 @@ def stream_request(
     module,
     parameters: dict | None = None,
 ) -> dict:
-    """async_stream_infer's arguments (a stream_infer request) for one generation; `parameters`: the request's
-    others (its session's owner). A generation that starts its session carries Triton's START flag (the sequence
+    """The arguments of `affinity.stream` for one generation; `parameters`: the request's others (its session's
+    owner). A generation that starts its session carries Triton's START flag (the sequence
     batcher holds the session's slot from it); one that ends it is followed by an END of its own once answered
     (`Generation`'s end: a request after it on the same sequence, a stop, must still find the sequence)."""
     tensor = module.InferInput(names.INPUT_IDS, list(ids.shape), "INT64")
@@ -369,7 +364,6 @@ def stream_request(
     return {
         "model_name": model,
         "inputs": [tensor],
-        "outputs": [module.InferRequestedOutput(name) for name in OUTPUTS],
         "sequence_id": sequence_id,
         "sequence_start": request.session_start,
         "parameters": request.to_parameters() | (parameters or {}),
@@ -387,8 +381,9 @@ def stream_error(error: BaseException) -> BaseException:
 
 
 def stop_request(request: dict) -> dict:
-    """The request that stops the generation `request` started (its session's), on the same stream. It carries
-    no token, as an empty input (Triton's batcher reads a request's batch size from its first input)."""
+    """The request that stops the generation `request` started (a request of its own on the session's sequence:
+    Triton's sequence batcher hands it to the model while the generation streams). It carries no token, as an
+    empty input (Triton's batcher reads a request's batch size from its first input)."""
     return {
         "model_name": request["model_name"],
         "inputs": [no_ids(type(request["inputs"][0]))],
@@ -404,48 +399,27 @@ def no_ids(make_input) -> Any:
     return tensor
 
 
-OUTPUTS = (
-    generation.TOKEN_ID,
-    generation.LOGPROB,
-    generation.TOP_TOKEN_IDS,
-    generation.TOP_LOGPROBS,
-    generation.FINISH_REASON,
-    names.HELD_LENGTH,
-    generation.CACHED_TOKENS,
-    generation.PROMPT_LOGPROB,
-    generation.PROMPT_TOP_TOKEN_IDS,
-    generation.PROMPT_TOP_LOGPROBS,
-)
-
-
 async def fetch_text_files(stub, model: str, timeout: float) -> dict[str, bytes]:
     """The tokenizer files `model` (a whole model's session model, contract/generation.py) serves: name ->
-    content, from one request on a stream of `stub` (a tritonclient.grpc.aio client of its own, closed here)."""
-
+    content, from one request of a sequence of its own (START and END: the session model takes sequences only)
+    on `stub`, the client's tritonclient.grpc.aio client."""
     from tritonclient.grpc import InferInput
 
-    async def request():  # a sequence of its own (START and END): the session model takes sequences only
-        yield {
-            "model_name": model,
-            "inputs": [no_ids(InferInput)],
-            "sequence_id": secrets.randbits(63) or 1,
-            "sequence_start": True,
-            "sequence_end": True,
-            "parameters": {generation.TEXT_FILES: True},
-        }
-
-    files: dict[str, bytes] | None = None
-    try:  # read to the stream's end (the request half-closes it): a stream cut off holds the model at Triton's stop
-        async for result, error in stub.stream_infer(request(), stream_timeout=timeout):
-            if error is not None:
-                raise stream_error(error)
-            found = result.as_numpy(generation.TEXT_FILE_NAMES)
-            if found is not None:
-                contents = result.as_numpy(generation.TEXT_FILE_CONTENTS).tolist()
-                files = {name.decode(): bytes(data) for name, data in zip(found.tolist(), contents, strict=True)}
-        if files is None:
-            raise ClientError(f"'{model}' answered no text files")
-        return files
-    finally:
-        with contextlib.suppress(Exception):
-            await stub.close()
+    options = {"sequence_id": secrets.randbits(63) or 1, "sequence_start": True, "sequence_end": True}
+    try:
+        answer, _ = await affinity.infer(
+            stub,
+            model,
+            [no_ids(InferInput)],
+            headers={},
+            parameters={generation.TEXT_FILES: True},
+            client_timeout=timeout,
+            **options,
+        )
+    except Exception as error:
+        raise stream_error(error) from None
+    found = answer.as_numpy(generation.TEXT_FILE_NAMES)
+    if found is None:
+        raise ClientError(f"'{model}' answered no text files")
+    contents = answer.as_numpy(generation.TEXT_FILE_CONTENTS).tolist()
+    return {name.decode(): bytes(data) for name, data in zip(found.tolist(), contents, strict=True)}

@@ -205,7 +205,7 @@ class Session(SessionCore):
             stream, headers, self._prompt = (
                 prepared.pop() if prepared else client._run(self._prepare_generation(ids, request))
             )
-            return client._new_stub(), stream, headers
+            return client._stub(), stream, headers
 
         def ended(outcome, failure) -> None:
             client._run(self._generated(self._prompt, outcome.tokens, outcome.held_length))

@@ -19,7 +19,7 @@ import torch
 
 from client import Client, ClientError
 from export.artifacts import load_model
-from serving.host.launcher import start_triton
+from serving.host.launcher import free_port, start_triton
 from serving.host.supervisor import Supervisor
 from serving.triton.repository import write_repository
 from tests.fixtures.faults import kill
@@ -52,7 +52,9 @@ def test_a_killed_stub_mid_generation_gives_the_right_prefix_a_clear_error_then_
     repository = write_repository(artifact_dir(WHOLE_ARTIFACT), tmp_path / "repository", WHOLE_SETTINGS)
     ids = np.random.default_rng(11).integers(0, 256, 6, dtype=np.int64)
     expected = greedy(model, ids, 50)
-    start = lambda: start_triton(repository, log_path=tmp_path / "triton.log")  # noqa: E731
+    # fixed ports, as `python -m serving` has them: a server the supervisor restarts answers where it did
+    ports = {f"{name}_port": free_port() for name in ("http", "grpc", "metrics")}
+    start = lambda: start_triton(repository, log_path=tmp_path / "triton.log", **ports)  # noqa: E731
     with Supervisor(start, interval=PROBE_INTERVAL_S) as supervisor:
         client = Client(supervisor.server.grpc_url, session_store=tmp_path / "store", checkpoint_every=EVERY)
         with client.session() as session:
@@ -75,6 +77,10 @@ def test_a_killed_stub_mid_generation_gives_the_right_prefix_a_clear_error_then_
             assert answered + more == expected
             assert session.recoveries == 1
         client.close()
-        # the supervisor brought the killed model back once, by loading it again in the same server
-        assert [recovery.action for recovery in supervisor.recoveries] == ["reload mha_session"]
+        # the supervisor brought the killed model back once: by loading it again in the same server, or by
+        # restarting a server that died of the kill itself (Triton 2.51's Python backend aborts the whole server
+        # when a stub killed while it held their shared-memory lock is unloaded: "terminate called after throwing
+        # an instance of 'boost::interprocess::lock_exception'", seen here; triton-inference-server/server#8882)
+        assert len(supervisor.recoveries) == 1, supervisor.recoveries
+        assert supervisor.recoveries[0].action in ("reload mha_session", "restart"), supervisor.recoveries
         assert all(recovery.ok for recovery in supervisor.recoveries)
