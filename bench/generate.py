@@ -71,6 +71,7 @@ CANDIDATES = (SERVED, GATEWAY, OPENAI, IN_PROCESS, GENAI, TORCH, LLAMA_CPP, VLLM
 SERVER_PEERS = (LLAMA_CPP, VLLM)  # through their OpenAI routes, as OPENAI is ours
 DEFAULT_PRESET = "llama-whole"
 GATEWAY_KEY = "bench-generate-key"
+GENAI_MOST_BATCH = 32  # onnxruntime-genai 0.18's largest batch (seen: "batch_size (64) must be in [1, 32]")
 WARMUP_TOKENS = 4
 
 
@@ -80,6 +81,10 @@ class BenchError(RuntimeError):
 
 class Unavailable(BenchError):
     """A candidate that cannot run here, and why: left out of the run, the reason reported."""
+
+
+class Unmeasurable(BenchError):
+    """A candidate that cannot run one concurrency of the plan, and why: that concurrency left out."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +308,11 @@ def genai_candidate(peer: whole_model.GenaiPeer) -> Generate:
     """onnxruntime-genai's Generator over the prompts as one batch, in its own process."""
 
     def generate(prompts: np.ndarray, tokens: int) -> Generated:
+        if len(prompts) > GENAI_MOST_BATCH:
+            raise Unmeasurable(
+                f"onnxruntime-genai 0.18 takes batches of 1 to {GENAI_MOST_BATCH} (its answer to "
+                f"{len(prompts)}: 'batch_size ({len(prompts)}) must be in [1, {GENAI_MOST_BATCH}]')"
+            )
         started = time.perf_counter()
         answer = peer(prompts, tokens)
         return batched(answer.tokens, answer.prefill_ms, answer.step_ms, time.perf_counter() - started)
@@ -440,27 +450,36 @@ def prompts_for(cfg: ModelConfig, plan: Plan) -> dict[int, np.ndarray]:
 
 
 def measure_all(generators: dict[str, Generate], prompts: dict[int, np.ndarray], plan: Plan) -> tuple[dict, dict]:
-    """((candidate, concurrency) -> its Generated of each round, candidate -> why it was left out): a short
-    warm-up generation each first (where a candidate that cannot run says so), then the rounds."""
+    """((candidate, concurrency) -> its Generated of each round, what was left out -> why): a short warm-up
+    generation of each candidate at each concurrency first (where one that cannot run says so: the whole
+    candidate, or that concurrency of it), then the rounds."""
     from export.progress import Progress
 
     progress = Progress()
     skipped: dict[str, str] = {}
+    runs = [(name, count) for name in generators for count in prompts]
     with progress.stage(f"warm-up: every candidate, {WARMUP_TOKENS} tokens"):
-        for name in list(generators):
+        for name, count in list(runs):
+            if name not in generators:
+                runs.remove((name, count))
+                continue
             try:
-                for batch in prompts.values():
-                    generators[name](batch, min(WARMUP_TOKENS, plan.tokens))
+                generators[name](prompts[count], min(WARMUP_TOKENS, plan.tokens))
             except Unavailable as reason:
                 skipped[name] = str(reason)
                 del generators[name]
+                runs.remove((name, count))
+            except Unmeasurable as reason:
+                skipped[f"{name} at {count}"] = str(reason)
+                runs.remove((name, count))
     measured: dict = {}
     order = list(generators)
     for turn in range(plan.rounds):
         for name in order if turn % 2 == 0 else order[::-1]:
             with progress.stage(f"round {turn + 1}/{plan.rounds}: {name}"):
                 for count, batch in prompts.items():
-                    measured.setdefault((name, count), []).append(generators[name](batch, plan.tokens))
+                    if (name, count) in runs:
+                        measured.setdefault((name, count), []).append(generators[name](batch, plan.tokens))
             time.sleep(SETTLE_S)  # its spinning threads go to sleep before the next candidate
     return measured, skipped
 
@@ -589,23 +608,10 @@ def measure_joiner(lineup: Lineup, cfg: ModelConfig, plan: Plan) -> dict | None:
 # --- idle CPU ---------------------------------------------------------------------------------------------------
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User and system CPU seconds of the processes `pids` and all their descendants, so far."""
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            root = psutil.Process(pid)
-            for process in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    times = process.cpu_times()
-                    total += times.user + times.system
-    return total
-
-
 def idle_cpu(servers: dict[str, list[int]], seconds: float) -> dict:
     """Each server's CPU over `seconds` with nothing asked of it (all measured over the same window)."""
+    from bench.gateway import cpu_seconds
+
     if seconds <= 0:
         return {}
     time.sleep(SETTLE_S)

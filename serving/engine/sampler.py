@@ -2,14 +2,9 @@
 
 The engine's loop calls `sample(logits, rows)` once per step: the step's logits (B, vocab), one row per
 running generation, and each generation's `Sampler` (its params, its prompt's ids, what it generated so
-far). The rules are those contract/sampling.py writes down, in the order transformers and vLLM apply them:
-
-1. penalties on the logits: repetition (transformers' rule, over prompt + generated ids), then
-   frequency and presence (OpenAI's, over generated ids); a sparse update of the ids a row has seen;
-2. greedy (temperature 0): the argmax, ties to the lowest id. Otherwise softmax(logits / T), truncated
-   by top_k, then top_p (over what top_k kept, renormalized), then min_p (relative to the top token);
-3. one uniform draw, inverted over the kept tokens: those within HEAD_FLOOR of the top token's probability
-   in descending probability (ties by id), then the rest in id order (`draw`).
+far). The rules, and their order, are contract/sampling.py's (its module text); here they run over the
+rows together: the penalties as a sparse update of the ids each row has seen, greedy rows as one argmax,
+the draw (`draw`) per sampled row.
 
 Determinism: with a seed, the i-th token of a sequence (i = how many it has generated before) uses
 `np.random.default_rng([seed, i]).random()` and nothing else random, so a sampler rebuilt from (prompt,

@@ -36,6 +36,14 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 # a decode step of a small model on a GPU takes about a millisecond, a long prefill on a CPU seconds
 TOKEN_LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 KV_CACHE_USAGE = "gateway_kv_cache_usage_ratio"
+# the engine core's own counts (every gateway's requests, summed over the Triton replicas read): what an endpoint
+# picker's queue scorer reads (deploy/kubernetes-overlays/inference-pool/epp-config.yaml)
+ENGINE_WAITING, ENGINE_RUNNING = "gateway_engine_requests_waiting", "gateway_engine_requests_running"
+ENGINE_WAITING_HELP = (
+    "requests the session model's engine core holds waiting for their session's or their owner's turn, every "
+    "gateway's (read from Triton)"
+)
+ENGINE_RUNNING_HELP = "generations and steps the session model's engine core runs, every gateway's (read from Triton)"
 KV_CACHE_HELP = "fraction of the KV cache budget the session model's live sequences reserve, 0 to 1 (read from Triton)"
 # an endpoint picker reads /metrics every 50 ms: Triton is read at most twice a second per gateway, and its stub
 # publishes the bytes 4 times a second anyway
@@ -154,8 +162,9 @@ class GenerationTimer:
 
 
 class KvCacheGauge(Collector):
-    """gateway_kv_cache_usage_ratio, from what Triton's endpoints last said (model_server.py); left out of the
-    exposition while none has answered: no value rather than a made-up one."""
+    """gateway_kv_cache_usage_ratio and the engine core's waiting and running requests, from what Triton's endpoints
+    last said (model_server.py); left out of the exposition while none has answered: no value rather than a
+    made-up one."""
 
     def __init__(self, urls: Sequence[str], model: str, upstream_errors: Counter) -> None:
         self.urls, self.model, self.upstream_errors = tuple(urls), model, upstream_errors
@@ -185,12 +194,20 @@ class KvCacheGauge(Collector):
         self._failing = failing
 
     def describe(self) -> list[GaugeMetricFamily]:
-        return [GaugeMetricFamily(KV_CACHE_USAGE, KV_CACHE_HELP)]
+        return [
+            GaugeMetricFamily(KV_CACHE_USAGE, KV_CACHE_HELP),
+            GaugeMetricFamily(ENGINE_WAITING, ENGINE_WAITING_HELP),
+            GaugeMetricFamily(ENGINE_RUNNING, ENGINE_RUNNING_HELP),
+        ]
 
     def collect(self) -> list[GaugeMetricFamily]:
         if self.usage is None:
             return []
-        return [GaugeMetricFamily(KV_CACHE_USAGE, KV_CACHE_HELP, value=self.usage.ratio)]
+        return [
+            GaugeMetricFamily(KV_CACHE_USAGE, KV_CACHE_HELP, value=self.usage.ratio),
+            GaugeMetricFamily(ENGINE_WAITING, ENGINE_WAITING_HELP, value=self.usage.waiting),
+            GaugeMetricFamily(ENGINE_RUNNING, ENGINE_RUNNING_HELP, value=self.usage.running),
+        ]
 
 
 class MetricsMiddleware:

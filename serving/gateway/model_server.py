@@ -1,6 +1,7 @@
-"""The KV cache's utilization, read from Triton's Prometheus endpoints for the gateway's own /metrics
-(serving/gateway/metrics.py): what the session model's stub publishes there (serving/triton/models/
-mha_session.py `SessionGauges`), the bytes live sequences reserve of the budget over the budget.
+"""The KV cache's utilization and the engine core's load, read from Triton's Prometheus endpoints for the
+gateway's own /metrics (serving/gateway/metrics.py): what the session model's stub publishes there
+(serving/triton/models/mha_session.py `SessionGauges`): the bytes live sequences reserve of the budget over
+the budget, and the requests its engine core runs and holds waiting (every gateway's, not this one's only).
 
 Reserved, not held or allocated: the budget admits a new sequence by its reservations (one row per live
 sequence), so reserved / budget is how full the cache is for the next request, as vLLM's fraction of KV
@@ -26,7 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 RESERVED = "attention_kv_cache_reserved_bytes"
 BUDGET = "attention_kv_cache_budget_bytes"
-FAMILY_PREFIX = "attention_kv_cache_"
+RUNNING = "attention_engine_running"
+WAITING = "attention_engine_waiting"
+FAMILY_PREFIXES = ("attention_kv_cache_", "attention_engine_")
 DEFAULT_PORT = 80
 # what an endpoint that cannot tell raises: unreachable or timed out, not 200, not an exposition (ValueError)
 UNANSWERED = (OSError, http.client.HTTPException, ValueError)
@@ -36,6 +39,8 @@ UNANSWERED = (OSError, http.client.HTTPException, ValueError)
 class KvCacheUsage:
     reserved_bytes: float
     budget_bytes: float
+    running: float = 0.0  # the engine core's running generations and steps
+    waiting: float = 0.0  # requests the engine core holds for their session's or their owner's turn
 
     @property
     def ratio(self) -> float:
@@ -129,19 +134,27 @@ def scrape(endpoint: Endpoint, timeout_s: float) -> str:
 
 
 def usage_in(text: str, model: str) -> KvCacheUsage | None:
-    """`model`'s reserved and budget bytes in a Prometheus exposition; None when it publishes no budget yet."""
+    """`model`'s reserved and budget bytes and its engine core's load in a Prometheus exposition; None when it
+    publishes no budget yet."""
     # Triton's exposition is mostly its own nv_* families: only ours are parsed
-    ours = "\n".join(line for line in text.splitlines() if FAMILY_PREFIX in line)
-    values = {RESERVED: 0.0, BUDGET: 0.0}
+    ours = "\n".join(line for line in text.splitlines() if any(prefix in line for prefix in FAMILY_PREFIXES))
+    values = {RESERVED: 0.0, BUDGET: 0.0, RUNNING: 0.0, WAITING: 0.0}
     for family in text_string_to_metric_families(ours + "\n"):
         for sample in family.samples:
             if sample.name in values and sample.labels.get("model") == model:
                 values[sample.name] += sample.value
-    return KvCacheUsage(values[RESERVED], values[BUDGET]) if values[BUDGET] > 0 else None
+    if values[BUDGET] <= 0:
+        return None
+    return KvCacheUsage(values[RESERVED], values[BUDGET], values[RUNNING], values[WAITING])
 
 
 def total(usages: Iterable[KvCacheUsage]) -> KvCacheUsage | None:
     usages = list(usages)
     if not usages:
         return None
-    return KvCacheUsage(sum(u.reserved_bytes for u in usages), sum(u.budget_bytes for u in usages))
+    return KvCacheUsage(
+        sum(u.reserved_bytes for u in usages),
+        sum(u.budget_bytes for u in usages),
+        sum(u.running for u in usages),
+        sum(u.waiting for u in usages),
+    )

@@ -127,3 +127,17 @@ def test_a_gateway_without_the_route_is_left_out_with_the_reason():
         measured, skipped = generate.measure_all(candidates, prompts, plan)
     assert measured == {} and list(skipped) == [generate.GATEWAY]
     assert f"the gateway at {url} answers POST /v1/generate with 404" in skipped[generate.GATEWAY]
+
+
+def test_a_concurrency_a_candidate_cannot_run_is_left_out_with_the_reason_and_the_others_measured():
+    plan = generate.Plan(prompt=4, tokens=2, concurrency=(1, 2), rounds=2)
+    prompts = {count: np.zeros((count, plan.prompt), np.int64) for count in plan.concurrency}
+
+    def one_at_a_time(batch: np.ndarray, tokens: int) -> generate.Generated:
+        if len(batch) > 1:
+            raise generate.Unmeasurable(f"takes batches of 1, not {len(batch)}")
+        return generate.batched(np.zeros((1, tokens), np.int64), 1.0, [1.0] * (tokens - 1), 0.01)
+
+    measured, skipped = generate.measure_all({"peer": one_at_a_time}, prompts, plan)
+    assert list(measured) == [("peer", 1)] and len(measured["peer", 1]) == 2
+    assert skipped == {"peer at 2": "takes batches of 1, not 2"}

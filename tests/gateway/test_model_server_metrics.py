@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.gateway.metrics import KV_CACHE_USAGE, Metrics
+from serving.gateway.metrics import ENGINE_RUNNING, ENGINE_WAITING, KV_CACHE_USAGE, Metrics
 from serving.gateway.model_server import read_kv_usage, usage_in
 from tests.fixtures.triton import metric
 from tests.gateway.conftest import FreezableProxy, running
@@ -150,6 +150,18 @@ def test_the_kv_cache_usage_is_what_tritons_live_sequences_reserve_of_its_budget
 
 
 @pytest.mark.served
+def test_the_engine_cores_load_is_tritons_own_gauges(relayed, whole_triton):
+    """The queue an endpoint picker reads is the engine core's, every gateway's requests: what Triton publishes,
+    once the generations ended 0 running and 0 waiting."""
+    api, _ = relayed
+    body = {"input_ids": PROMPT, "max_new_tokens": NEW_TOKENS, "temperature": 0.0}
+    assert api.post("/v1/generate", json=body).status_code == 200
+    triton = {name: metric(whole_triton, f"attention_engine_{name}", SESSION_MODEL) for name in ("running", "waiting")}
+    seen = polled(lambda: scraped(api), lambda seen: seen.get(ENGINE_RUNNING) == triton["running"])
+    assert (seen.get(ENGINE_RUNNING), seen.get(ENGINE_WAITING)) == (triton["running"], triton["waiting"]) == (0, 0)
+
+
+@pytest.mark.served
 def test_the_kv_cache_usage_sums_every_replica_and_names_the_one_that_did_not_answer(whole_triton, triton):
     """Two real Tritons (the whole model's, the attention model's) and a closed port, read as one fleet."""
     dead = f"http://127.0.0.1:{closed_port()}/metrics"
@@ -172,7 +184,7 @@ def test_without_a_readable_triton_the_kv_cache_usage_is_left_out():
     for urls, failures in (((), 0), ((f"http://127.0.0.1:{closed_port()}/metrics",), 1)):
         with running(triton_url=triton_url, triton_metrics_urls=urls) as gateway:
             seen = samples(httpx.get(f"{gateway.url}/metrics", timeout=30).text)
-        assert KV_CACHE_USAGE not in seen, seen
+        assert not {KV_CACHE_USAGE, ENGINE_RUNNING, ENGINE_WAITING} & set(seen), seen
         assert seen.get(SCRAPE_ERRORS, 0) == failures
 
 
@@ -214,9 +226,17 @@ def test_the_usage_is_the_session_models_reserved_bytes_over_its_budget():
             "# TYPE attention_kv_cache_budget_bytes gauge",
             'attention_kv_cache_budget_bytes{kv_dtype="float32",model="mha_session"} 4194304',
             'attention_kv_cache_budget_bytes{kv_dtype="int8",model="mha_session-int8w"} 0',
+            "# HELP attention_engine_running Generations and steps the engine core is running",
+            "# TYPE attention_engine_running gauge",
+            'attention_engine_running{kv_dtype="float32",model="mha_session"} 3',
+            'attention_engine_running{kv_dtype="int8",model="mha_session-int8w"} 9',
+            "# HELP attention_engine_waiting Requests waiting for their session's turn or their owner's",
+            "# TYPE attention_engine_waiting gauge",
+            'attention_engine_waiting{kv_dtype="float32",model="mha_session"} 2',
         ]
     )
     usage = usage_in(exposition, "mha_session")
     assert usage is not None and usage.ratio == 0.25
+    assert (usage.running, usage.waiting) == (3, 2)  # the engine core's load, its model's only
     assert usage_in(exposition, "mha_session-int8w") is None
     assert usage_in(exposition, "absent") is None

@@ -15,11 +15,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
-from prometheus_client import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from serving.gateway import Settings
-from serving.gateway.metrics import KV_CACHE_USAGE, Metrics
+from serving.gateway.metrics import ENGINE_RUNNING, ENGINE_WAITING, KV_CACHE_USAGE, Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERLAY = ROOT / "deploy" / "kubernetes-overlays" / "inference-pool"
@@ -166,12 +164,12 @@ def test_the_endpoint_pickers_config_names_the_metrics_the_gateway_exports(objec
     labels = named(objects, "Deployment", "gateway")["spec"]["template"]["metadata"]["labels"]
     assert labels[parameters["engineLabelKey"]] == engine["name"] == parameters["defaultEngine"]
     assert parameters["engineLabelKey"] == ENGINE_LABEL
-    exported = {
-        family.name: family.type
-        for family in text_string_to_metric_families(generate_latest(Metrics().registry).decode())
-    }
+    # exported where Triton's metrics are read (the gateway's deployment gives it their URL): what it says it exports
+    read = Metrics(triton_metrics=("http://triton:8002/metrics",)).kv_cache.describe()
+    exported = {family.name: family.type for family in read}
     assert exported[engine["queuedRequestsSpec"]] == exported[engine["runningRequestsSpec"]] == "gauge"
-    assert engine["kvUsageSpec"] == KV_CACHE_USAGE  # only exported where Triton's metrics are read
+    assert (engine["queuedRequestsSpec"], engine["runningRequestsSpec"]) == (ENGINE_WAITING, ENGINE_RUNNING)
+    assert exported[engine["kvUsageSpec"]] == "gauge" and engine["kvUsageSpec"] == KV_CACHE_USAGE
     assert engine["loraSpec"] == engine["cacheInfoSpec"] == ""  # the gateway has neither: not scraped
     profile_plugins = {ref["pluginRef"] for profile in config["schedulingProfiles"] for ref in profile["plugins"]}
     assert profile_plugins <= {plugin.get("name", plugin["type"]) for plugin in config["plugins"]}
