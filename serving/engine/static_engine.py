@@ -226,13 +226,13 @@ class StaticSessionEngine(StepEngine):
             length = self._touched(sequence_id)
         return self._start_copy(into, sequence_id, length)
 
-    def rename(self, sequence_id: SequenceId, into: SequenceId) -> None:
+    def rename(self, sequence_id: SequenceId, into: SequenceId, aside: bool = True) -> None:
         """The live sequence goes on as `into` (the engine core keeps a finished generation's row for prefix
-        reuse this way), its row moved aside from the live ones (CacheManager.rename); `sequence_id` has
-        ended."""
+        reuse this way, and a next turn takes a kept row over), with `aside` its row moved aside from the live
+        ones (CacheManager.rename); `sequence_id` has ended."""
         with self._lock:
             self._slots.rename(sequence_id, into).sequence_id = into
-            self.cache.rename(sequence_id, into, aside=True)
+            self.cache.rename(sequence_id, into, aside=aside)
 
     def rewind(self, sequence_id: SequenceId, length: int) -> int:
         """The live sequence keeps its first `length` positions; the next step continues from there."""

@@ -219,11 +219,32 @@ def test_a_prompt_extending_a_kept_row_of_its_owner_reuses_it_and_nobody_elses(m
     first = generate(engine_core, 20, first_prompt, owner="alice", max_new_tokens=5, reuse_prefix=True).wait()
     assert first.cached == 0 and engine_core.stats.kept == 1
     turn = np.concatenate([first_prompt, first.tokens, prompt(7, 6)])  # a chat's next turn
+    forks = count_forks(engine_core)
     second = generate(engine_core, 21, turn, owner="alice", max_new_tokens=6, reuse_prefix=True).wait()
     assert second.cached == len(first_prompt) + 5  # everything the kept row held
     assert second.tokens == greedy(original, turn, 6)
+    # the next turn took the kept row over (no copy), and its own row is kept in its place
+    assert count_forks(engine_core) == forks and engine_core.stats.kept == 1
+    parted = np.concatenate([first_prompt, prompt(8, 3)])  # shares the first prompt only: the kept row is copied
+    third = generate(engine_core, 23, parted, owner="alice", max_new_tokens=2, reuse_prefix=True).wait()
+    assert third.cached == len(first_prompt) and third.tokens == greedy(original, parted, 2)
+    assert count_forks(engine_core) == forks + 1 and engine_core.stats.kept == 2
     stranger = generate(engine_core, 22, turn, owner="bob", max_new_tokens=6, reuse_prefix=True).wait()
     assert stranger.cached == 0 and stranger.tokens == second.tokens  # another owner's rows are never read
+
+
+def count_forks(engine_core) -> int:
+    """How many forks the engine has made (its fork wrapped once: the engine counts none of its own)."""
+    engine = engine_core.engine
+    if not hasattr(engine, "forks"):
+        fork, engine.forks = engine.fork, 0
+
+        def counted(*args, **kwargs):
+            engine.forks += 1
+            return fork(*args, **kwargs)
+
+        engine.fork = counted
+    return engine.forks
 
 
 def test_kept_rows_give_way_least_recent_first_when_the_budget_is_full(make_core):

@@ -171,8 +171,9 @@ class ConcatSessionEngine(StepEngine):
         self.store.start(into, entry.caches, entry.length, entry.nbytes)
         return entry.length
 
-    def rename(self, sequence_id: SequenceId, into: SequenceId) -> None:
-        """The live sequence goes on as `into` (its cache unmoved); `sequence_id` has ended."""
+    def rename(self, sequence_id: SequenceId, into: SequenceId, aside: bool = True) -> None:
+        """The live sequence goes on as `into` (its cache unmoved: values, not rows, so nothing lies aside or
+        not); `sequence_id` has ended."""
         self.store.rename(sequence_id, into)
 
     def rewind(self, sequence_id: SequenceId, length: int) -> int:
