@@ -500,8 +500,8 @@ def table(results: dict) -> str:
         )
     lines.append(
         "TTFT: the request to the first streamed chunk with text (median over rounds); cold: a conversation's first "
-        "request (nothing kept to fork); warm: its next turn (the first's session forked, `cached` ids reused, `new` "
-        "prefilled); torch prefill: transformers' forward over the cold prompt"
+        "request (nothing kept to reuse); warm: its next turn (the row the first left, kept by the engine core, taken "
+        "over: `cached` ids reused, `new` prefilled); torch prefill: transformers' forward over the cold prompt"
     )
     stages = build["import"]["stages_s"].get("fp32-static", {})
     verb = "reused (built earlier:" if build["reused"] else "built in"

@@ -29,9 +29,10 @@ steps the last one again (a rewind by one and one token), whoever generated it.
 
 Prefix reuse (`reuse_prefix`): a generation that starts a session looks among its owner's kept rows for the
 one that shares the longest prefix with its prompt, takes it over where the prompt goes on from all it holds (a
-conversation's next turn) or starts as a copy of it rewound to where they part, and prefills only the rest; when it ends with its session, its row is kept for the next
-request instead of freed (per owner at most `kept_per_owner`, least recently used first out; evicted, least
-recently used first, when the KV budget has no room for a new session). Only the owner's own rows are read:
+conversation's next turn) or starts as a copy of it rewound to where they part, and prefills only the rest;
+when it ends with its session, its row is kept for the next request instead of freed (per owner at most
+`kept_per_owner`, least recently used first out; evicted, least recently used first, when the KV budget has no
+room for a new session). Only the owner's own rows are read:
 another owner's request never reuses them, and learns nothing of them.
 """
 
