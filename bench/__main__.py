@@ -13,6 +13,7 @@ python -m bench capacity         # 1,000-token sessions per GiB: fp32/int8/int4 
 python -m bench weights-int8     # int8 weights on ONNX Runtime vs fp32-fused and PyTorch (fp32, quantize_dynamic)
 python -m bench generate         # 512-token prompts, 128 greedy tokens: served, gateway, in-process, genai, torch
 python -m bench conversation     # the next turn of a 1k / 4k-token chat (forked KV) against a cold prefill: TTFT
+python -m bench structured       # tokens/s under a JSON schema's constraint vs none, 1 and 16 at once; compile time
 python -m bench gpu              # the GPU proof (a CUDA host with PyTorch and onnxruntime-gpu)
 """
 
@@ -35,6 +36,7 @@ from bench import (
     scale,
     serving,
     sessions,
+    structured,
     weights_int8,
 )
 
@@ -53,6 +55,7 @@ COMMANDS: dict[str, ModuleType] = {
     "weights-int8": weights_int8,
     "generate": generate,
     "conversation": conversation,
+    "structured": structured,
     "gpu": gpu,
 }
 DEFAULT_COMMANDS = (
@@ -68,6 +71,7 @@ DEFAULT_COMMANDS = (
     "weights-int8",
     "generate",
     "conversation",
+    "structured",
 )
 
 

@@ -30,12 +30,14 @@ from client.errors import (
 from client.metadata import ModelInfo
 from client.retry import RetryPolicy
 from client.sync import Client, Session
+from contract.grammar import Grammar
 
 __all__ = [
     "AsyncClient",
     "AsyncSession",
     "Client",
     "ClientError",
+    "Grammar",
     "Health",
     "InferResult",
     "InvalidInputError",

@@ -40,6 +40,7 @@ from client.retry import Call, Detach, Local, Operation, RetryPolicy, Sleep, ret
 from client.store import SessionStore, StoreError, StoreKey, open_store
 from contract import errors as kinds
 from contract import generation, names
+from contract.grammar import Grammar
 from contract.inputs import InputError, check_token_values, real_tokens
 from contract.sampling import SamplingParams
 
@@ -745,9 +746,10 @@ def generation_request(
     stop_token_ids: Sequence[int] = (),
     prompt_logprobs: int | None = None,
     reuse_prefix: bool = False,
+    grammar: Grammar | None = None,
     **sampling: Any,
 ) -> generation.GenerationRequest:
-    """The request of `generate`'s keyword arguments (SamplingParams' fields besides these four)."""
+    """The request of `generate`'s keyword arguments (SamplingParams' fields besides these five)."""
     unknown = sorted(set(sampling) - set(generation.SAMPLING_FIELDS))
     if unknown:
         raise TypeError(f"unknown generation arguments {unknown}; sampling takes {list(generation.SAMPLING_FIELDS)}")
@@ -757,6 +759,7 @@ def generation_request(
         sampling=SamplingParams(**sampling),
         prompt_logprobs=prompt_logprobs,
         reuse_prefix=reuse_prefix,
+        grammar=grammar,
     )
 
 

@@ -190,7 +190,11 @@ class Session(SessionCore):
         token). `end=True`: the session ends with the generation (a new session's only request: stateless).
         `reuse_prefix=True` with `end=True`: the server starts from its longest kept row of this session's
         owner that shares the prompt's beginning, and keeps this one's for the next (the result's
-        `cached_tokens`). gRPC only."""
+        `cached_tokens`). `grammar=Grammar.json_schema(schema)` (or `.regex`, `.lark`, `.choice`): the text
+        matches it, token by token, and ends (finish reason "stop") at a stop token or once the grammar allows
+        nothing more; it needs
+        `stop_token_ids`, the grammar's end (a grammar the server refuses is an InvalidInputError naming why).
+        gRPC only."""
         return self._generation(ids, generation_request(max_new_tokens, stop_token_ids, **sampling), end=end)
 
     def _generation(self, ids: Any, request: GenerationRequest, end: bool = False) -> Generation:

@@ -21,6 +21,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from contract.grammar import GRAMMAR, Grammar
 from contract.inputs import InputError
 from contract.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -88,6 +89,10 @@ class GenerationRequest:
     session_end: bool = False
     prompt_logprobs: int | None = None  # N: each prompt token's logprob and the top N there (None: not asked)
     reuse_prefix: bool = False  # REUSE_PREFIX
+    # what the text must match (contract/grammar.py): each token is picked among those that keep it matchable,
+    # and the generation stops (finish reason `stop`) at a stop token the grammar allowed, or once the grammar
+    # allows nothing more (a JSON object closed: no stop token is then generated)
+    grammar: Grammar | None = None
 
     def check(self, vocab_size: int, max_seq_len: int) -> None:
         """Raises InputError naming the parameter, what it takes and what it got."""
@@ -100,6 +105,12 @@ class GenerationRequest:
         if bad:
             raise InputError(STOP_TOKEN_IDS, f"expected ids in [0, {vocab_size}), got {bad}")
         self.sampling.check()
+        if self.grammar is not None:
+            self.grammar.check()
+            if not self.stop_token_ids:
+                raise InputError(
+                    GRAMMAR, "a constrained generation needs stop_token_ids: the grammar's end is one of them"
+                )
 
     def to_parameters(self) -> dict[str, bool | int | str]:
         """Triton request parameters (what `from_parameters` reads back)."""
@@ -114,6 +125,8 @@ class GenerationRequest:
             values[REUSE_PREFIX] = True
         if self.prompt_logprobs is not None:
             values[PROMPT_LOGPROBS] = self.prompt_logprobs
+        if self.grammar is not None:
+            values[GRAMMAR] = self.grammar.to_parameter()
         for name in SAMPLING_FIELDS:
             value = getattr(self.sampling, name)
             if value is not None:
@@ -135,6 +148,7 @@ class GenerationRequest:
             session_end=_boolean(SESSION_END, parameters.get(SESSION_END, False)),
             prompt_logprobs=_optional_integer(PROMPT_LOGPROBS, parameters.get(PROMPT_LOGPROBS)),
             reuse_prefix=_boolean(REUSE_PREFIX, parameters.get(REUSE_PREFIX, False)),
+            grammar=None if parameters.get(GRAMMAR) is None else Grammar.from_parameter(parameters[GRAMMAR]),
         )
 
 

@@ -20,7 +20,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
 
 # What the Python-backend models import at run time, pinned as in pyproject.toml: ONNX Runtime
-# (GPU build), onnx (the runner's cache-copy kernels), and this package with its own dependencies
+# (GPU build), onnx (the runner's cache-copy kernels), llguidance (constrained decoding's token
+# masks), and this package with its own dependencies
 # (numpy < 2, tritonclient for the config schema and the supervisor's probe), psutil for the
 # launcher. No torch: the `export` service builds the models.
 COPY pyproject.toml README.md /tmp/src/
@@ -28,7 +29,7 @@ COPY contract /tmp/src/contract
 COPY export /tmp/src/export
 COPY serving /tmp/src/serving
 COPY client /tmp/src/client
-RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" "safetensors==0.8.0" "psutil==7.2.2" /tmp/src && rm -rf /tmp/src
+RUN python3 -m pip install "onnxruntime-gpu==1.31.1" "onnx==1.23.2" "safetensors==0.8.0" "psutil==7.2.2" "llguidance==1.9.1" /tmp/src && rm -rf /tmp/src
 
 # Not root. The TensorRT engine caches (serving/triton/config.py and serving/engine/runner.py)
 # are created here so that volumes mounted on them start owned by this user.

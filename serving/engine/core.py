@@ -51,7 +51,9 @@ import numpy as np
 
 from contract import generation, names
 from contract.inputs import InputError, real_tokens
+from serving.engine import constraint as grammar_masks
 from serving.engine import errors, operations
+from serving.engine.constraint import Constraint
 from serving.engine.sampler import Choice, Sampler, sample, score_prompt
 from serving.engine.steps import StepEngine, StepRequest, check_step, no_result
 
@@ -127,6 +129,7 @@ class Generate(Request):
 
     prompt: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     asked: generation.GenerationRequest = dataclasses.field(default_factory=generation.GenerationRequest)
+    constraint: Constraint | None = None  # asked.grammar compiled (Grammars.compile), off the loop's thread
 
 
 @dataclasses.dataclass(eq=False)
@@ -330,6 +333,7 @@ class GenerationWork(Work):
         self.prompt = request.prompt  # the ids still to step
         self.prompt_ids = request.prompt  # what the repetition penalty counts besides the tokens
         self.sampler = Sampler(self.asked.sampling, prompt_ids=request.prompt.tolist())
+        self.constraint = request.constraint
         self.state, self.stopping, self.reason = PREFILL, False, generation.LENGTH
         self.produced = 0
         self.pending: int | None = None  # a picked token not yet stepped into the session
@@ -426,7 +430,9 @@ class GenerationWork(Work):
         self.produced += 1
         self.request.responder.send(token_outputs(choice))
         held = self.core.engine.length(self.sequence_id)
-        if choice.token in self.asked.stop_token_ids:
+        if self.constraint is not None:
+            self.constraint.consume(choice.token)
+        if choice.token in self.asked.stop_token_ids or (self.constraint is not None and self.constraint.stopped):
             self.reason = generation.STOP
         elif self.produced >= self.asked.max_new_tokens:
             self.reason = generation.LENGTH
@@ -465,6 +471,9 @@ class CoreStats:
     step_seconds: float = 0.0  # the last iteration's engine time
     prefill_chunk_seconds: float = 0.0  # the engine time of the last iteration that ran a prefill chunk
     tokens_generated: int = 0  # since the start
+    masked_rows: int = 0  # the last step's rows picked under a grammar's mask
+    mask_fill_seconds: float = 0.0  # the time their masks took to fill (on the grammars' thread, beside the run)
+    mask_wait_seconds: float = 0.0  # how much of it the loop waited for after the graph run (what it cost a step)
     prompt_tokens_reused: int = 0  # since the start: prompt ids a kept row saved
 
 
@@ -851,6 +860,7 @@ class EngineCore:
     def _run(self, planned: list[tuple[Work, StepRequest]]) -> None:
         runs = self.engine.runs
         before = (runs.decode_runs, runs.decode_rows, runs.prefill_runs)
+        masking = self._masks_soon(planned)
         started = time.perf_counter()
         results = self._execute_with_room([step for _, step in planned])
         seconds = time.perf_counter() - started
@@ -862,25 +872,65 @@ class EngineCore:
             if work.took(result) and isinstance(work, GenerationWork):
                 sampled.append(work)
         if sampled:
-            self._sample(sampled)
+            self._sample(sampled, self._masks(masking, sampled))
         self._work = {sid: work for sid, work in self._work.items() if not work.done}
 
-    def _sample(self, sampled: list[GenerationWork]) -> None:
+    def _masks_soon(self, planned: list[tuple[Work, StepRequest]]) -> tuple[list[Constraint], Any] | None:
+        """The grammar masks of the constrained generations this iteration may sample (each decoding one with a
+        token to step, each whose last prompt chunk runs now), filled on the grammars' thread while the graph
+        runs (the mask of a token's successor needs only the token: llguidance releases the GIL)."""
+        constraints = [
+            work.constraint
+            for work, _ in planned
+            if isinstance(work, GenerationWork)
+            and work.constraint is not None
+            and (work.state == DECODE or (work.state == PREFILL and not len(work.prompt)))
+        ]
+        if not constraints:
+            return None
+        return constraints, grammar_masks.masks_soon(constraints)
+
+    def _masks(self, masking: tuple[list[Constraint], Any] | None, sampled: list[GenerationWork]) -> list:
+        """Each sampled generation's mask (None: unconstrained); one filled now where the early fill missed it."""
+        rows, fill_seconds = {}, 0.0
+        waited = time.perf_counter()
+        if masking is not None:
+            constraints, future = masking
+            filled, fill_seconds = future.result()
+            rows = {id(constraint): row for constraint, row in zip(constraints, filled, strict=True)}
+        missed = [w.constraint for w in sampled if w.constraint is not None and id(w.constraint) not in rows]
+        if missed:
+            filled, seconds = grammar_masks.timed_masks(missed)
+            rows |= {id(c): row for c, row in zip(missed, filled, strict=True)}
+            fill_seconds += seconds
+        stats = self.stats
+        stats.masked_rows = sum(work.constraint is not None for work in sampled)
+        stats.mask_fill_seconds, stats.mask_wait_seconds = fill_seconds, time.perf_counter() - waited
+        return [None if work.constraint is None else rows[id(work.constraint)] for work in sampled]
+
+    def _sample(self, sampled: list[GenerationWork], masks: list) -> None:
         """Every generation with logits picks its token, together; where the batch is refused (a row's logits
         not finite, an id outside the vocabulary), each row alone, and a refused one ends with its error."""
         try:
-            choices = sample(np.stack([work.logits for work in sampled]), [work.sampler for work in sampled])
+            logits = np.stack([work.logits for work in sampled])
+            choices = sample(logits, [work.sampler for work in sampled], masks)
         except ValueError:  # LogitsError, InputError: one row's; no sampler moved
-            for work in sampled:
+            for work, mask in zip(sampled, masks, strict=True):
                 try:
-                    (choice,) = sample(work.logits[None], [work.sampler])
+                    (choice,) = sample(work.logits[None], [work.sampler], [mask])
                 except ValueError as error:  # answered as its kind: a server fault, or the request's own
                     self.finish_generation(work, error=error)
                     continue
-                work.picked(choice)
+                self._picked(work, choice)
             return
         for work, choice in zip(sampled, choices, strict=True):
+            self._picked(work, choice)
+
+    def _picked(self, work: GenerationWork, choice: Choice) -> None:
+        try:
             work.picked(choice)
+        except errors.ServingError as error:  # its grammar refused the token its mask allowed
+            self.finish_generation(work, error=error)
 
     def _waits(self, work: GenerationWork) -> bool:
         """A generation refused room for its prompt and tokens waits for other generations to end (its chunk

@@ -128,16 +128,23 @@ class Sampler:
             raise InputError(name, f"token ids must lie in [0, {vocab}) (the logits' vocabulary), got {largest}{note}")
 
 
-def sample(logits: np.ndarray, rows: Sequence[Sampler]) -> list[Choice]:
+def sample(
+    logits: np.ndarray, rows: Sequence[Sampler], allowed: Sequence[np.ndarray | None] | None = None
+) -> list[Choice]:
     """The next token of each generation: `logits` (B, vocab) float32 or float16, row b scored by `rows[b]`
-    (its penalties, its params, its seed); each sampler's `generated` grows by its token.
+    (its penalties, its params, its seed); each sampler's `generated` grows by its token. `allowed[b]`: the
+    tokens row b may pick, (vocab,) bool (a grammar's mask, serving/engine/constraint.py; None: all). The
+    others' logits become -inf after the penalties, before anything else: the mask is part of the
+    distribution, so greedy is the argmax of what it allows (the unconstrained argmax whenever it allows that)
+    and a logprob is the token's under the constrained distribution.
 
     Raises LogitsError for logits that cannot be sampled from (a server fault), InputError for a row whose
     ids or repetition penalty do not fit them; a batch's message names the row, and no sampler moves on."""
     logits = _float_rows(logits, len(rows))
+    allowed = [None] * len(rows) if allowed is None else list(allowed)
     choices: list[Choice] = []
     for chunk in _chunks(*logits.shape):
-        choices += _sample_rows(logits[chunk], rows[chunk], chunk.start, len(rows))
+        choices += _sample_rows(logits[chunk], rows[chunk], chunk.start, len(rows), allowed[chunk])
     for row, choice in zip(rows, choices, strict=True):
         row._append(choice.token)
     return choices
@@ -175,11 +182,15 @@ def _chunks(rows: int, vocab: int) -> list[slice]:
     return [slice(start, start + step) for start in range(0, rows, step)]
 
 
-def _sample_rows(logits: np.ndarray, rows: Sequence[Sampler], first: int, total: int) -> list[Choice]:
+def _sample_rows(
+    logits: np.ndarray, rows: Sequence[Sampler], first: int, total: int, allowed: Sequence[np.ndarray | None]
+) -> list[Choice]:
     """`sample` over a chunk of its batch, `rows` being its rows `first`.. of `total`; no sampler moves on."""
     scores = _float32_copy(logits, first, total)
     for at, row in enumerate(rows):
         row._penalize(scores[at], _row_note(first + at, total))
+        if allowed[at] is not None:
+            _mask(scores[at], allowed[at], _row_note(first + at, total))
     best, weights, log_norms = _softmax_parts(scores)  # `scores` is now shifted: each row's top is 0
     tokens = best  # greedy rows keep the argmax, never drawn
     sampled = [at for at, row in enumerate(rows) if not row.params.greedy]
@@ -222,11 +233,16 @@ def _choices(shifted: np.ndarray, log_norms: np.ndarray, tokens: np.ndarray, wan
     top_ids = _top_ids(shifted, max(wanted, default=0), np.array(wanted, np.int64) > 0)
     top_logprobs = np.take_along_axis(shifted, np.maximum(top_ids, 0), axis=1) - log_norms[:, None]
     return [
-        Choice(token, logprob, tuple(zip(ids[:n].tolist(), alternatives[:n].tolist(), strict=True)))
+        Choice(token, logprob, _possible(ids[:n].tolist(), alternatives[:n].tolist()))
         for token, logprob, ids, alternatives, n in zip(
             tokens.tolist(), logprobs, top_ids, top_logprobs, wanted, strict=True
         )
     ]
+
+
+def _possible(ids: list[int], logprobs: list[float]) -> tuple[tuple[int, float], ...]:
+    """The alternatives a row could have picked: a mask leaves fewer than asked where it allows fewer."""
+    return tuple((token, logprob) for token, logprob in zip(ids, logprobs, strict=True) if logprob != -math.inf)
 
 
 def _score_rows(scores: np.ndarray, following: Sequence[int], top: int) -> tuple[np.ndarray, ...]:
@@ -599,6 +615,14 @@ def _float32_copy(logits: np.ndarray, first: int = 0, total: int = 1) -> np.ndar
         bad = vocab - int(np.count_nonzero(np.isfinite(scores[at])))
         raise LogitsError(f"expected finite logits, got {bad} NaN or Inf of {vocab}{_row_note(first + at, total)}")
     return scores
+
+
+def _mask(scores: np.ndarray, allowed: np.ndarray, note: str) -> None:
+    """Sets the scores of the tokens `allowed` (vocab,) bool leaves out to -inf, in place."""
+    if allowed.shape != scores.shape or not allowed.any():
+        found = f"shape {allowed.shape}" if allowed.shape != scores.shape else "none allowed"
+        raise LogitsError(f"expected a mask of shape {scores.shape} allowing at least one token, got {found}{note}")
+    np.copyto(scores, -np.inf, where=~allowed)
 
 
 def _repetition_penalized(before: np.ndarray, penalty: float, note: str) -> np.ndarray:

@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 from client import ModelInfo
 from client.generation import AsyncGeneration, Token
 from contract import generation, names
+from contract.grammar import Grammar
 from contract.inputs import InputError
 from contract.sampling import SamplingParams
 from serving.gateway import schemas, upstream
@@ -86,14 +87,17 @@ def checked(body: schemas.GenerateBody, info: ModelInfo, model: str, *, stateles
         raise InvalidInput(f"input 'top_k': expected None or an integer in [0, 2**63), got {body.top_k}")
     sampling = {name: getattr(body, name) for name in generation.SAMPLING_FIELDS}
     sampling["logprobs"] = body.logprobs or 0
-    request = generation.GenerationRequest(body.max_new_tokens, tuple(body.stop_token_ids), SamplingParams(**sampling))
     max_seq_len = int(info.facts.get("max_seq_len", UNPUBLISHED_MAX_SEQ_LEN))
     try:
+        grammar = None if body.grammar is None else Grammar.of(body.grammar)
+        request = generation.GenerationRequest(
+            body.max_new_tokens, tuple(body.stop_token_ids), SamplingParams(**sampling), grammar=grammar
+        )
         request.check(info.vocab_size, max_seq_len)
         ids = None if body.input_ids is None else prompt(body.input_ids, info.vocab_size, max_seq_len, stateless)
     except InputError as error:
         raise InvalidInput(str(error)) from None
-    limits = {"max_new_tokens": request.max_new_tokens, "stop_token_ids": request.stop_token_ids}
+    limits = {"max_new_tokens": request.max_new_tokens, "stop_token_ids": request.stop_token_ids, "grammar": grammar}
     return Asked(ids, limits | sampling, body.logprobs is not None, body.stream)
 
 

@@ -36,7 +36,9 @@ from pydantic import BaseModel, ValidationError
 from client.generation import Token
 from client.text import Detokenizer, TextError, TextModel
 from contract import generation
+from contract.grammar import GRAMMAR, Grammar
 from serving.gateway import openai_schemas as schemas
+from serving.gateway import structured
 from serving.gateway.errors import (
     ApiError,
     InvalidInput,
@@ -78,6 +80,9 @@ class Asked:
     stream: bool
     include_usage: bool
     session: str | None
+    grammar: Grammar | None = None  # what the text must match (response_format, a tool choice)
+    constrained_by: str | None = None  # the field that asked it (an error about it names that field)
+    tools: structured.Tools | None = None
 
 
 def parsed(raw: bytes, schema: type[BaseModel]) -> Any:
@@ -95,14 +100,17 @@ def parsed(raw: bytes, schema: type[BaseModel]) -> Any:
     return body
 
 
-def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool) -> Asked:
+def asked_of(
+    body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool, tool_call_parser: str = "template"
+) -> Asked:
     stops = body.stops()
     if len(stops) > MAX_STOPS or any(not stop for stop in stops):
         raise InvalidInput(f"stop: expected at most {MAX_STOPS} non-empty strings, got {stops!r}", param="stop")
     if body.session is not None and body.n != 1:
         raise InvalidInput(f"n: a request bound to a session makes one choice, got n={body.n}", param="n")
+    grammar, constrained_by, tools = _constraint(body, text, chat, tool_call_parser)
     if chat:
-        prompts, echo_texts = [_chat_ids(body, text)], []
+        prompts, echo_texts = [_chat_ids(body, text, tools)], []
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
@@ -144,13 +152,54 @@ def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool
         stream=body.stream,
         include_usage=include_usage,
         session=body.session,
+        grammar=grammar,
+        constrained_by=constrained_by,
+        tools=tools,
     )
 
 
-def _chat_ids(body: schemas.ChatBody, text: TextModel) -> np.ndarray:
-    messages = [message.model_dump(exclude_none=True) for message in body.messages]
+def _constraint(
+    body: schemas.Common, text: TextModel, chat: bool, tool_call_parser: str
+) -> tuple[Grammar | None, str, structured.Tools | None]:
+    """What the answer's text must match, the field that asks it, and the chat's tools."""
+    extra = body.model_extra or {}
+    grammar, constrained_by = structured.response_grammar(extra), _constraining_field(extra)
+    tools = structured.tools_of(extra, _template_text(text), tool_call_parser) if chat else None
+    if not chat and extra.get("tools"):
+        raise InvalidInput("tools: tool calls are a chat's (POST /v1/chat/completions)", param="tools")
+    if tools is not None and tools.grammar() is not None:
+        if grammar is not None:
+            raise InvalidInput(
+                f"tool_choice: '{tools.choice}' constrains the text to tool calls; {constrained_by} asks another "
+                "form: give one of them",
+                param="tool_choice",
+            )
+        grammar, constrained_by = tools.grammar(), "tool_choice"
+    if grammar is not None and (body.ignore_eos or not text.eos_token_ids):
+        raise InvalidInput(
+            f"{constrained_by}: a constrained answer ends at the end-of-text token, which "
+            + ("ignore_eos leaves out" if body.ignore_eos else "this model's tokenizer does not name"),
+            param=constrained_by,
+        )
+    return grammar, constrained_by, tools
+
+
+def _constraining_field(extra: dict[str, Any]) -> str:
+    fields = ["response_format", *structured.GUIDED, "structured_outputs"]
+    return next((field for field in fields if extra.get(field) is not None), "response_format")
+
+
+def _template_text(text: TextModel) -> str | None:
+    template = text.chat_template
+    return "\n".join(template.values()) if isinstance(template, dict) else template
+
+
+def _chat_ids(body: schemas.ChatBody, text: TextModel, tools: structured.Tools | None) -> np.ndarray:
+    messages = structured.template_messages([message.model_dump(exclude_none=True) for message in body.messages])
     try:
         extra = body.chat_template_kwargs or {}
+        if tools is not None:
+            extra = {**extra, "tools": tools.tools}
         ids = text.chat_ids(messages, add_generation_prompt=body.add_generation_prompt, **extra)
     except TextError as error:
         raise InvalidInput(f"messages: {error}", param="messages") from None
@@ -230,6 +279,7 @@ class Choice:
     text: list[str] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     prompt_scores: list[Token | None] = dataclasses.field(default_factory=list)
+    calls: structured.CallReader | None = None  # its text read for tool calls (a chat with tools)
 
 
 class Run:
@@ -298,7 +348,8 @@ class Run:
         for lease in leases:
             context = np.concatenate([lease.held_before, lease.send])
             detokenizer = Detokenizer(self.text, context.tolist(), stop=self.asked.stops)
-            self.choices.append(Choice(len(self.choices), prompt, lease, detokenizer))
+            calls = None if self.asked.tools is None else self.asked.tools.reader()
+            self.choices.append(Choice(len(self.choices), prompt, lease, detokenizer, calls=calls))
 
     async def _bound_lease(self, session: GatewaySession, ids: np.ndarray) -> Lease:
         upstream = session.upstream
@@ -357,6 +408,7 @@ class Run:
                 prompt_logprobs=prompt_logprobs,
                 end=stateless,
                 reuse_prefix=stateless,
+                grammar=self.asked.grammar,
                 **arguments,
             )
             what = f"choice {choice.index} of {self.id}"
@@ -367,13 +419,16 @@ class Run:
         def named(error: ApiError) -> ApiError:
             if lease.bound is not None and isinstance(error, SessionConflict | UpstreamTimeout):
                 self.gw.sessions.break_(lease.bound, f"a generation failed: {error.message}")
+            if isinstance(error, InvalidInput) and f"'{GRAMMAR}'" in error.message and self.asked.constrained_by:
+                field = self.asked.constrained_by  # the server's compiler refused what the field asked
+                return InvalidInput(f"{field}: {error.message.split(': ', 1)[-1]}", param=field)
             return error
 
         return named
 
-    async def next_piece(self, choice: Choice) -> tuple[str, list[Token]] | None:
-        """The choice's next text (possibly empty while a character or a stop string is incomplete) and the
-        tokens it came from; None once the choice ended (`finish_reason` set)."""
+    async def next_piece(self, choice: Choice) -> Piece | None:
+        """The choice's next text (possibly empty while a character or a stop string is incomplete), the
+        tokens it came from and its tool calls' deltas; None once the choice ended (`finish_reason` set)."""
         if choice.finish_reason is not None:
             return None
         pull = self._pulls[choice.index]
@@ -383,16 +438,30 @@ class Run:
             choice.finish_reason = FINISH.get(outcome.finish_reason, "stop")
             rest = choice.detokenizer.finish()
             choice.text.append(rest)
-            return rest, []
+            return self._read_calls(choice, rest, [], last=True)
         choice.tokens.append(token.id)
         piece = choice.detokenizer.push(token.id)
-        if choice.detokenizer.stopped:
+        last = choice.detokenizer.stopped
+        if last:
             choice.finish_reason = "stop"
             await pull.close()  # the server stops within one step; the session keeps what it stepped
             piece += choice.detokenizer.finish()
         choice.text.append(piece)
         choice.logprobs.append(token)
-        return piece, [token]
+        return self._read_calls(choice, piece, [token], last)
+
+    @staticmethod
+    def _read_calls(choice: Choice, piece: str, tokens: list[Token], last: bool) -> Piece:
+        """The piece as the answer gives it: its text, or the content and tool-call deltas read from it."""
+        if choice.calls is None:
+            return Piece(piece, tokens)
+        content, deltas = choice.calls.push(piece)
+        if last:
+            more, more_deltas = choice.calls.finish()
+            content, deltas = content + more, deltas + more_deltas
+            if choice.calls.calls and choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
+        return Piece(content, tokens, deltas)
 
     def prompt_scores(self, choice: Choice) -> list[Token | None]:
         """Each prompt token's score (None where there is none: the first, and what a session held already)."""
@@ -434,6 +503,15 @@ class Run:
 # --- answers -----------------------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class Piece:
+    """What one step of a choice adds to its answer."""
+
+    text: str
+    tokens: list[Token]
+    calls: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # tool-call deltas (OpenAI's shape)
+
+
 class Renderer:
     """OpenAI's objects for a run: completions' `text_completion` or chat's `chat.completion(.chunk)`."""
 
@@ -450,7 +528,7 @@ class Renderer:
             text = "".join(choice.text)
             entry: dict[str, Any] = {"index": choice.index, "finish_reason": choice.finish_reason}
             if self.chat:
-                entry["message"] = {"role": "assistant", "content": text}
+                entry["message"] = self._message(choice, text)
                 entry["logprobs"] = self.chat_logprobs(choice.logprobs)
             else:
                 echo = self.run.asked.echo_texts[choice.prompt] if self.run.asked.echo_texts else ""
@@ -459,15 +537,29 @@ class Renderer:
             choices.append(entry)
         return self.head(chunk=False) | {"choices": choices, "usage": self.run.usage()}
 
-    def chunk(self, choice: Choice, piece: str, tokens: list[Token], first: bool) -> dict[str, Any]:
+    @staticmethod
+    def _message(choice: Choice, text: str) -> dict[str, Any]:
+        """The assistant's message: its text, or (tools) the content beside its calls."""
+        reader = choice.calls
+        if reader is None or not reader.calls or choice.finish_reason != "tool_calls":
+            return {"role": "assistant", "content": text}
+        calls = [call.whole() for call in reader.calls]
+        return {"role": "assistant", "content": reader.content or None, "tool_calls": calls}
+
+    def chunk(self, choice: Choice, piece: Piece, first: bool) -> dict[str, Any]:
         entry: dict[str, Any] = {"index": choice.index}
+        tokens = piece.tokens
         if self.chat:
-            delta = {"role": "assistant", "content": piece} if first else {"content": piece}
-            entry["delta"] = delta if piece or first else {}
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            if piece.text or (first and not piece.calls):
+                delta["content"] = piece.text
+            if piece.calls:
+                delta["tool_calls"] = piece.calls
+            entry["delta"] = delta
             entry["logprobs"] = self.chat_logprobs(tokens) if tokens else None
         else:
             echo = self.run.asked.echo_texts[choice.prompt] if first and self.run.asked.echo_texts else ""
-            entry["text"] = echo + piece
+            entry["text"] = echo + piece.text
             entry["logprobs"] = self.completion_logprobs(choice, tokens, with_prompt=first) if tokens or first else None
         entry["finish_reason"] = choice.finish_reason
         return self.head(chunk=True) | {"choices": [entry]}
@@ -564,7 +656,8 @@ async def _answer(request: Request, owner: str, schema: type[schemas.Common], ch
             param="model",
         )
     text = await gw.text()
-    asked = asked_of(body, text, int(info.facts.get("max_seq_len", 1 << 30)), chat)
+    max_seq_len = int(info.facts.get("max_seq_len", 1 << 30))
+    asked = asked_of(body, text, max_seq_len, chat, gw.settings.tool_call_parser)
     run = Run(gw, owner, asked, text, model)
     try:
         await run.lease()
@@ -598,21 +691,21 @@ async def _drain(run: Run, choice: Choice) -> None:
         pass
 
 
-async def _first_pieces(run: Run) -> dict[int, tuple[str, list[Token]] | None]:
+async def _first_pieces(run: Run) -> dict[int, Piece | None]:
     """Each choice's first piece: an error before any is the request's status, as every route's errors are."""
     pieces = await asyncio.gather(*(run.next_piece(choice) for choice in run.choices))
     return dict(enumerate(pieces))
 
 
-async def _events(run: Run, first: dict[int, tuple[str, list[Token]] | None]) -> AsyncIterator[bytes]:
+async def _events(run: Run, first: dict[int, Piece | None]) -> AsyncIterator[bytes]:
     renderer = Renderer(run)
     try:
         for choice in run.choices:
             piece = first[choice.index]
             if piece is not None:
-                yield _event(renderer.chunk(choice, piece[0], piece[1], first=True))
+                yield _event(renderer.chunk(choice, piece, first=True))
         async for choice, piece in _merged(run):
-            yield _event(renderer.chunk(choice, piece[0], piece[1], first=False))
+            yield _event(renderer.chunk(choice, piece, first=False))
         if run.asked.include_usage:
             yield _event(renderer.usage_chunk())
     except ApiError as error:
@@ -624,7 +717,7 @@ async def _events(run: Run, first: dict[int, tuple[str, list[Token]] | None]) ->
     yield DONE
 
 
-async def _merged(run: Run) -> AsyncIterator[tuple[Choice, tuple[str, list[Token]]]]:
+async def _merged(run: Run) -> AsyncIterator[tuple[Choice, Piece]]:
     """The choices' next pieces as they come, interleaved; a choice's last one carries its finish reason."""
     pending = {
         asyncio.ensure_future(run.next_piece(choice)): choice for choice in run.choices if choice.finish_reason is None

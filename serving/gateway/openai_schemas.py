@@ -1,8 +1,10 @@
 """The bodies of the OpenAI-compatible routes (`/v1/completions`, `/v1/chat/completions`), as OpenAI's API
 reference defines them, with the extensions vLLM's server accepts (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`) and ours (`session`). A field OpenAI defines that would change the answer and that we do not do
-(`suffix`, `logit_bias`, `tools`, `response_format`, ...) is refused by name (400), never ignored; other unknown
-fields (`user`, `metadata`, `store`, ...) are accepted and change nothing, as OpenAI's own server does."""
+(`suffix`, `logit_bias`, ...) is refused by name (400), never ignored; other unknown fields (`user`, `metadata`,
+`store`, ...) are accepted and change nothing, as OpenAI's own server does. Structured outputs and tools
+(`response_format`, vLLM's `guided_*` and `structured_outputs`, `tools`, `tool_choice`, `parallel_tool_calls`)
+are read from the extra fields by serving/gateway/structured.py."""
 
 from __future__ import annotations
 
@@ -17,11 +19,8 @@ REFUSED = {
     "suffix": "insertion (a suffix after the completion) is not supported",
     "logit_bias": "logit_bias is not supported",
     "best_of": "best_of is not supported (ask for `n` choices)",
-    "tools": "tool calls are not supported",
-    "tool_choice": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "function_call": "function calls are not supported",
-    "response_format": "response formats (JSON mode, schemas) are not supported",
+    "functions": "the deprecated functions are not supported: give them as `tools`",
+    "function_call": "the deprecated function_call is not supported: use `tool_choice`",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",

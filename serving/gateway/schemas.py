@@ -251,6 +251,12 @@ class GenerateBody(Strict):
         default=SAMPLING.frequency_penalty,
         description=f"in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]: subtracted once per time an id was generated",
     )
+    grammar: dict[str, Any] | None = Field(
+        default=None,
+        description='what the text must match, one of {"json_schema": {...}}, {"regex": "..."}, {"lark": '
+        '"..."}, {"choice": ["..."]}: each token is picked among those that keep it matchable, and the '
+        "generation ends (finish reason stop) once it is complete; needs stop_token_ids (its end)",
+    )
     seed: StrictInt | None = Field(
         default=SAMPLING.seed, description="in [0, 2**63): the same tokens for the same request, on any replica"
     )

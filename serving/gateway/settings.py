@@ -140,6 +140,12 @@ class Settings(BaseSettings):
         description="the model's id on the OpenAI-compatible routes (`model` in a request, GET /v1/models' "
         "`data[].id`); unset: the session model's name",
     )
+    tool_call_parser: Literal["template", "hermes", "llama3_json", "mistral"] = Field(
+        default="template",
+        description="how tool_choice 'auto' reads the calls in a model's text (serving/gateway/structured.py): "
+        "hermes (<tool_call>, Qwen2.5/3), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]); template: the format "
+        "the model's chat template names",
+    )
     triton_metrics_urls: Annotated[tuple[str, ...], NoDecode] = Field(
         default=(),
         description="Triton's Prometheus endpoints (http://host:port/metrics), comma-separated: where the KV cache "

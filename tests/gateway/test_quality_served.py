@@ -17,31 +17,19 @@ import pytest
 from contract import files
 from export import quality
 from export.artifacts import load_model
-from serving.host.launcher import start_triton
-from serving.triton.config import MHA, MHA_SESSION
-from serving.triton.repository import write_repository
 from tests.export.test_quality import whole_window_nats
-from tests.fixtures.triton import WHOLE_SETTINGS
-from tests.gateway.conftest import running
+from tests.gateway.conftest import FORTUNES_KEY, FORTUNES_MODEL
 
 pytestmark = pytest.mark.served
 
-KEY = "quality-key"
-MODEL_ID = "fortunes"
+MODEL_ID = FORTUNES_MODEL
 
 
 @pytest.fixture(scope="module")
-def completions(trained_artifact, tmp_path_factory) -> Iterator[httpx.Client]:
-    """An HTTP client of a gateway in front of a Triton serving `trained_artifact` (its session model and the
-    generation model that steps it: what /v1/completions runs on)."""
-    work = tmp_path_factory.mktemp("quality-triton")
-    repository = write_repository(trained_artifact, work / "repository", WHOLE_SETTINGS, models=(MHA, MHA_SESSION))
-    headers = {"Authorization": f"Bearer {KEY}"}
-    with (
-        start_triton(repository, log_path=work / "triton.log") as server,
-        running(api_keys=(KEY,), triton_url=server.grpc_url, served_model_name=MODEL_ID) as gateway,
-        httpx.Client(base_url=gateway.url, headers=headers, timeout=120) as api,
-    ):
+def completions(fortunes_served) -> Iterator[httpx.Client]:
+    """An HTTP client of the gateway in front of the Triton serving `trained_artifact`."""
+    headers = {"Authorization": f"Bearer {FORTUNES_KEY}"}
+    with httpx.Client(base_url=fortunes_served.gateway.url, headers=headers, timeout=120) as api:
         yield api
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,11 +72,15 @@ def original(artifact_dir):
 
 
 def engine_of(artifact_dir, kv_rows: int = 16):
-    path = artifact_dir(WHOLE) / model_filename("fp32-static")
-    cfg = load_model(artifact_dir(WHOLE)).cfg
+    return static_engine(artifact_dir(WHOLE), kv_rows)
+
+
+def static_engine(artifact: Path, kv_rows: int):
+    """The artifact's fp32-static engine with room for `kv_rows` full rows, one thread."""
+    cfg = load_model(artifact).cfg
     budget = kv_rows * cfg.kv_cache_bytes(1, cfg.max_seq_len)
     settings = SessionSettings(kv_cache_bytes=budget, threads=1, min_row_positions=cfg.max_seq_len)
-    return factory.session_engine({"cpu": path}, cfg, settings, "core-test")
+    return factory.session_engine({"cpu": artifact / model_filename("fp32-static")}, cfg, settings, "core-test")
 
 
 @pytest.fixture

@@ -34,9 +34,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract import generation, names
-from contract.files import TEXT_FILES
+from contract.files import TEXT_FILES, TOKENIZER_FILENAME
 from contract.inputs import InputError, check_token_values
 from serving.engine import core, factory
+from serving.engine.constraint import Grammars
 from serving.engine.errors import InvalidRequest, ServingError
 from serving.engine.settings import MAX_LIVE_SEQUENCES
 from serving.engine.steps import StepRequest
@@ -59,6 +60,7 @@ class TritonPythonModel:
         self.sender = Sender(self.model.name, SessionGauges(self.model.name, self.engine.cache_kind))
         self.core = core.EngineCore(self.engine, engines.core_settings(settings), publish=self._published)
         self.text_files = _text_files(self.model.version, parameters.get(triton_config.P_TEXT_DIGEST))
+        self.grammars = Grammars(self.text_files.get(TOKENIZER_FILENAME), cfg.vocab_size) if cfg.whole else None
         self.core.start()
         pb_utils.Logger.log_info(load_line(self.model.name, self.engine, settings, self.text_files))
 
@@ -135,7 +137,10 @@ class TritonPythonModel:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InputError(generation.PRIORITY, f"expected an integer, got {priority!r}")
         prompt = ids[0].astype(np.int64)
-        return core.Generate(request.correlation_id(), responder, owner, priority=priority, prompt=prompt, asked=asked)
+        constraint = None if asked.grammar is None else self.grammars.compile(asked.grammar, asked.stop_token_ids)
+        return core.Generate(
+            request.correlation_id(), responder, owner, priority, prompt=prompt, asked=asked, constraint=constraint
+        )
 
     def _text_file_outputs(self) -> dict[str, np.ndarray]:
         names_, contents = list(self.text_files), list(self.text_files.values())
@@ -266,6 +271,15 @@ class SessionGauges:
         "iterations": ("attention_engine_steps", "Steps of the core that ran the model, so far"),
         "tokens_generated": ("attention_engine_generated_tokens", "Tokens generated so far"),
         "prompt_tokens_reused": ("attention_engine_reused_prompt_tokens", "Prompt ids kept rows saved so far"),
+        "masked_rows": ("attention_engine_masked_rows", "Rows the core's last step picked under a grammar's mask"),
+        "mask_fill_seconds": (
+            "attention_engine_mask_fill_seconds",
+            "The time the last step's grammar masks took to fill (beside the graph run)",
+        ),
+        "mask_wait_seconds": (
+            "attention_engine_mask_wait_seconds",
+            "The time the core's last step waited for its grammar masks after the graph run",
+        ),
     }
 
     def __init__(self, model_name: str, cache_kind: str) -> None:
