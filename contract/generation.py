@@ -51,6 +51,7 @@ P_TEXT_DIGEST = "text_digest"  # the model config's parameter: `text_digest` of 
 # the sampling parameters, by SamplingParams' own field names; floats travel as strings (Triton's request
 # parameters have no float type)
 SAMPLING_FIELDS = tuple(field.name for field in dataclasses.fields(SamplingParams))
+LOGIT_BIAS = "logit_bias"  # travels as "id:bias,id:bias" (Triton's request parameters have no maps)
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 # --- outputs ----------------------------------------------------------------------------------------------
@@ -105,6 +106,9 @@ class GenerationRequest:
         if bad:
             raise InputError(STOP_TOKEN_IDS, f"expected ids in [0, {vocab_size}), got {bad}")
         self.sampling.check()
+        biased = [token for token, _ in self.sampling.logit_bias if token >= vocab_size]
+        if biased:
+            raise InputError("logit_bias", f"expected ids in [0, {vocab_size}), got {biased[:5]}")
         if self.grammar is not None:
             self.grammar.check()
             if not self.stop_token_ids:
@@ -129,7 +133,10 @@ class GenerationRequest:
             values[GRAMMAR] = self.grammar.to_parameter()
         for name in SAMPLING_FIELDS:
             value = getattr(self.sampling, name)
-            if value is not None:
+            if name == LOGIT_BIAS:
+                if value:
+                    values[name] = ",".join(f"{token}:{bias!r}" for token, bias in value)
+            elif value is not None:
                 values[name] = repr(float(value)) if name in FLOAT_FIELDS else value
         return values
 
@@ -164,6 +171,11 @@ def _optional_integer(name: str, value: Any) -> int | None:
 
 
 def _sampling_value(name: str, value: Any) -> Any:
+    if name == LOGIT_BIAS:
+        try:
+            return tuple((int(token), float(bias)) for token, bias in (pair.split(":") for pair in value.split(",")))
+        except (AttributeError, ValueError):
+            raise InputError(name, f"expected comma-separated id:bias pairs, got {value!r}") from None
     if name in FLOAT_FIELDS:
         try:
             return float(value)

@@ -27,6 +27,7 @@ import numbers
 from contract.inputs import InputError
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+LOGIT_BIAS_LIMIT = 100  # OpenAI's logit_bias values lie in [-100, 100]
 PENALTY_LIMIT = 2  # OpenAI's presence and frequency penalties lie in [-2, 2]
 SEED_LIMIT = 2**63  # seeds are non-negative int64s: every client language can carry one
 
@@ -48,6 +49,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's: logit -= frequency * count over generated ids
     seed: int | None = None  # the same tokens on any replica, after a restart, after a recovery
     logprobs: int = 0  # how many top alternatives' logprobs to report (0: only the chosen's)
+    # OpenAI's logit_bias: (id, bias) pairs added to those ids' logits after the penalties (-100: never picked)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -74,7 +77,29 @@ class SamplingParams:
             ("frequency_penalty", _real(frequency) and -limit <= frequency <= limit, in_limit),
             ("logprobs", _integer(n) and 0 <= n <= MAX_LOGPROBS, f"an integer in [0, {MAX_LOGPROBS}]"),
             ("seed", seed is None or (_integer(seed) and 0 <= seed < SEED_LIMIT), "None or an integer in [0, 2**63)"),
+            (
+                "logit_bias",
+                _biases(self.logit_bias),
+                f"(id >= 0, bias in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}]) pairs, each id once",
+            ),
         )
+
+
+def _biases(pairs: object) -> bool:
+    """Whether `pairs` are (id, bias) pairs of distinct ids >= 0 and biases within the limit."""
+    return (
+        isinstance(pairs, tuple)
+        and len({pair[0] for pair in pairs if isinstance(pair, tuple) and pair}) == len(pairs)
+        and all(
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and _integer(pair[0])
+            and pair[0] >= 0
+            and _real(pair[1])
+            and -LOGIT_BIAS_LIMIT <= pair[1] <= LOGIT_BIAS_LIMIT
+            for pair in pairs
+        )
+    )
 
 
 def _real(value: object) -> bool:

@@ -84,6 +84,25 @@ def gateway_section() -> list[str]:
     ]
 
 
+def openai_fields_section() -> list[str]:
+    from serving.gateway.openai_schemas import REFUSED
+
+    rows = [f"| `{name}` | {why} |" for name, why in REFUSED.items()]
+    return [
+        "## OpenAI fields refused",
+        "",
+        "The fields of OpenAI's `POST /v1/completions` and `POST /v1/chat/completions` that would change the",
+        "answer and that the gateway does not do: a request giving one is a 400 naming it",
+        "(`serving/gateway/openai_schemas.py` `REFUSED`). Every other field is taken, or accepted and ignored",
+        "where OpenAI documents it as advisory (`user`, `metadata`, `store`, `service_tier`, ...).",
+        "",
+        "| field | why |",
+        "|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def reference() -> str:
     from contract.files import PROJECT_ROOT
 
@@ -95,7 +114,12 @@ def reference() -> str:
         "it is stale. The guide: [guide.md](guide.md).",
         "",
     ]
-    text = "\n".join([*header, *config_section(), *commands_section(), *gateway_section()]).rstrip() + "\n"
+    text = (
+        "\n".join(
+            [*header, *config_section(), *commands_section(), *gateway_section(), *openai_fields_section()]
+        ).rstrip()
+        + "\n"
+    )
     return text.replace(str(PROJECT_ROOT), "<checkout>")  # defaults under the checkout, wherever it is
 
 

@@ -109,6 +109,16 @@ class Sampler:
         if (params.frequency_penalty or params.presence_penalty) and ids.size:
             amounts = params.frequency_penalty * counts + params.presence_penalty
             scores[ids] = scores[ids].astype(np.float64) - amounts
+        if params.logit_bias:
+            self._bias(scores, note)
+
+    def _bias(self, scores: np.ndarray, note: str) -> None:
+        """OpenAI's logit_bias, added to its ids' scores (worked in float64, rounded once)."""
+        ids = np.array([token for token, _ in self.params.logit_bias], np.int64)
+        if ids.max() >= scores.size:
+            raise InputError("logit_bias", f"token ids must lie in [0, {scores.size}), got {int(ids.max())}{note}")
+        biases = np.array([bias for _, bias in self.params.logit_bias], np.float64)
+        scores[ids] = scores[ids].astype(np.float64) + biases  # each id once (SamplingParams.check)
 
     def _draw(self, weights: np.ndarray) -> int:
         """The token that this row's own uniform, from (seed, position), draws from `weights` (vocab,)."""

@@ -63,6 +63,10 @@ class SessionNotFound(ApiError):
     status, code = 404, "session_not_found"
 
 
+class ModelNotFound(ApiError):
+    status, code = 404, "model_not_found"
+
+
 class PrefixNotFound(ApiError):
     status, code = 404, "prefix_not_found"
 

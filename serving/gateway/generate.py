@@ -44,7 +44,7 @@ from client.generation import AsyncGeneration, Token
 from contract import generation, names
 from contract.grammar import Grammar
 from contract.inputs import InputError
-from contract.sampling import SamplingParams
+from contract.sampling import LOGIT_BIAS_LIMIT, SamplingParams
 from serving.gateway import schemas, upstream
 from serving.gateway.errors import ApiError, InvalidInput, SchemaViolation, error_body
 from serving.gateway.state import GatewayState
@@ -87,6 +87,7 @@ def checked(body: schemas.GenerateBody, info: ModelInfo, model: str, *, stateles
         raise InvalidInput(f"input 'top_k': expected None or an integer in [0, 2**63), got {body.top_k}")
     sampling = {name: getattr(body, name) for name in generation.SAMPLING_FIELDS}
     sampling["logprobs"] = body.logprobs or 0
+    sampling["logit_bias"] = logit_bias(body.logit_bias, info.vocab_size)
     max_seq_len = int(info.facts.get("max_seq_len", UNPUBLISHED_MAX_SEQ_LEN))
     try:
         grammar = None if body.grammar is None else Grammar.of(body.grammar)
@@ -99,6 +100,19 @@ def checked(body: schemas.GenerateBody, info: ModelInfo, model: str, *, stateles
         raise InvalidInput(str(error)) from None
     limits = {"max_new_tokens": request.max_new_tokens, "stop_token_ids": request.stop_token_ids, "grammar": grammar}
     return Asked(ids, limits | sampling, body.logprobs is not None, body.stream)
+
+
+def logit_bias(given: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (as strings) to biases, checked against the vocabulary and the limit."""
+    pairs = []
+    for key, bias in (given or {}).items():
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise InvalidInput(f"logit_bias: keys are token ids in [0, {vocab_size}), got {key!r}", param="logit_bias")
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            limit = LOGIT_BIAS_LIMIT
+            raise InvalidInput(f"logit_bias: biases lie in [-{limit}, {limit}], got {bias} for {key}", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def prompt(given: list, vocab_size: int, max_seq_len: int, stateless: bool) -> np.ndarray:

@@ -42,21 +42,22 @@ from serving.gateway import structured
 from serving.gateway.errors import (
     ApiError,
     InvalidInput,
+    ModelNotFound,
     SessionConflict,
     TooManySessions,
     UpstreamTimeout,
     error_body,
     responses,
 )
-from serving.gateway.generate import DONE, STREAM_HEADERS, Pull
+from serving.gateway.generate import DONE, STREAM_HEADERS, Pull, logit_bias
 from serving.gateway.routes import Caller, body_documented, caller, naming, the_gateway
 from serving.gateway.sessions import GatewaySession
+from serving.gateway.settings import Settings
 from serving.gateway.state import GatewayState
 
 log = logging.getLogger(__name__)
 openai = APIRouter(prefix="/v1", dependencies=[Depends(caller)], tags=["openai"])
 BODY_MODELS = (schemas.CompletionBody, schemas.ChatBody)
-MAX_STOPS = 4  # OpenAI's limit on stop strings
 FINISH = {generation.STOP: "stop", generation.LENGTH: "length", generation.SESSION_FULL: "length"}
 
 
@@ -100,15 +101,16 @@ def parsed(raw: bytes, schema: type[BaseModel]) -> Any:
     return body
 
 
-def asked_of(
-    body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool, tool_call_parser: str = "template"
-) -> Asked:
-    stops = body.stops()
-    if len(stops) > MAX_STOPS or any(not stop for stop in stops):
-        raise InvalidInput(f"stop: expected at most {MAX_STOPS} non-empty strings, got {stops!r}", param="stop")
+def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool, settings: Settings) -> Asked:
+    stops, most = body.stops(), settings.max_stop_strings
+    if len(stops) > most or any(not stop for stop in stops):
+        found = f"{len(stops)}" if len(stops) > most else f"{stops!r}"
+        raise InvalidInput(
+            f"stop: expected at most {most} non-empty strings (SERVING_MAX_STOP_STRINGS), got {found}", param="stop"
+        )
     if body.session is not None and body.n != 1:
         raise InvalidInput(f"n: a request bound to a session makes one choice, got n={body.n}", param="n")
-    grammar, constrained_by, tools = _constraint(body, text, chat, tool_call_parser)
+    grammar, constrained_by, tools = _constraint(body, text, chat, settings.tool_call_parser)
     if chat:
         prompts, echo_texts = [_chat_ids(body, text, tools)], []
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -119,7 +121,14 @@ def asked_of(
     else:
         prompts = _completion_ids(body.prompt, text)
         echo_texts = [text.decode(ids.tolist(), skip_special_tokens=False) for ids in prompts] if body.echo else []
-        limit, logprobs = body.max_tokens, body.logprobs
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = body.logprobs
+        if body.best_of is not None and body.best_of != body.n:
+            raise InvalidInput(
+                f"best_of: only best_of equal to n (every choice answered) is supported, got best_of={body.best_of} "
+                f"and n={body.n}",
+                param="best_of",
+            )
         prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         if len(prompts) > 1 and body.session is not None:
             raise InvalidInput("prompt: a request bound to a session takes one prompt", param="prompt")
@@ -136,6 +145,7 @@ def asked_of(
         "frequency_penalty": float(body.frequency_penalty),
         "seed": body.seed,
         "logprobs": logprobs or 0,
+        "logit_bias": logit_bias(body.logit_bias, text.vocab_size),
     }
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return Asked(
@@ -195,7 +205,8 @@ def _template_text(text: TextModel) -> str | None:
 
 
 def _chat_ids(body: schemas.ChatBody, text: TextModel, tools: structured.Tools | None) -> np.ndarray:
-    messages = structured.template_messages([message.model_dump(exclude_none=True) for message in body.messages])
+    given = [message.model_dump(exclude_none=True) for message in body.messages]
+    messages = structured.template_messages([_text_content(at, message) for at, message in enumerate(given)])
     try:
         extra = body.chat_template_kwargs or {}
         if tools is not None:
@@ -204,6 +215,27 @@ def _chat_ids(body: schemas.ChatBody, text: TextModel, tools: structured.Tools |
     except TextError as error:
         raise InvalidInput(f"messages: {error}", param="messages") from None
     return np.asarray(ids, np.int64)
+
+
+def _text_content(at: int, message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its content as text: a list of content parts (OpenAI's multimodal shape, which the SDK
+    and LangChain send) joined by newlines, as vLLM gives a template that takes text; a part that is not text is
+    a 400 naming it."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            where = f"messages[{at}].content[{index}]"
+            raise InvalidInput(
+                f"{where}: expected a text part ({{'type': 'text', 'text': ...}}), got type {kind!r}: this model "
+                "reads text only",
+                param="messages",
+            )
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
 
 
 def _completion_ids(prompt: Any, text: TextModel) -> list[np.ndarray]:
@@ -657,7 +689,7 @@ async def _answer(request: Request, owner: str, schema: type[schemas.Common], ch
         )
     text = await gw.text()
     max_seq_len = int(info.facts.get("max_seq_len", 1 << 30))
-    asked = asked_of(body, text, max_seq_len, chat, gw.settings.tool_call_parser)
+    asked = asked_of(body, text, max_seq_len, chat, gw.settings)
     run = Run(gw, owner, asked, text, model)
     try:
         await run.lease()
@@ -669,10 +701,6 @@ async def _answer(request: Request, owner: str, schema: type[schemas.Common], ch
         await run.held.aclose()
         raise
     return OpenAIStream(_events(run, first), run.held)
-
-
-class ModelNotFound(ApiError):
-    status, code = 404, "model_not_found"
 
 
 async def _whole(run: Run) -> Response:

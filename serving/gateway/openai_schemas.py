@@ -12,19 +12,19 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from contract.sampling import MAX_LOGPROBS, PENALTY_LIMIT
+from contract.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT
 
 # fields that change what a request means, which these routes do not do: named in the 400
 REFUSED = {
     "suffix": "insertion (a suffix after the completion) is not supported",
-    "logit_bias": "logit_bias is not supported",
-    "best_of": "best_of is not supported (ask for `n` choices)",
     "functions": "the deprecated functions are not supported: give them as `tools`",
     "function_call": "the deprecated function_call is not supported: use `tool_choice`",
     "audio": "audio output is not supported",
     "modalities": "only text output is supported",
     "prediction": "predicted outputs are not supported",
 }
+
+HARMLESS = {"modalities": (["text"],)}  # values of a refused field that ask what is done anyway
 
 
 class StreamOptions(BaseModel):
@@ -44,11 +44,17 @@ class Common(BaseModel):
     stream: StrictBool = Field(default=False, description="Server-Sent Events, `data: [DONE]` at the end")
     stream_options: StreamOptions | None = None
     stop: StrictStr | list[StrictStr] | None = Field(
-        default=None, description="up to 4 strings; the text ends before the first one met (left out of it)"
+        default=None,
+        description="strings (up to SERVING_MAX_STOP_STRINGS); the text ends before the first one met (left out)",
     )
     seed: StrictInt | None = Field(default=None, ge=0, lt=1 << 63, description="the same text for the same request")
     presence_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
     frequency_penalty: StrictFloat | StrictInt = Field(default=0.0, ge=-PENALTY_LIMIT, le=PENALTY_LIMIT)
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = Field(
+        default=None,
+        description=f"token id (as a string) -> a bias in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}] added to its logit "
+        "before sampling (-100 bans it, 100 all but forces it)",
+    )
     # vLLM's extensions
     top_k: StrictInt | None = Field(default=None, ge=-1, description="keep the k most likely tokens (-1, 0: all)")
     min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1)
@@ -67,7 +73,11 @@ class Common(BaseModel):
     def refused(self) -> list[tuple[str, str]]:
         """(field, why) for each field given that these routes do not do."""
         extra = self.model_extra or {}
-        return [(name, why) for name, why in REFUSED.items() if extra.get(name) not in (None, [], {}, "")]
+        return [
+            (name, why)
+            for name, why in REFUSED.items()
+            if extra.get(name) not in (None, [], {}, "", *HARMLESS.get(name, ()))
+        ]
 
 
 class CompletionBody(Common):
@@ -77,6 +87,10 @@ class CompletionBody(Common):
         description="text, texts (a choice set each), token ids or lists of token ids"
     )
     max_tokens: StrictInt | None = Field(default=16, ge=0, description="new tokens at most (0 with echo: score only)")
+    max_completion_tokens: StrictInt | None = Field(
+        default=None, ge=0, description="as max_tokens, and taken before it (chat's name, sent by some clients)"
+    )
+    best_of: StrictInt | None = Field(default=None, ge=1, description="equal to n: each choice is answered")
     logprobs: StrictInt | None = Field(
         default=None, ge=0, le=MAX_LOGPROBS, description="each token's logprob and the top N alternatives'"
     )

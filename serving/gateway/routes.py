@@ -33,6 +33,7 @@ from serving.gateway.encoding import Encoding, encode, tensor_json
 from serving.gateway.errors import (
     ApiError,
     InvalidInput,
+    ModelNotFound,
     PrefixNotFound,
     SchemaViolation,
     SessionConflict,
@@ -154,9 +155,25 @@ async def list_models(gw: State) -> dict:
     generation = next(entry for entry in models if entry["name"] == generating.session_model)
     cards = []
     if generation["ready"] and generation.get("vocab_size"):
-        cards.append({"id": gw.model_id, "created": gw.started, "owned_by": "attention-serving"})
-        cards[0]["max_model_len"] = generation.get("max_seq_len")
+        cards.append(_card(gw, generation.get("max_seq_len")))
     return {"object": "list", "data": cards, "models": models}
+
+
+def _card(gw: GatewayState, max_seq_len: int | None) -> dict:
+    """OpenAI's model object of the model the OpenAI-compatible routes serve."""
+    card = {"id": gw.model_id, "object": "model", "created": gw.started, "owned_by": "attention-serving"}
+    return card | {"max_model_len": max_seq_len}
+
+
+@v1.get("/models/{model:path}", response_model=schemas.ModelCard, responses=responses(401, 404, 502, 503, 504))
+async def retrieve_model(model: str, gw: State) -> dict:
+    """OpenAI's `models.retrieve`: the model the OpenAI-compatible routes serve, by its id (404 for another)."""
+    if model != gw.model_id:
+        raise ModelNotFound(f"model: no model '{model}' here; this gateway serves '{gw.model_id}'", param="model")
+    info = await gw.model_info((await gw.generation_client()).session_model)
+    if info.vocab_size is None:
+        raise ModelNotFound(f"model: '{model}' is an attention model: only a whole model takes text", param="model")
+    return _card(gw, info.facts.get("max_seq_len"))
 
 
 def _describe(info: ModelInfo) -> dict:

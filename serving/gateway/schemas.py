@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, GetCoreSchemaHandler, StrictB
 from pydantic_core import core_schema
 
 from contract import generation
-from contract.sampling import MAX_LOGPROBS, PENALTY_LIMIT, SamplingParams
+from contract.sampling import LOGIT_BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT, SamplingParams
 from serving.gateway.encoding import EncodedTensor, FiniteFloat, MaskBit
 
 
@@ -250,6 +250,11 @@ class GenerateBody(Strict):
     frequency_penalty: StrictFloat = Field(
         default=SAMPLING.frequency_penalty,
         description=f"in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]: subtracted once per time an id was generated",
+    )
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = Field(
+        default=None,
+        description=f"token id (as a string) -> a bias in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}] added to its logit "
+        "after the penalties (OpenAI's logit_bias)",
     )
     grammar: dict[str, Any] | None = Field(
         default=None,

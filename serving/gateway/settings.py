@@ -140,6 +140,12 @@ class Settings(BaseSettings):
         description="the model's id on the OpenAI-compatible routes (`model` in a request, GET /v1/models' "
         "`data[].id`); unset: the session model's name",
     )
+    max_stop_strings: int = Field(
+        default=64,
+        ge=1,
+        le=4096,
+        description="stop strings one OpenAI request may give (OpenAI's own API takes 4; lm-eval sends more)",
+    )
     tool_call_parser: Literal["template", "hermes", "llama3_json", "mistral"] = Field(
         default="template",
         description="how tool_choice 'auto' reads the calls in a model's text (serving/gateway/structured.py): "

@@ -26,8 +26,15 @@ from contract import names
 from export.parity import TOLERANCES, Scenario, compare_rung
 from serving.engine.ort import Forward
 from tests.client.conftest import DelayedProxy
-from tests.fixtures.served import PROTOCOLS, SEQUENCES, SESSION_PROTOCOLS, full_forward, hidden, live_sequences, url
-from tests.fixtures.triton import metric
+from tests.fixtures.served import (
+    PROTOCOLS,
+    SESSION_PROTOCOLS,
+    full_forward,
+    hidden,
+    live_sequences,
+    settled_sequences,
+    url,
+)
 
 
 def client_runner(infer) -> Forward:
@@ -86,7 +93,7 @@ def test_async_infer_matches_pytorch_over_prefill_and_decode(triton, served_cfg,
 @pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)
 def test_a_session_equals_the_full_causal_forward_and_ends_on_exit(triton, served_cfg, served_reference, protocol):
     pieces = [hidden(served_cfg, 1, 6, seed=1)] + [hidden(served_cfg, 1, 1, seed=2 + i) for i in range(10)]
-    before = metric(triton, SEQUENCES, names.SESSION_MODEL)
+    before = settled_sequences(triton)
     with Client(url(triton, protocol), protocol) as client:
         with client.session() as session:
             outputs = [session.step(pieces[0])]
@@ -121,7 +128,7 @@ def fail_inside(session, x) -> None:
 
 
 def test_a_session_is_ended_even_when_the_block_fails(triton, served_cfg):
-    before = metric(triton, SEQUENCES, names.SESSION_MODEL)
+    before = settled_sequences(triton)
     with Client(triton.grpc_url) as client:
         session = client.session()
         with pytest.raises(KeyError, match="the caller's own error"):

@@ -13,9 +13,14 @@ import pytest
 
 from client import AsyncClient, Client
 from client.errors import InvalidInputError, UnknownSessionError
-from contract import names
-from tests.fixtures.served import SEQUENCES, SESSION_PROTOCOLS, full_forward, hidden, live_sequences, url
-from tests.fixtures.triton import metric
+from tests.fixtures.served import (
+    SESSION_PROTOCOLS,
+    full_forward,
+    hidden,
+    live_sequences,
+    settled_sequences,
+    url,
+)
 
 STEPS = 32
 
@@ -85,7 +90,7 @@ def test_a_refused_blob_changes_nothing_and_gives_its_start_back(triton, served_
         with client.session() as session:
             session.step(hidden(served_cfg, 1, 4, seed=80))
             blob = session.snapshot()
-        before = metric(triton, SEQUENCES, names.SESSION_MODEL)
+        before = settled_sequences(triton)
         for bad, message in ((blob[:100], "not a session snapshot"), (b"nonsense", "not a session snapshot")):
             refused = client.session(restore=bad)
             with pytest.raises(InvalidInputError, match=message):

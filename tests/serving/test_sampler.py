@@ -532,3 +532,24 @@ def test_a_repetition_penalty_that_leaves_float32s_range_is_refused():
     sampler = Sampler(SamplingParams(repetition_penalty=1e-38), prompt_ids=[1])
     with pytest.raises(InputError, match=r"input 'repetition_penalty': .*keeps logits finite, got 1e-38"):
         sampler.pick(np.array([0.0, 10.0, 1.0], np.float32))
+
+
+def test_logit_bias_is_added_after_the_penalties_and_travels_as_a_parameter():
+    logits = np.random.default_rng(3).standard_normal(50).astype(np.float32)
+    best = int(np.argmax(logits))
+    banned = Sampler(SamplingParams(logit_bias=((best, -100.0),))).pick(logits)
+    assert banned.token != best and banned.token == int(np.argsort(logits)[-2])
+    forced = Sampler(SamplingParams(logit_bias=((7, 100.0),), logprobs=1)).pick(logits)
+    biased = logits.astype(np.float64)
+    biased[7] += 100
+    expected = biased[7] - np.log(np.exp(biased - biased.max()).sum()) - biased.max()
+    assert forced.token == 7 and forced.logprob == pytest.approx(expected, abs=1e-5)
+    asked = generation.GenerationRequest(sampling=SamplingParams(logit_bias=((7, 2.5), (3, -1.0))))
+    assert generation.GenerationRequest.from_parameters(asked.to_parameters()) == asked
+    with pytest.raises(InputError, match="logit_bias"):
+        SamplingParams(logit_bias=((7, 101.0),)).check()
+    with pytest.raises(InputError, match="each id once"):
+        SamplingParams(logit_bias=((7, 1.0), (7, 2.0))).check()
+    outside = generation.GenerationRequest(sampling=SamplingParams(logit_bias=((60, 1.0),)))
+    with pytest.raises(InputError, match=r"logit_bias.*\[0, 50\)"):
+        outside.check(vocab_size=50, max_seq_len=64)
