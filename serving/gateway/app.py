@@ -19,7 +19,7 @@ from pydantic.json_schema import models_json_schema
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from serving.gateway import openai_api, routes
+from serving.gateway import openai_api, responses_api, routes
 from serving.gateway.errors import install_handlers
 from serving.gateway.hot_path import HotRoutes
 from serving.gateway.limits import RequestLimitsMiddleware
@@ -121,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_handlers(app)
     app.include_router(routes.v1)  # first: the router tries routes in order, and these are the busy ones
     app.include_router(openai_api.openai)
+    app.include_router(responses_api.responses_router)
     app.include_router(routes.health)
     app.state.hot_routes = _install_edge(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
@@ -134,7 +135,7 @@ def _openapi(app: FastAPI) -> dict:
         document = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = document["components"]
         template = "#/components/schemas/{model}"
-        read_by_hand = (*routes.BODY_MODELS, *openai_api.BODY_MODELS)
+        read_by_hand = (*routes.BODY_MODELS, *openai_api.BODY_MODELS, responses_api.ResponsesBody)
         _, bodies = models_json_schema([(model, "validation") for model in read_by_hand], ref_template=template)
         components["schemas"] = dict(sorted((components["schemas"] | bodies["$defs"]).items()))
         schemes = routes.SECURITY_SCHEMES

@@ -705,7 +705,7 @@ async def _answer(request: Request, owner: str, schema: type[schemas.Common], ch
 
 async def _whole(run: Run) -> Response:
     async with run.held:
-        await asyncio.gather(*(_drain(run, choice) for choice in run.choices))
+        await asyncio.gather(*(drain(run, choice) for choice in run.choices))
         return Response(orjson.dumps(Renderer(run).whole()), media_type="application/json")
 
 
@@ -714,7 +714,7 @@ async def _drained(generated) -> None:
         pass
 
 
-async def _drain(run: Run, choice: Choice) -> None:
+async def drain(run: Run, choice: Choice) -> None:
     while await run.next_piece(choice) is not None:
         pass
 

@@ -79,6 +79,7 @@ class GatewayState:
         self.restore_limit = settings.max_body_bytes
         self.request_tokens = settings.max_request_tokens or DEFAULT_REQUEST_TOKENS  # the model's once learned
         self.large_bodies = 0  # requests with a body over LARGE_BODY_BYTES in flight
+        self.responses: Any = None  # the stored responses (responses_api.Records), made at their first use
         self._infos: dict[str, ModelInfo] = {}
         self._owners: dict[str, str] = {}  # accepted key -> owner_of(key): only configured keys get here
         self._client: AsyncClient | None = None

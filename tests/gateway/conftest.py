@@ -40,7 +40,7 @@ def gateway(triton) -> Iterator[RunningGateway]:
         yield gateway
 
 
-FORTUNES_KEY, FORTUNES_MODEL = "fortunes-key", "fortunes"
+FORTUNES_KEY, FORTUNES_OTHER_KEY, FORTUNES_MODEL = "fortunes-key", "fortunes-other-key", "fortunes"
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ class Served:
 @pytest.fixture(scope="session")
 def fortunes_served(trained_artifact, tmp_path_factory) -> Iterator[Served]:
     """A Triton serving `trained_artifact` (the shipped fortunes model, as `make serve` builds it: its session
-    model generates) and a gateway in front of it serving it as `fortunes` to FORTUNES_KEY."""
+    model generates) and a gateway in front of it serving it as `fortunes` to two keys."""
     from serving.host.launcher import start_triton
     from serving.triton.config import MHA, MHA_SESSION
     from serving.triton.repository import write_repository
@@ -62,7 +62,9 @@ def fortunes_served(trained_artifact, tmp_path_factory) -> Iterator[Served]:
     repository = write_repository(trained_artifact, work / "repository", WHOLE_SETTINGS, models=(MHA, MHA_SESSION))
     with (
         start_triton(repository, log_path=work / "triton.log") as server,
-        running(api_keys=(FORTUNES_KEY,), triton_url=server.grpc_url, served_model_name=FORTUNES_MODEL) as gateway,
+        running(
+            api_keys=(FORTUNES_KEY, FORTUNES_OTHER_KEY), triton_url=server.grpc_url, served_model_name=FORTUNES_MODEL
+        ) as gateway,
     ):
         yield Served(server, gateway)
 
