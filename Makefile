@@ -55,7 +55,7 @@ export: install
 	$(BIN)/python -m serving ensure --repository model_repository
 
 serve: install
-	$(BIN)/python -m serving
+	$(BIN)/python -m serving $(MODEL)
 
 bench: install
 	$(BIN)/python -m bench

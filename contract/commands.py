@@ -11,6 +11,10 @@ class CommandParser(argparse.ArgumentParser):
     """A subcommand's parser. An argument it does not know is its own usage error: argparse otherwise
     hands it up to the top-level parser, whose usage shows none of the subcommand's flags."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)  # `--weights` must not pass for `--weights-dtype`
+        super().__init__(*args, **kwargs)
+
     def parse_known_args(
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:

@@ -1,5 +1,6 @@
 """`python -m serving`: Triton (and the gateway in front of it) on localhost, in the foreground.
 
+python -m serving FOLDER [--served-model-name NAME]   a Hugging Face checkpoint (built once) or an artifact, served
 python -m serving [--model-repository REPO] [--gateway-port 8080] [--host 127.0.0.1]
 python -m serving --no-gateway [--model-repository REPO] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 python -m serving --replicas 3     three Triton replicas behind Envoy (on the HTTP and gRPC ports), the gateway on Envoy
@@ -102,6 +103,11 @@ def gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "--host", help="the address the gateway listens on (default: SERVING_HOST or 127.0.0.1; loopback without keys)"
     )
     gateway.add_argument(
+        "--served-model-name",
+        help="the model's id on the OpenAI-compatible routes (default: a FOLDER's name, else "
+        "SERVING_SERVED_MODEL_NAME)",
+    )
+    gateway.add_argument(
         "--session-store",
         help="where the gateway's sessions write checkpoints, so that a session whose replica dies goes on: a "
         "directory, a redis:// URL, or none (default: SERVING_SESSION_STORE, else a folder of this run's, removed "
@@ -114,7 +120,10 @@ def parser() -> argparse.ArgumentParser:
     from serving.triton import cli
 
     root = argparse.ArgumentParser(
-        prog="python -m serving", description=__doc__.splitlines()[0], formatter_class=DefaultsHelp
+        prog="python -m serving",
+        description=__doc__.splitlines()[0],
+        formatter_class=DefaultsHelp,
+        allow_abbrev=False,  # `ensure --weights DIR` must not be taken as --weights-dtype
     )
     triton_arguments(root)
     gateway_arguments(root)
@@ -268,7 +277,7 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     from serving.host.process import owned_folder
 
     overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
-    given = {"host": args.host, "session_store": args.session_store}
+    given = {"host": args.host, "session_store": args.session_store, "served_model_name": args.served_model_name}
     overrides |= {name: value for name, value in given.items() if value is not None}
     overrides |= trained_model_settings(args.model_repository, Settings(**overrides))
     settings = Settings(**overrides)
@@ -279,6 +288,8 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
         gateway = run_gateway(settings)
         try:
             print(banner(gateway), flush=True)
+            if args.folder is not None:
+                print(try_lines(gateway.url, settings.served_model_name or settings.session_model), flush=True)
             watch(front, stop)
         finally:
             gateway.stop()
@@ -304,11 +315,77 @@ def watch(front, stop: threading.Event) -> None:
     watch(front, stop, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
+COMMANDS = ("repository", "ensure", "envoy-config")
+
+
+def try_lines(url: str, model: str) -> str:
+    """What to paste to talk to a served folder: curl, and the openai SDK."""
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
+    sdk = (
+        f"from openai import OpenAI; print(OpenAI(base_url='{url}/v1', api_key='none').chat.completions.create("
+        f"model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)"
+    )
+    return "\n".join(
+        [
+            f"try             curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
+            f'                .venv/bin/python -c "{sdk}"',
+        ]
+    )
+
+
+def serve_folder(args: argparse.Namespace) -> int:
+    """`python -m serving FOLDER`: a checkpoint built into its artifacts once (by the digest of its files), or
+    an artifact folder `python -m export build` wrote, served from a repository of its own under the folder's
+    name."""
+    from serving.triton.cli import export_folder, served_folder_repository
+
+    folder = args.folder
+    if not (folder / "config.json").is_file():
+        print(f"error: {folder} holds no config.json: expected a Hugging Face checkpoint folder", file=sys.stderr)
+        return 1
+    try:
+        from export.build import BuildError
+        from export.importers import SourceMismatchError
+        from export.progress import Progress
+        from export.report import printing
+    except ImportError as error:
+        print(f"error: this environment cannot build {folder} ({error}): install the export extra", file=sys.stderr)
+        return 1
+    name = args.served_model_name or served_name(folder)
+    artifacts = folder
+    if not (folder / files.REPORT_FILENAME).is_file():  # a checkpoint, not an artifact `export build` wrote
+        print(f"{folder}: building it (once: later runs reuse the build while the folder is unchanged)", flush=True)
+        try:
+            artifacts = printing(lambda: export_folder(folder, Progress()), files.DEFAULT_ARTIFACTS)
+        except (BuildError, SourceMismatchError, OSError, ValueError) as error:
+            print(f"error: {folder} could not be built: {error}", file=sys.stderr)
+            return 1
+    args.model_repository = served_folder_repository(artifacts, name)
+    args.served_model_name = name
+    return run(args)
+
+
+def served_name(folder: Path) -> str:
+    """A folder's name as a model id: what the OpenAI routes take as `model`."""
+    return folder.resolve().name
+
+
 def main(argv: list[str] | None = None) -> int:
     from serving.host.envoy import cli as envoy_cli
     from serving.triton import cli
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    folder = None
+    if argv and not argv[0].startswith("-") and Path(argv[0]).is_dir():  # a checkpoint folder, not a command
+        folder, argv = Path(argv[0]), argv[1:]
+        command = next((word for word in argv if word in COMMANDS), None)
+        if command is not None:
+            print(f"error: a FOLDER is served on its own, not with `{command}`", file=sys.stderr)
+            return 2
     args = parser().parse_args(argv)
+    args.folder = folder
+    if folder is not None:
+        return serve_folder(args)
     commands = {None: run, "repository": cli.run_repository, "ensure": cli.run_ensure, envoy_cli.COMMAND: envoy_cli.run}
     return commands[args.command](args)
 

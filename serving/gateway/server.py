@@ -201,9 +201,7 @@ def _durability(settings) -> str:
 def banner(gateway: RunningGateway) -> str:
     """What `python -m serving` prints once the gateway is up: its URLs and a curl line that works."""
     settings, url = gateway.settings, gateway.url
-    d_model = _served_width(settings)
     auth = ' -H "X-API-Key: $SERVING_API_KEY"' if settings.auth_enabled else ""
-    hidden = f'{{"hidden_states": [[[0.1] * {d_model}]]}}'
     state = (
         f"enabled ({len(settings.accepted_keys())} key(s)); set SERVING_API_KEY to one for the curl line"
         if settings.auth_enabled
@@ -214,12 +212,20 @@ def banner(gateway: RunningGateway) -> str:
             f"gateway         {url}   (API docs: {url}/docs, OpenAPI: {url}/openapi.json)",
             f"gateway auth    {state}",
             f"sessions        {_durability(settings)}",
-            "try             "
-            f"python3 -c 'import json; print(json.dumps({hidden}))' | "
-            f"curl -s {url}/v1/attend -H 'Content-Type: application/json'{auth} -d @- | head -c 300; echo",
+            f"try             {_attend_line(settings, url, auth)}",
             *_completion_line(settings, url, auth),
         ]
     )
+
+
+def _attend_line(settings: Settings, url: str, auth: str) -> str:
+    """A stateless call that works on the served model: token ids for a whole model, hidden states otherwise."""
+    d_model, whole = _served_shape(settings)
+    curl = f"curl -s {url}/v1/attend -H 'Content-Type: application/json'{auth}"
+    if whole:
+        return f"{curl} -d '{{\"input_ids\": [[1, 2, 3]]}}' | head -c 300; echo"
+    hidden = f'{{"hidden_states": [[[0.1] * {d_model}]]}}'
+    return f"python3 -c 'import json; print(json.dumps({hidden}))' | {curl} -d @- | head -c 300; echo"
 
 
 def _completion_line(settings: Settings, url: str, auth: str) -> list[str]:
@@ -232,15 +238,17 @@ def _completion_line(settings: Settings, url: str, auth: str) -> list[str]:
     ]
 
 
-def _served_width(settings: Settings) -> int | str:
-    """d_model of the served model, for the curl line (a placeholder if Triton does not say)."""
+def _served_shape(settings: Settings) -> tuple[int | str, bool]:
+    """d_model of the served model and whether it is a whole one (token ids in), for the curl line (a
+    placeholder if Triton does not say)."""
     from client import Client, ClientError
 
     try:
         with Client(settings.triton_url, model=settings.model, timeout=5, retries=1) as triton:
-            return triton.metadata().d_model
+            info = triton.metadata()
+            return info.d_model, info.vocab_size is not None
     except ClientError:
-        return "D_MODEL"
+        return "D_MODEL", False
 
 
 def run_gateway(settings: Settings | None = None, ready_timeout: float = 30.0) -> RunningGateway:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import sys
 import tempfile
 from pathlib import Path
@@ -235,6 +237,50 @@ def export_trained(
     )
     write_repository(artifacts, repository, models=(MHA_SESSION,), prefix=TRAINED_PREFIX)
     return report
+
+
+def export_folder(folder: Path, progress: Progress | None = None, root: Path = files.DEFAULT_ARTIFACTS) -> Path:
+    """A Hugging Face checkpoint folder imported, proven and built with the variants this machine serves into
+    artifacts named by the digest of its files (`folder_digest`): built once, reused while the folder is the
+    same (another checkpoint in the same folder builds anew). The artifacts' folder."""
+    from export.build import HOST, build_model
+    from export.importers import import_weights
+    from export.progress import Progress
+
+    artifacts = root / f"{folder.resolve().name}-{folder_digest(folder)[:16]}"
+    report = artifacts / files.REPORT_FILENAME
+    if report.is_file() and json.loads(report.read_text()).get("passed"):
+        return artifacts
+    imported = import_weights(folder, "hf", {})
+    held_out = folder / files.HELD_OUT_FILENAME
+    build_model(
+        imported.model,
+        artifacts,
+        (HOST,),
+        progress=progress or Progress(enabled=False),
+        origin=imported.origin,
+        text_files=imported.text_files,
+        held_out=held_out if held_out.is_file() else None,
+    )
+    return artifacts
+
+
+def served_folder_repository(artifacts: Path, name: str) -> Path:
+    """A repository of its own for a served folder's artifacts (`python -m serving FOLDER`), rewritten from
+    them each time (it is cheap: configs and links)."""
+    from serving.triton.config import MHA, MHA_SESSION
+    from serving.triton.repository import write_repository
+
+    repository = files.PROJECT_ROOT / "build" / "served" / name
+    write_repository(artifacts, repository, models=(MHA, MHA_SESSION))
+    return repository
+
+
+def folder_digest(folder: Path) -> str:
+    """One sha256 over the names and sha256s of a folder's files (hidden ones left out)."""
+    found = sorted(path for path in folder.rglob("*") if path.is_file() and not path.name.startswith("."))
+    listing = "".join(f"{files.sha256(path)}  {path.relative_to(folder)}\n" for path in found)
+    return hashlib.sha256(listing.encode()).hexdigest()
 
 
 def up_to_date(

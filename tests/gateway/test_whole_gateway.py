@@ -82,3 +82,17 @@ def test_inspect_answers_a_whole_models_attention_maps_for_token_ids(whole):
     assert api.post(f"/v1/sessions/{session}/step", json={"input_ids": ids[:, 4:].tolist()}).json()["length"] == 6
     assert_error(api.post("/v1/inspect", json={"input_ids": [[1, 99999]]}), 400, "invalid_input", "input_ids")
     api.delete(f"/v1/sessions/{session}")
+
+
+def test_the_consoles_try_line_for_a_whole_model_sends_token_ids_and_gets_logits(whole_triton):
+    import subprocess
+
+    from serving.gateway.server import banner
+    from tests.gateway.conftest import running
+
+    with running(triton_url=whole_triton.grpc_url) as gateway:
+        (line,) = [line for line in banner(gateway).splitlines() if line.startswith("try ")]
+        command = line.removeprefix("try").strip()
+        assert "input_ids" in command and "hidden_states" not in command
+        shown = subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True, timeout=60)
+    assert shown.stdout.startswith('{"logits"'), shown.stdout[:300]

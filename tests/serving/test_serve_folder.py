@@ -1,0 +1,55 @@
+"""`python -m serving FOLDER` (serving/__main__.py, serving/triton/cli.py `export_folder`): a checkpoint folder is
+built once, into artifacts named by the digest of its files, and reused while it is unchanged; what is not a
+checkpoint, a command given beside a folder and an abbreviated flag are refused with the reason. (Serving a
+folder end to end: the README's Hugging Face example, run by tests/test_readme.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from contract import files
+from serving.__main__ import main
+from serving.triton.cli import export_folder, folder_digest
+from tests.fixtures.text import save_tokenizer
+
+VOCAB = 320
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("checkpoint") / "tiny-llama"
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=48, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    save_tokenizer(folder, VOCAB, template="chatml")
+    return folder
+
+
+def test_a_checkpoint_is_built_once_and_anew_when_a_file_changes(checkpoint, tmp_path):
+    built = export_folder(checkpoint, root=tmp_path)
+    report = built / files.REPORT_FILENAME
+    assert report.is_file() and (built / files.TOKENIZER_FILENAME).is_file()
+    written = report.stat().st_mtime_ns
+    assert export_folder(checkpoint, root=tmp_path) == built and report.stat().st_mtime_ns == written
+    before = folder_digest(checkpoint)
+    (checkpoint / files.GENERATION_CONFIG_FILENAME).write_text('{"eos_token_id": [2, 3]}')
+    assert folder_digest(checkpoint) != before  # another build's name: the changed folder is built anew
+
+
+def test_what_is_not_a_checkpoint_and_a_command_beside_a_folder_are_refused(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 1
+    assert "holds no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main([str(tmp_path), "repository"]) == 2
+    assert "served on its own" in capsys.readouterr().err
+
+
+def test_an_abbreviated_flag_is_not_taken_for_another(capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["ensure", "--weights", "folder"])  # --weights-dtype exists: argparse would take --weights for it
+    assert refused.value.code == 2 and "unrecognized arguments: --weights folder" in capsys.readouterr().err
