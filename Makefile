@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 ORT ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 $(if $(filter $(ORT),cpu gpu),,$(error ORT must be cpu or gpu, got '$(ORT)'))
 OTHER_ORT := $(if $(filter $(ORT),gpu),onnxruntime,onnxruntime-gpu)
+# what serving needs (`make serve`, `make export`): the runtime; `make install` and `make test` add the dev tooling
+# (pytest, the real clients the tests drive, the browser test's chromium) on top of it
+RUNTIME_STAMP := $(VENV)/.runtime-$(ORT)
 STAMP := $(VENV)/.installed-$(ORT)
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -15,15 +18,23 @@ GPU_VENV := .venv-gpu
 # which must not meet ours, so it has an environment of its own (bench/genai_peer.py runs there)
 GENAI_VENV := .venv-genai
 
-.PHONY: install browser test lint format serve bench bench-peers bench-server-peers export reference clean gpu-install gpu-proof
+.PHONY: install runtime browser test lint format serve bench bench-peers bench-server-peers export reference clean gpu-install gpu-proof
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+runtime: $(RUNTIME_STAMP)
+
+$(RUNTIME_STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@echo "installing into $(VENV) with ONNX Runtime's $(ORT) build (a minute or more the first time; pip's progress follows)"
 	$(BIN)/python -m pip install --quiet --upgrade "pip>=24"
 	$(BIN)/python -m pip uninstall --yes --quiet $(OTHER_ORT) 2>/dev/null || true
+	$(BIN)/python -m pip install --progress-bar on -e ".[export,serving,$(ORT)]"
+	@rm -f $(VENV)/.runtime*
+	@touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
+	@echo "installing the dev tooling into $(VENV) (tests, the real clients they drive, ruff)"
 	$(BIN)/python -m pip install --progress-bar on -e ".[export,serving,dev,$(ORT)]"
 	@$(MAKE) --no-print-directory browser
 	@rm -f $(VENV)/.installed*
@@ -51,10 +62,10 @@ format: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-export: install
+export: runtime
 	$(BIN)/python -m serving ensure --repository model_repository
 
-serve: install
+serve: runtime
 	$(BIN)/python -m serving $(MODEL)
 
 bench: install

@@ -720,6 +720,13 @@ class SessionCore:
         held_and_forgotten = isinstance(error, UnknownSessionError) and error.kind == kinds.SEQUENCE_UNKNOWN
         lost = isinstance(error, SessionLostError | ServerUnavailableError) or held_and_forgotten
         if self._key is None or not self.started or not lost:
+            if held_and_forgotten and self.started:  # as a step says it (`_send`), not in Triton's words
+                raise SessionLostError(
+                    f"session {self.id} is lost: the server held it and has forgotten it (it restarted, or the "
+                    f"replica holding it died) and this client keeps no log to rebuild it from; {error.message}",
+                    status=error.status,
+                    kind=kinds.SEQUENCE_LOST,
+                ) from None
             return False
         yield from self._recover(error)
         return True

@@ -216,3 +216,18 @@ def test_concurrent_generations_share_graph_runs_and_plain_steps_go_on_beside_th
         for actual, expected in zip(beside.result(), expected_plain, strict=True):
             np.testing.assert_allclose(actual, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
     assert metric_reaches(whole_triton, "attention_engine_most_decode_rows", "mha_session", 2)
+
+
+def test_a_session_the_server_forgot_is_lost_in_our_words_not_tritons(whole):
+    """A session resumed from another process (a gateway restarted with its signed id, no store here to
+    rebuild it from) whose server no longer holds it: its generation says the session is lost and why."""
+    from client import SessionLostError
+
+    client, _ = whole
+    held = client.session()
+    list(held.generate(prompt(31), max_new_tokens=2))
+    held.close()  # the server forgets it, as a restarted one has
+    resumed = client.session(sequence_id=held.id, replica="")
+    with pytest.raises(SessionLostError, match="the server held it and has forgotten it") as lost:
+        list(resumed.generate(max_new_tokens=2))
+    assert "START flag" in str(lost.value)  # Triton's words follow ours, for the logs
