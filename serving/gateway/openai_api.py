@@ -172,7 +172,7 @@ def _constraint(
     body: schemas.Common, text: TextModel, chat: bool, tool_call_parser: str
 ) -> tuple[Grammar | None, str, structured.Tools | None]:
     """What the answer's text must match, the field that asks it, and the chat's tools."""
-    extra = body.model_extra or {}
+    extra = {**(body.model_extra or {}), **body.model_dump(include=CONSTRAINT_FIELDS, exclude_none=True)}
     grammar, constrained_by = structured.response_grammar(extra), _constraining_field(extra)
     tools = structured.tools_of(extra, _template_text(text), tool_call_parser) if chat else None
     if not chat and extra.get("tools"):
@@ -192,6 +192,16 @@ def _constraint(
             param=constrained_by,
         )
     return grammar, constrained_by, tools
+
+
+CONSTRAINT_FIELDS = {
+    "response_format",
+    *structured.GUIDED,
+    "structured_outputs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 
 
 def _constraining_field(extra: dict[str, Any]) -> str:

@@ -60,6 +60,19 @@ class Common(BaseModel):
     min_p: StrictFloat | StrictInt | None = Field(default=None, ge=0, le=1)
     repetition_penalty: StrictFloat | StrictInt = Field(default=1.0, gt=0)
     ignore_eos: StrictBool = Field(default=False, description="go on past the end-of-text token")
+    # structured outputs (serving/gateway/structured.py): OpenAI's, then vLLM's
+    response_format: dict[str, Any] | None = Field(
+        default=None,
+        description='{"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", '
+        '"strict"}}: the text constrained to a JSON object, or to a JSON value of the schema',
+    )
+    guided_json: dict[str, Any] | StrictStr | None = Field(default=None, description="vLLM's: a JSON schema")
+    guided_regex: StrictStr | None = Field(default=None, description="vLLM's: a regular expression")
+    guided_choice: list[StrictStr] | None = Field(default=None, description="vLLM's: one of these strings")
+    guided_grammar: StrictStr | None = Field(default=None, description="vLLM's: a Lark (or GBNF) grammar")
+    structured_outputs: dict[str, Any] | None = Field(
+        default=None, description='vLLM\'s newer form: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}'
+    )
     # ours
     session: StrictStr | None = Field(
         default=None,
@@ -113,4 +126,15 @@ class ChatBody(Common):
     logprobs: StrictBool = Field(default=False, description="each token's logprob")
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="and the top N's")
     add_generation_prompt: StrictBool = Field(default=True, description="end with the assistant's header")
+    tools: list[dict[str, Any]] | None = Field(
+        default=None,
+        description='functions the model may call: [{"type": "function", "function": {"name", '
+        '"description", "parameters"}}], given to the chat template',
+    )
+    tool_choice: StrictStr | dict[str, Any] | None = Field(
+        default=None,
+        description='"none", "auto" (the default with tools: read in the model\'s own format), "required" (the text '
+        'constrained to calls) or {"type": "function", "function": {"name": ...}}',
+    )
+    parallel_tool_calls: StrictBool | None = Field(default=None, description="false: at most one call (default true)")
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="more variables for the template")

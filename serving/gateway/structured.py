@@ -436,9 +436,9 @@ def _parse_calls(parser: str, text: str) -> tuple[str, list[tuple[str, str]]] | 
             objects = [json.loads(body) for body in found]
         elif parser == "mistral":
             rest, objects = "", json.loads(text.split("[TOOL_CALLS]", 1)[1].strip())
-        else:
-            body = text.strip().removeprefix("<|python_tag|>")
-            rest, objects = "", [json.loads(part) for part in body.split(";") if part.strip()]
+        else:  # one JSON object, or several joined by ";" (Llama 3.x's parallel calls)
+            body = text.strip().removeprefix("<|python_tag|>").strip()
+            rest, objects = "", [json.loads(part) for part in _objects(body)]
         objects = objects if isinstance(objects, list) else [objects]
         calls = []
         for found_call in objects:
@@ -447,3 +447,12 @@ def _parse_calls(parser: str, text: str) -> tuple[str, list[tuple[str, str]]] | 
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
     return rest, calls
+
+
+def _objects(body: str) -> list[str]:
+    """The JSON objects of `body`: the whole of it when it parses, else its parts between top-level ";"."""
+    try:
+        json.loads(body)
+    except ValueError:
+        return [part for part in body.split(";") if part.strip()]
+    return [body]

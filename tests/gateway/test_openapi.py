@@ -71,6 +71,8 @@ REACHED = {
     "/v1/sessions/{session_id}/generate": (401, 404, 405, 422),
     "/v1/completions": (400, 401, 404, 405),
     "/v1/chat/completions": (400, 401, 404, 405),
+    "/v1/responses": (400, 401, 404, 405),
+    "/v1/responses/{response_id}": (401, 404, 405),
     "/v1/prefixes": (200, 401, 405),
     "/v1/prefixes/{name}": (400, 401, 404, 405, 422),
     "/healthz": (200, 405),

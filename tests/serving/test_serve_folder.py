@@ -5,6 +5,8 @@ folder end to end: the README's Hugging Face example, run by tests/test_readme.p
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import transformers
@@ -12,9 +14,8 @@ import transformers
 from contract import files
 from serving.__main__ import main
 from serving.triton.cli import export_folder, folder_digest
-from tests.fixtures.text import save_tokenizer
 
-VOCAB = 320
+VOCAB = 2048  # the fortunes tokenizer's, copied beside the weights (no tokenizer trained here)
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +23,12 @@ def checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("checkpoint") / "tiny-llama"
     config = transformers.LlamaConfig(
         hidden_size=32, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1, intermediate_size=64,
-        vocab_size=VOCAB, max_position_embeddings=48, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=VOCAB, max_position_embeddings=48, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
-    save_tokenizer(folder, VOCAB, template="chatml")
+    for name in (files.TOKENIZER_FILENAME, files.TOKENIZER_CONFIG_FILENAME, files.CHAT_TEMPLATE_FILENAME):
+        shutil.copy(files.TRAINED_MODEL / name, folder / name)
     return folder
 
 
@@ -37,7 +39,7 @@ def test_a_checkpoint_is_built_once_and_anew_when_a_file_changes(checkpoint, tmp
     written = report.stat().st_mtime_ns
     assert export_folder(checkpoint, root=tmp_path) == built and report.stat().st_mtime_ns == written
     before = folder_digest(checkpoint)
-    (checkpoint / files.GENERATION_CONFIG_FILENAME).write_text('{"eos_token_id": [2, 3]}')
+    (checkpoint / files.GENERATION_CONFIG_FILENAME).write_text('{"eos_token_id": [0, 3]}')
     assert folder_digest(checkpoint) != before  # another build's name: the changed folder is built anew
 
 
