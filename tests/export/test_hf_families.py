@@ -87,7 +87,7 @@ CLASSES = {
 }
 BATCH, PREFILL, PADDING, STEPS = 2, 7, 3, 32
 # the head scaled from transformers' init (std 0.02) so that logits spread to a scale of 20 to 50: greedy
-# margins far above the 1e-5 of it the sides may differ by (export/parity.py, LOGITS_SCALE)
+# margins far above the 1e-5 of it the sides may differ by (export/parity.py, SCALE_BOUND)
 HEAD_SCALE = 40.0
 SETTINGS = ServingSettings(threads=1, kv_cache_bytes=4 << 20, max_batch_size=4)
 

@@ -1,0 +1,73 @@
+"""Checkpoints with activations of the size trained ones have (issue 46): a sharded Llama of vocabulary 1003 at
+`initializer_range` 0.2 (logits of scale ~8, keys and values of scale ~10), two residual channels of its
+embeddings scaled x100 (the "massive activations" of real Llama and Qwen models), built through every form
+this CPU serves with the parity ladder's bounds by scale (export/parity.py, SCALE_BOUND), then stepped as a
+served session is (the static engine's pool, in process) over a prefill and 16 greedy steps: its logits
+within 1e-4 of their scale of transformers' LlamaForCausalLM, and the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from contract import names
+from export.artifacts import load_model
+from export.build import build_model
+from export.importers import import_weights
+from export.progress import Progress
+from serving.engine.steps import StepRequest
+from tests.serving.test_core import static_engine
+
+pytestmark = pytest.mark.slow
+MASSIVE_CHANNELS, MASSIVE_FACTOR = (5, 77), 100.0
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("trained-size") / "llama"
+    config = transformers.LlamaConfig(
+        hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3, intermediate_size=160,
+        vocab_size=1003, max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, list(MASSIVE_CHANNELS)] *= MASSIVE_FACTOR
+    model.save_pretrained(folder, max_shard_size="200KB")
+    return folder, model
+
+
+def test_a_trained_size_checkpoint_builds_every_cpu_form_and_serves_transformers_logits(checkpoint, tmp_path):
+    folder, original = checkpoint
+    assert len(list(folder.glob("*.safetensors"))) > 1  # sharded
+    imported = import_weights(folder, "hf", {})
+    report = build_model(imported.model, tmp_path / "artifact", ("cpu",), Progress(enabled=False), imported.origin)
+    assert report["passed"], {name: v.get("parity", {}).get("passed") for name, v in report["variants"].items()}
+    ids = np.random.default_rng(3).integers(3, 1003, 9, dtype=np.int64)
+    with torch.no_grad():
+        residual = original.model(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states[0]
+    massive = residual[..., list(MASSIVE_CHANNELS)].abs().max()
+    assert float(massive) > 30 * float(residual[..., 10:60].abs().max())  # the residual stream's massive channels
+    engine = static_engine(tmp_path / "artifact", kv_rows=2)
+    cfg = load_model(tmp_path / "artifact").cfg
+    step = StepRequest(0, True, False, ids[None], last_only=False)
+    sequence, served = list(ids), [engine.execute([step])[0][0]]
+    for _ in range(STEPS):
+        token = int(served[-1][-1].argmax())
+        sequence.append(token)
+        served.append(engine.execute([StepRequest(0, False, False, np.array([[token]]), last_only=False)])[0][0])
+    with torch.no_grad():
+        expected = original(torch.tensor([sequence])).logits[0].numpy()
+    got = np.concatenate(served)
+    assert got.shape == expected.shape == (len(ids) + STEPS, cfg.vocab_size)  # each position, each step
+    scale = float(np.abs(expected).max())
+    assert float(np.abs(got - expected).max()) <= 1e-4 * scale, (float(np.abs(got - expected).max()), scale)
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    for variant in report["variants"].values():  # each tensor's error, absolute and relative to its scale
+        for rung in variant["parity"].values():
+            logits = rung["tensors"][names.LOGITS]
+            assert logits["passed"] and logits["max_rel"] <= 1e-5 and logits["max_abs"] >= 0
