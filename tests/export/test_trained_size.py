@@ -7,17 +7,21 @@ within 1e-4 of their scale of transformers' LlamaForCausalLM, and the same token
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from contract import names
+from contract import files, names
 from export.artifacts import load_model
 from export.build import build_model
 from export.importers import import_weights
 from export.progress import Progress
 from serving.engine.steps import StepRequest
+from tests.fixtures.prebuilds import folder_job
 from tests.serving.test_core import static_engine
 
 pytestmark = pytest.mark.slow
@@ -25,9 +29,20 @@ MASSIVE_CHANNELS, MASSIVE_FACTOR = (5, 77), 100.0
 STEPS = 16
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("trained-size") / "llama"
+KEY = "trained-size-llama"
+
+
+def save_and_build(work: Path) -> None:
+    """The checkpoint saved in `work`/llama (sharded) and built through every CPU form into `work`/artifact (made
+    ahead in the background: tests/fixtures/prebuilds.py)."""
+    torch.set_num_threads(1)
+    model = trained_size_llama()
+    model.save_pretrained(work / "llama", max_shard_size="200KB")
+    imported = import_weights(work / "llama", "hf", {})
+    build_model(imported.model, work / "artifact", ("cpu",), Progress(enabled=False), imported.origin)
+
+
+def trained_size_llama() -> transformers.LlamaForCausalLM:
     config = transformers.LlamaConfig(
         hidden_size=96, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3, intermediate_size=160,
         vocab_size=1003, max_position_embeddings=64, initializer_range=0.2, tie_word_embeddings=False,
@@ -37,23 +52,35 @@ def checkpoint(tmp_path_factory):
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight[:, list(MASSIVE_CHANNELS)] *= MASSIVE_FACTOR
-    model.save_pretrained(folder, max_shard_size="200KB")
-    return folder, model
+    return model
 
 
-def test_a_trained_size_checkpoint_builds_every_cpu_form_and_serves_transformers_logits(checkpoint, tmp_path):
-    folder, original = checkpoint
-    assert len(list(folder.glob("*.safetensors"))) > 1  # sharded
-    imported = import_weights(folder, "hf", {})
-    report = build_model(imported.model, tmp_path / "artifact", ("cpu",), Progress(enabled=False), imported.origin)
+def prebuild_jobs(item) -> dict:
+    return {KEY: folder_job(KEY, save_and_build)}
+
+
+@pytest.fixture(scope="module")
+def built(prebuilds, tmp_path_factory) -> Path:
+    """The work folder: the checkpoint (`llama`) and its artifact (`artifact`; the build raises if a form fails)."""
+    work = prebuilds.wait(KEY)
+    if work is None:
+        work = tmp_path_factory.mktemp(KEY)
+        save_and_build(work)
+    return work
+
+
+def test_a_trained_size_checkpoint_builds_every_cpu_form_and_serves_transformers_logits(built):
+    assert len(list((built / "llama").glob("*.safetensors"))) > 1  # sharded
+    report = json.loads((built / "artifact" / files.REPORT_FILENAME).read_text())
     assert report["passed"], {name: v.get("parity", {}).get("passed") for name, v in report["variants"].items()}
+    original = trained_size_llama()
     ids = np.random.default_rng(3).integers(3, 1003, 9, dtype=np.int64)
     with torch.no_grad():
         residual = original.model(torch.from_numpy(ids)[None], output_hidden_states=True).hidden_states[0]
     massive = residual[..., list(MASSIVE_CHANNELS)].abs().max()
     assert float(massive) > 30 * float(residual[..., 10:60].abs().max())  # the residual stream's massive channels
-    engine = static_engine(tmp_path / "artifact", kv_rows=2)
-    cfg = load_model(tmp_path / "artifact").cfg
+    engine = static_engine(built / "artifact", kv_rows=2)
+    cfg = load_model(built / "artifact").cfg
     step = StepRequest(0, True, False, ids[None], last_only=False)
     sequence, served = list(ids), [engine.execute([step])[0][0]]
     for _ in range(STEPS):
