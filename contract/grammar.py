@@ -76,8 +76,9 @@ class Grammar:
         """The grammar of its request parameter; InputError naming `grammar` for anything else."""
         if not isinstance(text, str):
             raise InputError(GRAMMAR, f"expected a JSON object as a string, got {type(text).__name__}")
-        if len(text) > MAX_GRAMMAR_BYTES:
-            raise InputError(GRAMMAR, f"expected at most {MAX_GRAMMAR_BYTES} bytes, got {len(text)}")
+        size = len(text.encode())
+        if size > MAX_GRAMMAR_BYTES:
+            raise InputError(GRAMMAR, f"expected at most {MAX_GRAMMAR_BYTES} bytes, got {size}")
         try:
             parsed = json.loads(text)
         except ValueError as error:

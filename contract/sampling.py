@@ -87,18 +87,13 @@ class SamplingParams:
 
 def _biases(pairs: object) -> bool:
     """Whether `pairs` are (id, bias) pairs of distinct ids >= 0 and biases within the limit."""
+    if not isinstance(pairs, tuple) or not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+        return False
+    ids = [token for token, _ in pairs]
     return (
-        isinstance(pairs, tuple)
-        and len({pair[0] for pair in pairs if isinstance(pair, tuple) and pair}) == len(pairs)
-        and all(
-            isinstance(pair, tuple)
-            and len(pair) == 2
-            and _integer(pair[0])
-            and pair[0] >= 0
-            and _real(pair[1])
-            and -LOGIT_BIAS_LIMIT <= pair[1] <= LOGIT_BIAS_LIMIT
-            for pair in pairs
-        )
+        all(_integer(token) and token >= 0 for token in ids)
+        and len(set(ids)) == len(ids)
+        and all(_real(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT for _, bias in pairs)
     )
 
 

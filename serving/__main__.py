@@ -288,8 +288,6 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
         gateway = run_gateway(settings)
         try:
             print(banner(gateway), flush=True)
-            if args.folder is not None:
-                print(try_lines(gateway.url, settings.served_model_name or settings.session_model), flush=True)
             watch(front, stop)
         finally:
             gateway.stop()
@@ -315,24 +313,6 @@ def watch(front, stop: threading.Event) -> None:
     watch(front, stop, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
-COMMANDS = ("repository", "ensure", "envoy-config")
-
-
-def try_lines(url: str, model: str) -> str:
-    """What to paste to talk to a served folder: curl, and the openai SDK."""
-    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
-    sdk = (
-        f"from openai import OpenAI; print(OpenAI(base_url='{url}/v1', api_key='none').chat.completions.create("
-        f"model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)"
-    )
-    return "\n".join(
-        [
-            f"try             curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'",
-            f'                .venv/bin/python -c "{sdk}"',
-        ]
-    )
-
-
 def serve_folder(args: argparse.Namespace) -> int:
     """`python -m serving FOLDER`: a checkpoint built into its artifacts once (by the digest of its files), or
     an artifact folder `python -m export build` wrote, served from a repository of its own under the folder's
@@ -351,7 +331,7 @@ def serve_folder(args: argparse.Namespace) -> int:
     except ImportError as error:
         print(f"error: this environment cannot build {folder} ({error}): install the export extra", file=sys.stderr)
         return 1
-    name = args.served_model_name or served_name(folder)
+    name = args.served_model_name or folder.resolve().name  # the model id the OpenAI routes take
     artifacts = folder
     if not (folder / files.REPORT_FILENAME).is_file():  # a checkpoint, not an artifact `export build` wrote
         print(f"{folder}: building it (once: later runs reuse the build while the folder is unchanged)", flush=True)
@@ -365,28 +345,21 @@ def serve_folder(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def served_name(folder: Path) -> str:
-    """A folder's name as a model id: what the OpenAI routes take as `model`."""
-    return folder.resolve().name
-
-
 def main(argv: list[str] | None = None) -> int:
     from serving.host.envoy import cli as envoy_cli
     from serving.triton import cli
 
+    commands = {None: run, "repository": cli.run_repository, "ensure": cli.run_ensure, envoy_cli.COMMAND: envoy_cli.run}
     argv = sys.argv[1:] if argv is None else list(argv)
-    folder = None
     if argv and not argv[0].startswith("-") and Path(argv[0]).is_dir():  # a checkpoint folder, not a command
-        folder, argv = Path(argv[0]), argv[1:]
-        command = next((word for word in argv if word in COMMANDS), None)
+        command = next((word for word in argv[1:] if word in commands), None)
         if command is not None:
             print(f"error: a FOLDER is served on its own, not with `{command}`", file=sys.stderr)
             return 2
-    args = parser().parse_args(argv)
-    args.folder = folder
-    if folder is not None:
+        args = parser().parse_args(argv[1:])
+        args.folder = Path(argv[0])
         return serve_folder(args)
-    commands = {None: run, "repository": cli.run_repository, "ensure": cli.run_ensure, envoy_cli.COMMAND: envoy_cli.run}
+    args = parser().parse_args(argv)
     return commands[args.command](args)
 
 

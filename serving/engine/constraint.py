@@ -118,7 +118,7 @@ def masks(constraints: Sequence[Constraint]) -> list[np.ndarray]:
     return [bits[row, : constraint.vocab_size] for row, constraint in enumerate(constraints)]
 
 
-def timed_masks(constraints: Sequence[Constraint]) -> tuple[list[np.ndarray], float]:
+def _timed_masks(constraints: Sequence[Constraint]) -> tuple[list[np.ndarray], float]:
     """`masks(constraints)` and the seconds they took."""
     started = time.perf_counter()
     filled = masks(constraints)
@@ -126,8 +126,8 @@ def timed_masks(constraints: Sequence[Constraint]) -> tuple[list[np.ndarray], fl
 
 
 def masks_soon(constraints: Sequence[Constraint]) -> Future:
-    """`timed_masks(constraints)`, filled on a thread of its own while the caller runs the graph."""
-    return _filler().submit(timed_masks, list(constraints))
+    """`_timed_masks(constraints)`, filled on a thread of its own while the caller runs the graph."""
+    return _filler().submit(_timed_masks, list(constraints))
 
 
 @functools.cache

@@ -875,38 +875,34 @@ class EngineCore:
             self._sample(sampled, self._masks(masking, sampled))
         self._work = {sid: work for sid, work in self._work.items() if not work.done}
 
-    def _masks_soon(self, planned: list[tuple[Work, StepRequest]]) -> tuple[list[Constraint], Any] | None:
+    def _masks_soon(self, planned: list[tuple[Work, StepRequest]]) -> tuple[list[GenerationWork], Any] | None:
         """The grammar masks of the constrained generations this iteration may sample (each decoding one with a
         token to step, each whose last prompt chunk runs now), filled on the grammars' thread while the graph
         runs (the mask of a token's successor needs only the token: llguidance releases the GIL)."""
-        constraints = [
-            work.constraint
+        works = [
+            work
             for work, _ in planned
             if isinstance(work, GenerationWork)
             and work.constraint is not None
             and (work.state == DECODE or (work.state == PREFILL and not len(work.prompt)))
         ]
-        if not constraints:
+        if not works:
             return None
-        return constraints, grammar_masks.masks_soon(constraints)
+        return works, grammar_masks.masks_soon([work.constraint for work in works])
 
-    def _masks(self, masking: tuple[list[Constraint], Any] | None, sampled: list[GenerationWork]) -> list:
-        """Each sampled generation's mask (None: unconstrained); one filled now where the early fill missed it."""
-        rows, fill_seconds = {}, 0.0
+    def _masks(self, masking: tuple[list[GenerationWork], Any] | None, sampled: list[GenerationWork]) -> list:
+        """Each sampled generation's mask (None: unconstrained), from the fill `_masks_soon` began: every
+        constrained generation that samples now was among those it filled for."""
         waited = time.perf_counter()
+        rows, fill_seconds = {}, 0.0
         if masking is not None:
-            constraints, future = masking
+            works, future = masking
             filled, fill_seconds = future.result()
-            rows = {id(constraint): row for constraint, row in zip(constraints, filled, strict=True)}
-        missed = [w.constraint for w in sampled if w.constraint is not None and id(w.constraint) not in rows]
-        if missed:
-            filled, seconds = grammar_masks.timed_masks(missed)
-            rows |= {id(c): row for c, row in zip(missed, filled, strict=True)}
-            fill_seconds += seconds
+            rows = dict(zip(works, filled, strict=True))
         stats = self.stats
         stats.masked_rows = sum(work.constraint is not None for work in sampled)
         stats.mask_fill_seconds, stats.mask_wait_seconds = fill_seconds, time.perf_counter() - waited
-        return [None if work.constraint is None else rows[id(work.constraint)] for work in sampled]
+        return [None if work.constraint is None else rows[work] for work in sampled]
 
     def _sample(self, sampled: list[GenerationWork], masks: list) -> None:
         """Every generation with logits picks its token, together; where the batch is refused (a row's logits

@@ -111,9 +111,9 @@ def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool
     if body.session is not None and body.n != 1:
         raise InvalidInput(f"n: a request bound to a session makes one choice, got n={body.n}", param="n")
     grammar, constrained_by, tools = _constraint(body, text, chat, settings.tool_call_parser)
+    limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if chat:
         prompts, echo_texts = [_chat_ids(body, text, tools)], []
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidInput("top_logprobs: needs logprobs: true", param="top_logprobs")
@@ -121,7 +121,6 @@ def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool
     else:
         prompts = _completion_ids(body.prompt, text)
         echo_texts = [text.decode(ids.tolist(), skip_special_tokens=False) for ids in prompts] if body.echo else []
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = body.logprobs
         if body.best_of is not None and body.best_of != body.n:
             raise InvalidInput(
@@ -173,7 +172,7 @@ def _constraint(
 ) -> tuple[Grammar | None, str, structured.Tools | None]:
     """What the answer's text must match, the field that asks it, and the chat's tools."""
     extra = {**(body.model_extra or {}), **body.model_dump(include=CONSTRAINT_FIELDS, exclude_none=True)}
-    grammar, constrained_by = structured.response_grammar(extra), _constraining_field(extra)
+    grammar, constrained_by = structured.response_grammar(extra)
     tools = structured.tools_of(extra, _template_text(text), tool_call_parser) if chat else None
     if not chat and extra.get("tools"):
         raise InvalidInput("tools: tool calls are a chat's (POST /v1/chat/completions)", param="tools")
@@ -202,11 +201,6 @@ CONSTRAINT_FIELDS = {
     "tool_choice",
     "parallel_tool_calls",
 }
-
-
-def _constraining_field(extra: dict[str, Any]) -> str:
-    fields = ["response_format", *structured.GUIDED, "structured_outputs"]
-    return next((field for field in fields if extra.get(field) is not None), "response_format")
 
 
 def _template_text(text: TextModel) -> str | None:

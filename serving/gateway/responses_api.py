@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from client.store import SessionStore, StoreError, StoreKey
 from serving.gateway import openai_api
 from serving.gateway import openai_schemas as schemas
-from serving.gateway.errors import ApiError, InvalidInput, ModelNotFound, UpstreamUnavailable, error_body, responses
+from serving.gateway.errors import ApiError, InvalidInput, ModelNotFound, UpstreamUnavailable, responses
 from serving.gateway.routes import Caller, body_documented, caller, the_gateway
 
 responses_router = APIRouter(prefix="/v1", dependencies=[Depends(caller)], tags=["openai"])
@@ -299,9 +299,8 @@ def _response(body: ResponsesBody, run: openai_api.Run, status: str, text: str |
 
 def _message(run: openai_api.Run, text: str, status: str) -> dict[str, Any]:
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-    return {"id": "msg_" + run.id.removeprefix("resp_"), "type": "message", "status": status, "role": "assistant"} | {
-        "content": content
-    }
+    item_id = "msg_" + run.id.removeprefix("resp_")
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
 async def _finished(gw, owner: str, body: ResponsesBody, run: openai_api.Run, conversation: list) -> dict[str, Any]:
@@ -319,14 +318,13 @@ async def _events(gw, owner: str, body: ResponsesBody, run: openai_api.Run, conv
     """The typed events of a streamed response, as OpenAI sends them: created, in progress, the message and its
     text part added, the text's deltas, then each done, and completed (or incomplete)."""
     numbers = iter(range(1 << 62))
-    item_id = "msg_" + run.id.removeprefix("resp_")
 
     def event(kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": next(numbers), **fields}
         return f"event: {kind}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
 
     started = _response(body, run, "in_progress", None)
-    at = {"item_id": item_id, "output_index": 0, "content_index": 0}
+    at = {"item_id": _message(run, "", "in_progress")["id"], "output_index": 0, "content_index": 0}
     yield event("response.created", response=started)
     yield event("response.in_progress", response=started)
     yield event("response.output_item.added", output_index=0, item=_message(run, "", "in_progress") | {"content": []})
@@ -340,8 +338,8 @@ async def _events(gw, owner: str, body: ResponsesBody, run: openai_api.Run, conv
         answer = await _finished(gw, owner, body, run, conversation)
     except ApiError as error:
         failed = started | {"status": "failed", "error": {"code": error.code, "message": error.message}}
+        yield event("error", code=error.code, message=error.message, param=error.param)
         yield event("response.failed", response=failed)
-        yield b"data: " + orjson.dumps(error_body(error.status, error.code, error.message, error.param)) + b"\n\n"
         await run.held.aclose()
         return
     text = answer["output"][0]["content"][0]["text"]

@@ -229,12 +229,20 @@ def _attend_line(settings: Settings, url: str, auth: str) -> str:
 
 
 def _completion_line(settings: Settings, url: str, auth: str) -> list[str]:
-    """A text completion to try, when the OpenAI-compatible routes serve a named model (the trained one)."""
-    if settings.served_model_name is None:
+    """A text completion to try and a chat through the openai SDK, when the OpenAI-compatible routes serve a named
+    model (the trained one, a served folder)."""
+    model = settings.served_model_name
+    if model is None:
         return []
-    body = f'{{"model": "{settings.served_model_name}", "prompt": "Q: Why", "max_tokens": 40, "temperature": 0.7}}'
+    body = f'{{"model": "{model}", "prompt": "Q: Why", "max_tokens": 40, "temperature": 0.7}}'
+    key = "os.environ['SERVING_API_KEY']" if settings.auth_enabled else "'none'"
+    sdk = (
+        f"import os; from openai import OpenAI; print(OpenAI(base_url='{url}/v1', api_key={key}).chat.completions"
+        f".create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)"
+    )
     return [
         f"text            curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
+        f'sdk             .venv/bin/python -c "{sdk}"',
     ]
 
 

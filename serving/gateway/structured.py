@@ -20,6 +20,7 @@ them to the model does. A streamed answer's tool calls come as OpenAI streams th
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import json
 import re
@@ -39,9 +40,10 @@ STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "gram
 # --- what the text must match --------------------------------------------------------------------------------
 
 
-def response_grammar(extra: dict[str, Any]) -> Grammar | None:
-    """The grammar a request's `response_format` or vLLM's extensions ask (None: free text); 400 naming the
-    field for a form these routes do not know, or for two of them at once."""
+def response_grammar(extra: dict[str, Any]) -> tuple[Grammar | None, str]:
+    """The grammar a request's `response_format` or vLLM's extensions ask (None: free text) and the field that
+    asks it (an error about the grammar names it); 400 naming the field for a form these routes do not know, or
+    for two of them at once."""
     asked = []
     response_format = extra.get("response_format")
     if response_format is not None:
@@ -57,7 +59,8 @@ def response_grammar(extra: dict[str, Any]) -> Grammar | None:
     if len(asked) > 1:
         fields = [field for field, _ in asked]
         raise InvalidInput(f"{fields[1]}: one constraint per request, got {fields}", param=fields[1])
-    return asked[0][1] if asked else None
+    field, grammar = asked[0] if asked else ("response_format", None)
+    return grammar, field
 
 
 def _response_format(given: Any) -> Grammar | None:
@@ -271,7 +274,7 @@ def call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-class CallReader:
+class CallReader(abc.ABC):
     """One choice's text read for tool calls as it comes: `push(piece)` answers the content the piece adds
     and the tool-call deltas (OpenAI's chunk shape); `finish()` the same for what was held back. `calls` and
     `content` are the whole answer's."""
@@ -280,8 +283,9 @@ class CallReader:
         self.calls: list[Call] = []
         self.content = ""
 
+    @abc.abstractmethod
     def push(self, piece: str) -> tuple[str, list[dict[str, Any]]]:
-        raise NotImplementedError
+        """The content and the tool-call deltas `piece` adds."""
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         return "", []

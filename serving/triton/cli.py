@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from contract.deployment import ENGINES, HOST_KINDS, KV_DTYPES, MODELS, PYTHON_MODELS, WEIGHT_DTYPES, ServingSettings
+from contract.generation import text_digest
 
 if TYPE_CHECKING:
     from export.progress import Progress
@@ -277,10 +277,9 @@ def served_folder_repository(artifacts: Path, name: str) -> Path:
 
 
 def folder_digest(folder: Path) -> str:
-    """One sha256 over the names and sha256s of a folder's files (hidden ones left out)."""
+    """One sha256 over the names and sha256s of a folder's files (hidden ones left out), as the text files'."""
     found = sorted(path for path in folder.rglob("*") if path.is_file() and not path.name.startswith("."))
-    listing = "".join(f"{files.sha256(path)}  {path.relative_to(folder)}\n" for path in found)
-    return hashlib.sha256(listing.encode()).hexdigest()
+    return text_digest({str(path.relative_to(folder)): files.sha256(path) for path in found})
 
 
 def up_to_date(

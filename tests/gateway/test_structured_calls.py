@@ -28,16 +28,22 @@ TOOLS = [
 
 def test_each_field_asks_its_grammar():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    assert response_grammar({"response_format": {"type": "text"}}) is None
-    assert response_grammar({"response_format": {"type": "json_object"}}) == Grammar.json_object()
+    assert response_grammar({"response_format": {"type": "text"}}) == (None, "response_format")
+    assert response_grammar({"response_format": {"type": "json_object"}}) == (Grammar.json_object(), "response_format")
     given = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert response_grammar({"response_format": given}) == Grammar.json_schema(schema)
-    assert response_grammar({"guided_json": json.dumps(schema)}) == Grammar.json_schema(schema)
-    assert response_grammar({"guided_regex": "[a-z]+"}) == Grammar.regex("[a-z]+")
-    assert response_grammar({"guided_choice": ["a", "b"]}) == Grammar.choice(["a", "b"])
-    assert response_grammar({"guided_grammar": "start: /x/"}) == Grammar.lark("start: /x/")
-    assert response_grammar({"structured_outputs": {"regex": "[0-9]"}}) == Grammar.regex("[0-9]")
-    assert response_grammar({"structured_outputs": {"json_object": True}}) == Grammar.json_object()
+    assert response_grammar({"response_format": given}) == (Grammar.json_schema(schema), "response_format")
+    assert response_grammar({"guided_json": json.dumps(schema)}) == (Grammar.json_schema(schema), "guided_json")
+    assert response_grammar({"guided_regex": "[a-z]+"}) == (Grammar.regex("[a-z]+"), "guided_regex")
+    assert response_grammar({"guided_choice": ["a", "b"]}) == (Grammar.choice(["a", "b"]), "guided_choice")
+    assert response_grammar({"guided_grammar": "start: /x/"}) == (Grammar.lark("start: /x/"), "guided_grammar")
+    assert response_grammar({"structured_outputs": {"regex": "[0-9]"}}) == (
+        Grammar.regex("[0-9]"),
+        "structured_outputs",
+    )
+    assert response_grammar({"structured_outputs": {"json_object": True}}) == (
+        Grammar.json_object(),
+        "structured_outputs",
+    )
     with pytest.raises(InvalidInput, match="guided_json: expected a JSON schema"):
         response_grammar({"guided_json": "{not json"})
     with pytest.raises(InvalidInput, match="structured_outputs: expected one of"):
