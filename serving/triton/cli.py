@@ -19,7 +19,6 @@ from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from contract.deployment import ENGINES, HOST_KINDS, KV_DTYPES, MODELS, PYTHON_MODELS, WEIGHT_DTYPES, ServingSettings
-from contract.generation import text_digest
 
 if TYPE_CHECKING:
     from export.progress import Progress
@@ -278,6 +277,8 @@ def served_folder_repository(artifacts: Path, name: str) -> Path:
 
 def folder_digest(folder: Path) -> str:
     """One sha256 over the names and sha256s of a folder's files (hidden ones left out), as the text files'."""
+    from contract.generation import text_digest  # numpy with it: `python -m serving --help` loads neither
+
     found = sorted(path for path in folder.rglob("*") if path.is_file() and not path.name.startswith("."))
     return text_digest({str(path.relative_to(folder)): files.sha256(path) for path in found})
 
