@@ -68,9 +68,9 @@ class AsyncClient(ClientCore):
         """True when the server and both models are ready; False also when it cannot be reached."""
         return await self._run(self._ready())
 
-    async def probe(self) -> Health:
+    async def probe(self, also: Sequence[str] = ()) -> Health:
         """`Client.probe` for asyncio."""
-        return await self._run(self._probe())
+        return await self._run(self._probe(also))
 
     async def wait_ready(self, timeout: float = 30.0, interval: float = 0.2) -> Health:
         """Poll until the server and both models are ready; ServerUnavailableError after `timeout` s."""

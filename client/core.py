@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import itertools
 import logging
@@ -151,25 +152,29 @@ class ClientCore:
 
     # --- operations ------------------------------------------------------------------------------
 
-    def _health(self) -> Operation[Health]:
+    def _health(self, also: Sequence[str] = ()) -> Operation[Health]:
         kw = self._timeout_kw
         live = yield from self._call("liveness check", lambda s: s.is_server_live(**kw))
         ready = yield from self._call("readiness check", lambda s: s.is_server_ready(**kw))
         models = {}
-        for name in (self.model, self.session_model):
+        for name in dict.fromkeys((self.model, self.session_model, *also)):
             check = self._call(f"readiness check of '{name}'", lambda s, name=name: s.is_model_ready(name, **kw))
             models[name] = yield from check
         return Health(self.url, live, ready, models)
 
-    def _probe(self) -> Operation[Health]:
+    def _probe(self, also: Sequence[str] = ()) -> Operation[Health]:
         """`_health`, then one real token through each model: the stateless one, and a session opened
-        and ended in one request. A model whose process died still reads ready to Triton; this
-        finds it. A full KV-cache budget is an answer (the model serves, just not one more session)."""
-        state = yield from self._health()
+        and ended in one request of the session model and of each of `also` (other session models of the
+        server: the models that generate for other model ids). A model whose process died still reads ready to
+        Triton; this finds it. A full KV-cache budget is an answer (the model serves, just not one more
+        session)."""
+        state = yield from self._health(also)
         if not state.ok:
             return state
         failures = {}
-        for model, request in ((self.model, self._probe_stateless), (self.session_model, self._probe_session)):
+        probes = {self.model: self._probe_stateless}
+        probes |= {model: functools.partial(self._probe_session, model) for model in (self.session_model, *also)}
+        for model, request in probes.items():
             try:
                 yield from request()
             except ServerBusyError:
@@ -188,10 +193,10 @@ class ClientCore:
             )
         )
 
-    def _probe_session(self) -> Operation[Any]:
-        info = yield from self._metadata(self.session_model)
+    def _probe_session(self, model: str) -> Operation[Any]:
+        info = yield from self._metadata(model)
         token = {info.new_tokens: _one_token(info)}
-        answer = yield from self._send_step(_wire.new_sequence_id(), token, start=True, end=True)
+        answer = yield from self._send_step(_wire.new_sequence_id(), token, start=True, end=True, model=model)
         return answer.output
 
     def _ready(self) -> Operation[bool]:
@@ -258,11 +263,13 @@ class ClientCore:
         replica: str | None = None,
         parameters: dict | None = None,
         route_as: int | None = None,
+        model: str | None = None,
     ) -> Operation[StepAnswer]:
         """The step carries the session's routing headers (contract/routing.py), and `replica` (from
         an earlier answer) pins it there when a proxy stands in front of several Triton replicas; a
         direct Triton ignores both. `parameters`: a session operation's (contract/names.py);
-        `route_as`: the session whose replica the request must reach (a fork: the one forked)."""
+        `route_as`: the session whose replica the request must reach (a fork: the one forked); `model`: another
+        session model than the client's (a probe's)."""
         # never retried: the server may have appended to the session's cache before the failure
         inputs = _wire.make_inputs(self._session_module(), tensors)
         kw = {**_wire.sequence_kwargs(sequence_id, start, end), **self._timeout_kw}
@@ -271,7 +278,7 @@ class ClientCore:
         headers = affinity.step_headers(sequence_id if route_as is None else route_as, replica)
         result, headers = yield from self._call(
             f"step of session {sequence_id}",
-            lambda s: affinity.infer(s, self.session_model, inputs, headers=headers, **kw),
+            lambda s: affinity.infer(s, model or self.session_model, inputs, headers=headers, **kw),
             retry=False,
             session=True,
         )
@@ -407,6 +414,8 @@ class SessionCore:
             )
         except UnknownSessionError as error:
             self.closed = True  # the server does not know it: there is nothing left to end
+            if not self.started and isinstance(error, SessionLostError):
+                raise _not_opened(error) from None
             if self.started and error.kind == kinds.SEQUENCE_UNKNOWN:  # it held it: the process that did is gone
                 raise SessionLostError(
                     f"session {self.id} is lost: the server held it and has forgotten it; {error.message}",
@@ -719,6 +728,8 @@ class SessionCore:
         again. Anything else is the generation's error."""
         held_and_forgotten = isinstance(error, UnknownSessionError) and error.kind == kinds.SEQUENCE_UNKNOWN
         lost = isinstance(error, SessionLostError | ServerUnavailableError) or held_and_forgotten
+        if not self.started and isinstance(error, SessionLostError):
+            raise _not_opened(error) from None
         if self._key is None or not self.started or not lost:
             if held_and_forgotten and self.started:  # as a step says it (`_send`), not in Triton's words
                 raise SessionLostError(
@@ -783,3 +794,12 @@ def _one_token(info: ModelInfo) -> np.ndarray:
     if info.vocab_size is not None:
         return np.zeros((1, 1), np.int64)
     return np.zeros((1, 1, info.d_model), info.float_dtype)
+
+
+def _not_opened(error: SessionLostError) -> ServerUnavailableError:
+    """A session whose first request met a dead model process: nothing was lost (it never started); the model
+    is unavailable until it is reloaded."""
+    return ServerUnavailableError(
+        f"the session model cannot open a session now (its process died; it is being reloaded): {error.message}",
+        status=error.status,
+    )

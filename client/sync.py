@@ -84,10 +84,10 @@ class Client(ClientCore):
         """True when the server and both models are ready; False also when it cannot be reached."""
         return self._run(self._ready())
 
-    def probe(self) -> Health:
-        """`health()`, then a real one-token request to each model (a model whose process died still
-        reads ready; this finds it): `.ok`, and `.failures` per model."""
-        return self._run(self._probe())
+    def probe(self, also: Sequence[str] = ()) -> Health:
+        """`health()`, then a real one-token request to each model, and to each session model of `also`
+        (a model whose process died still reads ready; this finds it): `.ok`, and `.failures` per model."""
+        return self._run(self._probe(also))
 
     def wait_ready(self, timeout: float = 30.0, interval: float = 0.2) -> Health:
         """Poll until the server and both models are ready; ServerUnavailableError after `timeout` s."""

@@ -1,6 +1,7 @@
 """`python -m serving`: Triton (and the gateway in front of it) on localhost, in the foreground.
 
 python -m serving FOLDER [--served-model-name NAME]   a Hugging Face checkpoint (built once) or an artifact, served
+python -m serving FOLDER FOLDER ...   several, each under its folder's name (the `model` of a request names one)
 python -m serving [--model-repository REPO] [--gateway-port 8080] [--host 127.0.0.1]
 python -m serving --no-gateway [--model-repository REPO] [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
 python -m serving --replicas 3     three Triton replicas behind Envoy (on the HTTP and gRPC ports), the gateway on Envoy
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import signal
 import sys
@@ -278,6 +280,7 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
 
     overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
     given = {"host": args.host, "session_store": args.session_store, "served_model_name": args.served_model_name}
+    given["more_served_models"] = getattr(args, "more_served_models", None)
     overrides |= {name: value for name, value in given.items() if value is not None}
     overrides |= trained_model_settings(args.model_repository, Settings(**overrides))
     settings = Settings(**overrides)
@@ -313,36 +316,62 @@ def watch(front, stop: threading.Event) -> None:
     watch(front, stop, say=lambda line: print(line, file=sys.stderr, flush=True))
 
 
-def serve_folder(args: argparse.Namespace) -> int:
-    """`python -m serving FOLDER`: a checkpoint built into its artifacts once (by the digest of its files), or
-    an artifact folder `python -m export build` wrote, served from a repository of its own under the folder's
-    name."""
-    from serving.triton.cli import export_folder, served_folder_repository
+def serve_folders(args: argparse.Namespace, folders: list[Path]) -> int:
+    """`python -m serving FOLDER [FOLDER ...]`: each a checkpoint built into its artifacts once (by the digest of
+    its files) or an artifact folder `python -m export build` wrote, served from one repository under the
+    folder's name (the first under --served-model-name when given, alone)."""
+    from serving.triton.cli import served_folders_repository
 
-    folder = args.folder
+    names = [args.served_model_name or folders[0].resolve().name, *(folder.resolve().name for folder in folders[1:])]
+    if len(folders) > 1 and args.served_model_name:
+        print("error: --served-model-name names one FOLDER's model; several are served by their names", file=sys.stderr)
+        return 2
+    twins = sorted({name for name in names if names.count(name) > 1})
+    if twins:
+        print(f"error: two FOLDERs are named {', '.join(twins)}: the model ids would clash", file=sys.stderr)
+        return 2
+    served = []
+    for folder, name in zip(folders, names, strict=True):
+        artifacts = built_folder(folder)
+        if artifacts is None:
+            return 1
+        served.append((artifacts, name))
+    args.model_repository, more = served_folders_repository(served)
+    args.served_model_name = names[0]
+    args.more_served_models = more
+    return run(args)
+
+
+def built_folder(folder: Path) -> Path | None:
+    """A FOLDER's artifacts: itself when `python -m export build` wrote it, else its build (made once); None
+    once the reason it cannot be served is printed."""
     if not (folder / "config.json").is_file():
         print(f"error: {folder} holds no config.json: expected a Hugging Face checkpoint folder", file=sys.stderr)
-        return 1
+        return None
+    if (folder / files.REPORT_FILENAME).is_file():  # an artifact `export build` wrote, not a checkpoint
+        return folder
     try:
         from export.build import BuildError
         from export.importers import SourceMismatchError
         from export.progress import Progress
         from export.report import printing
+        from serving.triton.cli import export_folder, folder_artifacts
     except ImportError as error:
         print(f"error: this environment cannot build {folder} ({error}): install the export extra", file=sys.stderr)
-        return 1
-    name = args.served_model_name or folder.resolve().name  # the model id the OpenAI routes take
-    artifacts = folder
-    if not (folder / files.REPORT_FILENAME).is_file():  # a checkpoint, not an artifact `export build` wrote
-        print(f"{folder}: building it (once: later runs reuse the build while the folder is unchanged)", flush=True)
-        try:
-            artifacts = printing(lambda: export_folder(folder, Progress()), files.DEFAULT_ARTIFACTS)
-        except (BuildError, SourceMismatchError, OSError, ValueError) as error:
-            print(f"error: {folder} could not be built: {error}", file=sys.stderr)
-            return 1
-    args.model_repository = served_folder_repository(artifacts, name)
-    args.served_model_name = name
-    return run(args)
+        return None
+    print(f"{folder}: building it (once: later runs reuse the build while the folder is unchanged)", flush=True)
+    artifacts = folder_artifacts(folder)
+
+    def build() -> dict:
+        export_folder(folder, Progress())
+        return json.loads((artifacts / files.REPORT_FILENAME).read_text())
+
+    try:
+        printing(build, artifacts)
+        return artifacts
+    except (BuildError, SourceMismatchError, OSError, ValueError) as error:
+        print(f"error: {folder} could not be built: {error}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -351,14 +380,15 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = {None: run, "repository": cli.run_repository, "ensure": cli.run_ensure, envoy_cli.COMMAND: envoy_cli.run}
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and not argv[0].startswith("-") and Path(argv[0]).is_dir():  # a checkpoint folder, not a command
-        command = next((word for word in argv[1:] if word in commands), None)
+    folders = []
+    while argv and not argv[0].startswith("-") and Path(argv[0]).is_dir():  # checkpoint folders, not a command
+        folders.append(Path(argv.pop(0)))
+    if folders:
+        command = next((word for word in argv if word in commands), None)
         if command is not None:
             print(f"error: a FOLDER is served on its own, not with `{command}`", file=sys.stderr)
             return 2
-        args = parser().parse_args(argv[1:])
-        args.folder = Path(argv[0])
-        return serve_folder(args)
+        return serve_folders(parser().parse_args(argv), folders)
     args = parser().parse_args(argv)
     return commands[args.command](args)
 

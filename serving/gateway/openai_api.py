@@ -42,7 +42,6 @@ from serving.gateway import structured
 from serving.gateway.errors import (
     ApiError,
     InvalidInput,
-    ModelNotFound,
     SessionConflict,
     TooManySessions,
     UpstreamTimeout,
@@ -53,7 +52,7 @@ from serving.gateway.generate import DONE, STREAM_HEADERS, Pull, logit_bias
 from serving.gateway.routes import Caller, body_documented, caller, naming, the_gateway
 from serving.gateway.sessions import GatewaySession
 from serving.gateway.settings import Settings
-from serving.gateway.state import GatewayState
+from serving.gateway.state import GatewayState, WholeModel
 
 log = logging.getLogger(__name__)
 openai = APIRouter(prefix="/v1", dependencies=[Depends(caller)], tags=["openai"])
@@ -321,8 +320,9 @@ class Choice:
 class Run:
     """One request's choices: their sessions, generations, text and the sessions kept afterwards."""
 
-    def __init__(self, gw: GatewayState, owner: str, asked: Asked, text: TextModel, model: str) -> None:
-        self.gw, self.owner, self.asked, self.text, self.model = gw, owner, asked, text, model
+    def __init__(self, gw: GatewayState, owner: str, asked: Asked, whole: WholeModel) -> None:
+        self.gw, self.owner, self.asked = gw, owner, asked
+        self.text, self.model, self.client = whole.text, whole.id, whole.client
         self.choices: list[Choice] = []
         self.cached = 0  # prompt tokens reused from a kept row
         self.created = int(time.time())
@@ -338,9 +338,9 @@ class Run:
     async def lease(self) -> None:
         """A session for every choice (opened, forked, or the caller's own), each prompt prefilled once."""
         if self.asked.session is not None:
-            if self.gw.generates_beside:
+            if self.client is not self.gw.client:
                 raise InvalidInput(
-                    f"session: '{self.model}' is '{self.gw.generate_model}', and the sessions of /v1/sessions are "
+                    f"session: '{self.model}' is '{self.client.session_model}', and the sessions of /v1/sessions are "
                     f"'{self.gw.settings.session_model}''s: a session cannot be bound across models",
                     param="session",
                 )
@@ -406,7 +406,7 @@ class Run:
     async def _stateless(self) -> Any:
         """A new session of the key for one stateless generation (sent with its first request), counted in the
         key's quota while it runs."""
-        session = (await self.gw.generation_client()).session(owner=self.owner)
+        session = self.client.session(owner=self.owner)
         self._owned.append(session)
         self.gw.quotas.opened(self.owner, session)
         return session
@@ -681,20 +681,9 @@ async def chat_completions(request: Request, owner: Caller) -> Response:
 async def _answer(request: Request, owner: str, schema: type[schemas.Common], chat: bool) -> Response:
     gw = the_gateway(request)
     body = parsed(await request.body(), schema)
-    model = gw.model_id
-    if body.model != model:
-        raise ModelNotFound(f"model: no model '{body.model}' here; this gateway serves '{model}'", param="model")
-    info = await gw.model_info((await gw.generation_client()).session_model)
-    if info.vocab_size is None:
-        raise InvalidInput(
-            f"model: '{model}' is an attention model (hidden states in and out): only a whole model (token ids in, "
-            "logits out) with a tokenizer takes text",
-            param="model",
-        )
-    text = await gw.text()
-    max_seq_len = int(info.facts.get("max_seq_len", 1 << 30))
-    asked = asked_of(body, text, max_seq_len, chat, gw.settings)
-    run = Run(gw, owner, asked, text, model)
+    whole = await gw.whole_model(body.model)
+    asked = asked_of(body, whole.text, whole.max_seq_len, chat, gw.settings)
+    run = Run(gw, owner, asked, whole)
     try:
         await run.lease()
         run.start()

@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from client.store import SessionStore, StoreError, StoreKey
 from serving.gateway import openai_api
 from serving.gateway import openai_schemas as schemas
-from serving.gateway.errors import ApiError, InvalidInput, ModelNotFound, UpstreamUnavailable, responses
+from serving.gateway.errors import ApiError, InvalidInput, UpstreamUnavailable, responses
 from serving.gateway.routes import Caller, body_documented, caller, the_gateway
+from serving.gateway.state import WholeModel
 
 responses_router = APIRouter(prefix="/v1", dependencies=[Depends(caller)], tags=["openai"])
 RECORDS_IN_MEMORY = 10_000
@@ -138,8 +139,7 @@ def _key(owner: str, response_id: str) -> StoreKey | None:
 async def create_response(request: Request, owner: Caller) -> Response:
     gw = the_gateway(request)
     body = openai_api.parsed(await request.body(), ResponsesBody)
-    if body.model != gw.model_id:
-        raise ModelNotFound(f"model: no model '{body.model}' here; this gateway serves '{gw.model_id}'", param="model")
+    whole = await gw.whole_model(body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = await records_of(gw).get(owner, body.previous_response_id)
@@ -150,7 +150,7 @@ async def create_response(request: Request, owner: Caller) -> Response:
             )
         history = previous.messages
     conversation = [*history, *input_messages(body.input)]
-    run = await _run(gw, owner, body, conversation)
+    run = await _run(gw, owner, body, conversation, whole)
     if not body.stream:
         async with run.held:
             await asyncio.gather(*(openai_api.drain(run, choice) for choice in run.choices))
@@ -213,7 +213,9 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-async def _run(gw, owner: str, body: ResponsesBody, conversation: list[dict[str, Any]]) -> openai_api.Run:
+async def _run(
+    gw, owner: str, body: ResponsesBody, conversation: list[dict[str, Any]], whole: WholeModel
+) -> openai_api.Run:
     """The turn as a chat completion (its sessions leased, its generation started)."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     chat = {
@@ -229,13 +231,8 @@ async def _run(gw, owner: str, body: ResponsesBody, conversation: list[dict[str,
         parsed = schemas.ChatBody.model_validate(chat)
     except ValueError as error:
         raise InvalidInput(f"input: {error}", param="input") from None
-    info = await gw.model_info((await gw.generation_client()).session_model)
-    if info.vocab_size is None:
-        raise InvalidInput(f"model: '{body.model}' is an attention model: only a whole model takes text", "model")
-    text = await gw.text()
-    max_seq_len = int(info.facts.get("max_seq_len", 1 << 30))
-    asked = openai_api.asked_of(parsed, text, max_seq_len, True, gw.settings)
-    run = openai_api.Run(gw, owner, asked, text, body.model)
+    asked = openai_api.asked_of(parsed, whole.text, whole.max_seq_len, True, gw.settings)
+    run = openai_api.Run(gw, owner, asked, whole)
     run.id = "resp_" + secrets.token_hex(24)
     try:
         await run.lease()

@@ -106,13 +106,14 @@ async def healthz() -> dict:
     "/readyz",
     response_model=schemas.Status,
     responses=responses(503),
-    summary="Readiness: Triton is ready and both models answer a one-token request",
+    summary="Readiness: Triton is ready and every model the routes use (the stateless, the session model and each "
+    "one that generates) answers a one-token request",
 )
 async def readyz(gw: State) -> dict:
     settings = gw.settings
     try:
         async with asyncio.timeout(settings.readiness_timeout_s):
-            state = await gw.client.probe()
+            state = await gw.client.probe(also=gw.generating_models())
     except (ClientError, TimeoutError) as error:
         message = getattr(error, "message", None) or f"no answer within {settings.readiness_timeout_s:g} s"
         raise UpstreamUnavailable(f"Triton at {settings.triton_url} is not reachable: {message}") from None
@@ -137,43 +138,45 @@ async def metrics(gw: State) -> Response:
 
 @v1.get("/models", response_model=schemas.ModelList, responses=responses(401, 502, 503, 504))
 async def list_models(gw: State) -> dict:
-    """OpenAI's list (`object`, `data[].id`: the model the OpenAI-compatible routes serve, a whole model's
+    """OpenAI's list (`object`, `data[].id`: the models the OpenAI-compatible routes serve, each whole model's
     once ready) and ours beside it (`models`: the served models, their readiness and their tensors: the
-    stateless and session models, and the session model generation steps when it is another one)."""
-    client, generating = gw.client, await gw.generation_client()
+    stateless and session models, and each session model that generates when it is another one)."""
+    client = gw.client
     ready = (await gw.call(client.health(), "readiness of the models")).models
     kinds = {client.model: "stateless", client.session_model: "session"}
-    if generating is not client:
-        ready |= (await gw.call(generating.health(), "readiness of the generation's model")).models
-        kinds[generating.session_model] = "generation"
+    generators = gw.generators()
+    for generating in {c.session_model: c for c in generators.values()}.values():
+        if generating.session_model not in kinds:
+            ready |= (await gw.call(generating.health(), "readiness of the generation's model")).models
+            kinds[generating.session_model] = "generation"
     models = []
     for name, kind in kinds.items():
         entry = {"name": name, "kind": kind, "ready": ready.get(name, False)}
         if entry["ready"]:
             entry |= _describe(await gw.model_info(name))
         models.append(entry)
-    generation = next(entry for entry in models if entry["name"] == generating.session_model)
+    entries = {entry["name"]: entry for entry in models}
     cards = []
-    if generation["ready"] and generation.get("vocab_size"):
-        cards.append(_card(gw, generation.get("max_seq_len")))
+    for model_id, generating in generators.items():
+        generation = entries[generating.session_model]
+        if generation["ready"] and generation.get("vocab_size"):
+            cards.append(_card(gw, model_id, generation.get("max_seq_len")))
     return {"object": "list", "data": cards, "models": models}
 
 
-def _card(gw: GatewayState, max_seq_len: int | None) -> dict:
-    """OpenAI's model object of the model the OpenAI-compatible routes serve."""
-    card = {"id": gw.model_id, "object": "model", "created": gw.started, "owned_by": "attention-serving"}
+def _card(gw: GatewayState, model_id: str, max_seq_len: int | None) -> dict:
+    """OpenAI's model object of a model the OpenAI-compatible routes serve."""
+    card = {"id": model_id, "object": "model", "created": gw.started, "owned_by": "attention-serving"}
     return card | {"max_model_len": max_seq_len}
 
 
 @v1.get("/models/{model:path}", response_model=schemas.ModelCard, responses=responses(401, 404, 502, 503, 504))
 async def retrieve_model(model: str, gw: State) -> dict:
-    """OpenAI's `models.retrieve`: the model the OpenAI-compatible routes serve, by its id (404 for another)."""
-    if model != gw.model_id:
-        raise ModelNotFound(f"model: no model '{model}' here; this gateway serves '{gw.model_id}'", param="model")
-    info = await gw.model_info((await gw.generation_client()).session_model)
+    """OpenAI's `models.retrieve`: a model the OpenAI-compatible routes serve, by its id (404 for another)."""
+    info = await gw.model_info(gw.generator(model).session_model)
     if info.vocab_size is None:
         raise ModelNotFound(f"model: '{model}' is an attention model: only a whole model takes text", param="model")
-    return _card(gw, info.facts.get("max_seq_len"))
+    return _card(gw, model, info.facts.get("max_seq_len"))
 
 
 def _describe(info: ModelInfo) -> dict:

@@ -240,7 +240,9 @@ def _completion_line(settings: Settings, url: str, auth: str) -> list[str]:
         f"import os; from openai import OpenAI; print(OpenAI(base_url='{url}/v1', api_key={key}).chat.completions"
         f".create(model='{model}', messages=[{{'role': 'user', 'content': 'Hello'}}]).choices[0].message.content)"
     )
+    more = [name for name in settings.more_served_models if name != model]
     return [
+        *([f"models          {', '.join([model, *more])} (the `model` of a request names one)"] if more else []),
         f"text            curl -s {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'",
         f'sdk             .venv/bin/python -c "{sdk}"',
     ]

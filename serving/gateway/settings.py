@@ -140,6 +140,11 @@ class Settings(BaseSettings):
         description="the model's id on the OpenAI-compatible routes (`model` in a request, GET /v1/models' "
         "`data[].id`); unset: the session model's name",
     )
+    more_served_models: dict[str, str] = Field(
+        default={},
+        description="more whole models the OpenAI-compatible routes serve beside served_model_name: each id mapped "
+        "to the Triton session model that generates for it, as JSON (`python -m serving FOLDER FOLDER...` sets it)",
+    )
     max_stop_strings: int = Field(
         default=64,
         ge=1,

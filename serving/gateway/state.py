@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import secrets
 import time
@@ -18,7 +19,7 @@ from contract.files import TOKENIZER_FILENAME
 from contract.integrity import Keyring, derived_secret
 from serving.gateway import upstream
 from serving.gateway.auth import owner_of
-from serving.gateway.errors import InvalidInput, Overloaded, UpstreamFailed
+from serving.gateway.errors import InvalidInput, ModelNotFound, Overloaded, UpstreamFailed
 from serving.gateway.limits import request_deadline, restore_bound
 from serving.gateway.metrics import Metrics
 from serving.gateway.quotas import Quotas
@@ -50,6 +51,21 @@ def limit_tokens(setting: int | None, info: ModelInfo) -> int:
             model,
         )
     return min(setting or model, model)
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeModel:
+    """A whole model the OpenAI-compatible routes serve: its id there, the client of the session model that
+    generates for it, that model's metadata and its tokenizer."""
+
+    id: str
+    client: AsyncClient
+    info: ModelInfo
+    text: TextModel
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.info.facts.get("max_seq_len", 1 << 30))
 
 
 class GatewayState:
@@ -87,9 +103,10 @@ class GatewayState:
         self._attending = 0  # /v1/attend requests in flight (everything runs on the event loop)
         self.started = int(time.time())  # OpenAI's `created` of the served model
         self.quotas = Quotas(settings)  # what each key's sessions and prefixes hold of the KV cache
-        self._text: TextModel | None = None
+        self._texts: dict[str, TextModel] = {}  # per generating session model
         self._text_fetch = asyncio.Lock()
         self._generation_client: AsyncClient | None = None
+        self._generators: dict[str, AsyncClient] = {}  # model id on the OpenAI-compatible routes -> its client
         self.openai_sessions: dict[str, int] = {}  # per key: sessions the OpenAI routes' requests hold now
 
     @property
@@ -101,6 +118,11 @@ class GatewayState:
     def model_id(self) -> str:
         """The served model's id on the OpenAI-compatible routes (`model`, GET /v1/models' `data[].id`)."""
         return self.settings.served_model_name or self.settings.session_model
+
+    @property
+    def model_ids(self) -> list[str]:
+        """Every model id the OpenAI-compatible routes serve: `model_id`, then SERVING_MORE_SERVED_MODELS'."""
+        return [self.model_id, *(name for name in self.settings.more_served_models if name != self.model_id)]
 
     def owner(self, key: str) -> str:
         """Who a (valid) key is, as sessions record it; hashed once per key."""
@@ -129,6 +151,9 @@ class GatewayState:
         )
         generating = s.generate_model or s.session_model
         self._generation_client = self._client if generating == s.session_model else self._client.sibling(generating)
+        self._generators = {self.model_id: self._generation_client}
+        for name, model in s.more_served_models.items():
+            self._generators.setdefault(name, self._client.sibling(model))
         self.spawn(self._sweep())
         self.spawn(self._learn_models())
 
@@ -139,8 +164,8 @@ class GatewayState:
         await asyncio.gather(*sweeping, return_exceptions=True)
         await asyncio.gather(*(self.end_upstream(s) for s in self.sessions.drain()))
         await asyncio.gather(*self._tasks, return_exceptions=True)  # ENDs already on their way
-        if self.generates_beside:
-            await self._generation_client.close()
+        for generator in {id(c): c for c in self._generators.values() if c is not self._client}.values():
+            await generator.close()
         await self.client.close()
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str | None = None) -> None:
@@ -250,19 +275,51 @@ class GatewayState:
     def generate_model(self) -> str:
         return self.settings.generate_model or self.settings.session_model
 
-    async def text(self) -> TextModel:
-        """The served model's tokenizer (client/text.py), fetched from the generation model once and checked
-        against the digest its config publishes; 400 when it serves none."""
-        async with self._text_fetch:  # the first requests at once: one fetch
-            if self._text is None:
-                self._text = await self._fetched_text()
-        return self._text
+    def generators(self) -> dict[str, AsyncClient]:
+        """Each model id of the OpenAI-compatible routes -> the client of the session model that generates."""
+        assert self._generators, "the gateway is not started"
+        return self._generators
 
-    async def _fetched_text(self) -> TextModel:
-        fetched = await self.call((await self.generation_client()).text_files(), "the model's tokenizer files")
+    def generating_models(self) -> list[str]:
+        """The session models that generate for the OpenAI-compatible routes beside the session routes' own."""
+        own = self.settings.session_model
+        return list(dict.fromkeys(c.session_model for c in self.generators().values() if c.session_model != own))
+
+    def generator(self, model_id: str) -> AsyncClient:
+        """The client of the session model that generates for `model_id`; 404 for an id not served here."""
+        client = self.generators().get(model_id)
+        if client is None:
+            served = ", ".join(f"'{name}'" for name in self.model_ids)
+            raise ModelNotFound(f"model: no model '{model_id}' here; this gateway serves {served}", param="model")
+        return client
+
+    async def whole_model(self, model_id: str) -> WholeModel:
+        """The whole model the OpenAI-compatible routes serve as `model_id`: 404 for an id not served here, 400
+        for an attention model (hidden states in and out) or one without a tokenizer."""
+        client = self.generator(model_id)
+        info = await self.model_info(client.session_model)
+        if info.vocab_size is None:
+            raise InvalidInput(
+                f"model: '{model_id}' is an attention model (hidden states in and out): only a whole model (token "
+                "ids in, logits out) with a tokenizer takes text",
+                param="model",
+            )
+        return WholeModel(model_id, client, info, await self.text(client))
+
+    async def text(self, client: AsyncClient | None = None) -> TextModel:
+        """The tokenizer (client/text.py) of a generating model (the default one's unless `client` names
+        another), fetched once and checked against the digest its config publishes; 400 when it serves none."""
+        client = client or await self.generation_client()
+        async with self._text_fetch:  # the first requests at once: one fetch
+            if client.session_model not in self._texts:
+                self._texts[client.session_model] = await self._fetched_text(client)
+        return self._texts[client.session_model]
+
+    async def _fetched_text(self, client: AsyncClient) -> TextModel:
+        fetched = await self.call(client.text_files(), "the model's tokenizer files")
         if fetched is None:
             raise InvalidInput(
-                f"'{self.generate_model}' serves no tokenizer (its checkpoint had no "
+                f"'{client.session_model}' serves no tokenizer (its checkpoint had no "
                 f"{TOKENIZER_FILENAME}): it takes token ids (POST /v1/generate), not text"
             )
         digest, files = fetched

@@ -14,6 +14,7 @@ from serving.host.fleet import Fleet, start_fleet
 from serving.host.launcher import check_ports_free, free_port, serving_lines, start_triton
 from serving.host.process import reap_leftovers
 from serving.host.supervisor import Supervisor
+from serving.triton.repository import other_session_models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +102,7 @@ def supervise(
             tritonserver=options.tritonserver,
         )
 
-    return Supervisor(start, interval=options.probe_interval)
+    return Supervisor(start, interval=options.probe_interval, also=other_session_models(options.repository))
 
 
 _PICKING = threading.Lock()  # the replicas pick their ports in threads of their own (start_fleet)

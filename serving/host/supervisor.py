@@ -48,7 +48,8 @@ class Recovery:
 
 
 class Supervisor:
-    """Owns the running server (`.server` changes on a restart) and a thread that keeps it serving.
+    """Owns the running server (`.server` changes on a restart) and a thread that keeps it serving: its
+    stateless and session models and the session models of `also` (the repository's other model sets).
 
     `start()` starts a server (the same ports, the same log, every time); `on_change(server)` is
     called after a restart. `stop()` stops the thread and the server.
@@ -63,8 +64,9 @@ class Supervisor:
         hang_timeout: float = 30.0,
         probe_timeout: float = 10.0,
         max_restarts: int = 5,
+        also: tuple[str, ...] = (),
     ) -> None:
-        self._start, self.interval, self.patience = start, interval, patience
+        self._start, self.interval, self.patience, self.also = start, interval, patience, also
         self.hang_timeout, self.probe_timeout, self.max_restarts = hang_timeout, probe_timeout, max_restarts
         self.server = start()
         self.recoveries: list[Recovery] = []
@@ -104,7 +106,7 @@ class Supervisor:
         if self._client is None or self._client.url != server.grpc_url:
             self._client = Client(server.grpc_url, timeout=self.probe_timeout, retries=0)
         try:
-            state = self._client.probe()
+            state = self._client.probe(self.also)
         except ClientError as error:
             return Finding(f"Triton does not answer: {error.message}", certain=False)
         if state.ok:

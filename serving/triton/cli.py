@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -246,7 +247,7 @@ def export_folder(folder: Path, progress: Progress | None = None, root: Path = f
     from export.importers import import_weights
     from export.progress import Progress
 
-    artifacts = root / f"{folder.resolve().name}-{folder_digest(folder)[:16]}"
+    artifacts = folder_artifacts(folder, root)
     report = artifacts / files.REPORT_FILENAME
     if report.is_file() and json.loads(report.read_text()).get("passed"):
         return artifacts
@@ -264,15 +265,26 @@ def export_folder(folder: Path, progress: Progress | None = None, root: Path = f
     return artifacts
 
 
-def served_folder_repository(artifacts: Path, name: str) -> Path:
-    """A repository of its own for a served folder's artifacts (`python -m serving FOLDER`), rewritten from
-    them each time (it is cheap: configs and links)."""
+def folder_artifacts(folder: Path, root: Path = files.DEFAULT_ARTIFACTS) -> Path:
+    """Where `export_folder` builds `folder`: under its name and the digest of its files."""
+    return root / f"{folder.resolve().name}-{folder_digest(folder)[:16]}"
+
+
+def served_folders_repository(served: list[tuple[Path, str]]) -> tuple[Path, dict[str, str]]:
+    """One repository for served folders' artifacts (`python -m serving FOLDER ...`), each (artifacts, model id),
+    rewritten from them each time (it is cheap: configs and links): the first as the repository's own models, each
+    other as a session model of its own. The repository, and the other ids -> their Triton session models."""
     from serving.triton.config import MHA, MHA_SESSION
     from serving.triton.repository import write_repository
 
-    repository = files.PROJECT_ROOT / "build" / "served" / name
-    write_repository(artifacts, repository, models=(MHA, MHA_SESSION))
-    return repository
+    repository = files.PROJECT_ROOT / "build" / "served" / "+".join(name for _, name in served)
+    (first, _), more = served[0], {}
+    write_repository(first, repository, models=(MHA, MHA_SESSION))
+    for artifacts, name in served[1:]:
+        prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", name) + "_"  # what Triton takes in a model's name
+        write_repository(artifacts, repository, models=(MHA_SESSION,), prefix=prefix)
+        more[name] = f"{prefix}{MHA_SESSION}"
+    return repository, more
 
 
 def folder_digest(folder: Path) -> str:

@@ -301,3 +301,14 @@ def lacks(repository_dir: str | Path, models: tuple[str, ...] = triton_config.PY
         if unrecorded:
             found.append(f"{name}: no digest recorded for {', '.join(unrecorded)} ({DIGESTS_FILENAME})")
     return found
+
+
+def other_session_models(repository_dir: str | Path) -> tuple[str, ...]:
+    """The session models of `repository_dir` beside `mha_session`: those of its other model sets (the trained
+    model's, a second served folder's), which the supervisor and /readyz probe too."""
+    found = []
+    for config_path in sorted(Path(repository_dir).glob(f"*/{triton_config.TRITON_CONFIG_FILENAME}")):
+        config = triton_config.parse(config_path.read_text())
+        if config.HasField("sequence_batching") and config.name != names.SESSION_MODEL:
+            found.append(config.name)
+    return tuple(found)

@@ -55,3 +55,14 @@ def test_an_abbreviated_flag_is_not_taken_for_another(capsys):
     with pytest.raises(SystemExit) as refused:
         main(["ensure", "--weights", "folder"])  # --weights-dtype exists: argparse would take --weights for it
     assert refused.value.code == 2 and "unrecognized arguments: --weights folder" in capsys.readouterr().err
+
+
+def test_several_folders_need_distinct_names_and_no_one_name_for_all(tmp_path, capsys):
+    twins = [tmp_path / "a" / "model", tmp_path / "b" / "model"]
+    for folder in twins:
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    assert main([str(folder) for folder in twins]) == 2
+    assert "two FOLDERs are named model" in capsys.readouterr().err
+    assert main([str(twins[0]), str(tmp_path / "a"), "--served-model-name", "x"]) == 2
+    assert "names one FOLDER's model" in capsys.readouterr().err
