@@ -21,6 +21,7 @@ setting: a path, or a `redis://` URL.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -184,6 +185,7 @@ class DirectoryStore(SessionStore):
         return self.root.joinpath(*key.parts)
 
     def append(self, key: StoreKey, start: int, end: int, blob: bytes) -> None:
+        temporary = None
         try:
             folder = self._make_folder(key)
             handle, temporary = tempfile.mkstemp(dir=folder, prefix=".incoming-")
@@ -191,6 +193,9 @@ class DirectoryStore(SessionStore):
                 file.write(self._entry(key, start, end, blob))
             os.replace(temporary, folder / f"{start:012d}-{end:012d}")
         except OSError as error:
+            if temporary is not None:  # a write that failed half way (a full disk) leaves nothing behind
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
             raise StoreError(f"session store {self.root}: cannot write {key.parts[1]}: {error}") from None
 
     def _files(self, key: StoreKey) -> list[Path]:

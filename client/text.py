@@ -18,19 +18,16 @@ import functools
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
-import jinja2.utils
 from tokenizers import AddedToken, Tokenizer
 
+from client import chat_template
 from contract.files import (
     CHAT_TEMPLATE_FILENAME,
     GENERATION_CONFIG_FILENAME,
+    MAX_TOKENIZER_BYTES,
     SPECIAL_TOKENS_FILENAME,
     TEXT_FILES,
     TOKENIZER_CONFIG_FILENAME,
@@ -69,6 +66,10 @@ class TextFileInvalid(TextError):
 
 class ChatTemplateUnavailable(TextError):
     """The model has no chat template (or several and none named "default")."""
+
+
+class EncodeFailed(TextError, ValueError):
+    """The tokenizer failed on a text (its pre-tokenizer's regex past its backtracking limit, most often)."""
 
 
 class ChatTemplateError(TextError, ValueError):
@@ -125,6 +126,12 @@ class TextModel:
         if TOKENIZER_FILENAME not in files:
             raise TextUnavailable(
                 f"no {TOKENIZER_FILENAME} among the text files {sorted(files)}: the model has no tokenizer",
+                TOKENIZER_FILENAME,
+            )
+        if len(files[TOKENIZER_FILENAME]) > MAX_TOKENIZER_BYTES:
+            raise TextFileInvalid(
+                f"{TOKENIZER_FILENAME} is {len(files[TOKENIZER_FILENAME]) >> 20} MiB, more than the "
+                f"{MAX_TOKENIZER_BYTES >> 20} MiB a tokenizer is taken at",
                 TOKENIZER_FILENAME,
             )
         tokenizer_json = _json_object(files, TOKENIZER_FILENAME)
@@ -198,7 +205,16 @@ class TextModel:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The ids of `text`, as transformers' `tokenizer(text)["input_ids"]` (bos/eos where the model adds them)."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it runs (encode holds it): a long text tokenized on a worker thread
+        # does not stop the caller's other threads (the gateway's event loop)
+        try:
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except Exception as error:  # the library's errors are bare Exceptions
+            raise EncodeFailed(f"the tokenizer cannot encode this text: {error}") from None
+        except BaseException as error:  # its Rust panics (a regex past its backtracking limit) are BaseExceptions
+            if type(error).__name__ != "PanicException":
+                raise
+            raise EncodeFailed(f"the tokenizer failed on this text: {error}") from None
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`, as transformers' `tokenizer.decode` (ids outside the vocabulary give nothing)."""
@@ -235,20 +251,24 @@ class TextModel:
     ) -> str:
         """The conversation as the chat template writes it, as transformers' `apply_chat_template(...,
         tokenize=False)`; `extra` are further template variables (they override the special tokens')."""
-        template = _compiled_template(self._template_for(tools))
-        variables = _plain({**self.special.named, **extra})
         try:
-            return template.render(
-                messages=_messages(messages),
-                tools=_plain(tools),
-                documents=_plain(documents),
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.TemplateError as error:  # raise_exception, the sandbox, an undefined name
-            raise ChatTemplateError(str(error) or type(error).__name__) from error
-        except (TypeError, ValueError, LookupError, ArithmeticError) as error:  # the template's own expressions
-            raise ChatTemplateError(f"the chat template failed on these messages: {error}") from error
+            return chat_template.render(*self.chat_call(messages, add_generation_prompt, tools, documents, **extra))
+        except chat_template.TemplateFailed as error:
+            raise ChatTemplateError(str(error)) from error
+
+    def chat_call(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **extra: Any,
+    ) -> tuple[str, dict[str, Any]]:
+        """What `render_chat` renders: the template's source and its variables, plain data (JSON's types), which
+        `client.chat_template.render` renders here or in another process (the gateway's, bounded)."""
+        variables = _plain({**self.special.named, **extra})
+        plain = {"messages": _messages(messages), "tools": _plain(tools), "documents": _plain(documents)}
+        return self._template_for(tools), {**plain, "add_generation_prompt": add_generation_prompt, **variables}
 
     def chat_ids(
         self,
@@ -586,85 +606,7 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
-# --- chat templates, as transformers renders them (transformers/utils/chat_template_utils.py)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja2's namespace() without underscore-prefixed attributes, which could reach CPython's internals."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        self, args = args[0], args[1:]  # jinja2's own signature trick: `namespace(self=...)` still works
-        attributes = dict(*args, **kwargs)
-        for name in attributes:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attributes)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: object) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(
-                f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
-                "Please rename the attribute."
-            )
-
-
-class _TemplateDict:
-    """`dict` for templates: a call and `fromkeys`, no class to climb out of the sandbox through."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
-    # jinja2's own tojson escapes HTML characters, which a prompt must keep as they are
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for training
-    masks): rendered as its body, so templates that use it compile."""
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    @staticmethod
-    def _body(caller) -> str:
-        return caller()
-
-
-@functools.lru_cache(maxsize=32)
-def _compiled_template(source: str) -> jinja2.Template:
-    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    environment.filters["tojson"] = _tojson
-    environment.globals["raise_exception"] = _raise_exception
-    environment.globals["strftime_now"] = _strftime_now
-    environment.globals["dict"] = _TemplateDict()
-    environment.globals["namespace"] = _TemplateNamespace
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateSyntaxError as error:
-        raise ChatTemplateError(f"the chat template does not compile: line {error.lineno}: {error.message}") from error
+# --- the conversation as the template takes it
 
 
 def _messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -684,20 +626,24 @@ def _messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return plain
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, depth: int = 0) -> Any:
     """Only JSON's types reach the template (anything else as a placeholder naming its type): an object's
-    methods are code the sandbox does not know to be dangerous."""
+    methods are code the sandbox does not know to be dangerous. Nested at most MAX_TEMPLATE_DEPTH deep: no
+    chat needs more, and Python's stack (the template's recursion too) would not take much more."""
     if value is None or type(value) in (str, int, float, bool):
         return value
     for base, exact in _SCALARS:  # subclasses (enums, numpy scalars) lose their methods
         if isinstance(value, base):
             return exact(value)
+    if depth >= MAX_TEMPLATE_DEPTH and isinstance(value, (Mapping, list, tuple)):
+        raise ChatTemplateError(f"the messages are nested more than {MAX_TEMPLATE_DEPTH} deep (objects in lists ...)")
     if isinstance(value, Mapping):
-        return {_plain(key): _plain(item) for key, item in value.items()}
+        return {_plain(key, depth + 1): _plain(item, depth + 1) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_plain(item) for item in value]
+        items = [_plain(item, depth + 1) for item in value]
         return items if isinstance(value, list) else tuple(items)
     return f"<{type(value).__name__}>"
 
 
+MAX_TEMPLATE_DEPTH = 64
 _SCALARS = ((str, str.__str__), (int, int.__int__), (float, float.__float__))

@@ -14,6 +14,9 @@ DIGESTS_FILENAME = "SHA256SUMS"
 # a checkpoint's text files, as Hugging Face saves them: copied into the artifact (their sha256 in the report)
 # and into the generation model's version folder (in its SHA256SUMS), so the tokenizer travels with the model
 TOKENIZER_FILENAME = "tokenizer.json"  # the `tokenizers` library's whole tokenizer
+# the largest tokenizer.json taken (a build refuses it, a gateway does not parse it): the largest shipped ones are
+# tens of MB (Gemma 3's 33 MB); one of 167 MB took a gateway 40 s and 3.6 GB to load
+MAX_TOKENIZER_BYTES = 64 << 20
 TOKENIZER_CONFIG_FILENAME = "tokenizer_config.json"  # its special tokens, and the chat template of older saves
 GENERATION_CONFIG_FILENAME = "generation_config.json"  # the end-of-text ids generation stops at
 CHAT_TEMPLATE_FILENAME = "chat_template.jinja"  # the chat template, as transformers 5 saves it

@@ -22,6 +22,18 @@ SCALINGS = {"default": "none", "linear": "linear", "llama3": "llama3"}
 FULL, SLIDING = "full_attention", "sliding_attention"
 
 
+MAX_POSITIONS = 1 << 21  # 2M: above the longest context shipped (Qwen2.5-1M's 1,010,000)
+# ours -> config.json's names, for a refusal that names the field the user wrote
+NAMES_IN_CONFIG = {
+    "n_layers": "num_hidden_layers",
+    "d_model": "hidden_size",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "max_seq_len": "max_position_embeddings",
+    "mlp_width": "intermediate_size",
+}
+
+
 class ConfigRefusal(ValueError):
     """The config asks for something this model cannot represent; the message says what and why."""
 
@@ -39,6 +51,12 @@ def fields_from(data: dict[str, Any]) -> dict[str, Any]:
     ):
         if data.get(theirs) is not None:
             fields[ours] = data[theirs]
+    positions = fields.get("max_seq_len")
+    if isinstance(positions, int) and positions > MAX_POSITIONS:
+        raise ConfigRefusal(
+            f"max_position_embeddings {positions}: more than {MAX_POSITIONS} positions, the most a model here is "
+            "built for (its rotary tables and KV budget are sized by it before any weight is read)"
+        )
     eps = next((data[name] for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon") if name in data), None)
     if eps is not None:
         fields["norm_eps"] = eps
@@ -139,6 +157,8 @@ def whole_fields(data: dict[str, Any]) -> dict[str, Any]:
         ("vocab_size", data.get("vocab_size")),
         ("mlp_width", width),
         ("tie_embeddings", data.get("tie_word_embeddings")),
+        ("n_layers", data.get("num_hidden_layers", data.get("n_layer"))),
+        ("d_model", data.get("hidden_size", data.get("n_embd"))),
     ):
         if value is not None:
             fields[ours] = value

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from contract.config import DENSE, GATED, LAYERNORM, NO_NORM, RMSNORM, ModelConfig
-from contract.files import MODEL_CONFIG_FILENAME, TEXT_FILES, sha256
+from contract.files import MAX_TOKENIZER_BYTES, MODEL_CONFIG_FILENAME, TEXT_FILES, TOKENIZER_FILENAME, sha256
 from export import hf_config, hf_source
 from export.choices import LAYOUT_NAMES
 from export.model import AttentionModel
@@ -537,8 +537,9 @@ def import_config(
         "norm": layout.norm_kind(tensors, layers),
         "qk_norm": RMSNORM if layout.has_qk_norm(tensors, layers) else NO_NORM,
     } | (also_determined or {})
+    names = hf_config.NAMES_IN_CONFIG if layout.name == "hf" else {}  # a config.json's own names for its fields
     conflicts = [
-        f"{field}: the config gives {given[field]!r}, the weights {value!r}"
+        f"{names.get(field, field)}: the config gives {given[field]!r}, the weights {value!r}"
         for field, value in determined.items()
         if field in given and given[field] != value
     ]
@@ -911,14 +912,47 @@ def import_whole(path: Path, tensors: Mapping[str, Tensor], given: dict) -> Impo
             raise LayoutProblems(problems)
     except LayoutProblems as error:
         raise WeightsError(path, error.problems) from None
+    try:
+        text = checked_text_files(path.parent, cfg.vocab_size)  # before transformers builds anything from the folder
+    except LayoutProblems as error:
+        raise WeightsError(path, error.problems) from None
     model = loaded_model(cfg, attention, tensors, layers, decoder.convert(tensors, cfg))
     weights = {**provenance(path, "hf", tensors, cfg, biased), "whole": True}
-    return Imported(model, weights, check_whole(path.parent, model), text_files(path.parent))
+    return Imported(model, weights, check_whole(path.parent, model), text)
 
 
 def text_files(folder: Path) -> tuple[Path, ...]:
     """The checkpoint's text files (files.TEXT_FILES) that `folder` has."""
     return tuple(folder / name for name in TEXT_FILES if (folder / name).is_file())
+
+
+def checked_text_files(folder: Path, vocab_size: int) -> tuple[Path, ...]:
+    """`text_files(folder)`, its tokenizer.json refused (LayoutProblems) past MAX_TOKENIZER_BYTES or when it
+    names ids the model's vocabulary does not have."""
+    tokenizer = folder / TOKENIZER_FILENAME
+    if tokenizer.is_file():
+        size = tokenizer.stat().st_size
+        if size > MAX_TOKENIZER_BYTES:
+            raise LayoutProblems(
+                [f"{tokenizer}: {size >> 20} MiB, more than the {MAX_TOKENIZER_BYTES >> 20} MiB taken"]
+            )
+        try:
+            ids = tokenizer_ids(json.loads(tokenizer.read_text()))
+        except (ValueError, TypeError, AttributeError) as error:
+            raise LayoutProblems([f"{tokenizer}: not a tokenizer ({error})"]) from None
+        if ids > vocab_size:
+            raise LayoutProblems(
+                [f"{tokenizer}: its ids run to {ids - 1}, the model's vocabulary (vocab_size) has {vocab_size}"]
+            )
+    return text_files(folder)
+
+
+def tokenizer_ids(data: dict) -> int:
+    """The number of ids a tokenizer.json uses (its largest id + 1): its model's vocabulary and added tokens."""
+    vocab = data.get("model", {}).get("vocab") or {}
+    largest = max(vocab.values(), default=-1) if isinstance(vocab, dict) else len(vocab) - 1  # Unigram: a list
+    added = [token["id"] for token in data.get("added_tokens") or []]
+    return max([largest, *added]) + 1
 
 
 def check_whole(folder: Path, model: AttentionModel) -> dict:

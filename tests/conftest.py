@@ -22,7 +22,13 @@ import pytest
 from contract.config import ModelConfig, preset
 
 # the real Triton fixtures (`triton`, `triton_repository`, `triton_artifact`) for every tier
-pytest_plugins = ["tests.fixtures.triton", "tests.fixtures.redis", "tests.fixtures.browser", "tests.fixtures.prebuilds"]
+pytest_plugins = [
+    "tests.fixtures.triton",
+    "tests.fixtures.redis",
+    "tests.fixtures.browser",
+    "tests.fixtures.prebuilds",
+    "tests.fixtures.fortunes",
+]
 
 # Configs the tests build; `unseen` has sizes no preset uses (odd head_dim, 3 kv heads, 3 layers).
 TEST_CONFIGS = {

@@ -31,8 +31,8 @@ Prefix reuse (`reuse_prefix`): a generation that starts a session looks among it
 one that shares the longest prefix with its prompt, takes it over where the prompt goes on from all it holds (a
 conversation's next turn) or starts as a copy of it rewound to where they part, and prefills only the rest;
 when it ends with its session, its row is kept for the next request instead of freed (per owner at most
-`kept_per_owner`, least recently used first out; evicted, least recently used first, when the KV budget has no
-room for a new session). Only the owner's own rows are read:
+`kept_per_owner`, least recently used first out; evicted when the KV budget has no room for a new session: the
+least recently used of the owners holding more than an equal share first). Only the owner's own rows are read:
 another owner's request never reuses them, and learns nothing of them.
 """
 
@@ -238,6 +238,16 @@ class KeptRows:
 
     def least_recent(self) -> SequenceId | None:
         return next(iter(self._lru), None)
+
+    def victim(self) -> SequenceId | None:
+        """The row to end when the KV budget needs room: the least recently used of the owners holding more
+        than an equal share of the kept rows, else the least recently used of all. One owner's many rows go
+        before another's few: a key that fills the budget ends its own conversations first, not every key's."""
+        if not self._lru:
+            return None
+        share = len(self._lru) / len(self._by_owner)
+        over = {owner for owner, mine in self._by_owner.items() if len(mine) > share}
+        return next((sid for sid, kept in self._lru.items() if kept.owner in over), next(iter(self._lru)))
 
     def _touch(self, kept: Kept) -> None:
         kept.last_used = time.monotonic()
@@ -973,7 +983,7 @@ class EngineCore:
                 self._evict_kept()
 
     def _evict_kept(self) -> None:
-        sid = self._kept.least_recent()
+        sid = self._kept.victim()
         if sid is not None:
             self._end_quietly(self._kept.remove(sid))
 

@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic.json_schema import models_json_schema
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -26,6 +27,9 @@ from serving.gateway.limits import RequestLimitsMiddleware
 from serving.gateway.metrics import MetricsMiddleware
 from serving.gateway.settings import Settings
 from serving.gateway.state import GatewayState
+
+# the names a loopback gateway answers to without keys (another Host header: a page's script by DNS rebinding)
+LOOPBACK_NAMES = ["127.0.0.1", "localhost", "[::1]", "*.localhost"]
 
 DESCRIPTION = """
 A gateway in front of Triton for the attention model (docs/design.md): stateless attention with a
@@ -78,7 +82,10 @@ def _install_edge(app: GatewayApp) -> HotRoutes:
     candidates = [route for route in (*routes.v1.routes, *openai_api.openai.routes) if _route_key(route) in HOT_ROUTES]
     hot = HotRoutes(app, functools.partial(FastAPI.__call__, app), candidates)
     # metrics outermost: they see every answer, the limits' too; the limits run before any parsing
-    app.edge = MetricsMiddleware(RequestLimitsMiddleware(hot, gateway=gateway), metrics=gateway.metrics)
+    edge: ASGIApp = RequestLimitsMiddleware(hot, gateway=gateway)
+    if not gateway.settings.auth_enabled:  # open on loopback: a page's script must not reach it by a name it owns
+        edge = TrustedHostMiddleware(edge, allowed_hosts=LOOPBACK_NAMES)
+    app.edge = MetricsMiddleware(edge, metrics=gateway.metrics)
     return hot
 
 

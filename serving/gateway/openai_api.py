@@ -33,6 +33,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from client.chat_template import TemplateFailed
 from client.generation import Token
 from client.text import Detokenizer, TextError, TextModel
 from contract import generation
@@ -43,16 +44,16 @@ from serving.gateway.errors import (
     ApiError,
     InvalidInput,
     SessionConflict,
-    TooManySessions,
+    UnsupportedMediaType,
     UpstreamTimeout,
     error_body,
     responses,
 )
 from serving.gateway.generate import DONE, STREAM_HEADERS, Pull, logit_bias
-from serving.gateway.routes import Caller, body_documented, caller, naming, the_gateway
+from serving.gateway.routes import Caller, body_documented, caller, media_type_of, naming, the_gateway
 from serving.gateway.sessions import GatewaySession
-from serving.gateway.settings import Settings
 from serving.gateway.state import GatewayState, WholeModel
+from serving.gateway.templates import TemplateLimit
 
 log = logging.getLogger(__name__)
 openai = APIRouter(prefix="/v1", dependencies=[Depends(caller)], tags=["openai"])
@@ -85,6 +86,18 @@ class Asked:
     tools: structured.Tools | None = None
 
 
+async def json_body(request: Request) -> bytes:
+    """The body of a JSON route: JSON (or no Content-Type: read as JSON); anything else a 415. A web page may send
+    a form or text/plain to any address without asking first, never application/json: these bodies are not
+    taken as JSON."""
+    media_type = media_type_of(request)
+    if media_type and media_type != "application/json" and not media_type.endswith("+json"):
+        raise UnsupportedMediaType(
+            f"Content-Type: expected application/json, got {request.headers['content-type'][:80]!r}"
+        )
+    return await request.body()
+
+
 def parsed(raw: bytes, schema: type[BaseModel]) -> Any:
     """The body, or 400 in OpenAI's shape naming the first offending field."""
     try:
@@ -100,7 +113,8 @@ def parsed(raw: bytes, schema: type[BaseModel]) -> Any:
     return body
 
 
-def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool, settings: Settings) -> Asked:
+async def asked_of(body: schemas.Common, whole: WholeModel, chat: bool, gw: GatewayState) -> Asked:
+    text, max_seq_len, settings = whole.text, whole.max_seq_len, gw.settings
     stops, most = body.stops(), settings.max_stop_strings
     if len(stops) > most or any(not stop for stop in stops):
         found = f"{len(stops)}" if len(stops) > most else f"{stops!r}"
@@ -112,13 +126,13 @@ def asked_of(body: schemas.Common, text: TextModel, max_seq_len: int, chat: bool
     grammar, constrained_by, tools = _constraint(body, text, chat, settings.tool_call_parser)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if chat:
-        prompts, echo_texts = [_chat_ids(body, text, tools)], []
+        prompts, echo_texts = [await _chat_ids(body, text, tools, gw)], []
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise InvalidInput("top_logprobs: needs logprobs: true", param="top_logprobs")
         prompt_logprobs = None
     else:
-        prompts = _completion_ids(body.prompt, text)
+        prompts = await _completion_ids(body.prompt, text, gw)
         echo_texts = [text.decode(ids.tolist(), skip_special_tokens=False) for ids in prompts] if body.echo else []
         logprobs = body.logprobs
         if body.best_of is not None and body.best_of != body.n:
@@ -202,22 +216,35 @@ CONSTRAINT_FIELDS = {
 }
 
 
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt"})  # the request's own fields give these
+
+
 def _template_text(text: TextModel) -> str | None:
     template = text.chat_template
     return "\n".join(template.values()) if isinstance(template, dict) else template
 
 
-def _chat_ids(body: schemas.ChatBody, text: TextModel, tools: structured.Tools | None) -> np.ndarray:
+async def _chat_ids(
+    body: schemas.ChatBody, text: TextModel, tools: structured.Tools | None, gw: GatewayState
+) -> np.ndarray:
     given = [message.model_dump(exclude_none=True) for message in body.messages]
     messages = structured.template_messages([_text_content(at, message) for at, message in enumerate(given)])
+    extra = body.chat_template_kwargs or {}
+    taken = sorted(TEMPLATE_ARGUMENTS & extra.keys())
+    if taken:
+        raise InvalidInput(
+            f"chat_template_kwargs: {', '.join(taken)}: given by the request's own field of that name, not here",
+            param="chat_template_kwargs",
+        )
     try:
-        extra = body.chat_template_kwargs or {}
         if tools is not None:
             extra = {**extra, "tools": tools.tools}
-        ids = text.chat_ids(messages, add_generation_prompt=body.add_generation_prompt, **extra)
-    except TextError as error:
+        source, variables = text.chat_call(messages, add_generation_prompt=body.add_generation_prompt, **extra)
+        rendered = await gw.templates.render(source, variables)  # in a worker process, bounded
+    except (TextError, TemplateFailed, TemplateLimit) as error:
         raise InvalidInput(f"messages: {error}", param="messages") from None
-    return np.asarray(ids, np.int64)
+    # the template writes the special tokens, so none is added around it (transformers' apply_chat_template)
+    return np.asarray(await gw.encode(text, rendered, add_special_tokens=False), np.int64)
 
 
 def _text_content(at: int, message: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +268,7 @@ def _text_content(at: int, message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "\n".join(texts)}
 
 
-def _completion_ids(prompt: Any, text: TextModel) -> list[np.ndarray]:
+async def _completion_ids(prompt: Any, text: TextModel, gw: GatewayState) -> list[np.ndarray]:
     """Each prompt's ids: texts are encoded (with the tokenizer's special tokens, as transformers does),
     ids are taken as given (checked against the vocabulary)."""
     if isinstance(prompt, str):
@@ -254,7 +281,10 @@ def _completion_ids(prompt: Any, text: TextModel) -> list[np.ndarray]:
         raise InvalidInput("prompt: expected at least one prompt, got none", param="prompt")
     found = []
     for at, given in enumerate(prompts):
-        ids = text.encode(given) if isinstance(given, str) else list(given)
+        try:
+            ids = await gw.encode(text, given) if isinstance(given, str) else list(given)
+        except TextError as error:
+            raise InvalidInput(f"prompt[{at}]: {error}", param="prompt") from None
         if not ids:
             raise InvalidInput(f"prompt[{at}]: encodes to no tokens; give at least one", param="prompt")
         outside = [token for token in ids if not 0 <= token < text.vocab_size]
@@ -346,7 +376,7 @@ class Run:
                 )
             self._bound = await self.held.enter_async_context(self.gw.sessions.using(self.asked.session, self.owner))
         else:
-            self._count_against_the_keys_limit(self.asked.n * len(self.asked.prompts))
+            self.held.enter_context(self.gw.in_flight(self.owner, self.asked.n * len(self.asked.prompts)))
         # ended before the caller's session is let go (the stack unwinds in reverse), whatever ends the request
         self.held.push_async_callback(self.end)
         if self._bound is not None:
@@ -357,28 +387,6 @@ class Run:
             if self.asked.n > 1:
                 await self._prefill_once(ids)
             self._add_choices(at, [Lease(await self._stateless(), ids, ids[:0]) for _ in range(self.asked.n)])
-
-    def _count_against_the_keys_limit(self, sessions: int) -> None:
-        """A request's sessions count against the key's SERVING_SESSIONS_PER_KEY while it runs, beside the
-        sessions the key holds (the rows the server keeps for prefix reuse do not: it ends them when it needs
-        the room)."""
-        in_flight, limit = self.gw.openai_sessions, self.gw.settings.sessions_per_key
-        held = self.gw.sessions.held_by(self.owner) + in_flight.get(self.owner, 0)
-        if held + sessions > limit:
-            raise TooManySessions(
-                f"this request needs {sessions} session(s) while it runs; this API key holds {held} (open sessions "
-                f"and requests in flight), the limit is {limit}: retry when one ends"
-            )
-        in_flight[self.owner] = in_flight.get(self.owner, 0) + sessions
-
-        def release() -> None:
-            left = in_flight[self.owner] - sessions
-            if left:
-                in_flight[self.owner] = left
-            else:
-                del in_flight[self.owner]
-
-        self.held.callback(release)
 
     def _add_choices(self, prompt: int, leases: list[Lease]) -> None:
         for lease in leases:
@@ -680,9 +688,9 @@ async def chat_completions(request: Request, owner: Caller) -> Response:
 
 async def _answer(request: Request, owner: str, schema: type[schemas.Common], chat: bool) -> Response:
     gw = the_gateway(request)
-    body = parsed(await request.body(), schema)
+    body = parsed(await json_body(request), schema)
     whole = await gw.whole_model(body.model)
-    asked = asked_of(body, whole.text, whole.max_seq_len, chat, gw.settings)
+    asked = await asked_of(body, whole, chat, gw)
     run = Run(gw, owner, asked, whole)
     try:
         await run.lease()

@@ -138,7 +138,7 @@ def _key(owner: str, response_id: str) -> StoreKey | None:
 )
 async def create_response(request: Request, owner: Caller) -> Response:
     gw = the_gateway(request)
-    body = openai_api.parsed(await request.body(), ResponsesBody)
+    body = openai_api.parsed(await openai_api.json_body(request), ResponsesBody)
     whole = await gw.whole_model(body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
@@ -231,7 +231,7 @@ async def _run(
         parsed = schemas.ChatBody.model_validate(chat)
     except ValueError as error:
         raise InvalidInput(f"input: {error}", param="input") from None
-    asked = openai_api.asked_of(parsed, whole.text, whole.max_seq_len, True, gw.settings)
+    asked = await openai_api.asked_of(parsed, whole, True, gw)
     run = openai_api.Run(gw, owner, asked, whole)
     run.id = "resp_" + secrets.token_hex(24)
     try:

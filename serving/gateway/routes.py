@@ -23,6 +23,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from client import ClientError, ModelInfo
+from client.text import TextError
 from contract import integrity, names
 from contract.heads import head_roles, head_statistics
 from contract.inputs import real_tokens
@@ -299,7 +300,10 @@ async def _text_as_ids(
             param="text",
         )
     tokenizer = await gw.text()  # 400 naming the missing tokenizer.json where the model serves none
-    ids = await gw.offload(len(fields.text), tokenizer.encode, fields.text, fields.session is None)
+    try:
+        ids = await gw.encode(tokenizer, fields.text, fields.session is None)
+    except TextError as error:
+        raise InvalidInput(f"body.text: {error}", param="text") from None
     if not ids:
         raise InvalidInput(f"body.text: {fields.text[:40]!r} encodes to no tokens", param="text")
     tokens = [{"id": token, "text": tokenizer.token_text(token)} for token in ids]
@@ -556,8 +560,18 @@ async def generate_stateless(body: schemas.GenerateBody, gw: State, owner: Calle
     client = await gw.generation_client()
     model = client.session_model  # the generating session model, in a sequence of its own
     asked = generate.checked(body, await gw.model_info(model), model, stateless=True)
-    tokens = client.session(owner=owner).generate(asked.ids, end=True, **asked.arguments)
-    return await generate.answer(gw, tokens, asked, "stateless generation", _as_is, contextlib.AsyncExitStack())
+    held = contextlib.AsyncExitStack()
+    try:  # counted as one of the key's sessions, and its KV bytes in the key's quota, while it runs
+        held.enter_context(gw.in_flight(owner, 1))
+        session = client.session(owner=owner)
+        gw.quotas.opened(owner, session)
+        held.callback(gw.quotas.release, session)
+        gw.quotas.grow(owner, session, asked.positions)
+        tokens = session.generate(asked.ids, end=True, **asked.arguments)
+    except BaseException:
+        await held.aclose()
+        raise
+    return await generate.answer(gw, tokens, asked, "stateless generation", _as_is, held)
 
 
 def _as_is(error: ApiError) -> ApiError:

@@ -145,6 +145,18 @@ class Settings(BaseSettings):
         description="more whole models the OpenAI-compatible routes serve beside served_model_name: each id mapped "
         "to the Triton session model that generates for it, as JSON (`python -m serving FOLDER FOLDER...` sets it)",
     )
+    template_workers: int = Field(
+        default=2,
+        ge=1,
+        le=64,
+        description="processes that render chat templates (a model folder's code), off the gateway's event loop",
+    )
+    template_timeout_s: float = Field(
+        default=5.0, gt=0, description="one chat template render's time limit; past it a 400 and its worker killed"
+    )
+    template_memory_mib: int = Field(
+        default=1024, ge=256, description="a template worker's address-space limit; a render needing more is a 400"
+    )
     max_stop_strings: int = Field(
         default=64,
         ge=1,

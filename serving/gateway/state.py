@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 from client import AsyncClient, ClientError, ModelInfo
@@ -19,12 +19,13 @@ from contract.files import TOKENIZER_FILENAME
 from contract.integrity import Keyring, derived_secret
 from serving.gateway import upstream
 from serving.gateway.auth import owner_of
-from serving.gateway.errors import InvalidInput, ModelNotFound, Overloaded, UpstreamFailed
+from serving.gateway.errors import InvalidInput, ModelNotFound, Overloaded, TooManySessions, UpstreamFailed
 from serving.gateway.limits import request_deadline, restore_bound
 from serving.gateway.metrics import Metrics
 from serving.gateway.quotas import Quotas
 from serving.gateway.sessions import GatewaySession, GatewaySessions, SessionIds, tag
 from serving.gateway.settings import Settings
+from serving.gateway.templates import TemplateWorkers
 from serving.gateway.validated import body_bound
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ CLOSE_TIMEOUT_S = 5.0  # ending a session upstream is best effort: Triton's own 
 DEFAULT_REQUEST_TOKENS = 4096
 LEARN_INTERVAL_S, LEARN_INTERVAL_MAX_S = 2.0, 60.0  # how often the models' metadata is asked for until Triton answers
 OFFLOAD_BYTES = 1 << 20  # bodies (and answers) over this are decoded (encoded) on a worker thread
+ENCODE_INLINE_CHARS = 16 << 10  # longer texts are tokenized on a worker thread (about a millisecond's work)
 
 
 def limit_tokens(setting: int | None, info: ModelInfo) -> int:
@@ -108,6 +110,9 @@ class GatewayState:
         self._generation_client: AsyncClient | None = None
         self._generators: dict[str, AsyncClient] = {}  # model id on the OpenAI-compatible routes -> its client
         self.openai_sessions: dict[str, int] = {}  # per key: sessions the OpenAI routes' requests hold now
+        self.templates = TemplateWorkers(
+            settings.template_workers, settings.template_timeout_s, settings.template_memory_mib
+        )
 
     @property
     def client(self) -> AsyncClient:
@@ -167,6 +172,7 @@ class GatewayState:
         for generator in {id(c): c for c in self._generators.values() if c is not self._client}.values():
             await generator.close()
         await self.client.close()
+        self.templates.close()
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str | None = None) -> None:
         """Run `coroutine` beside the requests, outside the context of the one that started it (its
@@ -211,6 +217,13 @@ class GatewayState:
                 return
             await asyncio.sleep(interval)
             interval = min(2 * interval, LEARN_INTERVAL_MAX_S)
+
+    async def encode(self, text: TextModel, string: str, add_special_tokens: bool = True) -> list[int]:
+        """`text.encode(string)`, on a worker thread when the string is long (the tokenizer lets go of the GIL
+        there: a 10 MB prompt takes seconds, and the event loop goes on meanwhile)."""
+        if len(string) > ENCODE_INLINE_CHARS:
+            return await asyncio.to_thread(text.encode, string, add_special_tokens)
+        return text.encode(string, add_special_tokens)
 
     async def offload(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, in a worker thread when it works on a large body (megabytes of JSON take the
@@ -279,6 +292,28 @@ class GatewayState:
         """Each model id of the OpenAI-compatible routes -> the client of the session model that generates."""
         assert self._generators, "the gateway is not started"
         return self._generators
+
+    @contextlib.contextmanager
+    def in_flight(self, owner: str, sessions: int) -> Iterator[None]:
+        """A request's sessions (an OpenAI request's choices, a stateless generation) counted against the key's
+        SERVING_SESSIONS_PER_KEY while it runs, beside the sessions the key holds (the rows the server keeps for
+        prefix reuse do not: it ends them when it needs the room); 429 past it."""
+        in_flight, limit = self.openai_sessions, self.settings.sessions_per_key
+        held = self.sessions.held_by(owner) + in_flight.get(owner, 0)
+        if held + sessions > limit:
+            raise TooManySessions(
+                f"this request needs {sessions} session(s) while it runs; this API key holds {held} (open sessions "
+                f"and requests in flight), the limit is {limit}: retry when one ends"
+            )
+        in_flight[owner] = in_flight.get(owner, 0) + sessions
+        try:
+            yield
+        finally:
+            left = in_flight[owner] - sessions
+            if left:
+                in_flight[owner] = left
+            else:
+                del in_flight[owner]
 
     def generating_models(self) -> list[str]:
         """The session models that generate for the OpenAI-compatible routes beside the session routes' own."""

@@ -1,15 +1,13 @@
 """The gateway over real HTTP (uvicorn on a free loopback port, in a thread) in front of the
-session's real Triton (tests/fixtures/triton.py)."""
+session's real Triton (tests/fixtures/triton.py); the fortunes model served (tests/fixtures/fortunes.py)."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import socket
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import numpy as np
@@ -17,20 +15,12 @@ import pytest
 
 from contract import names
 from serving.engine.ort import Arrays
-from serving.gateway import RunningGateway, Settings, run_gateway
+from serving.gateway import RunningGateway
+from tests.fixtures.fortunes import FORTUNES_KEY, FORTUNES_MODEL, FORTUNES_OTHER_KEY, Served, running
 
 KEYS = ("key-one", "key-two")
 SESSIONS_PER_KEY = 3
-
-
-@contextlib.contextmanager
-def running(**settings) -> Iterator[RunningGateway]:
-    """A gateway with these settings (port 0: a free one), stopped on exit."""
-    gateway = run_gateway(Settings(**{"port": 0, "log_level": "warning", **settings}))
-    try:
-        yield gateway
-    finally:
-        gateway.stop()
+__all__ = ["FORTUNES_KEY", "FORTUNES_MODEL", "FORTUNES_OTHER_KEY", "Served", "running"]  # where tests import them
 
 
 @pytest.fixture(scope="session")
@@ -38,35 +28,6 @@ def gateway(triton) -> Iterator[RunningGateway]:
     settings = {"triton_url": triton.grpc_url}
     with running(api_keys=KEYS, sessions_per_key=SESSIONS_PER_KEY, **settings) as gateway:
         yield gateway
-
-
-FORTUNES_KEY, FORTUNES_OTHER_KEY, FORTUNES_MODEL = "fortunes-key", "fortunes-other-key", "fortunes"
-
-
-@dataclasses.dataclass
-class Served:
-    triton: Any  # serving.host.launcher's running Triton
-    gateway: RunningGateway
-
-
-@pytest.fixture(scope="session")
-def fortunes_served(trained_artifact, tmp_path_factory) -> Iterator[Served]:
-    """A Triton serving `trained_artifact` (the shipped fortunes model, as `make serve` builds it: its session
-    model generates) and a gateway in front of it serving it as `fortunes` to two keys."""
-    from serving.host.launcher import start_triton
-    from serving.triton.config import MHA, MHA_SESSION
-    from serving.triton.repository import write_repository
-    from tests.fixtures.triton import WHOLE_SETTINGS
-
-    work = tmp_path_factory.mktemp("fortunes-triton")
-    repository = write_repository(trained_artifact, work / "repository", WHOLE_SETTINGS, models=(MHA, MHA_SESSION))
-    with (
-        start_triton(repository, log_path=work / "triton.log") as server,
-        running(
-            api_keys=(FORTUNES_KEY, FORTUNES_OTHER_KEY), triton_url=server.grpc_url, served_model_name=FORTUNES_MODEL
-        ) as gateway,
-    ):
-        yield Served(server, gateway)
 
 
 @pytest.fixture

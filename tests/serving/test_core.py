@@ -327,3 +327,18 @@ def test_the_longest_kept_row_of_the_owner_is_found_from_min_shared_on_and_the_c
     assert kept.longest("carol", np.array([*opening, 1]))[0] is None  # another owner's rows are never read
     assert keep("third", "alice", [*opening, 9], 0.5) == ["third"]  # past the cap: the least recently used goes
     assert kept.least_recent() == "bobs"  # the one no lookup has touched since it was kept
+
+
+def test_a_full_budget_ends_the_kept_rows_of_the_owner_over_its_share_first():
+    """Room for a new row ends a kept row of the owner holding more than an equal share (its least recently
+    used), before another owner's older ones: one key's loops end its own conversations, not every key's."""
+    kept = core.KeptRows(per_owner=8)
+    for at, (sid, owner) in enumerate(
+        [("bob-1", "bob"), ("carol-1", "carol"), *((f"alice-{k}", "alice") for k in range(5))]
+    ):
+        kept.add(core.Kept(sid, owner, np.arange(4), float(at)))
+    assert kept.least_recent() == "bob-1"
+    assert kept.victim() == "alice-0"  # alice holds 5 of 7 rows: more than her share of 7/3
+    for k in range(4):
+        kept.remove(f"alice-{k}")
+    assert kept.victim() == "bob-1"  # one row each: the least recently used of all
