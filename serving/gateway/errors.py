@@ -85,6 +85,12 @@ class BodyTooLarge(ApiError):
     status, code = 413, "body_too_large"
 
 
+class BodyTimeout(ApiError):
+    """The body did not arrive within the request's time (a client that sends a byte now and then)."""
+
+    status, code = 408, "body_timeout"
+
+
 class UnsupportedMediaType(ApiError):
     """A body of a Content-Type the route does not read: refused rather than read as another kind, or ignored."""
 

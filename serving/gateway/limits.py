@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.gateway.errors import ApiError, BodyTooLarge, Overloaded, error_response
+from serving.gateway.errors import ApiError, BodyTimeout, BodyTooLarge, Overloaded, error_response
 
 # a body over this takes a place among SERVING_LARGE_BODY_CONCURRENCY: JSON numbers this size are about
 # 3x it as Python objects while decoded (a base64 body, 1x: 8 MiB carries the seed model's past of 1,500
@@ -58,7 +58,8 @@ class RequestLimitsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_deadline.set(asyncio.get_running_loop().time() + self.gateway.settings.request_timeout_s)
+        deadline = asyncio.get_running_loop().time() + self.gateway.settings.request_timeout_s
+        request_deadline.set(deadline)
         limit = _Limit.of(scope, self.gateway)
         declared = _content_length(scope)
         if declared is not None and declared > limit.bytes:
@@ -68,7 +69,16 @@ class RequestLimitsMiddleware:
         try:
             if declared is not None and declared > LARGE_BODY_BYTES:
                 large.take()
-            body = await self._read(receive, limit, large)
+            async with asyncio.timeout_at(deadline):  # a body trickling in holds a connection no longer than that
+                body = await self._read(receive, limit, large)
+        except TimeoutError:
+            large.release()
+            timeout_s = self.gateway.settings.request_timeout_s
+            body_late = BodyTimeout(
+                f"the request's body did not arrive within {timeout_s:g} s (SERVING_REQUEST_TIMEOUT_S)"
+            )
+            await _refuse(scope, receive, send, body_late)
+            return
         except ApiError as error:
             large.release()
             await _refuse(scope, receive, send, error)

@@ -53,9 +53,11 @@ SCRAPE_ERROR = "metrics_scrape"  # gateway_upstream_errors' kind for a Triton me
 
 
 class Metrics:
-    def __init__(self, triton_metrics: Sequence[str] = (), session_model: str = names.SESSION_MODEL) -> None:
-        """`triton_metrics`: Triton's Prometheus endpoints, where `session_model`'s KV cache usage is read
-        (none: the utilization is not exported)."""
+    def __init__(
+        self, triton_metrics: Sequence[str] = (), session_models: str | Sequence[str] = names.SESSION_MODEL
+    ) -> None:
+        """`triton_metrics`: Triton's Prometheus endpoints, where the KV cache usage of `session_models` (every
+        model set's that the gateway sends to, summed) is read (none: the utilization is not exported)."""
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "gateway_requests", "HTTP requests answered", ["method", "route", "status"], registry=self.registry
@@ -93,7 +95,7 @@ class Metrics:
             buckets=TOKEN_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.kv_cache = KvCacheGauge(triton_metrics, session_model, self.upstream_errors)
+        self.kv_cache = KvCacheGauge(triton_metrics, session_models, self.upstream_errors)
         # each (method, route, status)'s counter and histogram, looked up once: `labels()` checks and locks per call
         self._answered: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         if triton_metrics:  # else left out: a made-up 0 would read as an empty cache
@@ -166,8 +168,8 @@ class KvCacheGauge(Collector):
     last said (model_server.py); left out of the exposition while none has answered: no value rather than a
     made-up one."""
 
-    def __init__(self, urls: Sequence[str], model: str, upstream_errors: Counter) -> None:
-        self.urls, self.model, self.upstream_errors = tuple(urls), model, upstream_errors
+    def __init__(self, urls: Sequence[str], models: str | Sequence[str], upstream_errors: Counter) -> None:
+        self.urls, self.models, self.upstream_errors = tuple(urls), models, upstream_errors
         self.usage: KvCacheUsage | None = None
         self._read_at = -math.inf
         self._lock = asyncio.Lock()  # concurrent expositions share one read
@@ -180,7 +182,7 @@ class KvCacheGauge(Collector):
         async with self._lock:
             if time.monotonic() - self._read_at < KV_READ_CACHE_S:
                 return
-            read = await model_server.read_kv_usage(self.urls, self.model, KV_READ_TIMEOUT_S)
+            read = await model_server.read_kv_usage(self.urls, self.models, KV_READ_TIMEOUT_S)
             self.usage, self._read_at = read.usage, time.monotonic()
         self._record(read.failed)
 

@@ -21,7 +21,7 @@ import http.client
 import ipaddress
 import socket
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -74,8 +74,9 @@ def checked_url(url: str) -> str:
     return url
 
 
-async def read_kv_usage(urls: Sequence[str], model: str, timeout_s: float) -> KvCacheRead:
-    """`model`'s KV cache usage summed over every address of every URL, each read within `timeout_s`."""
+async def read_kv_usage(urls: Sequence[str], models: str | Collection[str], timeout_s: float) -> KvCacheRead:
+    """The KV cache usage of `models` (the server's model sets' session models) summed over them and over every
+    address of every URL, each read within `timeout_s`."""
     resolved = await asyncio.gather(*(endpoints_of(url) for url in urls), return_exceptions=True)
     found: list[Endpoint] = []
     failed: list[tuple[str, str]] = []
@@ -87,7 +88,7 @@ async def read_kv_usage(urls: Sequence[str], model: str, timeout_s: float) -> Kv
         else:
             found += result
     answers = await asyncio.gather(
-        *(asyncio.to_thread(read_endpoint, endpoint, model, timeout_s) for endpoint in found), return_exceptions=True
+        *(asyncio.to_thread(read_endpoint, endpoint, models, timeout_s) for endpoint in found), return_exceptions=True
     )
     usages = []
     for endpoint, answer in zip(found, answers, strict=True):
@@ -113,9 +114,9 @@ async def endpoints_of(url: str) -> list[Endpoint]:
     return [Endpoint(url, address, port, path) for address in addresses]
 
 
-def read_endpoint(endpoint: Endpoint, model: str, timeout_s: float) -> KvCacheUsage | None:
-    """`model`'s usage at one endpoint (blocking: run on a worker thread); one of UNANSWERED when it cannot tell."""
-    return usage_in(scrape(endpoint, timeout_s), model)
+def read_endpoint(endpoint: Endpoint, models: str | Collection[str], timeout_s: float) -> KvCacheUsage | None:
+    """`models`' usage at one endpoint (blocking: run on a worker thread); one of UNANSWERED when it cannot tell."""
+    return usage_in(scrape(endpoint, timeout_s), models)
 
 
 def scrape(endpoint: Endpoint, timeout_s: float) -> str:
@@ -133,15 +134,16 @@ def scrape(endpoint: Endpoint, timeout_s: float) -> str:
     return body.decode()
 
 
-def usage_in(text: str, model: str) -> KvCacheUsage | None:
-    """`model`'s reserved and budget bytes and its engine core's load in a Prometheus exposition; None when it
-    publishes no budget yet."""
+def usage_in(text: str, models: str | Collection[str]) -> KvCacheUsage | None:
+    """The reserved and budget bytes and the engine cores' load of `models` (one name, or several summed) in a
+    Prometheus exposition; None when they publish no budget yet."""
+    models = {models} if isinstance(models, str) else set(models)
     # Triton's exposition is mostly its own nv_* families: only ours are parsed
     ours = "\n".join(line for line in text.splitlines() if any(prefix in line for prefix in FAMILY_PREFIXES))
     values = {RESERVED: 0.0, BUDGET: 0.0, RUNNING: 0.0, WAITING: 0.0}
     for family in text_string_to_metric_families(ours + "\n"):
         for sample in family.samples:
-            if sample.name in values and sample.labels.get("model") == model:
+            if sample.name in values and sample.labels.get("model") in models:
                 values[sample.name] += sample.value
     if values[BUDGET] <= 0:
         return None

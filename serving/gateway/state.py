@@ -74,7 +74,9 @@ class GatewayState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.keys = [key.encode() for key in settings.accepted_keys()]
-        self.metrics = Metrics(settings.triton_metrics_urls, settings.session_model)
+        # the KV usage of every model set the gateway sends to (the session routes', the OpenAI routes' models)
+        model_sets = (settings.session_model, settings.generate_model, *settings.more_served_models.values())
+        self.metrics = Metrics(settings.triton_metrics_urls, tuple(dict.fromkeys(m for m in model_sets if m)))
         given = settings.session_secret.get_secret_value() if settings.session_secret else None
         self.secret = given or secrets.token_urlsafe(32)
         # signs the snapshots handed out and the store's entries; its own secret, or one of the session secret's

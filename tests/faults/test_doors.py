@@ -60,14 +60,6 @@ def leaked(pid: int, secrets: dict[str, str]) -> list[str]:
 # --- the secrets stay with the gateway --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_repository(artifact_dir, tmp_path_factory):
-    from serving.triton.config import ServingSettings
-    from serving.triton.repository import write_repository
-
-    return write_repository(artifact_dir("tiny"), tmp_path_factory.mktemp("repository"), ServingSettings(threads=1))
-
-
 def test_tritonserver_and_its_stubs_hold_none_of_the_gateways_secrets(secrets_in_environment, tiny_repository):
     with start_triton(tiny_repository) as server:
         members = group_members(server.process.pid)

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import tritonclient.http as httpclient
 
 from serving.host.launcher import EXIT_TIMEOUT_S, POLL_SECONDS, start_triton
@@ -127,14 +126,6 @@ def _mkdir(path: Path) -> Path:
 
 
 # --- a real Triton's stops ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_repository(artifact_dir, tmp_path_factory):
-    from serving.triton.config import ServingSettings
-    from serving.triton.repository import write_repository
-
-    return write_repository(artifact_dir("tiny"), tmp_path_factory.mktemp("repository"), ServingSettings(threads=1))
 
 
 def stubs(server) -> dict[str, int]:

@@ -7,6 +7,8 @@ Host header that is not a loopback name is refused (a page's script reaching a k
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -92,9 +94,9 @@ def test_a_stateless_generation_counts_against_the_keys_sessions(fortunes_served
 
 
 def test_a_long_prompt_is_tokenized_off_the_event_loop(keyless):
-    """A prompt of 6 MB (it stalled /healthz for seconds, tokenized on the loop) is tokenized on a worker thread
-    that lets go of the GIL: /healthz answers within a fraction of a second meanwhile; the prompt is a 400."""
-    prompt = "hello world, this is a test. " * 200_000
+    """A prompt of 3 MB (a 10 MB one stalled /healthz for seconds, tokenized on the loop) is tokenized on a worker
+    thread that lets go of the GIL: /healthz answers within a fraction of a second meanwhile; the prompt is a 400."""
+    prompt = "hello world, this is a test. " * 100_000
     answered: list[httpx.Response] = []
     body = {"model": FORTUNES_MODEL, "prompt": prompt, "max_tokens": 2}
     sender = threading.Thread(target=lambda: answered.append(keyless.post("/v1/completions", json=body)))
@@ -108,3 +110,26 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(keyless):
     sender.join()
     assert answered[0].status_code == 400 and "context" in answered[0].json()["error"]["message"]
     assert len(waits) >= 5 and max(waits) < 1.0, waits  # the tokenizer's seconds did not hold the loop
+
+
+def test_a_body_that_trickles_in_is_cut_at_the_requests_deadline(fortunes_served):
+    """A client that declares a body and sends it a few bytes at a time held a connection 75 s past the 30 s
+    request timeout: the body's reading is bounded by the request's deadline, then a 408 and the connection
+    closed."""
+    with running(triton_url=fortunes_served.triton.grpc_url, request_timeout_s=2.0) as gateway:
+        port = int(gateway.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+            began = time.monotonic()
+            head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            connection.sendall(f"{head}Content-Length: 1000\r\n\r\n{{".encode())
+            answer = b""
+            with contextlib.suppress(OSError):  # the server closes once it has answered
+                while time.monotonic() - began < 8 and b"\r\n\r\n" not in answer:
+                    connection.sendall(b" ")  # a byte now and then: never done
+                    connection.settimeout(0.5)
+                    with contextlib.suppress(TimeoutError):
+                        answer += connection.recv(4096)
+            took = time.monotonic() - began
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"SERVING_REQUEST_TIMEOUT_S" in answer or b"body_timeout" in answer
+    assert 1.9 <= took < 4.0

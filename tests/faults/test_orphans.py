@@ -32,14 +32,6 @@ pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 LEFT_AFTER_S = 5.0  # the issue's bound: what runs this long after the kill -9
 
 
-@pytest.fixture(scope="module")
-def tiny_repository(artifact_dir, tmp_path_factory):
-    from serving.triton.config import ServingSettings
-    from serving.triton.repository import write_repository
-
-    return write_repository(artifact_dir("tiny"), tmp_path_factory.mktemp("repository"), ServingSettings(threads=1))
-
-
 def work_dirs_of(pid: int) -> list[Path]:
     """The work folders whose owner record names `pid` (its Tritons', Envoy's, its session store's)."""
     return [

@@ -222,10 +222,12 @@ def test_the_usage_is_the_session_models_reserved_bytes_over_its_budget():
             "# TYPE attention_kv_cache_reserved_bytes gauge",
             'attention_kv_cache_reserved_bytes{kv_dtype="float32",model="mha_session"} 1048576',
             'attention_kv_cache_reserved_bytes{kv_dtype="int8",model="mha_session-int8w"} 4096',
+            'attention_kv_cache_reserved_bytes{kv_dtype="float32",model="fortunes_mha_session"} 3145728',
             "# HELP attention_kv_cache_budget_bytes The KV cache budget in bytes",
             "# TYPE attention_kv_cache_budget_bytes gauge",
             'attention_kv_cache_budget_bytes{kv_dtype="float32",model="mha_session"} 4194304',
             'attention_kv_cache_budget_bytes{kv_dtype="int8",model="mha_session-int8w"} 0',
+            'attention_kv_cache_budget_bytes{kv_dtype="float32",model="fortunes_mha_session"} 4194304',
             "# HELP attention_engine_running Generations and steps the engine core is running",
             "# TYPE attention_engine_running gauge",
             'attention_engine_running{kv_dtype="float32",model="mha_session"} 3',
@@ -240,3 +242,5 @@ def test_the_usage_is_the_session_models_reserved_bytes_over_its_budget():
     assert (usage.running, usage.waiting) == (3, 2)  # the engine core's load, its model's only
     assert usage_in(exposition, "mha_session-int8w") is None
     assert usage_in(exposition, "absent") is None
+    # every model set the gateway sends to, summed: the OpenAI routes' model's usage is not left out
+    assert usage_in(exposition, ["mha_session", "fortunes_mha_session"]).ratio == 0.5
