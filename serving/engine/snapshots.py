@@ -20,6 +20,7 @@ where the one before ended). Metadata
 | `start` | the first position the blob holds (0: the whole cache; more: a checkpoint's increment) |
 | `owner` | who may restore it (the gateway's keyed fingerprint of the caller's API key; empty: anyone) |
 | `token_ids` | a whole model's ids at positions `start` to `length` (JSON), where the server knew them |
+| `data_sha256` | the sha256 of the tensors' bytes in name order (blobs written before it carry none) |
 
 A restored session whose blobs carry `token_ids` goes on from its last token like any other (a generation
 without new ids), and its rows can be reused as a prefix; without them, the server asks for a token.
@@ -27,7 +28,9 @@ without new ids), and its rows can be reused as a prefix; without them, the serv
 A blob is refused (`SnapshotError`, naming what differs, expected and actual) when it is not a
 safetensors file, when its metadata is not this model's, graph or dtype, when its tensors do not
 have the shapes its length and config say, or when a float cache holds a value that is not finite
-(naming the tensor and the first such position); increments are restored together (`decode_chunks`),
+(naming the tensor and the first such position), or when its data is not what its `data_sha256` says (a bit
+flipped on a direct client's disk: the gateway's and the store's blobs carry a keyed tag besides); increments
+are restored together (`decode_chunks`),
 each starting where the one before ended.
 
 The metadata says what a blob is for, not who made it: what is handed to users or kept in a store
@@ -37,6 +40,7 @@ here. Extra metadata (the gateway's `mac`) is ignored.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Mapping, Sequence
@@ -81,6 +85,7 @@ def encode(
     the session's ids at positions 0 to `length` where known (the blob carries its positions')."""
     tensors = {name: np.ascontiguousarray(array[:, : length - start]) for name, array in cache.items()}
     metadata = {**identity, "length": str(length), "start": str(start), "owner": owner}
+    metadata["data_sha256"] = _data_sha256(tensors)
     if token_ids is not None and len(token_ids) == length:
         metadata["token_ids"] = json.dumps([int(token) for token in token_ids[start:length]])
     return safetensors.numpy.save(tensors, metadata=metadata)
@@ -136,6 +141,12 @@ def _decode_part(blob: bytes, identity: Mapping[str, str], owner: str) -> tuple[
     except (safetensors.SafetensorError, ValueError) as error:
         raise SnapshotError(f"not a session snapshot (a safetensors file): {error}") from None
     metadata = _metadata(blob)
+    written = metadata.get("data_sha256")
+    if written is not None and written != _data_sha256(tensors):
+        raise SnapshotError(
+            "snapshot data: its sha256 is not the one it was written with: the blob was changed or corrupted after "
+            "it was made (it is not restored)"
+        )
     for key in IDENTITY:
         if metadata.get(key) != identity[key]:
             raise SnapshotError(_differs(key, identity[key], metadata.get(key)))
@@ -159,6 +170,13 @@ def _decode_part(blob: bytes, identity: Mapping[str, str], owner: str) -> tuple[
             )
         _check_finite(name, tensors[name], start)
     return tensors, start, length
+
+
+def _data_sha256(tensors: Mapping[str, np.ndarray]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(np.ascontiguousarray(tensors[name]).data)
+    return digest.hexdigest()
 
 
 def _check_finite(name: str, values: np.ndarray, start: int) -> None:

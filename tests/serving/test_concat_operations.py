@@ -266,6 +266,10 @@ def test_a_blob_of_another_model_is_refused_naming_what_differs_and_changes_noth
         assert refused.value.code == errors.INVALID_ARG
     with pytest.raises(snapshots.SnapshotError, match="another owner"):
         engine.restore("b", engine.snapshot("a", owner="alice"), owner="bob")
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0x01  # one bit of the last tensor's data: still finite, still the right shape
+    with pytest.raises(snapshots.SnapshotError, match="changed or corrupted after it was made"):
+        engine.restore("b", bytes(flipped))
     assert engine.stats() == before and engine.length("b") == -1  # nothing started
     assert engine.restore("b", blob) == 5
 
