@@ -479,6 +479,8 @@ def _build_variant(
         entry = check_variant(model, path, variant, progress, quantization)
     if quantization:  # the layouts' errors on the calibration data: why the default layout is the default
         entry["kv_cache"] = quantization.to_report() | {"calibration_errors": calibrated.errors(variant.kv_bits)}
+    if variant.precision_floor is weights_int8.int8_weights_floor:  # which int8 path this CPU chose, and why
+        entry["int8_weights"] = weights_int8.int8_weights_report()
     entry["build_seconds"] = round(time.perf_counter() - started, 2)
     if entry["passed"]:
         entry["file"], entry["sha256"] = path.name, files.sha256(path)

@@ -36,7 +36,7 @@ def summary_table(report: dict) -> str:
             f"{name:<{width}} {entry['file_bytes'] / 1e6:>8.2f} {entry['fused_attention_ops']:>5}  "
             f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}  {present_abs:>11.2e}  {result}"
         )
-    notes = _precision_notes(report) + _cache_notes(report) + _maps_notes(report)
+    notes = _precision_notes(report) + _cache_notes(report) + _maps_notes(report) + _int8_notes(report)
     return "\n".join(lines + notes + _quality_table(report.get("quality")))
 
 
@@ -121,6 +121,15 @@ def _precision_notes(report: dict) -> list[str]:
                 "(its attention logits are large); where that matters, serve an fp32 variant"
             )
     return notes
+
+
+def _int8_notes(report: dict) -> list[str]:
+    """One line for the int8 weights' path (the same for every int8w variant of a build)."""
+    chosen = next((entry["int8_weights"] for entry in report["variants"].values() if "int8_weights" in entry), None)
+    if chosen is None:
+        return []
+    reduce_range = "on" if chosen["reduce_range"] else "off"
+    return [f"int8 weights: {chosen['bits']}-bit (reduce_range {reduce_range}): {chosen['why']}"]
 
 
 def _skipped(entry: dict) -> str:

@@ -44,7 +44,6 @@ import contextlib
 import copy
 import logging
 import platform
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -67,16 +66,43 @@ PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
 MLP_PROJECTIONS = ("W_gate", "W_up", "W_down")  # a whole model's MLP (W_gate: gated MLPs only)
 
 
+INT8_FEATURES = ("avx512_vnni", "avx_vnni", "amx_int8")  # x86 flags of int8 products accumulated in int32
+
+
+def int8_features() -> tuple[str, ...] | None:
+    """This x86 CPU's flags among INT8_FEATURES (from /proc/cpuinfo); None off x86 or off Linux."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return None
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:  # not Linux: assume a current CPU
+        return None
+    return tuple(flag for flag in INT8_FEATURES if flag in flags)
+
+
 def saturating_int8_products() -> bool:
     """Whether ONNX Runtime's u8 x s8 products saturate here: an x86 CPU without VNNI (its vpmaddubsw
     sums two products in int16). Elsewhere (VNNI, ARM's dot products) they accumulate in int32."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: assume a current CPU
-        return False
-    return re.search(r"\b(avx512_vnni|avx_vnni)\b", flags) is None
+    features = int8_features()
+    return features is not None and not {"avx512_vnni", "avx_vnni"} & set(features)
+
+
+def int8_weights_report() -> dict:
+    """What this build's int8 weights are, and why (report.json's `int8_weights` of each int8w variant): the
+    bits the build quantized to, reduce_range, and the CPU features that chose them."""
+    features = int8_features()
+    if features is None:
+        why = f"not an x86 CPU ({platform.machine()}) or no /proc/cpuinfo: products accumulate in int32"
+    elif REDUCE_RANGE:
+        why = "x86 without VNNI: vpmaddubsw sums two u8 x s8 products in int16, which 8-bit weights can saturate"
+    else:
+        why = f"{', '.join(features)}: u8 x s8 products accumulate in int32, no saturation"
+    return {
+        "bits": 7 if REDUCE_RANGE else 8,
+        "reduce_range": REDUCE_RANGE,
+        "cpu_features": list(features or ()),
+        "why": why,
+    }
 
 
 REDUCE_RANGE = saturating_int8_products()

@@ -6,6 +6,7 @@ build's quality section against each form's bound, and a form made worse on purp
 from __future__ import annotations
 
 import math
+import platform
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,19 @@ def test_original_bits_per_byte_chunked_with_a_cache_equals_whole_window_cross_e
     expected = whole_window_nats(model, held.ids, length) / math.log(2) / held.bytes
     assert scored.bits_per_byte == pytest.approx(expected, rel=1e-6)
     assert 1.0 < scored.bits_per_byte < 8.0  # some learning: below a byte's 8 bits, above zero
+
+
+def test_the_int8_weights_say_which_path_this_cpu_took(built):
+    """8 bits where the CPU's int8 products accumulate in int32 (VNNI, AMX, not x86), 7 (reduce_range) where
+    vpmaddubsw would saturate them: in report.json and the console's table, from /proc/cpuinfo's flags."""
+    _, report = built
+    chosen = report["variants"]["fp32-fused-int8w"]["int8_weights"]
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").is_file() else set()
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    saturating = x86 and not {"avx512_vnni", "avx_vnni"} & flags
+    assert (chosen["bits"], chosen["reduce_range"]) == ((7, True) if saturating else (8, False))
+    assert set(chosen["cpu_features"]) == ({"avx512_vnni", "avx_vnni", "amx_int8"} & flags if x86 else set())
+    assert f"int8 weights: {chosen['bits']}-bit" in summary_table(report)
 
 
 def test_every_built_form_is_scored_within_its_bound(standin, built):
