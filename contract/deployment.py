@@ -31,8 +31,8 @@ KV_FLOAT, KV_INT8, KV_INT4 = "float", "int8", "int4"
 KV_DTYPES = (KV_FLOAT, KV_INT8, KV_INT4)
 # The projections' weights of the graphs served: the graph's float, or int8 (fp32-fused-int8w for `mha`,
 # fp32-static-int8w for `mha_session`'s static engine, CPU only): a quarter of the bytes a decode step reads
-WEIGHTS_FLOAT, WEIGHTS_INT8 = "float", "int8"
-WEIGHT_DTYPES = (WEIGHTS_FLOAT, WEIGHTS_INT8)
+WEIGHTS_FLOAT, WEIGHTS_INT8, WEIGHTS_INT4 = "float", "int8", "int4"
+WEIGHT_DTYPES = (WEIGHTS_FLOAT, WEIGHTS_INT8, WEIGHTS_INT4)
 NARROWEST_CACHE_BITS = {KV_FLOAT: 16, KV_INT8: 8, KV_INT4: 4}  # on any placement
 CPU_CACHE_BITS = {KV_FLOAT: 32, KV_INT8: 8, KV_INT4: 4}
 # The static engine's reservation granule (serving/engine/cache_manager.py): what a session reserves at its
@@ -145,7 +145,7 @@ class ServingSettings:
             raise ValueError(f"weights_dtype must be one of {list(WEIGHT_DTYPES)}, got {self.weights_dtype!r}")
         if self.weights_dtype != WEIGHTS_FLOAT and self.kv_dtype != KV_FLOAT:
             raise ValueError(
-                f"weights_dtype {self.weights_dtype} with kv_dtype {self.kv_dtype}: no graph holds both int8 "
+                f"weights_dtype {self.weights_dtype} with kv_dtype {self.kv_dtype}: no graph holds both quantized "
                 "weights and a quantized cache; choose one"
             )
 

@@ -20,7 +20,7 @@ import onnx
 
 from contract import files, names
 from contract.config import NO_MLP, RMSNORM, ModelConfig
-from export import artifacts, choices, forms, graph_stats, kv_quant, quality, targets, weights_int8
+from export import artifacts, choices, forms, graph_stats, kv_quant, quality, targets, weights_int4, weights_int8
 from export.fp16 import make_fp16_fused
 from export.fusion import make_fp32_fused
 from export.inspect_form import make_inspection_graph
@@ -79,6 +79,8 @@ def _make_fp32(model: AttentionModel, path: Path) -> Path:
     return export_onnx(model, path)
 
 
+# what a static-cache form of a variant takes beside its fused form's (the quantized weights' static forms)
+STATIC_FORM = {"ladder": POOL, "target": targets.STATIC, "unsupported": forms.static_problem}
 VARIANTS: dict[str, Variant] = {
     "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"], target=targets.ONNX_BACKEND),
     "fp32-fused": Variant("fp32-fused", make_fp32_fused, TOLERANCES["fp32-fused"], fused=True),
@@ -118,23 +120,31 @@ VARIANTS: dict[str, Variant] = {
         )
         for name, bits in (("fp32-static-int8kv", 8), ("fp32-static-int4kv", 4))
     },
-    weights_int8.NAME: Variant(
-        weights_int8.NAME,
-        weights_int8.make_fp32_fused_int8w,
-        weights_int8.INT8_WEIGHTS_TOLERANCE,
-        fused=True,
-        precision_floor=weights_int8.int8_weights_floor,
-    ),
-    weights_int8.STATIC_NAME: Variant(
-        weights_int8.STATIC_NAME,
-        weights_int8.make_fp32_static_int8w,
-        weights_int8.INT8_WEIGHTS_TOLERANCE,
-        fused=True,
-        ladder=POOL,
-        target=targets.STATIC,
-        unsupported=forms.static_problem,
-        precision_floor=weights_int8.int8_weights_floor,
-    ),
+    **{
+        name: Variant(name, make, tolerance, fused=True, precision_floor=floor, **static)
+        for fused_make, static_make, tolerance, floor, fused_name, static_name in (
+            (
+                weights_int8.make_fp32_fused_int8w,
+                weights_int8.make_fp32_static_int8w,
+                weights_int8.INT8_WEIGHTS_TOLERANCE,
+                weights_int8.int8_weights_floor,
+                weights_int8.NAME,
+                weights_int8.STATIC_NAME,
+            ),
+            (
+                weights_int4.make_fp32_fused_int4w,
+                weights_int4.make_fp32_static_int4w,
+                weights_int4.INT4_WEIGHTS_TOLERANCE,
+                weights_int4.int4_weights_floor,
+                weights_int4.NAME,
+                weights_int4.STATIC_NAME,
+            ),
+        )
+        for name, make, static in (
+            (fused_name, fused_make, {}),
+            (static_name, static_make, STATIC_FORM),
+        )
+    },
     "fp32-trt": Variant("fp32-trt", forms.make_fp32_trt, TOLERANCES["fp32-trt"], fused=True, target=targets.TENSORRT),
     "fp16-trt": Variant(
         "fp16-trt", forms.make_fp16_trt, TOLERANCES["fp16-trt"], np.float16, fused=True, target=targets.TENSORRT

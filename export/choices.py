@@ -15,6 +15,7 @@ FP32_FUSED, FP16_FUSED = "fp32-fused", "fp16-fused"
 INSPECT = names.INSPECTION_VARIANT
 INT8_CACHE, INT4_CACHE = "fp32-static-int8kv", "fp32-static-int4kv"
 INT8_WEIGHTS, STATIC_INT8_WEIGHTS = "fp32-fused-int8w", "fp32-static-int8w"
+INT4_WEIGHTS, STATIC_INT4_WEIGHTS = "fp32-fused-int4w", "fp32-static-int4w"
 VARIANT_NAMES = (
     "fp32",
     FP32_FUSED,
@@ -26,6 +27,8 @@ VARIANT_NAMES = (
     INT4_CACHE,
     INT8_WEIGHTS,
     STATIC_INT8_WEIGHTS,
+    INT4_WEIGHTS,
+    STATIC_INT4_WEIGHTS,
     "fp32-trt",
     "fp16-trt",
 )
@@ -36,7 +39,7 @@ INSPECTED_VARIANTS = (FP32_FUSED, FP16_FUSED)  # the fused graphs: one Attention
 # the attention maps on the inspection graph; CUDA adds the fp16 forms, TensorRT its own. The
 # quantized caches and weights are built when asked for: a deployment asks for one by its kv_dtype
 # (`python -m serving ensure --kv-dtype int8` adds fp32-static-int8kv), and INT8 weights by its
-# weights_dtype (`--weights-dtype int8` adds fp32-fused-int8w and fp32-static-int8w).
+# weights_dtype (`--weights-dtype int8` adds fp32-fused-int8w and fp32-static-int8w; int4 their 4-bit forms).
 SERVED = {
     CPU: ("fp32", FP32_FUSED, INSPECT, "fp32-static"),
     CUDA: (FP16_FUSED, "fp16-static"),

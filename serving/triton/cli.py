@@ -104,8 +104,9 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--weights-dtype",
         choices=WEIGHT_DTYPES,
         default=defaults.weights_dtype,
-        help="both python models: the projections' weights: the graph's float (default), or int8 (the INT8-weight "
-        "graphs: a quarter of the weight bytes a step reads, CPU only; not with a quantized --kv-dtype)",
+        help="both python models: the projections' weights: the graph's float (default), int8 (the INT8-weight "
+        "graphs: a quarter of the weight bytes a step reads) or int4 (4 bits in blocks of 32: an eighth); CPU only, "
+        "not with a quantized --kv-dtype",
     )
     add(
         "--min-row-positions",

@@ -22,7 +22,15 @@ from pathlib import Path
 
 from contract import generation, names
 from contract.config import ModelConfig
-from contract.deployment import ENGINE_CONCAT, ENGINE_OPERATIONS, ENGINE_STATIC, KV_INT4, KV_INT8, WEIGHTS_INT8
+from contract.deployment import (
+    ENGINE_CONCAT,
+    ENGINE_OPERATIONS,
+    ENGINE_STATIC,
+    KV_INT4,
+    KV_INT8,
+    WEIGHTS_INT4,
+    WEIGHTS_INT8,
+)
 from contract.files import DIGESTS_FILENAME, MODEL_CONFIG_FILENAME, REPORT_FILENAME, TEXT_FILES, model_filename
 from serving.triton import config as triton_config
 from serving.triton import digests
@@ -58,17 +66,20 @@ QUANTIZED_STATIC_FILES = {KV_INT8: {P_CPU: ("fp32-static-int8kv",)}, KV_INT4: {P
 # With INT8 weights (`weights_dtype`): the graphs whose projections are int8, on the CPU only (ONNX Runtime's
 # dynamic quantization is a CPU kernel): the fused one for `mha` and the concat engine, the static one for
 # the static engine. Asked for by name, they are never given up silently for the float graphs.
-INT8_WEIGHTS_FILES = {
-    triton_config.MHA: {P_CPU: ("fp32-fused-int8w",)},
-    ENGINE_STATIC: {P_CPU: ("fp32-static-int8w",)},
-    ENGINE_CONCAT: {P_CPU: ("fp32-fused-int8w",)},
+QUANTIZED_WEIGHTS_FILES = {
+    dtype: {
+        triton_config.MHA: {P_CPU: (f"fp32-fused-{dtype}w",)},
+        ENGINE_STATIC: {P_CPU: (f"fp32-static-{dtype}w",)},
+        ENGINE_CONCAT: {P_CPU: (f"fp32-fused-{dtype}w",)},
+    }
+    for dtype in (WEIGHTS_INT8, WEIGHTS_INT4)
 }
 
 
 def session_choices(settings: ServingSettings, engine: str) -> dict[str, tuple[str, ...]]:
     """mha_session's graphs per placement for `engine` and the deployment's KV cache and weights dtypes."""
-    if settings.weights_dtype == WEIGHTS_INT8:
-        return INT8_WEIGHTS_FILES[engine]
+    if settings.weights_dtype in QUANTIZED_WEIGHTS_FILES:
+        return QUANTIZED_WEIGHTS_FILES[settings.weights_dtype][engine]
     if engine == ENGINE_STATIC and settings.kv_dtype in QUANTIZED_STATIC_FILES:
         return QUANTIZED_STATIC_FILES[settings.kv_dtype]
     return PYTHON_FILES[engine]
@@ -76,18 +87,16 @@ def session_choices(settings: ServingSettings, engine: str) -> dict[str, tuple[s
 
 def stateless_choices(settings: ServingSettings) -> dict[str, tuple[str, ...]]:
     """mha's graphs per placement for the deployment's weights dtype."""
-    return (
-        INT8_WEIGHTS_FILES[triton_config.MHA]
-        if settings.weights_dtype == WEIGHTS_INT8
-        else PYTHON_FILES[triton_config.MHA]
-    )
+    quantized = QUANTIZED_WEIGHTS_FILES.get(settings.weights_dtype)
+    return quantized[triton_config.MHA] if quantized else PYTHON_FILES[triton_config.MHA]
 
 
 def asked_variants(settings: ServingSettings) -> tuple[str, ...]:
     """The variants a build makes only when asked for that these settings serve (a quantized cache, INT8
     weights): `python -m serving ensure` adds them to its build."""
-    if settings.weights_dtype == WEIGHTS_INT8:
-        return tuple(dict.fromkeys(v for files in INT8_WEIGHTS_FILES.values() for v in files[P_CPU]))
+    if settings.weights_dtype in QUANTIZED_WEIGHTS_FILES:
+        chosen = QUANTIZED_WEIGHTS_FILES[settings.weights_dtype]
+        return tuple(dict.fromkeys(v for files in chosen.values() for v in files[P_CPU]))
     return QUANTIZED_STATIC_FILES.get(settings.kv_dtype, {}).get(P_CPU, ())
 
 
@@ -156,12 +165,11 @@ def session_engine(settings: ServingSettings, passing: set[str]) -> str:
     if settings.engine == ENGINE_STATIC and P_CPU not in python_files(
         session_choices(settings, ENGINE_STATIC), passing
     ):
-        if settings.kv_dtype in QUANTIZED_STATIC_FILES or settings.weights_dtype == WEIGHTS_INT8:
+        quantized_weights = settings.weights_dtype in QUANTIZED_WEIGHTS_FILES
+        if settings.kv_dtype in QUANTIZED_STATIC_FILES or quantized_weights:
             (wanted,) = session_choices(settings, ENGINE_STATIC)[P_CPU]  # asked for by name: never given up silently
             setting = (
-                f"weights_dtype {settings.weights_dtype}"
-                if settings.weights_dtype == WEIGHTS_INT8
-                else (f"kv_dtype {settings.kv_dtype}")
+                f"weights_dtype {settings.weights_dtype}" if quantized_weights else f"kv_dtype {settings.kv_dtype}"
             )
             raise RepositoryError(
                 f"{setting} needs the {wanted} variant, which the artifact does not have "
@@ -217,8 +225,9 @@ def write_repository(
     for name in triton_config.PYTHON_MODELS:
         if name in models and P_CPU not in files[name]:
             build = ""
-            if settings.weights_dtype == WEIGHTS_INT8:  # asked for by name: say how to build it
-                build = f" (weights_dtype int8: python -m export build --variants {','.join(asked_variants(settings))})"
+            if settings.weights_dtype in QUANTIZED_WEIGHTS_FILES:  # asked for by name: say how to build it
+                variants = ",".join(asked_variants(settings))
+                build = f" (weights_dtype {settings.weights_dtype}: python -m export build --variants {variants})"
             raise RepositoryError(
                 f"{artifact_dir}: no passing variant for {name} on the CPU{build}; passing: {sorted(passing)}"
             )

@@ -79,7 +79,7 @@ def test_a_build_makes_what_this_machine_serves_and_says_how_to_build_the_rest()
         assert build.default_note() == (
             "built for this machine (cpu): fp32, fp32-fused, fp32-fused-inspect, fp32-static; build the rest "
             "with --variants fp16-fused,fp16-static,fp32-static-int8kv,fp32-static-int4kv,fp32-fused-int8w,"
-            "fp32-static-int8w,fp32-trt,fp16-trt (or --variants all)"
+            "fp32-static-int8w,fp32-fused-int4w,fp32-static-int4w,fp32-trt,fp16-trt (or --variants all)"
         )
 
 
@@ -92,6 +92,8 @@ def test_each_host_serves_what_the_one_before_it_does_and_every_variant_stays_bu
         "fp32-static-int4kv",
         "fp32-fused-int8w",
         "fp32-static-int8w",
+        "fp32-fused-int4w",
+        "fp32-static-int4w",
     }
     assert choices.parse_variants("cpu, fp32-static-int8kv,cpu") == ("cpu", "fp32-static-int8kv")
     assert choices.expand(("fp32-static-int8kv", "cpu")) == (*choices.variants_for(choices.CPU), "fp32-static-int8kv")
