@@ -56,11 +56,14 @@ from contract import files, names
 from contract.config import ModelConfig
 
 TORCH, TORCH_STATIC, GENAI = "torch", "torch-static", "onnxruntime-genai"
+GENAI_INT4 = "onnxruntime-genai-int4"  # its builder's `-p int4 -e cpu`: MatMulNBits, blocks of 32, accuracy_level 4
 FUSED, INT8W, STATIC, STATIC_INT8KV = "fp32-fused", "fp32-fused-int8w", "fp32-static", "fp32-static-int8kv"
 STATIC_INT8W = "fp32-static-int8w"  # INT8 weights in the static form: what a session serves with them
-OURS = (FUSED, INT8W, STATIC, STATIC_INT8W, STATIC_INT8KV)
-STATIC_FORMS = (STATIC, STATIC_INT8W, STATIC_INT8KV)  # through the KV pool; the others stateless
-CANDIDATES = (TORCH, TORCH_STATIC, *OURS, GENAI)
+STATIC_INT4W = "fp32-static-int4w"  # and 4-bit weights (`--weights-dtype int4`)
+OURS = (FUSED, INT8W, STATIC, STATIC_INT8W, STATIC_INT4W, STATIC_INT8KV)
+STATIC_FORMS = (STATIC, STATIC_INT8W, STATIC_INT4W, STATIC_INT8KV)  # through the KV pool; the others stateless
+GENAI_PRECISIONS = {GENAI: "fp32", GENAI_INT4: "int4"}  # the peer's models, by its builder's `-p`
+CANDIDATES = (TORCH, TORCH_STATIC, *OURS, *GENAI_PRECISIONS)
 # The checkpoint's weights: transformers' own init (std 0.02: the residual stream stays the size a trained
 # model's is), its head scaled so that logits spread as a trained model's do (measured at seed 0: std 0.45 and
 # a median top-2 margin of 0.06 unscaled; x20: std 9, margin 1.2), so that a greedy token means something
@@ -239,10 +242,10 @@ def genai_builder(python: Path) -> Path:
     return found[-1]
 
 
-def build_genai(python: Path, checkpoint: Path, out: Path) -> None:
-    """onnxruntime-genai's fp32 CPU model of the checkpoint (`builder -i FOLDER -o OUT -p fp32 -e cpu`)."""
+def build_genai(python: Path, checkpoint: Path, out: Path, precision: str = "fp32") -> None:
+    """onnxruntime-genai's CPU model of the checkpoint (`builder -i FOLDER -o OUT -p PRECISION -e cpu`)."""
     command = [sys.executable, str(genai_builder(python)), "-i", str(checkpoint), "-o", str(out)]
-    command += ["-p", "fp32", "-e", "cpu", "-c", str(out / "cache")]
+    command += ["-p", precision, "-e", "cpu", "-c", str(out / "cache")]
     done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=out.parent)
     if done.returncode != 0:
         raise BenchError(f"onnxruntime-genai's builder failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -273,12 +276,16 @@ def prepare(cfg: ModelConfig, folder: Path, seed: int, genai: bool) -> dict:
     facts["genai"] = {"used": False}
     if genai:
         try:
-            with progress.stage("onnxruntime-genai: its venv and its model builder"):
+            with progress.stage("onnxruntime-genai: its venv and its model builder (fp32, int4)"):
                 python = ensure_genai_venv()
-                if not (genai_model / "genai_config.json").is_file():
-                    genai_model.mkdir(parents=True, exist_ok=True)
-                    build_genai(python, checkpoint, genai_model)
-            facts["genai"] = {"used": True, "python": str(python), "model": str(genai_model)}
+                models = {}
+                for name, precision in GENAI_PRECISIONS.items():
+                    model = genai_model if precision == "fp32" else folder / f"genai-{precision}"
+                    if not (model / "genai_config.json").is_file():
+                        model.mkdir(parents=True, exist_ok=True)
+                        build_genai(python, checkpoint, model, precision)
+                    models[name] = str(model)
+            facts["genai"] = {"used": True, "python": str(python), "model": models[GENAI], "models": models}
         except BenchError as error:
             facts["genai"] = {"used": False, "reason": str(error)}
     return facts
@@ -467,7 +474,9 @@ def candidates(cfg: ModelConfig, folder: Path, facts: dict, threads: int) -> dic
         form = static_candidate if name in STATIC_FORMS else stateless_candidate
         made[name] = form(artifact / files.model_filename(name), cfg, threads)
     if facts["genai"]["used"]:
-        made[GENAI] = GenaiPeer(Path(facts["genai"]["python"]), Path(facts["genai"]["model"]), threads)
+        models = facts["genai"].get("models", {GENAI: facts["genai"]["model"]})
+        for name, model in models.items():
+            made[name] = GenaiPeer(Path(facts["genai"]["python"]), Path(model), threads)
     return made
 
 
@@ -541,14 +550,20 @@ def weight_read_bytes(path: Path) -> int:
 def floors_ms(cfg: ModelConfig, plan: Plan, artifact: Path, gbps: float) -> dict[int, dict[str, float]]:
     """batch -> candidate -> the decode step's floor in ms (module docstring)."""
     fp32_weights = (cfg.n_params() - cfg.vocab_size * cfg.d_model) * 4  # all but the embedding table
-    int8_weights = weight_read_bytes(artifact / files.model_filename(INT8W))
-    static_int8_weights = weight_read_bytes(artifact / files.model_filename(STATIC_INT8W))
+    # the quantized forms' weights as their graphs hold them (a form whose rung failed at build has no graph)
+    quantized = {
+        name: weight_read_bytes(artifact / files.model_filename(name))
+        for name in (INT8W, STATIC_INT8W, STATIC_INT4W)
+        if (artifact / files.model_filename(name)).is_file()
+    }
+    if STATIC_INT4W in quantized:
+        quantized[GENAI_INT4] = quantized[STATIC_INT4W]  # the same scheme, the same bytes
     out = {}
     for batch in plan.batches:
         cache = {itemsize: cfg.kv_cache_bytes(batch, round(plan.mean_past), itemsize) for itemsize in (4, 1)}
         reads = dict.fromkeys((TORCH, TORCH_STATIC, FUSED, STATIC, GENAI), fp32_weights + cache[4])
-        reads |= {INT8W: int8_weights + cache[4], STATIC_INT8KV: fp32_weights + cache[1]}
-        reads[STATIC_INT8W] = static_int8_weights + cache[4]
+        reads |= {name: nbytes + cache[4] for name, nbytes in quantized.items()}
+        reads[STATIC_INT8KV] = fp32_weights + cache[1]
         out[batch] = {name: nbytes / (gbps * 1e9) * 1e3 for name, nbytes in reads.items()}
     return out
 
@@ -609,6 +624,20 @@ def targets(results: dict) -> dict:
         if batch == 1 and GENAI in present and STATIC_INT8W in present:  # the issue's: INT8 weights vs genai's fp32
             speedup = step_ms(row, GENAI) / step_ms(row, STATIC_INT8W)
             out["static_int8w_vs_genai_decode_B1"] = {"speedup": speedup, "target": ">= 1.5", "met": speedup >= 1.5}
+        if GENAI_INT4 in present and STATIC_INT4W in present:  # issue 48: 4-bit weights against genai's
+            speedup = step_ms(row, GENAI_INT4) / step_ms(row, STATIC_INT4W)
+            out[f"static_int4w_vs_genai_int4_decode_B{batch}"] = {
+                "speedup": speedup,
+                "target": ">= 1",
+                "met": speedup >= 1,
+            }
+        if batch == 1 and STATIC_INT8W in present and STATIC_INT4W in present:
+            speedup = step_ms(row, STATIC_INT8W) / step_ms(row, STATIC_INT4W)
+            out["static_int4w_vs_static_int8w_decode_B1"] = {
+                "speedup": speedup,
+                "target": ">= 1.5",
+                "met": speedup >= 1.5,
+            }
     return out
 
 
@@ -704,8 +733,9 @@ def benchmark(cfg: ModelConfig, preset_name: str, folder: Path, plan: Plan, thre
         measured = measure_all(generators, prompts_for(cfg, plan), plan)
         after = copy_bandwidth(threads)
     finally:
-        if isinstance(generators.get(GENAI), GenaiPeer):
-            generators[GENAI].close()
+        for name in GENAI_PRECISIONS:
+            if isinstance(generators.get(name), GenaiPeer):
+                generators[name].close()
     if GENAI in generators:
         facts["genai"]["version"] = generators[GENAI].version
     bandwidth = {"before": before, "after": after, "gbps": max(before["gbps"], after["gbps"])}

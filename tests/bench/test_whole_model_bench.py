@@ -74,5 +74,8 @@ def test_a_whole_model_generates_greedily_on_every_candidate_against_transformer
         "static_vs_genai_decode_B2",
         "int8w_vs_fused_decode_B1",
         "static_int8w_vs_genai_decode_B1",
+        "static_int4w_vs_genai_int4_decode_B1",
+        "static_int4w_vs_genai_int4_decode_B2",
+        "static_int4w_vs_static_int8w_decode_B1",
     }
     assert "greedy = torch" in run.stdout and "targets:" in run.stdout
