@@ -23,8 +23,6 @@ does, both dequantized: what the scheme costs this model before any kernel compu
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -37,15 +35,8 @@ from export.fusion import fused_proto
 from export.model import AttentionModel
 from export.onnx_export import attach_config, plain_graph, save_onnx
 from export.parity import Tolerance
-from export.weights_int8 import (
-    MLP_PROJECTIONS,
-    PROJECTIONS,
-    _constant_transposed_weights,
-    _quiet_quantizer,
-    _tied_head,
-    projection_matmuls,
-)
-from serving.engine.ort import Arrays, Forward
+from export.weights_int8 import constant_transposed_weights, projection_matmuls, quantized_floor, quiet_quantizer
+from serving.engine.ort import Forward
 
 NAME = "fp32-fused-int4w"
 STATIC_NAME = "fp32-static-int4w"  # the sessions' form: what `--weights-dtype int4` serves
@@ -78,12 +69,12 @@ def quantize_projections(graph: onnx.ModelProto, cfg: ModelConfig, path: Path) -
     accuracy_level 4), the config attached as every variant carries it, checked by onnx.checker."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    graph = _constant_transposed_weights(graph)
+    graph = constant_transposed_weights(graph)
     matmuls = [name for name in projection_matmuls(graph) if _op(graph, name) == "MatMul"]
     quantizer = MatMulNBitsQuantizer(
         graph, bits=4, block_size=BLOCK, is_symmetric=True, accuracy_level=ACCURACY_LEVEL, nodes_to_include=matmuls
     )
-    with _quiet_quantizer():
+    with quiet_quantizer():
         quantizer.process()
     quantized = quantizer.model.model
     attach_config(quantized, cfg)
@@ -148,26 +139,7 @@ class _BlockQuantized(nn.Module):
 def int4_weights_floor(model: AttentionModel, dtype: type = np.float32) -> Forward:
     """The precision floor of the int4-weights graph of `model` (this module's doc); the same signature as
     `runners.rounded_runner` (`dtype`: the graph's float, fp32 here)."""
-    from export.runners import torch_runner
-
-    floored = copy.deepcopy(model).double()
-    for layer in floored.layers:
-        for name in PROJECTIONS:
-            setattr(layer.attn, name, _BlockQuantized(getattr(layer.attn, name)))
-        for name in MLP_PROJECTIONS if hasattr(layer, "mlp") else ():
-            if hasattr(layer.mlp, name):
-                setattr(layer.mlp, name, _BlockQuantized(getattr(layer.mlp, name)))
-    if floored.cfg.whole:  # the head, tied or not; the embedding's Gather stays fp32
-        head = floored.lm_head if hasattr(floored, "lm_head") else _tied_head(floored)
-        quantized_head = _BlockQuantized(head)
-        floored.head = lambda x: quantized_head(floored.final_norm(x))
-    run = torch_runner(floored)
-
-    def forward(inputs: Mapping[str, np.ndarray]) -> Arrays:
-        widened = {name: a.astype(np.float64) if a.dtype.kind == "f" else a for name, a in inputs.items()}
-        return {name: array.astype(dtype) for name, array in run(widened).items()}
-
-    return forward
+    return quantized_floor(model, dtype, _BlockQuantized)
 
 
 INT4_WEIGHTS_FLOOR_FACTOR = 1.5

@@ -44,7 +44,7 @@ import contextlib
 import copy
 import logging
 import platform
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -148,9 +148,9 @@ def quantize_projections(fused: onnx.ModelProto, cfg: ModelConfig, path: Path) -
     Runtime, written to `path` with the config attached as every variant carries it, checked by onnx.checker."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    fused = _constant_transposed_weights(fused)
+    fused = constant_transposed_weights(fused)
     projections = projection_matmuls(fused)
-    with _quiet_quantizer():
+    with quiet_quantizer():
         quantize_dynamic(
             fused,
             path,
@@ -169,7 +169,7 @@ def quantize_projections(fused: onnx.ModelProto, cfg: ModelConfig, path: Path) -
     return save_onnx(quantized, path)
 
 
-def _constant_transposed_weights(model_proto: onnx.ModelProto) -> onnx.ModelProto:
+def constant_transposed_weights(model_proto: onnx.ModelProto) -> onnx.ModelProto:
     """A copy where a MatMul weight made by `Transpose(initializer)` (a tied head: the embedding table
     transposed) is an initializer of its own, so the tool sees a constant weight and quantizes it."""
     from onnx import numpy_helper
@@ -196,7 +196,7 @@ def _constant_transposed_weights(model_proto: onnx.ModelProto) -> onnx.ModelProt
 
 
 @contextlib.contextmanager
-def _quiet_quantizer() -> Iterator[None]:
+def quiet_quantizer() -> Iterator[None]:
     """The tool logs a warning on the root logger that the graph was not "pre-processed" (ONNX
     Runtime's optimizer run first): the fused graph is already optimized, and that pass would replace
     standard ops with ONNX Runtime's own."""
@@ -259,18 +259,25 @@ def int8_weights_floor(model: AttentionModel, dtype: type = np.float32, weight_l
     anything; driven beside the graph, its own presents fed back, it sets the scale of the graph's
     tolerance (INT8_WEIGHTS_TOLERANCE). The same signature as `runners.rounded_runner` (`dtype`: the
     graph's float, fp32 here)."""
+    return quantized_floor(model, dtype, lambda linear: _DynamicallyQuantized(linear, weight_levels))
+
+
+def quantized_floor(model: AttentionModel, dtype: type, quantized: Callable[[nn.Linear], nn.Module]) -> Forward:
+    """The PyTorch original in fp64 with every MatMul of a constant weight a graph quantizes (the projections,
+    a whole model's MLPs and head; the embedding's Gather stays fp32) replaced by `quantized(linear)`: the
+    weights quantized schemes' precision floor, as a `runners.rounded_runner` (`dtype`: the graph's float)."""
     from export.runners import torch_runner
 
     floored = copy.deepcopy(model).double()
     for layer in floored.layers:
         for name in PROJECTIONS:
-            setattr(layer.attn, name, _DynamicallyQuantized(getattr(layer.attn, name), weight_levels))
+            setattr(layer.attn, name, quantized(getattr(layer.attn, name)))
         for name in MLP_PROJECTIONS if hasattr(layer, "mlp") else ():
             if hasattr(layer.mlp, name):
-                setattr(layer.mlp, name, _DynamicallyQuantized(getattr(layer.mlp, name), weight_levels))
-    if floored.cfg.whole:  # the head, tied or not; the embedding's Gather stays as it is (fp32)
-        head = floored.lm_head if hasattr(floored, "lm_head") else _tied_head(floored)
-        quantized_head = _DynamicallyQuantized(head, weight_levels)
+                setattr(layer.mlp, name, quantized(getattr(layer.mlp, name)))
+    if floored.cfg.whole:  # the head, tied or not
+        head = floored.lm_head if hasattr(floored, "lm_head") else tied_head(floored)
+        quantized_head = quantized(head)
         floored.head = lambda x: quantized_head(floored.final_norm(x))  # this copy's head only
     run = torch_runner(floored)
 
@@ -281,7 +288,7 @@ def int8_weights_floor(model: AttentionModel, dtype: type = np.float32, weight_l
     return forward
 
 
-def _tied_head(model: AttentionModel) -> nn.Linear:
+def tied_head(model: AttentionModel) -> nn.Linear:
     """The head a tied model computes (F.linear with the embedding table) as a Linear of its own."""
     head = nn.Linear(model.cfg.d_model, model.cfg.vocab_size, bias=False).double()
     head.weight = nn.Parameter(model.embed.weight.detach().clone(), requires_grad=False)

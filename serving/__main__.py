@@ -363,7 +363,7 @@ def built_folder(folder: Path) -> Path | None:
     artifacts = folder_artifacts(folder)
 
     def build() -> dict:
-        export_folder(folder, Progress())
+        export_folder(folder, Progress(), artifacts=artifacts)  # the folder's digest read once
         return json.loads((artifacts / files.REPORT_FILENAME).read_text())
 
     try:

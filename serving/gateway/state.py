@@ -126,11 +126,6 @@ class GatewayState:
         """The served model's id on the OpenAI-compatible routes (`model`, GET /v1/models' `data[].id`)."""
         return self.settings.served_model_name or self.settings.session_model
 
-    @property
-    def model_ids(self) -> list[str]:
-        """Every model id the OpenAI-compatible routes serve: `model_id`, then SERVING_MORE_SERVED_MODELS'."""
-        return [self.model_id, *(name for name in self.settings.more_served_models if name != self.model_id)]
-
     def owner(self, key: str) -> str:
         """Who a (valid) key is, as sessions record it; hashed once per key."""
         owner = self._owners.get(key)
@@ -282,11 +277,6 @@ class GatewayState:
         return self._generation_client
 
     @property
-    def generates_beside(self) -> bool:
-        """Whether the generating session model is not the session routes' own."""
-        return self._generation_client is not None and self._generation_client is not self._client
-
-    @property
     def generate_model(self) -> str:
         return self.settings.generate_model or self.settings.session_model
 
@@ -326,7 +316,7 @@ class GatewayState:
         """The client of the session model that generates for `model_id`; 404 for an id not served here."""
         client = self.generators().get(model_id)
         if client is None:
-            served = ", ".join(f"'{name}'" for name in self.model_ids)
+            served = ", ".join(f"'{name}'" for name in self.generators())
             raise ModelNotFound(f"model: no model '{model_id}' here; this gateway serves {served}", param="model")
         return client
 

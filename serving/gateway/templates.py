@@ -37,26 +37,31 @@ class TemplateWorkers:
 
     async def render(self, source: str, variables: dict[str, Any]) -> str:
         """`client.chat_template.render(source, variables)` in a worker; TemplateFailed as it raises it,
-        TemplateLimit past the time or memory limit."""
-        for attempt in (1, 2):
-            pool = self._current()
+        TemplateLimit past the time or memory limit. A render whose pool broke under it (a worker killed for
+        another render's time, or out of memory) is sent once more, to a new pool."""
+        try:
+            return await self._render_once(source, variables)
+        except BrokenProcessPool:
             try:
-                future = asyncio.get_running_loop().run_in_executor(pool, chat_template.render, source, variables)
-                return await asyncio.wait_for(future, self.timeout_s)
-            except TimeoutError:
-                self._discard(pool, "a chat template ran past its time limit")
-                raise TemplateLimit(
-                    f"the chat template ran past its {self.timeout_s:g} s limit (SERVING_TEMPLATE_TIMEOUT_S)"
-                ) from None
-            except MemoryError:
-                raise TemplateLimit(self._memory_limit()) from None
-            except BrokenProcessPool:  # its process died: killed for another render's time, or out of memory
-                self._discard(pool, "a template worker died")
-                if attempt == 2:
-                    raise TemplateLimit(
-                        f"the chat template's worker died rendering it ({self._memory_limit()})"
-                    ) from None
-        raise AssertionError("unreachable")
+                return await self._render_once(source, variables)
+            except BrokenProcessPool:
+                raise TemplateLimit(f"the chat template's worker died rendering it ({self._memory_limit()})") from None
+
+    async def _render_once(self, source: str, variables: dict[str, Any]) -> str:
+        pool = self._current()
+        try:
+            future = asyncio.get_running_loop().run_in_executor(pool, chat_template.render, source, variables)
+            return await asyncio.wait_for(future, self.timeout_s)
+        except TimeoutError:
+            self._discard(pool, "a chat template ran past its time limit")
+            raise TemplateLimit(
+                f"the chat template ran past its {self.timeout_s:g} s limit (SERVING_TEMPLATE_TIMEOUT_S)"
+            ) from None
+        except MemoryError:
+            raise TemplateLimit(self._memory_limit()) from None
+        except BrokenProcessPool:
+            self._discard(pool, "a template worker died")
+            raise
 
     def close(self) -> None:
         """Every worker stopped and reaped (a render in flight is cut short: the gateway is stopping)."""
@@ -92,6 +97,6 @@ class TemplateWorkers:
 
 
 def _start_worker(nbytes: int) -> None:
-    import client.chat_template  # noqa: F401  (its import under the limit, before the first render)
+    import client.chat_template  # noqa: F401  (imported before the limit: it bounds a render, not the start)
 
     resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))

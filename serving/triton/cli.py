@@ -240,15 +240,21 @@ def export_trained(
     return report
 
 
-def export_folder(folder: Path, progress: Progress | None = None, root: Path = files.DEFAULT_ARTIFACTS) -> Path:
+def export_folder(
+    folder: Path,
+    progress: Progress | None = None,
+    root: Path = files.DEFAULT_ARTIFACTS,
+    artifacts: Path | None = None,
+) -> Path:
     """A Hugging Face checkpoint folder imported, proven and built with the variants this machine serves into
-    artifacts named by the digest of its files (`folder_digest`): built once, reused while the folder is the
-    same (another checkpoint in the same folder builds anew). The artifacts' folder."""
+    artifacts named by the digest of its files (`folder_artifacts`, unless the caller has it already: the digest
+    reads every byte of the checkpoint): built once, reused while the folder is the same (another checkpoint in
+    the same folder builds anew). The artifacts' folder."""
     from export.build import HOST, build_model
     from export.importers import import_weights
     from export.progress import Progress
 
-    artifacts = folder_artifacts(folder, root)
+    artifacts = artifacts or folder_artifacts(folder, root)
     report = artifacts / files.REPORT_FILENAME
     if report.is_file() and json.loads(report.read_text()).get("passed"):
         return artifacts

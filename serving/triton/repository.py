@@ -63,9 +63,10 @@ PYTHON_FILES: dict[str, dict[str, tuple[str, ...]]] = {
     ENGINE_CONCAT: {P_CPU: ("fp32-fused", "fp32"), P_CUDA: ("fp32-fused", "fp32")},
 }
 QUANTIZED_STATIC_FILES = {KV_INT8: {P_CPU: ("fp32-static-int8kv",)}, KV_INT4: {P_CPU: ("fp32-static-int4kv",)}}
-# With INT8 weights (`weights_dtype`): the graphs whose projections are int8, on the CPU only (ONNX Runtime's
-# dynamic quantization is a CPU kernel): the fused one for `mha` and the concat engine, the static one for
-# the static engine. Asked for by name, they are never given up silently for the float graphs.
+# With INT8 or 4-bit weights (`weights_dtype`): the graphs whose projections are int8 (int4), on the CPU only
+# (ONNX Runtime's dynamic quantization and MatMulNBits are CPU kernels here): the fused one for `mha` and the
+# concat engine, the static one for the static engine. Asked for by name, they are never given up silently for
+# the float graphs.
 QUANTIZED_WEIGHTS_FILES = {
     dtype: {
         triton_config.MHA: {P_CPU: (f"fp32-fused-{dtype}w",)},
