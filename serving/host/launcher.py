@@ -91,6 +91,15 @@ class PortInUseError(TritonStartError):
     """A port the server needs is held by another process (named in the message)."""
 
 
+class TritonCrashedStarting(TritonStartError):
+    """Triton died by a signal before it was ready, its log empty or cut short: a crash of its own
+    (2.51 segfaulted once at start in CI with an empty log, among a dozen servers starting at once),
+    not a refusal it explains; a fresh start is tried."""
+
+
+START_ATTEMPTS = 2
+
+
 # The APIs that change a running server, closed to every request: Triton admits them only with a
 # header of this name, which no request can carry. An HTTP/1.1 field name ends at its first colon,
 # and gRPC's HTTP/2 parser resets a stream whose header name holds one (measured on 2.51, which
@@ -565,8 +574,37 @@ def start_triton(
         raise TritonStartError(f"no model repository at {repository}")
     ports = {"http": http_port, "grpc": grpc_port, "metrics": metrics_port}
     check_ports_free(host, {name: port for name, port in ports.items() if port})
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            server = _start_once(repository, models, host, ports, log_path, ready_timeout, tritonserver)
+            break
+        except TritonCrashedStarting as crash:
+            if attempt == START_ATTEMPTS:
+                raise
+            said = crash.args[0].partition(":")[0]
+            log.warning("%s; starting it again (attempt %d of %d)", said, attempt + 1, START_ATTEMPTS)
+    log.info(
+        "Triton ready: HTTP %s, gRPC %s, metrics %s, models %s",
+        server.http_url,
+        server.grpc_url,
+        server.metrics_url,
+        server.models,
+    )
+    return server
+
+
+def _start_once(
+    repository: Path,
+    models: Sequence[str] | None,
+    host: str,
+    ports: dict[str, int],
+    log_path: str | Path | None,
+    ready_timeout: float,
+    tritonserver: str | Path | None,
+) -> TritonServer:
+    """One start: a fresh work directory, ports that are free now, the server ready or stopped."""
     missing = [name for name, port in ports.items() if not port]
-    ports |= dict(zip(missing, free_ports(len(missing), host), strict=True))
+    ports = ports | dict(zip(missing, free_ports(len(missing), host), strict=True))
     work_dir = Path(tempfile.mkdtemp(prefix="triton-"))
     try:
         install, models = _prepare(repository, models, tritonserver, work_dir)
@@ -580,16 +618,14 @@ def start_triton(
     server = TritonServer(process, host, ports, list(models), log_path, work_dir, owns_log)
     try:
         _wait_ready(server, models, ready_timeout)
+    except TritonStartError as error:
+        server.stop(keep_log=True)
+        if (process.returncode or 0) < 0:  # killed by a signal, not a refusal it explained in its log
+            raise TritonCrashedStarting(*error.args) from None
+        raise
     except BaseException:
         server.stop(keep_log=True)
         raise
-    log.info(
-        "Triton ready: HTTP %s, gRPC %s, metrics %s, models %s",
-        server.http_url,
-        server.grpc_url,
-        server.metrics_url,
-        models,
-    )
     return server
 
 

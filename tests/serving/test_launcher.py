@@ -2,6 +2,7 @@
 
 import logging
 import os
+import shlex
 import textwrap
 from pathlib import Path
 
@@ -9,7 +10,14 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 
-from serving.host.launcher import SHM_PREFIX, TritonStartError, start_triton
+from serving.host.launcher import (
+    SHM_PREFIX,
+    TritonStartError,
+    backend_directory,
+    bundled_triton,
+    server_environment,
+    start_triton,
+)
 from tests.fixtures.admin import cmdline, grpc_call, http_status, restrictions
 
 pytestmark = pytest.mark.served
@@ -89,6 +97,34 @@ def test_a_model_that_fails_to_load_gives_the_log_tail_and_keeps_the_log(tmp_pat
     with pytest.raises(TritonStartError, match="this model cannot load"):
         start_triton(tmp_path, log_path=log_path, ready_timeout=60)
     assert "this model cannot load" in log_path.read_text()
+
+
+def crashing_once(install: Path, marker: Path) -> Path:
+    """A tritonserver that dies by SIGSEGV at its first start (as 2.51 once did in CI, its log
+    empty) and is the wheel's server afterwards; laid out as an installed one, backends beside it."""
+    bundle = bundled_triton()
+    backend_directory(bundle, install)
+    env = server_environment(bundle)
+    exports = " ".join(f"{name}={shlex.quote(env[name])}" for name in ("LD_LIBRARY_PATH", "PATH", "PYTHONPATH"))
+    binary = install / "bin" / "tritonserver"
+    binary.parent.mkdir()
+    binary.write_text(
+        f"#!/bin/bash\nif [ ! -e {marker} ]; then touch {marker}; kill -SEGV $$; fi\n"
+        f"export {exports}\nexec {bundle / 'bin' / 'tritonserver'} \"$@\"\n"
+    )
+    binary.chmod(0o755)
+    return binary
+
+
+def test_a_server_that_crashes_while_starting_is_started_once_more(tmp_path, caplog):
+    add_model(tmp_path / "repository", "echo")
+    marker = tmp_path / "crashed"
+    binary = crashing_once(tmp_path / "install", marker)
+    with caplog.at_level(logging.WARNING, logger="serving.host.launcher"):
+        with start_triton(tmp_path / "repository", tritonserver=binary, ready_timeout=60) as server:
+            assert marker.exists(), "the first start should have crashed"
+            assert httpclient.InferenceServerClient(server.http_url).is_model_ready("echo")
+    assert "tritonserver exited with -11; starting it again (attempt 2 of 2)" in caplog.text
 
 
 def test_a_missing_repository_is_a_clear_error(tmp_path):
