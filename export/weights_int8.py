@@ -1,14 +1,26 @@
 """The `fp32-fused-int8w` variant: `fp32-fused` with its projections' weights stored in int8.
 
 ONNX Runtime's own tool quantizes the graph (`onnxruntime.quantization.quantize_dynamic`): each
-projection (W_q, W_k, W_v, W_o: the MatMuls whose weight is a constant) becomes
-DynamicQuantizeLinear of its input (uint8, one scale and zero point per tensor, computed at every
-call) -> MatMulInteger with the int8 weight (one scale per output channel, zero point 0) -> the
-int32 product cast and scaled back to fp32 (ONNX Runtime fuses these at load: q, k and v quantize
-their shared input once and each run MatMulIntegerToFloat, its bias added inside; W_o runs
-DynamicQuantizeMatMul). Nothing else changes: one fused `Attention` op per layer, fp32 inputs,
-outputs and caches.
+projection (W_q, W_k, W_v, W_o: the MatMuls whose weight is a constant) becomes a quantization of its
+input to uint8 -> MatMulInteger with the int8 weight (one scale per output channel, zero point 0) -> the
+int32 product cast and scaled back to fp32 (ONNX Runtime fuses the last three at load into
+MatMulIntegerToFloat, its bias added inside; q, k and v quantize their shared input once). Nothing else
+changes: one fused `Attention` op per layer, fp32 inputs, outputs and caches.
 The weights take a quarter of the bytes; the projections' arithmetic is int8.
+
+The input is quantized **per row** (`per_row_activations`): the tool's DynamicQuantizeLinear takes one
+scale for the whole tensor, so each row was rounded by the range of the rows batched beside it. The
+sessions' pool batches rows of different sequences: a sequence's answer depended on its batchmates, and
+the 20M-parameter Llama's `fp32-static-int8w` missed its pool rung at 2.0-2.6x its per-row floor (logits
+5.8% of scale) where the one-row form stayed at 1.02x. Each DynamicQuantizeLinear is replaced by the
+same quantization per row: scale = the row's largest magnitude / 127, codes round(x / scale) + 128 as
+uint8, zero point 128; the row's scale is applied after the weight's (`_row_scales_applied_last`). Its cost
+against one scale per tensor, measured on the 20M-parameter Llama's fused graph (`--preset llama-whole`,
+ONNX Runtime 1.31, 2 threads on a 2-core AMD EPYC with AVX2 and no VNNI, 10 interleaved rounds, medians, two
+runs with other work on the machine): a decode step at past 128 0.87-1.39x at B1, 1.06-1.18x at B8, a
+128-token prefill 1.22-1.30x (seven small ops per quantized input, and no fused MatMulIntegerToFloat).
+ONNX Runtime's other per-row path, 8-bit MatMulNBits (int8 inputs per block of 32), measured 1.07x, 1.15x
+and 2.32x in the same run.
 
 A whole model's bytes are mostly outside attention: its MLPs (W_gate, W_up, W_down) and its LM head
 are MatMuls with constant weights too, quantized the same way (the head per vocabulary row). A tied
@@ -40,11 +52,7 @@ AVX512-VNNI; 4 interleaved rounds, prefill B1 T512 and decode B1 P1024) and on t
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import logging
 import platform
-from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -57,13 +65,18 @@ from export.fusion import fused_proto
 from export.model import AttentionModel
 from export.onnx_export import attach_config, plain_graph, save_onnx
 from export.parity import Tolerance
-from serving.engine.ort import Arrays, Forward
+from export.weights_blockwise import (
+    QUANTIZED_OPS,
+    constant_transposed_weights,
+    projection_matmuls,
+    quantized_floor,
+    quiet_quantizer,
+)
+from serving.engine.ort import Forward
 
 NAME = "fp32-fused-int8w"
 # the static-cache form with the same int8 weights: what a session serves with `--weights-dtype int8`
 STATIC_NAME = "fp32-static-int8w"
-PROJECTIONS = ("W_q", "W_k", "W_v", "W_o")
-MLP_PROJECTIONS = ("W_gate", "W_up", "W_down")  # a whole model's MLP (W_gate: gated MLPs only)
 
 
 INT8_FEATURES = ("avx512_vnni", "avx_vnni", "amx_int8")  # x86 flags of int8 products accumulated in int32
@@ -109,23 +122,12 @@ REDUCE_RANGE = saturating_int8_products()
 # QInt8 symmetric: codes -127..127, scale = max|w| / 127 per output channel; with reduce_range -64..64
 # (onnxruntime.quantization's get_qmin_qmax_for_qType)
 WEIGHT_LEVELS = 64 if REDUCE_RANGE else 127
-ACTIVATION_LEVELS = 255  # uint8: codes 0..255 over [min(x, 0), max(x, 0)]
-QUANTIZED_OPS = ("MatMul", "Gemm")
+ACTIVATION_LEVELS = 127  # uint8 codes 1..255 around the zero point 128: symmetric per row
+ACTIVATION_ZERO = 128
 
 
 class Int8WeightsError(ValueError):
     """The quantized graph is not what this variant promises (a projection left in fp32)."""
-
-
-def projection_matmuls(model_proto: onnx.ModelProto) -> list[str]:
-    """The MatMul and Gemm nodes whose weight is a constant: the projections. The attention op's own
-    products are inside the fused op, never quantized."""
-    constants = {tensor.name for tensor in model_proto.graph.initializer}
-    return [
-        node.name
-        for node in model_proto.graph.node
-        if node.op_type in QUANTIZED_OPS and len(node.input) > 1 and node.input[1] in constants
-    ]
 
 
 def make_fp32_fused_int8w(model: AttentionModel, path: Path) -> Path:
@@ -163,58 +165,100 @@ def quantize_projections(fused: onnx.ModelProto, cfg: ModelConfig, path: Path) -
             # types after it: every weight quantized here is fp32
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )
-    quantized = onnx.load(str(path))
+    quantized = per_row_activations(onnx.load(str(path)))
     attach_config(quantized, cfg)  # the tool adds metadata of its own; keep fp32-fused's
     check_int8_weights(quantized, len(projections))
     return save_onnx(quantized, path)
 
 
-def constant_transposed_weights(model_proto: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy where a MatMul weight made by `Transpose(initializer)` (a tied head: the embedding table
-    transposed) is an initializer of its own, so the tool sees a constant weight and quantizes it."""
-    from onnx import numpy_helper
+def per_row_activations(model_proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`model_proto` with each DynamicQuantizeLinear (one scale per tensor) replaced by the same uint8
+    quantization per row (this module's doc): the rows of a batch no longer round each other."""
+    from onnx import helper, numpy_helper
 
-    folded = onnx.ModelProto()
-    folded.CopyFrom(model_proto)
-    graph = folded.graph
-    constants = {tensor.name: tensor for tensor in graph.initializer}
-    producer = {output: node for node in graph.node for output in node.output}
-    for node in [n for n in graph.node if n.op_type in QUANTIZED_OPS and len(n.input) > 1]:
-        transpose = producer.get(node.input[1])
-        if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in constants:
+    graph = model_proto.graph
+    graph.initializer.extend(
+        [
+            numpy_helper.from_array(np.array(-1, np.int64).reshape(1), "per_row.last_axis"),
+            numpy_helper.from_array(np.array(1.0 / ACTIVATION_LEVELS, np.float32), "per_row.step"),
+            # the smallest normal fp32: an all-zero row gets codes 128, i.e. zeros, instead of 0 / 0
+            numpy_helper.from_array(np.array(np.finfo(np.float32).tiny, np.float32), "per_row.least"),
+            numpy_helper.from_array(np.array(ACTIVATION_ZERO, np.float32), "per_row.zero_float"),
+            numpy_helper.from_array(np.array(ACTIVATION_ZERO, np.uint8), "per_row.zero"),
+        ]
+    )
+    nodes, row_scales = [], set()
+    for node in graph.node:
+        if node.op_type != "DynamicQuantizeLinear":
+            nodes.append(node)
             continue
-        perm = next((list(a.ints) for a in transpose.attribute if a.name == "perm"), None)
-        weight = numpy_helper.to_array(constants[transpose.input[0]]).transpose(perm)
-        name = f"{transpose.input[0]}.transposed"
-        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight), name))
-        node.input[1] = name
-    used = {name for node in graph.node for name in node.input}
-    unused = [n for n in graph.node if n.op_type == "Transpose" and not set(n.output) & used]
-    for node in unused:
-        graph.node.remove(node)
-    return folded
+        (x,), (codes, scale, zero) = node.input, node.output
+        row_scales.add(scale)
+        name = node.name or codes
+
+        def step(op: str, inputs: list[str], suffix: str, name: str = name, **attributes) -> onnx.NodeProto:
+            return helper.make_node(op, inputs, [f"{name}.{suffix}"], **attributes)
+
+        nodes += [
+            step("Abs", [x], "abs"),
+            step("ReduceMax", [f"{name}.abs", "per_row.last_axis"], "largest", keepdims=1),
+            step("Max", [f"{name}.largest", "per_row.least"], "nonzero"),
+            helper.make_node("Mul", [f"{name}.nonzero", "per_row.step"], [scale]),
+            step("Div", [x, scale], "scaled"),
+            step("Round", [f"{name}.scaled"], "rounded"),  # half to even, as DynamicQuantizeLinear rounds
+            step("Add", [f"{name}.rounded", "per_row.zero_float"], "shifted"),
+            helper.make_node("Cast", [f"{name}.shifted"], [codes], to=onnx.TensorProto.UINT8),
+            helper.make_node("Identity", ["per_row.zero"], [zero]),
+        ]
+    del graph.node[:]
+    graph.node.extend(_row_scales_applied_last(nodes, row_scales))
+    return model_proto
 
 
-@contextlib.contextmanager
-def quiet_quantizer() -> Iterator[None]:
-    """The tool logs a warning on the root logger that the graph was not "pre-processed" (ONNX
-    Runtime's optimizer run first): the fused graph is already optimized, and that pass would replace
-    standard ops with ONNX Runtime's own."""
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
+def _row_scales_applied_last(nodes: list[onnx.NodeProto], row_scales: set[str]) -> list[onnx.NodeProto]:
+    """The tool scales a product as Mul(Cast(MatMulInteger), Mul(input_scale, weight_scale)); here the
+    weight's scale is applied first and the row's after it: Mul(Mul(Cast(...), weight_scale), row_scale).
+    ONNX Runtime 1.31 fuses the tool's shape into MatMulIntegerToFloat without checking that the input's
+    scale is one number, and that kernel reads one: every row then took row 0's scale (measured: 3% of the
+    output's scale off, against 0 with the graph unoptimized). This shape is left unfused."""
+    from onnx import helper
+
+    products = {node.output[0]: node for node in nodes if node.op_type == "Mul" and set(node.input) & row_scales}
+    rewired = []
+    for node in nodes:
+        if node.output[0] in products:
+            continue
+        scaled_by = [name for name in node.input if name in products] if node.op_type == "Mul" else []
+        if not scaled_by:
+            rewired.append(node)
+            continue
+        (product_name,), (integer,) = scaled_by, [name for name in node.input if name != scaled_by[0]]
+        product = products[product_name]
+        (row,), (column,) = (
+            [n for n in product.input if n in row_scales],
+            [n for n in product.input if n not in row_scales],
+        )
+        by_column = f"{node.output[0]}.by_weight_scale"
+        rewired += [
+            helper.make_node("Mul", [integer, column], [by_column]),
+            helper.make_node("Mul", [by_column, row], list(node.output)),
+        ]
+    left = {name for node in rewired for name in node.input} & set(products)
+    if left:
+        raise Int8WeightsError(f"scale products used other than by a product's Mul: {sorted(left)}")
+    return rewired
 
 
 def check_int8_weights(model_proto: onnx.ModelProto, projections: int) -> None:
-    """Every projection became a MatMulInteger and none is left multiplying fp32 weights."""
+    """Every projection became a MatMulInteger, none is left multiplying fp32 weights, and no input is
+    quantized per tensor."""
     left = projection_matmuls(model_proto)
     integer = sum(node.op_type == "MatMulInteger" for node in model_proto.graph.node)
-    if left or integer != projections:
-        raise Int8WeightsError(f"{integer} of {projections} projections quantized; left in fp32: {left}")
+    per_tensor = sum(node.op_type == "DynamicQuantizeLinear" for node in model_proto.graph.node)
+    if left or integer != projections or per_tensor:
+        raise Int8WeightsError(
+            f"{integer} of {projections} projections quantized, {per_tensor} inputs per tensor; left in fp32: {left}"
+        )
 
 
 # --- the precision floor ------------------------------------------------------------------------
@@ -229,14 +273,10 @@ def fake_quantize_weight(weight: Tensor, levels: int = WEIGHT_LEVELS) -> Tensor:
 
 
 def fake_quantize_activation(x: Tensor) -> Tensor:
-    """DynamicQuantizeLinear, dequantized: uint8 over the whole tensor's [min(x, 0), max(x, 0)],
-    zero point round(-low / scale), rounding half to even (torch.round's and the op's)."""
-    low, high = torch.clamp(x.min(), max=0.0), torch.clamp(x.max(), min=0.0)
-    scale = (high - low) / ACTIVATION_LEVELS
-    if scale == 0:  # an all-zero tensor is exact
-        return x
-    zero = torch.clamp(torch.round(-low / scale), 0, ACTIVATION_LEVELS)
-    return (torch.clamp(torch.round(x / scale) + zero, 0, ACTIVATION_LEVELS) - zero) * scale
+    """`per_row_activations`' quantization, dequantized: per row (the last axis), scale = the row's largest
+    magnitude / 127, codes round(x / scale), rounding half to even (torch.round's and the graph's Round)."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / ACTIVATION_LEVELS
+    return torch.round(x / torch.where(scale > 0, scale, torch.ones_like(scale))) * scale
 
 
 class _DynamicallyQuantized(nn.Module):
@@ -253,46 +293,13 @@ class _DynamicallyQuantized(nn.Module):
 
 def int8_weights_floor(model: AttentionModel, dtype: type = np.float32, weight_levels: int = WEIGHT_LEVELS) -> Forward:
     """The precision floor of the int8-weights graph of `model`: the PyTorch original computed in
-    fp64 with each projection's weight quantized per output channel to int8 and its input per tensor
-    to uint8 (as DynamicQuantizeLinear does at every call), both dequantized. Its difference from the
+    fp64 with each projection's weight quantized per output channel to int8 and its input per row
+    to uint8 (as `per_row_activations` does at every call), both dequantized. Its difference from the
     fp32 original is what the quantization scheme costs this model before any kernel computes
     anything; driven beside the graph, its own presents fed back, it sets the scale of the graph's
     tolerance (INT8_WEIGHTS_TOLERANCE). The same signature as `runners.rounded_runner` (`dtype`: the
     graph's float, fp32 here)."""
     return quantized_floor(model, dtype, lambda linear: _DynamicallyQuantized(linear, weight_levels))
-
-
-def quantized_floor(model: AttentionModel, dtype: type, quantized: Callable[[nn.Linear], nn.Module]) -> Forward:
-    """The PyTorch original in fp64 with every MatMul of a constant weight a graph quantizes (the projections,
-    a whole model's MLPs and head; the embedding's Gather stays fp32) replaced by `quantized(linear)`: the
-    weights quantized schemes' precision floor, as a `runners.rounded_runner` (`dtype`: the graph's float)."""
-    from export.runners import torch_runner
-
-    floored = copy.deepcopy(model).double()
-    for layer in floored.layers:
-        for name in PROJECTIONS:
-            setattr(layer.attn, name, quantized(getattr(layer.attn, name)))
-        for name in MLP_PROJECTIONS if hasattr(layer, "mlp") else ():
-            if hasattr(layer.mlp, name):
-                setattr(layer.mlp, name, quantized(getattr(layer.mlp, name)))
-    if floored.cfg.whole:  # the head, tied or not
-        head = floored.lm_head if hasattr(floored, "lm_head") else tied_head(floored)
-        quantized_head = quantized(head)
-        floored.head = lambda x: quantized_head(floored.final_norm(x))  # this copy's head only
-    run = torch_runner(floored)
-
-    def forward(inputs: Mapping[str, np.ndarray]) -> Arrays:
-        widened = {name: a.astype(np.float64) if a.dtype.kind == "f" else a for name, a in inputs.items()}
-        return {name: array.astype(dtype) for name, array in run(widened).items()}
-
-    return forward
-
-
-def tied_head(model: AttentionModel) -> nn.Linear:
-    """The head a tied model computes (F.linear with the embedding table) as a Linear of its own."""
-    head = nn.Linear(model.cfg.d_model, model.cfg.vocab_size, bias=False).double()
-    head.weight = nn.Parameter(model.embed.weight.detach().clone(), requires_grad=False)
-    return head
 
 
 # --- the bound ----------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ class TemplateWorkers:
         """Kill `pool`'s processes (a render cannot be stopped otherwise) and let the next render start another."""
         if why:
             log.warning("%s: its worker processes are killed and replaced", why)
-        processes = list(getattr(pool, "_processes", {}).values())  # the executor offers no kill of its own
+        # the executor offers no kill of its own; a pool that broke has already let go of its processes (None)
+        processes = list((getattr(pool, "_processes", None) or {}).values())
         for process in processes:
             with contextlib.suppress(OSError):
                 process.kill()

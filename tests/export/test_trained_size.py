@@ -27,6 +27,10 @@ from tests.serving.test_core import static_engine
 pytestmark = pytest.mark.slow
 MASSIVE_CHANNELS, MASSIVE_FACTOR = (5, 77), 100.0
 STEPS = 16
+# the sessions' forms of quantized weights (built by name): held to their precision floor, which the massive
+# channels make coarse (each row's int8 step is set by its x100 channels: logits 0.25 of scale in int8,
+# 0.67 in int4, measured), not to fp32's bound
+QUANTIZED_WEIGHTS = ("fp32-static-int8w", "fp32-static-int4w")
 
 
 KEY = "trained-size-llama"
@@ -39,7 +43,8 @@ def save_and_build(work: Path) -> None:
     model = trained_size_llama()
     model.save_pretrained(work / "llama", max_shard_size="200KB")
     imported = import_weights(work / "llama", "hf", {})
-    build_model(imported.model, work / "artifact", ("cpu",), Progress(enabled=False), imported.origin)
+    forms = ("cpu", *QUANTIZED_WEIGHTS)
+    build_model(imported.model, work / "artifact", forms, Progress(enabled=False), imported.origin)
 
 
 def trained_size_llama() -> transformers.LlamaForCausalLM:
@@ -94,7 +99,11 @@ def test_a_trained_size_checkpoint_builds_every_cpu_form_and_serves_transformers
     scale = float(np.abs(expected).max())
     assert float(np.abs(got - expected).max()) <= 1e-4 * scale, (float(np.abs(got - expected).max()), scale)
     assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
-    for variant in report["variants"].values():  # each tensor's error, absolute and relative to its scale
+    for name, variant in report["variants"].items():  # each tensor's error, absolute and relative to its scale
         for rung in variant["parity"].values():
             logits = rung["tensors"][names.LOGITS]
-            assert logits["passed"] and logits["max_rel"] <= 1e-5 and logits["max_abs"] >= 0
+            assert logits["passed"] and logits["max_abs"] >= 0
+            if name in QUANTIZED_WEIGHTS:  # what the floor says the scheme costs, and not more
+                assert logits["max_abs"] <= 1.1 * logits["floor_abs"], (name, logits)
+            else:
+                assert logits["max_rel"] <= 1e-5, (name, logits)

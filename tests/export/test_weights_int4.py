@@ -18,17 +18,16 @@ from export.model import AttentionModel
 from export.parity import compare_rung
 from export.progress import Progress
 from export.runners import torch_runner
+from export.weights_blockwise import BLOCK, PROJECTIONS, fake_quantize_weight, projection_matmuls
 from export.weights_int4 import (
-    BLOCK,
+    BITS,
     INT4_WEIGHTS_TOLERANCE,
     NAME,
     STATIC_NAME,
-    fake_quantize_weight,
     int4_weights_floor,
     make_fp32_fused_int4w,
     make_fp32_static_int4w,
 )
-from export.weights_int8 import PROJECTIONS, projection_matmuls
 from serving.engine.ort import ort_runner, ort_session
 from tests.conftest import TEST_CONFIGS
 
@@ -73,7 +72,7 @@ def test_the_codes_and_scales_are_what_the_floor_quantizes(graphs):
         dequantized.append(weight)  # (out, in) as nn.Linear's
     for layer in model.layers:
         for name in PROJECTIONS:
-            expected = fake_quantize_weight(getattr(layer.attn, name).weight.detach().double()).numpy()
+            expected = fake_quantize_weight(getattr(layer.attn, name).weight.detach().double(), BITS).numpy()
             assert any(w.shape == expected.shape and np.allclose(w, expected, rtol=1e-6, atol=0) for w in dequantized)
 
 

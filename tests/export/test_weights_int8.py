@@ -1,6 +1,7 @@
-"""The fp32-fused-int8w variant: int8 projection weights quantized by ONNX Runtime's own tool, one
-fused attention op per layer still, a smaller file, and a bound that follows the int8 precision floor
-and still rejects a graph whose weights lost more precision (4 bits)."""
+"""The fp32-fused-int8w variant: int8 projection weights quantized by ONNX Runtime's own tool, inputs
+quantized per row, one fused attention op per layer still, a smaller file, a bound that follows the int8
+precision floor and still rejects a graph whose weights lost more precision (4 bits); and for both
+quantized widths, a row's answer that does not depend on the rows batched beside it."""
 
 import copy
 
@@ -18,16 +19,17 @@ from export.model import AttentionModel
 from export.parity import compare_rung
 from export.progress import Progress
 from export.runners import torch_runner
+from export.weights_blockwise import PROJECTIONS, projection_matmuls
+from export.weights_int4 import make_fp32_fused_int4w
 from export.weights_int8 import (
     INT8_WEIGHTS_FLOOR_FACTOR,
     INT8_WEIGHTS_TOLERANCE,
     NAME,
-    PROJECTIONS,
     fake_quantize_activation,
     fake_quantize_weight,
     int8_weights_floor,
     make_fp32_fused_int8w,
-    projection_matmuls,
+    per_row_activations,
     quantize_projections,
 )
 from serving.engine.ort import ort_runner, ort_session
@@ -106,10 +108,12 @@ def test_the_projections_hold_int8_weights_and_attention_stays_one_fused_op_per_
     assert len(int8_weights) == len(PROJECTIONS) * n_layers
     assert graph_stats.fused_attention_count(proto) == n_layers
     attention_inputs = {name for node in proto.graph.node if node.op_type == "Attention" for name in node.input}
-    quantized = {out for node in proto.graph.node if node.op_type == "DynamicQuantizeLinear" for out in node.output}
+    quantized = {out for node in proto.graph.node if node.op_type == "Cast" for out in node.output}
     assert not attention_inputs & quantized  # attention itself reads fp32
+    assert graph_stats.op_count(proto, "DynamicQuantizeLinear") == 0  # no input quantized per tensor
     added = graph_stats.op_histogram(proto).keys() - graph_stats.op_histogram(onnx.load(str(fused))).keys()
-    assert added <= {"MatMulInteger", "DynamicQuantizeLinear", "Cast", "Mul"}, added  # the projections' only
+    per_row = {"Abs", "ReduceMax", "Max", "Div", "Round", "Identity"}
+    assert added <= {"MatMulInteger", "Cast", "Mul", "Add", *per_row}, added  # the projections' only
 
 
 @pytest.mark.slow
@@ -179,26 +183,56 @@ def test_weights_in_4_bits_are_rejected(graphs, tmp_path):
     assert floor_ratio(results) > 4 * INT8_WEIGHTS_FLOOR_FACTOR
 
 
-def test_the_floor_quantizes_activations_as_dynamic_quantize_linear_does():
-    """ONNX Runtime's DynamicQuantizeLinear then DequantizeLinear against the floor's fake quantization,
-    on normal values, an all-positive tensor (the range widened to 0) and a wide one."""
+def test_the_floor_quantizes_activations_as_the_graph_does_per_row():
+    """The graph's per-row quantization (`per_row_activations` in place of DynamicQuantizeLinear) then
+    DequantizeLinear, run by ONNX Runtime, against the floor's fake quantization: rows of normal values,
+    an all-positive row, a wide one and an all-zero one (zeros, not 0 / 0)."""
     from onnxruntime import InferenceSession
 
     graph = helper.make_graph(
         [
-            helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "scale", "zero"]),
+            helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "scale", "zero"], name="quantize"),
             helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["y"]),
         ],
         "fake_quantize",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None])],
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [None, None])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [None, None])],
     )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    proto = per_row_activations(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10))
+    # DequantizeLinear takes a per-tensor scale: dequantize per row by hand from the codes instead
+    proto.graph.node[-1].CopyFrom(helper.make_node("Identity", ["q"], ["y"]))
+    proto.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.UINT8
+    proto.graph.output.append(helper.make_tensor_value_info("scale", onnx.TensorProto.FLOAT, [None, 1]))
     session = InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
-    for values in (rng.standard_normal(4096), 0.5 + rng.random(257), 100 * rng.standard_normal(64), np.zeros(3)):
-        x = values.astype(np.float32)
-        (expected,) = session.run(["y"], {"x": x})
-        actual = fake_quantize_activation(torch.from_numpy(x).double()).numpy()
-        # fp32's rounding of the result (ONNX Runtime's), far below a step of 1/255 of the range
-        assert np.abs(actual - expected).max() <= 1e-6 * np.abs(x).max(), x[:4]
+    rows = np.stack([rng.standard_normal(256), 0.5 + rng.random(256), 100 * rng.standard_normal(256), np.zeros(256)])
+    x = rows.astype(np.float32)
+    codes, scale = session.run(["y", "scale"], {"x": x})
+    dequantized = (codes.astype(np.float64) - 128) * scale
+    actual = fake_quantize_activation(torch.from_numpy(x).double()).numpy()
+    for row in range(len(x)):  # each row's own steps: fp32's rounding of the scale, far below a step
+        assert np.abs(actual[row] - dequantized[row]).max() <= 1e-6 * max(np.abs(x[row]).max(), 1e-30), row
+    assert np.all(dequantized[3] == 0) and codes.min() >= 1  # zeros stay zeros; codes 1..255 around 128
+
+
+@pytest.mark.parametrize("make", [make_fp32_fused_int8w, make_fp32_fused_int4w], ids=["int8", "int4"])
+def test_a_rows_answer_does_not_depend_on_its_batchmates(make, tmp_path):
+    """Row 0 alone and beside a row 1000x larger: the same answer to fp32's rounding. Inputs quantized per
+    row (int8: this module's graph; int4: MatMulNBits' blocks); DynamicQuantizeLinear's one scale per tensor
+    rounded row 0 by its batchmate's range, so a session's answer depended on the sessions batched with it."""
+    model = AttentionModel(TEST_CONFIGS[CONFIG], seed=0).eval()
+    session = ort_session(make(model, tmp_path / "quantized.onnx"))
+    rng = np.random.default_rng(0)
+    cfg, positions = model.cfg, 5
+    alone = {names.HIDDEN_STATES: rng.standard_normal((1, 3, cfg.d_model), np.float32)}
+    alone[names.ATTENTION_MASK] = np.ones((1, positions + 3), np.int64)
+    for name in names.past_names(cfg.n_layers):
+        alone[name] = rng.standard_normal((1, cfg.n_kv_heads, positions, cfg.head_dim), np.float32)
+    beside = {
+        name: 1000 * rng.standard_normal(a.shape, np.float32) if a.dtype == np.float32 else a
+        for name, a in alone.items()
+    }
+    batched = {name: np.concatenate([a, beside[name]]) for name, a in alone.items()}
+    one, both = session.run(None, alone), session.run(None, batched)
+    for output, a, b in zip(session.get_outputs(), one, both, strict=True):
+        assert np.abs(b[:1] - a).max() <= 1e-5 * np.abs(a).max(), output.name

@@ -18,7 +18,7 @@ from export import report as report_module
 from export.artifacts import load_model
 from export.choices import expand
 from export.parity import TOLERANCES
-from export.weights_int8 import MLP_PROJECTIONS, PROJECTIONS, projection_matmuls
+from export.weights_blockwise import MLP_PROJECTIONS, PROJECTIONS, projection_matmuls
 from export.weights_int8 import NAME as INT8_WEIGHTS
 from export.weights_int8 import STATIC_NAME as STATIC_INT8_WEIGHTS
 from serving.engine.kv_pool import KVPool, last_logits_graph

@@ -110,7 +110,7 @@ def crashing_once(install: Path, marker: Path) -> Path:
     binary.parent.mkdir()
     binary.write_text(
         f"#!/bin/bash\nif [ ! -e {marker} ]; then touch {marker}; kill -SEGV $$; fi\n"
-        f"export {exports}\nexec {bundle / 'bin' / 'tritonserver'} \"$@\"\n"
+        f'export {exports}\nexec {bundle / "bin" / "tritonserver"} "$@"\n'
     )
     binary.chmod(0o755)
     return binary
@@ -120,10 +120,12 @@ def test_a_server_that_crashes_while_starting_is_started_once_more(tmp_path, cap
     add_model(tmp_path / "repository", "echo")
     marker = tmp_path / "crashed"
     binary = crashing_once(tmp_path / "install", marker)
-    with caplog.at_level(logging.WARNING, logger="serving.host.launcher"):
-        with start_triton(tmp_path / "repository", tritonserver=binary, ready_timeout=60) as server:
-            assert marker.exists(), "the first start should have crashed"
-            assert httpclient.InferenceServerClient(server.http_url).is_model_ready("echo")
+    with (
+        caplog.at_level(logging.WARNING, logger="serving.host.launcher"),
+        start_triton(tmp_path / "repository", tritonserver=binary, ready_timeout=60) as server,
+    ):
+        assert marker.exists(), "the first start should have crashed"
+        assert httpclient.InferenceServerClient(server.http_url).is_model_ready("echo")
     assert "tritonserver exited with -11; starting it again (attempt 2 of 2)" in caplog.text
 
 
