@@ -594,7 +594,7 @@ def checked(plan: Plan) -> None:
 
 
 def benchmark(root: Path, plan: Plan, threads: int) -> dict:
-    from bench.model import machine
+    from bench.results import machine
     from client.text import TextModel
 
     checked(plan)
@@ -608,7 +608,7 @@ def benchmark(root: Path, plan: Plan, threads: int) -> dict:
         facts["serving"] = served
         measured = measure(url, keys, text, checkpoint, plan, threads)
     load = {"before": load_before, "after": os.getloadavg()[0]}
-    return results_for(plan, facts, measured, **machine(threads), load_average_1min=load)
+    return results_for(plan, facts, measured, **machine(threads, "onnxruntime"), load_average_1min=load)
 
 
 def run(args: argparse.Namespace) -> int:

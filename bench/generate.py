@@ -895,7 +895,7 @@ def benchmark(cfg: ModelConfig, name: str, folder: Path, plan: Plan, threads: in
         joiner = measure_joiner(lineup, cfg, plan)
         idle = idle_cpu(lineup.servers, plan.idle_s)
     load = {"before": load_before, "after": os.getloadavg()[0]}
-    machine = whole_model._machine(threads)
+    machine = output.machine(threads, *whole_model.RUNTIMES)
     extra = {"skipped": lineup.skipped | skipped, "versions": lineup.versions, "joiner": joiner, "idle": idle}
     return results_for(cfg, name, plan, facts, measured, extra, **machine, load_average_1min=load)
 

@@ -25,7 +25,6 @@ import dataclasses
 import gc
 import json
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import whole_model
+from bench.results import machine
 from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, measure
 from contract import files, names
 from contract.config import ModelConfig, preset
@@ -549,7 +549,10 @@ def benchmark(
     }
     results = {
         # other work on the machine during the run shows as a load average above ~0.5 before it
-        "machine": {**machine(threads), "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
+        "machine": {
+            **machine(threads, "torch", "onnxruntime"),
+            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        },
         "bandwidth": bandwidth,
         "quick": quick,
         "presets": presets_out,
@@ -558,20 +561,6 @@ def benchmark(
     results["targets"] = targets(results)
     results["rotation_costs"] = rotation_costs(results)
     return results
-
-
-def machine(threads: int) -> dict:
-    """The CPU, its cores, the threads used and the two runtimes' versions (a bench result says where it ran)."""
-    import onnxruntime
-    import torch
-
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": threads,
-        "torch": torch.__version__,
-        "onnxruntime": onnxruntime.__version__,
-    }
 
 
 def write(results: dict, out: Path) -> None:

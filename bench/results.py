@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import json
+import os
+import platform
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -31,6 +34,27 @@ def work_folder(work: Path | None, prefix: str) -> Iterator[Path]:
         root = work or Path(scratch)
         root.mkdir(parents=True, exist_ok=True)
         yield root
+
+
+def machine(threads: int, *packages: str) -> dict:
+    """Where a bench ran: the CPU, its cores, the threads used, Python's and `packages`' versions (every bench's
+    results say it the same way)."""
+    return {
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        **{package: importlib.metadata.version(package) for package in packages},
+    }
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo's, "AMD EPYC"), or the architecture where none is told."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
 
 
 # pyplot keeps one global figure state: benchmarks run side by side in threads (the tests' smoke

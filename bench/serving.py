@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import itertools
 import os
-import platform
 import re
 import shutil
 import threading
@@ -461,7 +460,11 @@ def benchmark(root: Path, plan: Plan, threads: int, deadline: Deadline, progress
     cfg = bench_config()
     repository = prepare(root, progress)
     engines = {engine: session_engine(repository, model, cfg) for engine, model in ENGINE_MODELS.items()}
-    results = {"config": cfg.to_dict(), "plan": dataclasses.asdict(plan), "machine": _machine(threads)}
+    results = {
+        "config": cfg.to_dict(),
+        "plan": dataclasses.asdict(plan),
+        "machine": output.machine(threads, "onnxruntime"),
+    }
     results["pool_bytes"] = engines["static"].stats().budget_bytes
     results["weight_bytes"] = cfg.n_params() * 4
     with progress.stage("start Triton"):
@@ -718,17 +721,6 @@ def plot(results: dict, path: Path) -> Path:
     for axis in (latency, rate):
         axis.grid(True, alpha=0.3)
     return save(figure, path)
-
-
-def _machine(threads: int) -> dict:
-    import onnxruntime
-
-    return {
-        "cpus": os.cpu_count(),
-        "threads": threads,
-        "python": platform.python_version(),
-        "onnxruntime": onnxruntime.__version__,
-    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import importlib.metadata
 import itertools
 import json
 import os
-import platform
 import threading
 import time
 from pathlib import Path
@@ -313,18 +311,6 @@ def checked_answers(rounds: list[Round], model: Model, schema: dict) -> dict:
 # --- results --------------------------------------------------------------------------------------------------
 
 
-def machine(threads: int) -> dict:
-    import onnxruntime
-
-    return {
-        "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(),
-        "threads": threads,
-        "onnxruntime": onnxruntime.__version__,
-        "llguidance": importlib.metadata.version("llguidance"),
-    }
-
-
 def row_of(count: int, measured: dict, model: Model, schema: dict) -> dict:
     """Both candidates at `count`; ratio: constrained tokens/s over unconstrained's; full-batch ratio: the same
     from their full batches' step time (unconstrained's over constrained's)."""
@@ -370,7 +356,8 @@ def benchmark(artifact: Path, schema: dict, plan: Plan, threads: int) -> dict:
         "plan": dataclasses.asdict(plan) | {"prompt_ids": len(model.prompt)},
         "schema": schema,
         "measured_at": commit(),
-        "conditions": machine(threads) | {"load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
+        "conditions": output.machine(threads, "onnxruntime", "llguidance")
+        | {"load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
         "compile": compiled,
         "rows": rows,
         "targets": targets(rows),

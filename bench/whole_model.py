@@ -56,6 +56,7 @@ from contract import files, names
 from contract.config import ModelConfig
 
 TORCH, TORCH_STATIC, GENAI = "torch", "torch-static", "onnxruntime-genai"
+RUNTIMES = ("torch", "onnxruntime", "transformers")  # the versions a whole model's results name
 GENAI_INT4 = "onnxruntime-genai-int4"  # its builder's `-p int4 -e cpu`: MatMulNBits, blocks of 32, accuracy_level 4
 FUSED, INT8W, STATIC, STATIC_INT8KV = "fp32-fused", "fp32-fused-int8w", "fp32-static", "fp32-static-int8kv"
 STATIC_INT8W = "fp32-static-int8w"  # INT8 weights in the static form: what a session serves with them
@@ -591,19 +592,13 @@ def results_for(cfg, preset_name, plan, facts, measured, floors, bandwidth, thre
         "preset": preset_name,
         "config": cfg.to_dict(),
         "plan": dataclasses.asdict(plan),
-        "machine": {**_machine(threads), "load_average_1min": load},
+        "machine": {**output.machine(threads, *RUNTIMES), "load_average_1min": load},
         "bandwidth": bandwidth,
         "build": facts,
         "rows": rows,
     }
     results["targets"] = targets(results)
     return results
-
-
-def _machine(threads: int) -> dict:
-    from bench.model import machine
-
-    return machine(threads)
 
 
 def step_ms(row: dict, name: str) -> float:

@@ -42,6 +42,13 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 PROMPT_CONTEXT_TOKENS = 5
 # transformers copies a message's reasoning under each of these names: the first is the one templates read
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# texts every tokenizer must encode, tried at the build and at the load (`tokenizer_probe_failure`): a long run of
+# one character then another, which a backtracking regex of its pre-tokenizer or normalizer ("(a+)+$") cannot
+# match within its limit (its panic then answered every such prompt with an error); the characters below and
+# the letters and digits the tokenizer's own regexes name
+PROBE_RUN = 4096
+PROBE_CHARACTERS = "aA0 .\n-'"
+PROBE_REGEX_LETTERS = 16  # the most letters and digits taken from the tokenizer's regexes
 
 
 class TextError(Exception):
@@ -142,6 +149,8 @@ class TextModel:
             tokenizer = Tokenizer.from_str(_text(files, TOKENIZER_FILENAME))
         except Exception as error:  # the tokenizers library raises bare Exceptions for a malformed model
             raise TextFileInvalid(f"{TOKENIZER_FILENAME} is not a tokenizer: {error}", TOKENIZER_FILENAME) from error
+        if failed := tokenizer_probe_failure(tokenizer, tokenizer_json):
+            raise TextFileInvalid(f"{TOKENIZER_FILENAME} {failed}", TOKENIZER_FILENAME)
         special = _special_tokens(config, special_map)
         _configure_like_transformers(tokenizer, config, special)
         return cls(
@@ -402,6 +411,36 @@ def _stop_prefix_length(text: str, stop: Sequence[str]) -> int:
 
 
 # --- reading the files
+
+
+def tokenizer_probe_failure(tokenizer: Tokenizer, tokenizer_json: Mapping[str, Any]) -> str | None:
+    """Why `tokenizer` cannot be served ("fails on ..."), or None: each probe (PROBE_CHARACTERS above) encoded, a
+    Rust panic or error caught (the tokenizers library raises bare Exceptions, and panics as BaseExceptions)."""
+    letters = [c for pattern in _regex_patterns(tokenizer_json) for c in pattern if c.isalnum()]
+    for character in dict.fromkeys(PROBE_CHARACTERS + "".join(dict.fromkeys(letters))[:PROBE_REGEX_LETTERS]):
+        text = character * PROBE_RUN + ("!" if character != "!" else "?")
+        try:
+            tokenizer.encode_batch([text])
+        except BaseException as error:
+            if not isinstance(error, Exception) and type(error).__name__ != "PanicException":
+                raise
+            return (
+                f"fails on {character!r} x {PROBE_RUN} then {text[-1]!r}, a text any prompt may hold (a regex of "
+                f"its pre-tokenizer or normalizer that backtracks past its limit?): {error}"
+            )
+    return None
+
+
+def _regex_patterns(node: Any) -> Iterable[str]:
+    """Every `{"Regex": pattern}` in a tokenizer.json, at any depth."""
+    if isinstance(node, dict):
+        if isinstance(node.get("Regex"), str):
+            yield node["Regex"]
+        for value in node.values():
+            yield from _regex_patterns(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _regex_patterns(value)
 
 
 def _text(files: Mapping[str, bytes], name: str) -> str:

@@ -927,8 +927,8 @@ def text_files(folder: Path) -> tuple[Path, ...]:
 
 
 def checked_text_files(folder: Path, vocab_size: int) -> tuple[Path, ...]:
-    """`text_files(folder)`, its tokenizer.json refused (LayoutProblems) past MAX_TOKENIZER_BYTES or when it
-    names ids the model's vocabulary does not have."""
+    """`text_files(folder)`, its tokenizer.json refused (LayoutProblems) past MAX_TOKENIZER_BYTES, when it
+    names ids the model's vocabulary does not have, or when it fails on a text a prompt may hold."""
     tokenizer = folder / TOKENIZER_FILENAME
     if tokenizer.is_file():
         size = tokenizer.stat().st_size
@@ -944,7 +944,23 @@ def checked_text_files(folder: Path, vocab_size: int) -> tuple[Path, ...]:
             raise LayoutProblems(
                 [f"{tokenizer}: its ids run to {ids - 1}, the model's vocabulary (vocab_size) has {vocab_size}"]
             )
+        if failed := _probe_failure(tokenizer):
+            raise LayoutProblems([f"{tokenizer}: {failed}"])
     return text_files(folder)
+
+
+def _probe_failure(tokenizer: Path) -> str | None:
+    """client.text's probes of a tokenizer (the gateway refuses to load one that fails them); an unreadable
+    one is the gateway's to name."""
+    from tokenizers import Tokenizer
+
+    from client.text import tokenizer_probe_failure
+
+    try:
+        loaded = Tokenizer.from_file(str(tokenizer))
+    except Exception:  # the library raises bare Exceptions for a malformed file
+        return None
+    return tokenizer_probe_failure(loaded, json.loads(tokenizer.read_text()))
 
 
 def tokenizer_ids(data: dict) -> int:

@@ -2,8 +2,8 @@
 `initializer_range` 0.2 (logits of scale ~8, keys and values of scale ~10), two residual channels of its
 embeddings scaled x100 (the "massive activations" of real Llama and Qwen models), built through every form
 this CPU serves with the parity ladder's bounds by scale (export/parity.py, SCALE_BOUND), then stepped as a
-served session is (the static engine's pool, in process) over a prefill and 16 greedy steps: its logits
-within 1e-4 of their scale of transformers' LlamaForCausalLM, and the same tokens."""
+served session is (the static engine's pool, in process) and served by a real Triton over a prefill and 16
+greedy steps: its logits within 1e-4 of their scale of transformers' LlamaForCausalLM, and the same tokens."""
 
 from __future__ import annotations
 
@@ -15,12 +15,16 @@ import pytest
 import torch
 import transformers
 
+from client import Client
 from contract import files, names
 from export.artifacts import load_model
 from export.build import build_model
 from export.importers import import_weights
 from export.progress import Progress
 from serving.engine.steps import StepRequest
+from serving.host.launcher import start_triton
+from serving.triton.config import ServingSettings
+from serving.triton.repository import write_repository
 from tests.fixtures.prebuilds import folder_job
 from tests.serving.test_core import static_engine
 
@@ -107,3 +111,29 @@ def test_a_trained_size_checkpoint_builds_every_cpu_form_and_serves_transformers
                 assert logits["max_abs"] <= 1.1 * logits["floor_abs"], (name, logits)
             else:
                 assert logits["max_rel"] <= 1e-5, (name, logits)
+
+
+@pytest.mark.served
+def test_the_served_session_equals_transformers_over_a_prefill_and_16_greedy_steps(built, tmp_path):
+    """The issue's check as a user meets it: the artifact's session model in a real Triton, stepped through the
+    client library, against transformers' LlamaForCausalLM over the same tokens."""
+    settings = ServingSettings(threads=1, kv_cache_bytes=16 << 20, max_batch_size=4)
+    repository = write_repository(built / "artifact", tmp_path / "repository", settings, models=("mha_session",))
+    ids = np.random.default_rng(4).integers(3, 1003, (1, 9), dtype=np.int64)
+    with (
+        start_triton(repository, log_path=tmp_path / "triton.log") as server,
+        Client(server.grpc_url) as client,
+        client.session() as session,
+    ):
+        served, tokens = [session.step(ids)[0]], []
+        for _ in range(STEPS):
+            tokens.append(int(served[-1][-1].argmax()))
+            served.append(session.step(np.array([[tokens[-1]]], np.int64))[0])
+    with torch.no_grad():
+        expected = trained_size_llama()(torch.from_numpy(np.concatenate([ids[0], tokens]))[None]).logits[0].numpy()
+    got = np.concatenate(served)
+    assert got.shape == expected.shape
+    error, scale = float(np.abs(got - expected).max()), float(np.abs(expected).max())
+    print(f"served: max abs error {error:.2e}, {error / scale:.1e} of the logits' scale {scale:.1f}")
+    assert error <= 1e-4 * scale
+    assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()

@@ -2,8 +2,9 @@
 weights before transformers or the exporter builds anything (`num_hidden_layers` 10^6 ran a build past 180 s
 and 5 GB; `hidden_size` 10^9 was a transformers traceback), each refusal naming the field; its tokenizer.json is
 refused past the size a tokenizer is taken at and when it names ids the model lacks (167 MB and 8M ids for a
-320-id model cost a gateway 40 s and 3.6 GB); and a pre-tokenizer regex that backtracks past its limit is a
-typed error on the text, not the tokenizer's panic (a plain-text 500)."""
+320-id model cost a gateway 40 s and 3.6 GB) and when it fails on a text a prompt may hold (a pre-tokenizer regex
+that backtracks past its limit), at the build and at the load; a text it fails on past those probes is a typed
+error on that text, not the tokenizer's panic (a plain-text 500)."""
 
 from __future__ import annotations
 
@@ -94,13 +95,33 @@ def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_refused(folder):
         import_weights(folder, "hf", {})
 
 
-def test_a_backtracking_pre_tokenizer_is_a_typed_error_on_the_text():
-    tokenizer = Tokenizer(models.WordLevel({"a": 0, "!": 1, "[UNK]": 2}, unk_token="[UNK]"))
+def backtracking(vocab: dict[str, int]) -> Tokenizer:
+    """A tokenizer whose pre-tokenizer regex backtracks past onig's retry limit on a long run of "a"."""
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(a+)+$"), behavior="isolated")
-    text = TextModel.from_files({"tokenizer.json": tokenizer.to_str().encode()})
+    return tokenizer
+
+
+def test_a_backtracking_pre_tokenizer_is_refused_at_the_build_and_at_the_load(folder):
+    data = json.loads((folder / "tokenizer.json").read_text())
+    spoiled = json.loads(backtracking({"a": 0, "!": 1, "[UNK]": 2}).to_str())
+    spoiled["added_tokens"] = data["added_tokens"]  # the model's special tokens, ids within its vocabulary
+    (folder / "tokenizer.json").write_text(json.dumps(spoiled))
+    with pytest.raises(WeightsError, match=r"fails on 'a' x 4096 then '!'.*retry-limit"):
+        import_weights(folder, "hf", {})
+    with pytest.raises(TextFileInvalid, match=r"tokenizer.json fails on 'a' x 4096 then '!'.*retry-limit"):
+        TextModel.from_files({"tokenizer.json": json.dumps(spoiled).encode()})
+
+
+def test_a_tokenizer_that_fails_on_a_text_past_the_probes_is_a_typed_error_on_that_text(checkpoint):
+    """The probes cannot find every text a regex fails on: encode's failure is then EncodeFailed, not the
+    tokenizer's panic (a plain-text 500), and the model keeps serving other texts."""
+    text = TextModel.from_folder(checkpoint)
+    text.tokenizer = backtracking({"a": 0, "!": 1, "[UNK]": 2})  # past the load's probes, as an unprobed text
     assert text.encode("aaa!")  # a short text encodes
     with pytest.raises(EncodeFailed, match="retry-limit"):
         text.encode("a" * 5000 + "!")
+    assert text.encode("aa!")
 
 
 def test_a_checkpoint_that_fails_half_written_leaves_no_file_behind(tmp_path):
