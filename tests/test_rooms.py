@@ -43,8 +43,13 @@ ONLY_THIRD_PARTY = {"contract": {"numpy"}}
 EXTENSION_RUNTIME = ("cython_runtime", "_cython_")
 # The one module that may build with the export: `python -m serving ensure` (the library, never its CLI).
 # And `python -m export inspect --text` reads the artifact's tokenizer the one way the product reads one
-# (client/text.py), inside the function that needs it.
-EXCEPTIONS = {"serving/triton/cli.py": {"export"}, "export/inspect_form.py": {"client"}}
+# (client/text.py), inside the function that needs it; the build probes a checkpoint's tokenizer as the
+# gateway will at its load (client/text.py `tokenizer_probe_failure`), inside the function that does.
+EXCEPTIONS = {
+    "serving/triton/cli.py": {"export"},
+    "export/inspect_form.py": {"client"},
+    "export/importers.py": {"client"},
+}
 
 
 def room_of(module: str) -> str | None:
