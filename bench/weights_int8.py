@@ -41,7 +41,6 @@ import numpy as np
 from bench import results as output
 from bench.model import Shape, module_steps, stateless_inputs
 from bench.plot import save
-from bench.results import machine
 from bench.timing import SETTLE_S, Budget, Timing, measure
 from contract import files, names
 from contract.config import ModelConfig, preset
@@ -195,7 +194,7 @@ def benchmark(root: Path, preset_name: str, grid: list[Shape], rounds: int, seco
         "preset": preset_name,
         "config": cfg.to_dict(),
         "machine": {
-            **machine(threads, "torch", "onnxruntime"),
+            **output.machine(threads, "torch", "onnxruntime"),
             "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         },
         "rounds": rounds,

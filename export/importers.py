@@ -936,31 +936,33 @@ def checked_text_files(folder: Path, vocab_size: int) -> tuple[Path, ...]:
             raise LayoutProblems(
                 [f"{tokenizer}: {size >> 20} MiB, more than the {MAX_TOKENIZER_BYTES >> 20} MiB taken"]
             )
+        text = tokenizer.read_text()
         try:
-            ids = tokenizer_ids(json.loads(tokenizer.read_text()))
+            data = json.loads(text)
+            ids = tokenizer_ids(data)
         except (ValueError, TypeError, AttributeError) as error:
             raise LayoutProblems([f"{tokenizer}: not a tokenizer ({error})"]) from None
         if ids > vocab_size:
             raise LayoutProblems(
                 [f"{tokenizer}: its ids run to {ids - 1}, the model's vocabulary (vocab_size) has {vocab_size}"]
             )
-        if failed := _probe_failure(tokenizer):
+        if failed := _probe_failure(text, data):
             raise LayoutProblems([f"{tokenizer}: {failed}"])
     return text_files(folder)
 
 
-def _probe_failure(tokenizer: Path) -> str | None:
-    """client.text's probes of a tokenizer (the gateway refuses to load one that fails them); an unreadable
-    one is the gateway's to name."""
+def _probe_failure(text: str, data: dict) -> str | None:
+    """client.text's probes of a tokenizer.json (`text`, parsed: `data`), which the gateway refuses to load
+    when they fail; an unreadable one is the gateway's to name."""
     from tokenizers import Tokenizer
 
     from client.text import tokenizer_probe_failure
 
     try:
-        loaded = Tokenizer.from_file(str(tokenizer))
+        loaded = Tokenizer.from_str(text)
     except Exception:  # the library raises bare Exceptions for a malformed file
         return None
-    return tokenizer_probe_failure(loaded, json.loads(tokenizer.read_text()))
+    return tokenizer_probe_failure(loaded, data)
 
 
 def tokenizer_ids(data: dict) -> int:
