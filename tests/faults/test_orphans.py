@@ -26,7 +26,14 @@ import pytest
 
 from serving.host.launcher import shm_prefix
 from serving.host.process import OWNER_FILE, SHM_DIR, reap_leftovers
-from tests.fixtures.serving_process import descendants, new_ports, start_serving, still_running
+from tests.fixtures.serving_process import (
+    LEFT_GRACE_S,
+    descendants,
+    new_ports,
+    start_serving,
+    still_running,
+    still_running_after,
+)
 
 pytestmark = [pytest.mark.served, pytest.mark.slow, pytest.mark.timeout(600)]
 LEFT_AFTER_S = 5.0  # the bound: what runs this long after the kill -9
@@ -44,7 +51,7 @@ def work_dirs_of(pid: int) -> list[Path]:
 def stop(served) -> None:
     served.process.send_signal(signal.SIGINT)
     assert served.process.wait(90) == 0, served.output()
-    assert not still_running(served.seen)
+    assert not still_running_after(served.seen, LEFT_GRACE_S)
 
 
 @pytest.mark.parametrize("replicas", [1, 3])

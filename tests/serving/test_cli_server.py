@@ -32,7 +32,7 @@ from contract import names
 from contract.config import ModelConfig
 from serving.host.launcher import answers_200, free_port
 from tests import reference
-from tests.fixtures.serving_process import descendants, still_running
+from tests.fixtures.serving_process import LEFT_GRACE_S, descendants, still_running_after
 from tests.fixtures.triton import metric, wait_for_metric
 from tests.serving.helpers import Client, new_sequence_id
 
@@ -309,5 +309,5 @@ def test_sigint_drains_refusing_new_sessions_as_busy_and_leaves_no_process(serve
             open_sessions_until_refused(client, seconds=10)  # until Triton has taken the signal
         held.close()
     assert stop(served) == 0, served.output_path.read_text()
-    assert still_running(started) == []
+    assert still_running_after(started, LEFT_GRACE_S) == []
     assert "SIGINT: shutting down" in served.output_path.read_text()
