@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import secrets
 import shutil
 import signal
 import sys
@@ -218,8 +219,8 @@ def shutdown_signals() -> Iterator[threading.Event]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from serving.gateway.server import GatewayStartError
     from serving.host.envoy import EnvoyError
+    from serving.host.gateway import GatewayProcessError
     from serving.host.launcher import TritonStartError
 
     front = None
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
             serve(args, front, stop)
         except Shutdown as received:
             print(f"{received}: shutting down", flush=True)
-        except (TritonStartError, GatewayStartError, EnvoyError) as error:
+        except (TritonStartError, GatewayProcessError, EnvoyError) as error:
             print(f"error: {error}", file=sys.stderr)
             return 1
         finally:
@@ -274,8 +275,10 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     from SERVING_* variables."""
     if args.no_gateway:
         return watch(front, stop)
-    from serving.gateway import Settings, banner, run_gateway
+    from serving.gateway import Settings, banner
+    from serving.gateway.settings import settings_environment
     from serving.host.front import metrics_urls
+    from serving.host.gateway import SupervisedGateway
     from serving.host.process import owned_folder
 
     overrides = {"triton_url": front.grpc_url, "triton_metrics_urls": metrics_urls(front), "port": args.gateway_port}
@@ -288,15 +291,31 @@ def serve(args: argparse.Namespace, front, stop: threading.Event) -> None:
     if own_store is not None:  # a store of this run's unless one is named (or `none`)
         settings = Settings(**overrides, session_store=str(own_store))
     try:
-        gateway = run_gateway(settings)
+        settings, url = lasting_settings(settings)
+        gateway = SupervisedGateway(settings_environment(settings), url)
         try:
-            print(banner(gateway), flush=True)
-            watch(front, stop)
+            print(banner(settings, url), flush=True)
+            watch(front, stop, gateway)
         finally:
             gateway.stop()
     finally:
         if own_store:
             shutil.rmtree(own_store, ignore_errors=True)
+
+
+def lasting_settings(settings) -> tuple:
+    """`settings` with what every gateway of the run must share fixed now (the port, a session secret: the
+    next gateway honours the session ids of one that died), and the gateway's URL."""
+    from pydantic import SecretStr
+
+    from serving.host.launcher import free_port
+
+    chosen = {
+        "session_secret": settings.session_secret or SecretStr(secrets.token_urlsafe(32)),
+        "port": settings.port or free_port(settings.bind_host()),
+    }
+    settings = settings.model_copy(update=chosen)
+    return settings, f"http://{settings.bind_host()}:{settings.port}"
 
 
 def trained_model_settings(repository: Path, settings) -> dict:
@@ -310,10 +329,10 @@ def trained_model_settings(repository: Path, settings) -> dict:
     return {name: value for name, value in chosen.items() if name not in settings.model_fields_set}
 
 
-def watch(front, stop: threading.Event) -> None:
+def watch(front, stop: threading.Event, *more) -> None:
     from serving.host.front import watch
 
-    watch(front, stop, say=lambda line: print(line, file=sys.stderr, flush=True))
+    watch(front, stop, lambda line: print(line, file=sys.stderr, flush=True), *more)
 
 
 def serve_folders(args: argparse.Namespace, folders: list[Path]) -> int:

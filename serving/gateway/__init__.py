@@ -4,7 +4,7 @@
 
 `create_app(settings)` is the ASGI app; `serve(settings)` runs it with uvicorn in the foreground;
 `run_gateway(settings)` runs it on a background thread and returns once it accepts connections;
-`banner(gateway)` is what to print then (URLs and a working curl line).
+`banner(gateway.settings, gateway.url)` is what to print then (URLs and a working curl line).
 """
 
 from serving.gateway.app import create_app

@@ -198,9 +198,8 @@ def _durability(settings) -> str:
     )
 
 
-def banner(gateway: RunningGateway) -> str:
-    """What `python -m serving` prints once the gateway is up: its URLs and a curl line that works."""
-    settings, url = gateway.settings, gateway.url
+def banner(settings: Settings, url: str) -> str:
+    """What `python -m serving` prints once the gateway is up at `url`: its URLs and a curl line that works."""
     auth = ' -H "X-API-Key: $SERVING_API_KEY"' if settings.auth_enabled else ""
     state = (
         f"enabled ({len(settings.accepted_keys())} key(s)); set SERVING_API_KEY to one for the curl line"

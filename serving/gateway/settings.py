@@ -7,6 +7,7 @@ environment (the tests and `python -m serving` pass theirs that way).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -227,6 +228,28 @@ def read_keys_file(path: Path) -> list[str]:
     except OSError as error:
         raise ValueError(f"SERVING_API_KEYS_FILE {path}: cannot read it ({error.strerror})") from error
     return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """The SERVING_* variables that make `settings` again in another process (`python -m serving`'s gateway
+    process): every field that is not None, in the form its variable is read."""
+    return {
+        f"SERVING_{name.upper()}": _as_variable(value)
+        for name in Settings.model_fields
+        if (value := getattr(settings, name)) is not None
+    }
+
+
+def _as_variable(value: object) -> str:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, tuple):  # the NoDecode fields: comma-separated
+        return ",".join(value)
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
 
 
 def settings_help() -> str:

@@ -8,6 +8,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from serving.host.envoy import ProxySettings
 from serving.host.fleet import Fleet, start_fleet
@@ -118,6 +119,11 @@ def free_port_but(address: str, taken: set[int]) -> int:
         return port
 
 
+class Checked(Protocol):
+    def check(self, say: Callable[[str], None]) -> bool:
+        """True while it serves (brought back if it had died); False once it cannot."""
+
+
 class OneTriton:
     """One supervised Triton, with the face of a Fleet (serving/host/fleet.py)."""
 
@@ -162,8 +168,9 @@ def metrics_urls(front: OneTriton | Fleet) -> list[str]:
     return [supervisor.server.metrics_url for supervisor in supervisors]
 
 
-def watch(front: OneTriton | Fleet, stop: threading.Event, say: Callable[[str], None]) -> None:
-    """Until `stop` is set or the front has nothing left to serve (said through `say`)."""
+def watch(front: OneTriton | Fleet, stop: threading.Event, say: Callable[[str], None], *more: Checked) -> None:
+    """Until `stop` is set or the front, or one of `more` (the gateway), has nothing left to serve (said
+    through `say`)."""
     while not stop.wait(0.5):
-        if not front.check(say):
+        if not all(watched.check(say) for watched in (front, *more)):
             return

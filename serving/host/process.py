@@ -138,19 +138,23 @@ class ManagedProcess:
         env: dict[str, str] | None = None,
         shm_prefix: str | None = None,
         owns_work_dir: bool = True,
+        gateway_settings: Mapping[str, str] | None = None,
     ) -> subprocess.Popen:
         """Start `command` in `work_dir` (stdout and stderr appended to `output`, or dropped) after
-        removing what dead runs left, and record who started it."""
+        removing what dead runs left, and record who started it. `gateway_settings`: the SERVING_*
+        variables of a gateway process, which then shares this process's directory and output."""
         for removed in reap_leftovers():
             log.warning("removed what an earlier run left: %s", removed)
-        with open(output or os.devnull, "ab") as sink:
+        base = without_gateway_settings(os.environ if env is None else env)
+        with contextlib.ExitStack() as stack:
+            sink = None if gateway_settings is not None else stack.enter_context(open(output or os.devnull, "ab"))
             process = _Spawner.get().popen(
                 list(command),
                 stdout=sink,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.STDOUT if sink is not None else None,
                 stdin=subprocess.DEVNULL,
-                env=without_gateway_settings(os.environ if env is None else env),
-                cwd=work_dir,
+                env=base | dict(gateway_settings or {}),
+                cwd=work_dir if gateway_settings is None else None,  # a gateway reads paths as its user gave them
                 start_new_session=True,  # its own process group: a stop reaches its children too
             )
         _write_owner_record(work_dir, process.pid, shm_prefix, owns_work_dir)

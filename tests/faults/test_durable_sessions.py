@@ -1,5 +1,5 @@
 """Durable sessions (client/store.py, docs/reliability.md): `python -m serving` as a user runs it,
-hit by kill -9 of the session model's stub and of tritonserver, with sessions held by a direct client
+hit by kill -9 of the session model's stub, of tritonserver and of the gateway, with sessions held by a direct client
 (a directory store, and a real redis-server restarted mid-run) and by the gateway (its default
 store, a folder of the run's). The step after each fault is served, and every step of every session
 equals the uninterrupted PyTorch original within 1e-5; a store entry that was changed, or that is
@@ -108,6 +108,26 @@ def test_sessions_survive_a_killed_process_and_go_on_as_the_original(stack, orig
         assert gateway.delete(f"/v1/sessions/{session}").status_code == 204
     assert not any((tmp_path / "store").rglob("0*")), "a closed session's checkpoints are forgotten"
     client.close()
+
+
+def test_a_killed_gateway_is_started_again_and_its_sessions_go_on_as_the_original(stack, original):
+    """kill -9 of the gateway's process: `python -m serving` starts another within seconds, with the run's
+    session secret and store, so the ids the dead one gave out go on (their rows never left Triton)."""
+    served, gateway = stack
+    wait_ready(gateway, time.monotonic())
+    opened = [gateway.post("/v1/sessions").json()["id"] for _ in range(2)]
+    gateway_sessions = [(session, Sequence(original, 70 + i)) for i, session in enumerate(opened)]
+    for session, sequence in gateway_sessions:
+        gateway_step(gateway, session, sequence.next(5))
+    advance([], gateway, gateway_sessions, steps=3)
+
+    killed_at = time.monotonic()
+    kill(served, "-m serving.gateway")
+    print(f"the gateway served again {wait_ready(gateway, killed_at):.2f} s after its kill")
+    advance([], gateway, gateway_sessions, steps=3)
+    for session, _ in gateway_sessions:
+        assert gateway.delete(f"/v1/sessions/{session}").status_code == 204
+    served.wait_for_output("the gateway exited with -9", "the gateway serves again")
 
 
 def test_one_killed_stub_a_redis_session_goes_on_changed_or_foreign_entries_are_refused_rewinds_are_kept(

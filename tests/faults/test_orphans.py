@@ -67,9 +67,9 @@ def test_kill_9_of_python_m_serving_leaves_nothing_running_and_the_same_command_
         assert names.count("bin/tritonserver") == replicas and names.count("triton_python_backend_stub") >= 2 * replicas
         assert ("envoy" in names) == (replicas > 1)
         folders = work_dirs_of(first.process.pid)
-        # a folder per Triton, Envoy's, and the gateway's session store
-        assert len(folders) == replicas + (replicas > 1) + 1
-        assert sum(folder.name.startswith("serving-sessions-") for folder in folders) == 1
+        # a folder per Triton, Envoy's, the gateway process's and its session store
+        assert len(folders) == replicas + (replicas > 1) + 2
+        assert sum(folder.name.startswith(("serving-sessions-", "serving-gateway-")) for folder in folders) == 2
         regions = [region for folder in folders for region in SHM_DIR.glob(f"{shm_prefix(folder)}*")]
         assert len(regions) >= 2 * replicas
 

@@ -4,6 +4,7 @@ key comparison, and the binary tensor encoding (what the arrays must be: test_va
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
@@ -15,6 +16,7 @@ from contract.inputs import InputError
 from serving.gateway import Settings, run_gateway
 from serving.gateway.auth import key_matches
 from serving.gateway.encoding import EncodedTensor, decode, encode, tensor_json
+from serving.gateway.settings import settings_environment
 
 
 def test_settings_come_from_serving_variables(monkeypatch, tmp_path):
@@ -28,6 +30,28 @@ def test_settings_come_from_serving_variables(monkeypatch, tmp_path):
     assert settings.accepted_keys() == ("a", "b", "shared", "from-file", "other")
     assert (settings.triton_url, settings.sessions_per_key, settings.port) == ("triton:8001", 2, 8080)
     assert Settings(sessions_per_key=5).sessions_per_key == 5  # arguments win over the environment
+
+
+def test_settings_made_again_from_their_variables_are_the_same(monkeypatch, tmp_path):
+    """What `python -m serving` hands its gateway process: every kind of field (keys, a secret, a JSON map,
+    a path, a flag, a number, an empty store) read back from the variables equals what was given."""
+    given = Settings(
+        api_keys=("a", "b"),
+        api_keys_file=tmp_path / "keys",
+        session_secret="s" * 40,
+        more_served_models={"tiny-qwen": "tiny-qwen_mha_session"},
+        session_store="none",
+        gc_freeze=False,
+        sessions_per_key=3,
+        template_timeout_s=2.5,
+        triton_metrics_urls=("http://127.0.0.1:8002/metrics",),
+        max_request_tokens=None,
+    )
+    for name in [name for name in os.environ if name.startswith("SERVING_")]:
+        monkeypatch.delenv(name)
+    for name, value in settings_environment(given).items():
+        monkeypatch.setenv(name, value)
+    assert Settings() == given
 
 
 @pytest.mark.parametrize(

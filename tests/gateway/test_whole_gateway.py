@@ -91,7 +91,7 @@ def test_the_consoles_try_line_for_a_whole_model_sends_token_ids_and_gets_logits
     from tests.gateway.conftest import running
 
     with running(triton_url=whole_triton.grpc_url) as gateway:
-        (line,) = [line for line in banner(gateway).splitlines() if line.startswith("try ")]
+        (line,) = [line for line in banner(gateway.settings, gateway.url).splitlines() if line.startswith("try ")]
         command = line.removeprefix("try").strip()
         assert "input_ids" in command and "hidden_states" not in command
         shown = subprocess.run(["bash", "-c", command], capture_output=True, text=True, check=True, timeout=60)
