@@ -116,6 +116,12 @@ class TextModel:
         # transformers cleans up "word ." into "word." on decode only where the model is not a BPE
         self._clean_up_spaces = clean_up_spaces and type(tokenizer.model).__name__ != "BPE"
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes one token adds to a text: how long a text of n tokens can be (a body's bound)."""
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        return max((len(self._token_bytes(token)) for token in range(vocab)), default=1)
+
     @classmethod
     def from_folder(cls, path: str | Path) -> TextModel:
         """Read the text files (contract/files.py TEXT_FILES) of a checkpoint, artifact or model version folder."""

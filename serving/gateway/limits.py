@@ -5,7 +5,9 @@ large bodies in flight.
   upstream call of the request ends by then (state.GatewayState.call), so no request outlives it.
 - The body limit: the smaller of `SERVING_MAX_BODY_BYTES` and the most a valid body can need for the
   served model (validated.body_bound, once its sizes are known); for a restore (POST /v1/sessions), the
-  largest snapshot the session model can produce (`restore_bound`). A declared Content-Length over it is
+  largest snapshot the session model can produce (`restore_bound`); for the routes that take text
+  (`TEXT_ROUTES`), the most text the served models' contexts hold (validated.text_body_bound, once every
+  served model's tokenizer is known). A declared Content-Length over it is
   refused at once; a chunked body is read up to it and refused as soon as it passes it, so a client
   cannot make the gateway buffer more than the limit.
 - Large bodies: a body over `LARGE_BODY_BYTES` (declared, or once that much of a chunked one has come)
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serving.gateway.errors import ApiError, BodyTimeout, BodyTooLarge, Overloaded, error_response
+from serving.gateway.settings import Settings
 
 # a body over this takes a place among SERVING_LARGE_BODY_CONCURRENCY: JSON numbers this size are about
 # 3x it as Python objects while decoded (a base64 body, 1x: 8 MiB carries the seed model's past of 1,500
@@ -45,6 +48,13 @@ SNAPSHOT_HEADER_BYTES = 64 << 10
 # the cache dtype is not in what the session model publishes: a float32 cache, the widest, bounds them all
 WIDEST_CACHE_ELEMENT_BYTES = 4
 RESTORE_ROUTE = ("POST", "/v1/sessions")
+# the routes that take text, each bound by the served models' contexts (validated.text_body_bound): how many
+# prompts one body may carry, by the key's session limit (each prompt runs as a session)
+TEXT_ROUTES: dict[str, Callable[[Settings], int]] = {
+    "/v1/completions": lambda settings: settings.sessions_per_key,
+    "/v1/chat/completions": lambda settings: 1,
+    "/v1/responses": lambda settings: 1,
+}
 # when the request being handled must be answered by, on the event loop's clock (None outside a request)
 request_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
 
@@ -144,6 +154,9 @@ class _Limit:
     def of(cls, scope: Scope, gateway) -> _Limit:
         if (scope.get("method"), scope.get("path")) == RESTORE_ROUTE:
             return cls(gateway.restore_limit, "the largest snapshot the served session model can produce")
+        text_limit = gateway.text_limits.get(scope.get("path")) if scope.get("method") == "POST" else None
+        if text_limit is not None:
+            return cls(text_limit, "the most a valid request can need for the served models' contexts")
         return cls(gateway.body_limit, "the most a valid request can need for the served model")
 
     def exceeded(self, what: str) -> BodyTooLarge:

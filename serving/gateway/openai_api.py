@@ -132,7 +132,7 @@ async def asked_of(body: schemas.Common, whole: WholeModel, chat: bool, gw: Gate
             raise InvalidInput("top_logprobs: needs logprobs: true", param="top_logprobs")
         prompt_logprobs = None
     else:
-        prompts = await _completion_ids(body.prompt, text, gw)
+        prompts = await _completion_ids(_prompts(body.prompt, body.n, settings.sessions_per_key), text, gw)
         echo_texts = [text.decode(ids.tolist(), skip_special_tokens=False) for ids in prompts] if body.echo else []
         logprobs = body.logprobs
         if body.best_of is not None and body.best_of != body.n:
@@ -268,17 +268,25 @@ def _text_content(at: int, message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "\n".join(texts)}
 
 
-async def _completion_ids(prompt: Any, text: TextModel, gw: GatewayState) -> list[np.ndarray]:
-    """Each prompt's ids: texts are encoded (with the tokenizer's special tokens, as transformers does),
-    ids are taken as given (checked against the vocabulary)."""
-    if isinstance(prompt, str):
-        prompts: list = [prompt]
-    elif prompt and isinstance(prompt[0], int):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
+def _prompts(prompt: Any, n: int, sessions_per_key: int) -> list:
+    """A completion's prompts as a list: at least one, and no more than a key may run at once (each choice of
+    each prompt is a session while it runs), checked before any is tokenized."""
+    one = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+    prompts = [prompt] if one else list(prompt)
     if not prompts:
         raise InvalidInput("prompt: expected at least one prompt, got none", param="prompt")
+    if len(prompts) * n > sessions_per_key:
+        raise InvalidInput(
+            f"prompt: {len(prompts)} prompts of n={n} choices each run {len(prompts) * n} sessions at once, more than "
+            f"the {sessions_per_key} an API key may hold (SERVING_SESSIONS_PER_KEY)",
+            param="prompt",
+        )
+    return prompts
+
+
+async def _completion_ids(prompts: list, text: TextModel, gw: GatewayState) -> list[np.ndarray]:
+    """Each prompt's ids: texts are encoded (with the tokenizer's special tokens, as transformers does),
+    ids are taken as given (checked against the vocabulary)."""
     found = []
     for at, given in enumerate(prompts):
         try:

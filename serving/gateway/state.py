@@ -19,14 +19,21 @@ from contract.files import TOKENIZER_FILENAME
 from contract.integrity import Keyring, derived_secret
 from serving.gateway import upstream
 from serving.gateway.auth import owner_of
-from serving.gateway.errors import InvalidInput, ModelNotFound, Overloaded, TooManySessions, UpstreamFailed
-from serving.gateway.limits import request_deadline, restore_bound
+from serving.gateway.errors import (
+    ApiError,
+    InvalidInput,
+    ModelNotFound,
+    Overloaded,
+    TooManySessions,
+    UpstreamFailed,
+)
+from serving.gateway.limits import TEXT_ROUTES, request_deadline, restore_bound
 from serving.gateway.metrics import Metrics
 from serving.gateway.quotas import Quotas
 from serving.gateway.sessions import GatewaySession, GatewaySessions, SessionIds, tag
 from serving.gateway.settings import Settings
 from serving.gateway.templates import TemplateWorkers
-from serving.gateway.validated import body_bound
+from serving.gateway.validated import body_bound, text_body_bound
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -97,6 +104,9 @@ class GatewayState:
         # a restore's (POST /v1/sessions): the largest snapshot the session model can produce, once its sizes are
         # known (limits.restore_bound)
         self.restore_limit = settings.max_body_bytes
+        # the routes that take text (limits.TEXT_ROUTES) -> their largest body, once every served model's tokenizer
+        # is known (validated.text_body_bound); until then the body limit above
+        self.text_limits: dict[str, int] = {}
         self.request_tokens = settings.max_request_tokens or DEFAULT_REQUEST_TOKENS  # the model's once learned
         self.large_bodies = 0  # requests with a body over LARGE_BODY_BYTES in flight
         self.responses: Any = None  # the stored responses (responses_api.Records), made at their first use
@@ -158,6 +168,7 @@ class GatewayState:
             self._generators.setdefault(name, self._client.sibling(model))
         self.spawn(self._sweep())
         self.spawn(self._learn_models())
+        self.spawn(self._learn_texts())
 
     async def stop(self) -> None:
         sweeping = [t for t in self._tasks if not t.get_name().startswith("end-")]
@@ -214,6 +225,33 @@ class GatewayState:
                 return
             await asyncio.sleep(interval)
             interval = min(2 * interval, LEARN_INTERVAL_MAX_S)
+
+    async def _learn_texts(self) -> None:
+        """Every served model's context and tokenizer as soon as Triton answers, then the text routes' body
+        limits; a model that takes no text (an attention model, no tokenizer) bounds none of them."""
+        interval, pending, sizes = LEARN_INTERVAL_S, set(self.generators()), []
+        while True:
+            for model_id in sorted(pending):
+                try:
+                    async with asyncio.timeout(self.settings.request_timeout_s):
+                        whole = await self.whole_model(model_id)
+                except InvalidInput:  # it takes no text: nothing to bound
+                    pending.discard(model_id)
+                    continue
+                except UpstreamFailed:  # its text files cannot be read: its bodies' bound is not known
+                    return
+                except (ApiError, ClientError, TimeoutError):  # Triton does not answer yet
+                    continue
+                longest = await asyncio.to_thread(lambda text=whole.text: text.longest_token_bytes)
+                sizes.append((whole.max_seq_len, longest, whole.text.tokenizer.get_vocab_size()))
+                pending.discard(model_id)
+            if not pending:
+                break
+            await asyncio.sleep(interval)
+            interval = min(2 * interval, LEARN_INTERVAL_MAX_S)
+        for path, prompts in TEXT_ROUTES.items() if sizes else ():
+            most = max(text_body_bound(*size, prompts(self.settings)) for size in sizes)
+            self.text_limits[path] = min(self.settings.max_body_bytes, most)
 
     async def encode(self, text: TextModel, string: str, add_special_tokens: bool = True) -> list[int]:
         """`text.encode(string)`, on a worker thread when the string is long (the tokenizer lets go of the GIL

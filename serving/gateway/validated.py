@@ -285,6 +285,25 @@ def first_boolean(value: Any, index: tuple[int, ...] = ()) -> tuple[int, ...] | 
 # --- the largest body -------------------------------------------------------------------------------------
 
 
+# a text request's body (text_body_bound): a token's bytes as JSON escapes them at worst (\u00XX: 6 bytes a byte),
+# and what a chat message wraps around its text (its keys, its role), at most one message a token
+JSON_ESCAPED_BYTES = 6
+MESSAGE_BYTES = 128
+# the fields that are not prompt text: a response format's schema, tools (in the prompt too, once rendered), stop
+# strings; and logit_bias, an entry per vocabulary id at most
+TEXT_FIELDS_BYTES = 4 << 20
+LOGIT_BIAS_ENTRY_BYTES = 24
+
+
+def text_body_bound(max_seq_len: int, longest_token_bytes: int, vocab_size: int, prompts: int) -> int:
+    """The most bytes a valid text request's body can need: `prompts` prompts (or conversations), each at most
+    `max_seq_len` tokens of at most `longest_token_bytes` of text (or ids, shorter), escaped and wrapped in
+    messages; and the other fields."""
+    per_token = JSON_ESCAPED_BYTES * max(longest_token_bytes, 2) + MESSAGE_BYTES
+    others = TEXT_FIELDS_BYTES + vocab_size * LOGIT_BIAS_ENTRY_BYTES
+    return BODY_OVERHEAD_BYTES + others + prompts * max_seq_len * per_token
+
+
 def body_bound(info: ModelInfo, max_request_tokens: int, max_seq_len: int) -> int:
     """The most bytes a valid body can need for the stateless model `info`: `max_request_tokens` new
     tokens (with their positions) over a past of `max_seq_len` positions (with its mask), or a session

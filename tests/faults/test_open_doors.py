@@ -8,6 +8,7 @@ Host header that is not a loopback name is refused (a page's script reaching a k
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -133,3 +134,57 @@ def test_a_body_that_trickles_in_is_cut_at_the_requests_deadline(fortunes_served
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b"SERVING_REQUEST_TIMEOUT_S" in answer or b"body_timeout" in answer
     assert 1.9 <= took < 4.0
+
+
+def declared_limit(client: httpx.Client, route: str) -> str:
+    """The 413 a body declared at 60 MB gets on `route` (refused before it is read: none is sent)."""
+    port = int(str(client.base_url).rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        head = f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        connection.sendall(f"{head}Content-Length: 60000000\r\n\r\n".encode())
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := connection.recv(65536):
+                answer += chunk
+    status, _, body = answer.decode().partition("\r\n\r\n")
+    assert " 413 " in status.splitlines()[0], answer
+    return body
+
+
+def text_route_limit(client: httpx.Client, route: str) -> int:
+    """The body limit of a text route once the gateway has learned the served model's tokenizer."""
+    deadline = time.monotonic() + 30
+    while "contexts" not in (message := declared_limit(client, route)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "the served models' contexts" in message, message
+    return int(re.search(r"exceeds the limit of (\d+) bytes", message)[1])
+
+
+def test_the_text_routes_bodies_are_bound_by_the_served_contexts_and_a_completions_prompts(keyless, trained_artifact):
+    """The OpenAI routes took 64 MiB, a bound made for the stateless attention model, whatever the 256-token model
+    they serve can hold: now a chat or a response takes what that context holds (its longest token, escaped,
+    256 times, in messages) and completions that for each prompt a key may run; more prompts than that is a 400
+    before any is tokenized. The longest text that context holds, escaped as JSON at worst, is still taken."""
+    from client.text import TextModel
+
+    chat, completions = (text_route_limit(keyless, route) for route in ("/v1/chat/completions", "/v1/completions"))
+    assert text_route_limit(keyless, "/v1/responses") == chat
+    assert chat < 8 << 20 and chat < completions <= 64 << 20, (chat, completions)
+
+    text = TextModel.from_folder(trained_artifact)
+    longest = max(range(text.tokenizer.get_vocab_size()), key=lambda token: len(text.decode([token])))
+    word = text.decode([longest])
+    content = "".join(f"\\u{ord(char):04x}" for char in word * 256)  # every character escaped: 6 bytes each
+    body = '{"model": "fortunes", "max_tokens": 1, "messages": [{"role": "user", "content": "' + content + '"}]}'
+    answer = keyless.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "context" in answer.json()["error"]["message"], answer.text
+
+    began = time.monotonic()
+    many = keyless.post("/v1/completions", json={"model": FORTUNES_MODEL, "prompt": ["Love is"] * 17, "max_tokens": 1})
+    assert many.status_code == 400 and "17 prompts of n=1 choices each run 17 sessions" in many.text, many.text
+    two = keyless.post(
+        "/v1/completions", json={"model": FORTUNES_MODEL, "prompt": ["Love is"] * 8, "n": 2, "max_tokens": 1}
+    )
+    assert two.status_code == 200, two.text
+    print(f"text routes' limits: chat {chat} bytes, completions {completions}; 17 prompts refused in ", end="")
+    print(f"{time.monotonic() - began:.2f} s")
