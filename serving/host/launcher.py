@@ -49,6 +49,7 @@ from serving.host.process import ManagedProcess, ProcessStartError, remove_unmap
 log = logging.getLogger(__name__)
 
 SHM_PREFIX = "triton_python_backend_shm_region_"
+STUB_NAME = "triton_python_backend_stub"  # the Python backend's model process, one per model instance
 # Backends the NGC image has and the wheel does not: models using them load only there.
 _PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "pytorch_libtorch": "pytorch"}
 
@@ -158,7 +159,7 @@ def bundled_triton() -> Path:
 
 def stub_for_this_python(bundle: Path) -> Path:
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    stub = bundle / "python_backend_stubs" / version / "triton_python_backend_stub"
+    stub = bundle / "python_backend_stubs" / version / STUB_NAME
     if not stub.is_file():
         available = sorted(p.name for p in (bundle / "python_backend_stubs").iterdir())
         raise TritonStartError(f"the wheel has no Python backend stub for Python {version}; it has {available}")
@@ -169,7 +170,7 @@ def backend_directory(bundle: Path, work_dir: Path) -> Path:
     """`backends/` with every bundled backend, the Python one completed by this interpreter's stub."""
     backends = work_dir / "backends"
     shutil.copytree(bundle / "backends", backends, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy2(stub_for_this_python(bundle), backends / "python" / "triton_python_backend_stub")
+    shutil.copy2(stub_for_this_python(bundle), backends / "python" / STUB_NAME)
     return backends
 
 
@@ -326,6 +327,20 @@ class TritonServer(ManagedProcess):
         remove_unmapped_shm(self.shm_prefix)  # Triton removes them only on a clean exit
         self._cleanup(keep_log=keep_log or not clean)
         return self.process.returncode
+
+    def running_stubs(self) -> set[str]:
+        """The model instances ('<model>_0_0') whose stub process runs now (a zombie does not): Triton names
+        each on its stub's command line."""
+        import psutil
+
+        running: set[str] = set()
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.process.pid).children():
+                with contextlib.suppress(psutil.Error):
+                    arguments = child.cmdline()
+                    if child.status() != psutil.STATUS_ZOMBIE and arguments[0].endswith(STUB_NAME):
+                        running.update(arguments[1:])
+        return running
 
     def _held_a_replaced_model(self) -> bool:
         """Triton 2.51 never unloads a replaced version that a request reached while its stub was dead

@@ -4,8 +4,10 @@ reloaded (or the server restarted when that fails), each with a log line saying 
 Triton's own readiness stays green while a Python-backend model's process (its stub) is dead, so the
 supervisor watches what a user would see: every `interval` it sends one real token through each
 model (`client.Client.probe`). A failed probe is acted on at once when its cause is certain (the
-server exited, a stub is dead) and after `patience` probes otherwise (a model not ready, no answer).
-A server that answers nothing for `hang_timeout` is restarted too.
+server exited, a stub's process is gone) and after `patience` probes otherwise (a model not ready, no
+answer). A stub Triton calls unhealthy whose process still runs is slow (starved of CPU, stopped), not
+dead: its model is reloaded only once nothing has answered for `hang_timeout`, as a server that answers
+nothing is restarted then (a reload of a stopped stub aborted Triton 2.51, server#8882).
 
 Sessions held by a process that died are lost with it: their next step gets the client's
 SessionLostError (the gateway's 409 `session_lost`); new sessions work once the model is back.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +27,9 @@ from serving.host.launcher import TritonServer, TritonStartError
 
 log = logging.getLogger(__name__)
 
-DEAD_STUB = "is not healthy"  # Triton's python backend: "Stub process '<instance>' is not healthy."
+# Triton's python backend: "Stub process '<instance>' is not healthy." It says so of a stub that did not answer
+# its health check within a second: a dead one, or one starved of CPU or stopped
+UNHEALTHY_STUB = re.compile(r"Stub process '([^']+)' is not healthy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Finding:
     problem: str
     certain: bool
     dead_models: tuple[str, ...] = ()
+    slow: bool = False  # every stub said not to be healthy still runs: given until `hang_timeout`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +99,13 @@ class Supervisor:
             self.serving.clear()
             misses += 1
             hung = time.monotonic() - last_answer > self.hang_timeout
-            if finding.certain or misses >= self.patience or hung:
+            if finding.slow and misses == 1:
+                log.warning(
+                    "supervisor: %s; its process runs (slow, or stopped): reloaded only if nothing answers for %g s",
+                    finding.problem,
+                    self.hang_timeout,
+                )
+            if finding.certain or (misses >= self.patience and not finding.slow) or hung:
                 if not self._recover(finding):
                     return
                 misses, last_answer = 0, time.monotonic()
@@ -111,8 +123,11 @@ class Supervisor:
             return Finding(f"Triton does not answer: {error.message}", certain=False)
         if state.ok:
             return None
-        dead = tuple(model for model, why in state.failures.items() if DEAD_STUB in why)
-        return Finding(state.problems(), certain=bool(dead), dead_models=dead)
+        unhealthy = {model: found[1] for model, why in state.failures.items() if (found := UNHEALTHY_STUB.search(why))}
+        running = server.running_stubs()
+        gone = [instance for instance in unhealthy.values() if instance not in running]
+        slow = bool(unhealthy) and not gone
+        return Finding(state.problems(), certain=bool(gone), dead_models=tuple(unhealthy), slow=slow)
 
     # --- recovery ---------------------------------------------------------------------------
 
@@ -126,7 +141,8 @@ class Supervisor:
                 return True
             if self._stop.is_set():  # stopping: what is left to do is the stop's
                 return False
-            log.warning("supervisor: reloading %s did not bring it back; restarting Triton", ", ".join(dead))
+            died = "" if self.server.is_running() else f" (tritonserver exited with {self.server.process.returncode})"
+            log.warning("supervisor: reloading %s did not bring it back%s; restarting Triton", ", ".join(dead), died)
         else:
             log.warning("supervisor: %s; restarting Triton", problem)
         return self._restart(seen, problem)
@@ -165,8 +181,10 @@ class Supervisor:
         return True
 
     def _wait_serving(self, timeout: float) -> bool:
+        """Until every model answers (True), `timeout` passes or the server exits (False: a reload that took
+        it down is not waited out)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not self._stop.is_set():
+        while time.monotonic() < deadline and not self._stop.is_set() and self.server.is_running():
             if self._check() is None:
                 self.serving.set()
                 return True

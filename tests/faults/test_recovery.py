@@ -113,6 +113,39 @@ def test_opening_a_session_while_the_session_model_is_dead_answers_503_with_retr
     new_session(gateway)  # and sessions open again
 
 
+def test_a_stopped_session_stub_is_slow_not_dead_and_the_stack_serves_again_after_sigcont(stack):
+    """SIGSTOP of the session model's stub for 5 s. Triton calls it "not healthy", but its process runs (slow or
+    stopped, not dead): the supervisor does not reload it (a reload of a live stub aborted Triton 2.51 under
+    load). At SIGCONT the stub answers requests Triton failed meanwhile, and tritonserver may die of it
+    (SIGSEGV in TRITONBACKEND_ResponseNewFromFactory, Triton's own); then the supervisor restarts it at once.
+    Either way the stack serves again within seconds, and the session held is either unchanged or lost
+    (409), never answered wrong."""
+    served, gateway = stack
+    wait_ready(gateway, time.monotonic())
+    session, _ = new_session(gateway)
+    expected = step(gateway, session, seed=5)  # what the next step answers once more, after a rewind
+    assert gateway.post(f"/v1/sessions/{session}/rewind", json={"length": 3}).status_code == 200
+    stub = next(pid for pid, command in served.descendants().items() if " mha_session_0_0 " in f"{command} ")
+    os.kill(stub, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        served.wait_for_output("its process runs (slow, or stopped)", timeout=10)
+        while time.monotonic() - stopped_at < 5:
+            time.sleep(0.2)
+        during = served.output().rpartition("its process runs (slow, or stopped)")[2]
+        assert "reloading mha_session" not in during and "restarting Triton" not in during, during
+    finally:
+        os.kill(stub, signal.SIGCONT)
+    resumed_at = time.monotonic()
+    print(f"serving again {wait_ready(gateway, resumed_at):.1f} s after SIGCONT")
+    answer = gateway.post(f"/v1/sessions/{session}/step", json={"hidden_states": hidden(3, 5)})
+    if answer.status_code == 200:
+        np.testing.assert_array_equal(np.array(answer.json()["output"]), expected)
+    else:
+        assert_code(answer, 409, "session_lost")
+    new_session(gateway)
+
+
 def test_no_request_outlives_the_request_timeout_while_tritonserver_hangs(stack):
     """SIGSTOP of tritonserver: it accepts connections and answers nothing. Opening a session (START,
     refused, then END) and a step each answer 504 within SERVING_REQUEST_TIMEOUT_S (plus the time to
