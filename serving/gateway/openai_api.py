@@ -126,24 +126,9 @@ async def asked_of(body: schemas.Common, whole: WholeModel, chat: bool, gw: Gate
     grammar, constrained_by, tools = _constraint(body, text, chat, settings.tool_call_parser)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if chat:
-        prompts, echo_texts = [await _chat_ids(body, text, tools, gw)], []
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
-            raise InvalidInput("top_logprobs: needs logprobs: true", param="top_logprobs")
-        prompt_logprobs = None
+        prompts, echo_texts, logprobs, prompt_logprobs = await _chat_prompt(body, text, tools, gw)
     else:
-        prompts = await _completion_ids(_prompts(body.prompt, body.n, settings.sessions_per_key), text, gw)
-        echo_texts = [text.decode(ids.tolist(), skip_special_tokens=False) for ids in prompts] if body.echo else []
-        logprobs = body.logprobs
-        if body.best_of is not None and body.best_of != body.n:
-            raise InvalidInput(
-                f"best_of: only best_of equal to n (every choice answered) is supported, got best_of={body.best_of} "
-                f"and n={body.n}",
-                param="best_of",
-            )
-        prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        if len(prompts) > 1 and body.session is not None:
-            raise InvalidInput("prompt: a request bound to a session takes one prompt", param="prompt")
+        prompts, echo_texts, logprobs, prompt_logprobs = await _completion_prompts(body, text, gw)
     max_new = [_room(len(ids), limit, max_seq_len) for ids in prompts]
     if not chat and not body.echo and 0 in max_new and limit == 0:
         raise InvalidInput("max_tokens: 0 generates nothing; it goes with echo (the prompt scored)", param="max_tokens")
@@ -266,6 +251,30 @@ def _text_content(at: int, message: dict[str, Any]) -> dict[str, Any]:
             )
         texts.append(part["text"])
     return {**message, "content": "\n".join(texts)}
+
+
+async def _chat_prompt(body: Any, text: TextModel, tools: Any, gw: GatewayState) -> tuple:
+    """A chat's prompt ids (its messages rendered), no echo, its logprobs and no prompt logprobs."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidInput("top_logprobs: needs logprobs: true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return [await _chat_ids(body, text, tools, gw)], [], logprobs, None
+
+
+async def _completion_prompts(body: Any, text: TextModel, gw: GatewayState) -> tuple:
+    """A completion's prompts' ids, their texts when echoed, its logprobs and its prompts' logprobs."""
+    if body.best_of is not None and body.best_of != body.n:
+        raise InvalidInput(
+            f"best_of: only best_of equal to n (every choice answered) is supported, got best_of={body.best_of} "
+            f"and n={body.n}",
+            param="best_of",
+        )
+    prompts = await _completion_ids(_prompts(body.prompt, body.n, gw.settings.sessions_per_key), text, gw)
+    if len(prompts) > 1 and body.session is not None:
+        raise InvalidInput("prompt: a request bound to a session takes one prompt", param="prompt")
+    echo_texts = [text.decode(ids.tolist(), skip_special_tokens=False) for ids in prompts] if body.echo else []
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    return prompts, echo_texts, body.logprobs, prompt_logprobs
 
 
 def _prompts(prompt: Any, n: int, sessions_per_key: int) -> list:

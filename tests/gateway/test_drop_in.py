@@ -216,3 +216,23 @@ def test_a_served_folders_dead_model_is_reloaded_and_its_conversation_goes_on(se
     assert second.output_text == whole.choices[0].message.content
     assert second.usage.input_tokens_details.cached_tokens == 0  # its rows died with the process
     print(f"tiny-qwen's model reloaded {recovered_in:.1f} s after the kill")
+
+
+def test_a_killed_gateway_is_started_again_and_a_responses_conversation_goes_on(served):
+    """kill -9 of the gateway's process: `python -m serving` starts another on the same port, with the run's
+    store, where the responses were kept: a conversation begun before goes on as the whole chat."""
+    client, greedy = sdk(served), {"temperature": 0, "max_output_tokens": 8}
+    first = client.responses.create(model="tiny-llama", input="Hello there.", **greedy)
+    killed_at = time.monotonic()
+    kill(served, "-m serving.gateway")
+    with httpx.Client(base_url=served.gateway_url, timeout=60) as gateway:
+        print(f"the gateway served again {wait_ready(gateway, killed_at):.1f} s after its kill")
+    second = client.responses.create(model="tiny-llama", input="And now?", previous_response_id=first.id, **greedy)
+    chat = [
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And now?"},
+    ]
+    whole = client.chat.completions.create(model="tiny-llama", messages=chat, max_tokens=8, temperature=0)
+    assert second.output_text == whole.choices[0].message.content
+    assert client.responses.retrieve(first.id).output_text == first.output_text
