@@ -531,7 +531,6 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
     """The seed model served by the bundled Triton on the GPU: stateful step over gRPC vs the same
     engine in-process, at several pasts, and a no-op Python model's round trip."""
     from bench.serving import NOOP, in_process, session_engine, stateful, write_noop_model
-    from serving.engine import factory
     from serving.host.launcher import start_triton
     from serving.triton.config import ServingSettings
     from serving.triton.repository import write_repository
@@ -551,7 +550,7 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
             with progress.stage(f"served stateful step at past {past}"):
                 row = {"past": past, "stateful_grpc": stateful(server, "grpc", cfg, past, runs, (1 << 40) + k)}
                 engine = session_engine(repository, "mha_session", cfg)
-                row["in_process"] = in_process(engine, cfg, past, runs) | {"engine": factory.describe(engine)}
+                row["in_process"] = in_process(engine, cfg, past, runs) | {"engine": engine.description}
                 del engine
                 rows.append(row)
     finally:
@@ -582,7 +581,6 @@ def generation(directory: Path, device: Device, plan: Plan, progress: Progress) 
     how long the two greedy sequences agree (both fp16: a rounding can part them where two logits are
     nearly equal)."""
     from bench.generate import in_process_candidate
-    from serving.engine import factory
     from serving.engine.core import EngineCore
     from serving.triton.engines import core_settings
 
@@ -603,7 +601,7 @@ def generation(directory: Path, device: Device, plan: Plan, progress: Progress) 
     return {
         "prompt": plan.generation_prompt,
         "tokens": plan.generation_tokens,
-        "engine": factory.describe(engine),
+        "engine": engine.description,
         "rows": rows,
     }
 

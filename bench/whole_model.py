@@ -97,13 +97,13 @@ class Plan:
 
 
 @dataclasses.dataclass
-class Generation:
+class TimedGeneration:
     prefill_ms: float  # the prompt through the model and the first greedy token
     step_ms: list[float]  # each later token: one decode step and its greedy choice
     tokens: np.ndarray  # (B, tokens) int64, the greedy ids
 
 
-Generate = Callable[[np.ndarray, int], Generation]  # (prompts (B, T) int64, tokens) -> Generation
+Generate = Callable[[np.ndarray, int], TimedGeneration]  # (prompts (B, T) int64, tokens) -> TimedGeneration
 
 
 # --- the checkpoint and what is built from it ------------------------------------------------------
@@ -321,7 +321,7 @@ def transformers_candidate(checkpoint: Path, threads: int, static: bool) -> Gene
     torch.set_num_threads(threads)
     model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
-    def generate(prompts: np.ndarray, tokens: int) -> Generation:
+    def generate(prompts: np.ndarray, tokens: int) -> TimedGeneration:
         length = prompts.shape[1]
         ids = torch.from_numpy(prompts)
         with torch.inference_mode():
@@ -343,7 +343,7 @@ def transformers_candidate(checkpoint: Path, threads: int, static: bool) -> Gene
                 ).logits
                 chosen.append(logits[:, -1].argmax(-1))
                 step_ms.append((time.perf_counter() - t0) * 1e3)
-        return Generation(prefill_ms, step_ms, torch.stack(chosen, dim=1).numpy())
+        return TimedGeneration(prefill_ms, step_ms, torch.stack(chosen, dim=1).numpy())
 
     return generate
 
@@ -372,7 +372,7 @@ def stateless_candidate(path: Path, cfg: ModelConfig, threads: int) -> Generate:
     def greedy(answer: dict) -> np.ndarray:
         return answer[names.LOGITS].numpy()[:, -1].argmax(-1)
 
-    def generate(prompts: np.ndarray, tokens: int) -> Generation:
+    def generate(prompts: np.ndarray, tokens: int) -> TimedGeneration:
         batch, length = prompts.shape
         started = time.perf_counter()
         answer = run(with_defaults(cfg, {names.INPUT_IDS: prompts}))
@@ -391,7 +391,7 @@ def stateless_candidate(path: Path, cfg: ModelConfig, threads: int) -> Generate:
             answer = run(feeds)
             chosen.append(greedy(answer))
             step_ms.append((time.perf_counter() - t0) * 1e3)
-        return Generation(prefill_ms, step_ms, np.stack(chosen, axis=1))
+        return TimedGeneration(prefill_ms, step_ms, np.stack(chosen, axis=1))
 
     return generate
 
@@ -410,7 +410,7 @@ def static_candidate(path: Path, cfg: ModelConfig, threads: int) -> Generate:
     last_graph = last_logits_graph(onnx.load(str(path))).SerializeToString()
     last_logits = ort.InferenceSession(last_graph, sess_options=session_options(threads), providers=[CPU_PROVIDER])
 
-    def generate(prompts: np.ndarray, tokens: int) -> Generation:
+    def generate(prompts: np.ndarray, tokens: int) -> TimedGeneration:
         batch, length = prompts.shape
         pool = KVPool(session, cfg, rows=batch, capacity=length + tokens, last_logits_session=last_logits)
 
@@ -428,7 +428,7 @@ def static_candidate(path: Path, cfg: ModelConfig, threads: int) -> Generate:
             t0 = time.perf_counter()
             chosen.append(step({row: chosen[-1][row : row + 1] for row in range(batch)}))
             step_ms.append((time.perf_counter() - t0) * 1e3)
-        return Generation(prefill_ms, step_ms, np.stack(chosen, axis=1))
+        return TimedGeneration(prefill_ms, step_ms, np.stack(chosen, axis=1))
 
     return generate
 
@@ -452,9 +452,9 @@ class GenaiPeer:
             raise BenchError(f"onnxruntime-genai: {answer['error']}")
         return answer
 
-    def __call__(self, prompts: np.ndarray, tokens: int) -> Generation:
+    def __call__(self, prompts: np.ndarray, tokens: int) -> TimedGeneration:
         answer = self.ask({"prompts": prompts.tolist(), "tokens": tokens})
-        return Generation(answer["prefill_ms"], answer["step_ms"], np.asarray(answer["tokens"], np.int64))
+        return TimedGeneration(answer["prefill_ms"], answer["step_ms"], np.asarray(answer["tokens"], np.int64))
 
     def close(self) -> None:
         if self.process.poll() is None:

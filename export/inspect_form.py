@@ -135,7 +135,7 @@ def _check_variant(variant: str) -> None:
         raise InspectionError(f"variant {variant!r} has no inspection form; choose one of {list(INSPECTED_VARIANTS)}")
 
 
-def inspection_runner(proto: onnx.ModelProto):
+def inspection_graph_runner(proto: onnx.ModelProto):
     """The inspection graph on ONNX Runtime's CPU provider, with the settings every session here has;
     a left-out mask, past or positions filled as the original reads them (`ort_runner`)."""
     import onnxruntime as ort
@@ -151,7 +151,7 @@ def attention_maps(outputs: Mapping[str, np.ndarray], n_layers: int) -> list[np.
 
 def run_maps(proto: onnx.ModelProto, cfg: ModelConfig, inputs: Mapping[str, np.ndarray]) -> tuple[Arrays, list]:
     """(every output, the maps per layer) of one call of an inspection graph."""
-    outputs = inspection_runner(proto)(inputs)
+    outputs = inspection_graph_runner(proto)(inputs)
     return outputs, attention_maps(outputs, cfg.n_layers)
 
 

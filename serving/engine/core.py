@@ -54,7 +54,7 @@ from contract.inputs import InputError, real_tokens
 from serving.engine import constraint as grammar_masks
 from serving.engine import errors, operations
 from serving.engine.constraint import Constraint
-from serving.engine.sampler import Choice, Sampler, sample, score_prompt
+from serving.engine.sampler import Pick, Sampler, sample, score_prompt
 from serving.engine.steps import StepEngine, StepRequest, check_step, no_result
 
 log = logging.getLogger(__name__)
@@ -434,7 +434,7 @@ class GenerationWork(Work):
             self.reason = generation.CANCELLED
         return self.stopping
 
-    def picked(self, choice: Choice) -> None:
+    def picked(self, choice: Pick) -> None:
         """Its next token, picked with the step's others: answered now, stepped into the session next."""
         self.logits, self.pending = None, choice.token
         self.produced += 1
@@ -932,7 +932,7 @@ class EngineCore:
         for work, choice in zip(sampled, choices, strict=True):
             self._picked(work, choice)
 
-    def _picked(self, work: GenerationWork, choice: Choice) -> None:
+    def _picked(self, work: GenerationWork, choice: Pick) -> None:
         try:
             work.picked(choice)
         except errors.ServingError as error:  # its grammar refused the token its mask allowed
@@ -1063,7 +1063,7 @@ def _no_tokens(step: StepRequest) -> bool:
     return step.hidden is None or step.hidden.ndim < 2 or step.hidden.shape[1] == 0
 
 
-def token_outputs(choice: Choice) -> dict[str, np.ndarray]:
+def token_outputs(choice: Pick) -> dict[str, np.ndarray]:
     """One token's response: its id, its logprob, and the top alternatives' where asked (`logprobs`): each
     tensor of a response is a trip through Triton's shared memory (4 tensors took about 1.5x one, measured)."""
     outputs = {

@@ -35,11 +35,6 @@ def stateless_runner(files: Mapping[str, Path], cfg: ModelConfig, threads: int, 
     return Runner(model_file(files, placement), cfg, threads=threads, placement=placement)
 
 
-def inspection_runner(path: Path | None, cfg: ModelConfig, threads: int) -> InspectionRunner:
-    """The graph that answers attention maps (None: the deployment has none); opened at first use."""
-    return InspectionRunner(path, cfg, threads)
-
-
 def session_engine(
     files: Mapping[str, Path],
     cfg: ModelConfig,
@@ -49,7 +44,7 @@ def session_engine(
 ) -> SessionEngines:
     """`mha_session`'s engine as `settings` ask; `inspection`: the graph its attention maps come from."""
     idle, budget, threads = settings.idle_timeout_seconds, settings.kv_cache_bytes, settings.threads
-    maps = inspection_runner(inspection, cfg, threads)
+    maps = InspectionRunner(inspection, cfg, threads)  # opened at its first use
     if settings.engine == ENGINE_STATIC:
         cache, notes = static_cache(files, cfg, settings, model_name)
         description = "; ".join([f"static engine, {cache.description}", *notes])
@@ -163,11 +158,6 @@ def _probed(cache: CacheManager) -> CacheManager:
     finally:
         cache.free(PROBE)
     return cache
-
-
-def describe(engine: SessionEngines) -> str:
-    """What an engine runs and where (the models log it at load)."""
-    return engine.description
 
 
 def _check_budget(budget_bytes: int, row_bytes: int, positions: int) -> None:

@@ -46,7 +46,7 @@ _TINY = float(np.finfo(np.float32).smallest_subnormal)
 
 
 @dataclasses.dataclass(frozen=True)
-class Choice:
+class Pick:
     """One picked token: its logprob and the most likely alternatives', all by log_softmax of the
     model's logits after penalties (before temperature and truncation, as OpenAI reports them)."""
 
@@ -77,7 +77,7 @@ class Sampler:
     def generated(self) -> list[int]:
         return list(self._generated)
 
-    def pick(self, logits: np.ndarray) -> Choice:
+    def pick(self, logits: np.ndarray) -> Pick:
         """The next token for `logits` (vocab,) float32 or float16 (float64 is rounded to float32); appends it
         to `generated`. A batch of one: `sample` is the whole rule."""
         return sample(_one_row(logits), [self])[0]
@@ -89,12 +89,12 @@ class Sampler:
         return scores
 
     @staticmethod
-    def scored(logits: np.ndarray, token: int, top: int) -> Choice:
+    def scored(logits: np.ndarray, token: int, top: int) -> Pick:
         """`token`'s logprob under `logits` (vocab,) as the model gives it (no penalties: a prompt token was
         not picked) and the `top` most likely (id, logprob): how a prompt is scored."""
         logprobs, ids, top_logprobs = _score_rows(_float32_copy(_one_row(logits)), [token], top)
         alternatives = tuple(zip(ids[0].tolist(), top_logprobs[0].tolist(), strict=True))
-        return Choice(int(token), float(logprobs[0]), alternatives)
+        return Pick(int(token), float(logprobs[0]), alternatives)
 
     def _penalize(self, scores: np.ndarray, note: str = "") -> None:
         """Applies the penalties to one row's float32 `scores` (vocab,) in place, at the ids it has seen only.
@@ -140,7 +140,7 @@ class Sampler:
 
 def sample(
     logits: np.ndarray, rows: Sequence[Sampler], allowed: Sequence[np.ndarray | None] | None = None
-) -> list[Choice]:
+) -> list[Pick]:
     """The next token of each generation: `logits` (B, vocab) float32 or float16, row b scored by `rows[b]`
     (its penalties, its params, its seed); each sampler's `generated` grows by its token. `allowed[b]`: the
     tokens row b may pick, (vocab,) bool (a grammar's mask, serving/engine/constraint.py; None: all). The
@@ -152,7 +152,7 @@ def sample(
     ids or repetition penalty do not fit them; a batch's message names the row, and no sampler moves on."""
     logits = _float_rows(logits, len(rows))
     allowed = [None] * len(rows) if allowed is None else list(allowed)
-    choices: list[Choice] = []
+    choices: list[Pick] = []
     for chunk in _chunks(*logits.shape):
         choices += _sample_rows(logits[chunk], rows[chunk], chunk.start, len(rows), allowed[chunk])
     for row, choice in zip(rows, choices, strict=True):
@@ -194,7 +194,7 @@ def _chunks(rows: int, vocab: int) -> list[slice]:
 
 def _sample_rows(
     logits: np.ndarray, rows: Sequence[Sampler], first: int, total: int, allowed: Sequence[np.ndarray | None]
-) -> list[Choice]:
+) -> list[Pick]:
     """`sample` over a chunk of its batch, `rows` being its rows `first`.. of `total`; no sampler moves on."""
     scores = _float32_copy(logits, first, total)
     for at, row in enumerate(rows):
@@ -237,13 +237,13 @@ def _temper(shifted: np.ndarray, weights: np.ndarray, temperatures: dict[int, fl
             weights[rows] = np.exp(shifted[rows] / divisors)
 
 
-def _choices(shifted: np.ndarray, log_norms: np.ndarray, tokens: np.ndarray, wanted: list[int]) -> list[Choice]:
-    """Each row's Choice: its token's logprob and its `wanted[row]` most likely alternatives', the batch at once."""
+def _choices(shifted: np.ndarray, log_norms: np.ndarray, tokens: np.ndarray, wanted: list[int]) -> list[Pick]:
+    """Each row's Pick: its token's logprob and its `wanted[row]` most likely alternatives', the batch at once."""
     logprobs = (shifted[np.arange(len(tokens)), tokens] - log_norms).tolist()
     top_ids = _top_ids(shifted, max(wanted, default=0), np.array(wanted, np.int64) > 0)
     top_logprobs = np.take_along_axis(shifted, np.maximum(top_ids, 0), axis=1) - log_norms[:, None]
     return [
-        Choice(token, logprob, _possible(ids[:n].tolist(), alternatives[:n].tolist()))
+        Pick(token, logprob, _possible(ids[:n].tolist(), alternatives[:n].tolist()))
         for token, logprob, ids, alternatives, n in zip(
             tokens.tolist(), logprobs, top_ids, top_logprobs, wanted, strict=True
         )

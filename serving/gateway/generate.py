@@ -60,7 +60,7 @@ OnError = Callable[[ApiError], ApiError]  # what a route makes of an upstream er
 
 
 @dataclasses.dataclass(frozen=True)
-class Asked:
+class CheckedGenerate:
     """A generation request checked against the served model."""
 
     ids: np.ndarray | None  # the prompt (1, T) int64; None: go on after what the session holds
@@ -74,7 +74,7 @@ class Asked:
         return (0 if self.ids is None else self.ids.shape[1]) + self.arguments["max_new_tokens"]
 
 
-def checked(body: schemas.GenerateBody, info: ModelInfo, model: str, *, stateless: bool) -> Asked:
+def checked(body: schemas.GenerateBody, info: ModelInfo, model: str, *, stateless: bool) -> CheckedGenerate:
     """The request of a parsed body for the session model `info` (named `model`), or 400 naming the field."""
     if info.vocab_size is None:
         raise InvalidInput(
@@ -99,7 +99,7 @@ def checked(body: schemas.GenerateBody, info: ModelInfo, model: str, *, stateles
     except InputError as error:
         raise InvalidInput(str(error)) from None
     limits = {"max_new_tokens": request.max_new_tokens, "stop_token_ids": request.stop_token_ids, "grammar": grammar}
-    return Asked(ids, limits | sampling, body.logprobs is not None, body.stream)
+    return CheckedGenerate(ids, limits | sampling, body.logprobs is not None, body.stream)
 
 
 def logit_bias(given: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -195,7 +195,7 @@ class Pull:
 async def answer(
     gw: GatewayState,
     tokens: AsyncGeneration,
-    asked: Asked,
+    asked: CheckedGenerate,
     what: str,
     on_error: OnError,
     held: contextlib.AsyncExitStack,

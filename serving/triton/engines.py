@@ -91,7 +91,7 @@ def stateless_runner(version: Path, cfg: ModelConfig, parameters: dict[str, str]
 
 
 def inspection_runner(version: Path, cfg: ModelConfig, parameters: dict[str, str]) -> InspectionRunner:
-    return factory.inspection_runner(inspection_file(version, parameters), cfg, threads(parameters))
+    return InspectionRunner(inspection_file(version, parameters), cfg, threads(parameters))
 
 
 def session_engine(

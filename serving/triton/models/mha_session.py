@@ -321,7 +321,7 @@ def load_line(model_name: str, engine: factory.SessionEngines, settings, text_fi
         holds += f", {_capped(engine.capacity)} shorter ones at once"
     text = f"text files {', '.join(text_files)}" if text_files else "no tokenizer (token ids only)"
     parts = [
-        f"{model_name}: runner {factory.describe(engine)}",
+        f"{model_name}: runner {engine.description}",
         holds,
         f"session operations: {operations.offered(engine)}",
         f"engine core: {settings.step_tokens} tokens a step, prompts in chunks of what is left",
