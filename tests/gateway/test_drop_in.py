@@ -236,3 +236,26 @@ def test_a_killed_gateway_is_started_again_and_a_responses_conversation_goes_on(
     whole = client.chat.completions.create(model="tiny-llama", messages=chat, max_tokens=8, temperature=0)
     assert second.output_text == whole.choices[0].message.content
     assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_a_stream_cut_by_a_killed_tritonserver_ends_with_a_typed_error(served):
+    """kill -9 of tritonserver while a completion streams: the stream's last event is an error of a kind the
+    client can act on (Triton is unavailable: retry), not an untyped internal error; the supervisor brings
+    the server back and the same request streams whole."""
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=served.gateway_url, timeout=60) as gateway:
+        with gateway.stream("POST", "/v1/completions", json=body) as answer:
+            assert answer.status_code == 200
+            lines = answer.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            killed_at = time.monotonic()
+            kill(served, "bin/tritonserver")
+            events = [first, *(line for line in lines if line.startswith("data: "))]
+        assert events[-1] == "data: [DONE]", events[-3:]
+        last = json.loads(events[-2].removeprefix("data: "))
+        assert "error" in last, events[-3:]
+        assert last["error"]["code"] in ("upstream_unavailable", "session_lost"), last
+        print(f"the stream ended with {last['error']['code']}: {last['error']['message'][:120]}")
+        wait_ready(gateway, killed_at)
+        again = gateway.post("/v1/completions", json=body | {"stream": False})
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 200
