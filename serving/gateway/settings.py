@@ -132,7 +132,7 @@ class Settings(BaseSettings):
     workers: int = Field(
         default=1,
         ge=1,
-        description="gateway processes on the one port (python -m serving.gateway, settings from the environment); "
+        description="gateway processes on the one port (python -m serving.gateway, which python -m serving runs too); "
         "they share a session secret, so any of them steps any session, but each counts sessions per key and "
         "busy steps on its own",
     )
