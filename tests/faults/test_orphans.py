@@ -98,6 +98,9 @@ def test_kill_9_of_python_m_serving_leaves_nothing_running_and_the_same_command_
         finally:
             stop(second)
     finally:
+        if first.process.poll() is None:  # a check failed before the kill: the launcher too
+            first.process.kill()
+            first.process.wait(10)
         for line in still_running(started):  # whatever failed, none of its processes stays
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(line.split(":", 1)[0]), signal.SIGKILL)
