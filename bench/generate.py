@@ -403,23 +403,31 @@ def candidates(cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: i
             int(model_parameters(repository, STATIC_MODEL)[P_STEP_TOKENS]),
             {},
         )
-        if facts["genai"]["used"]:
-            peer = whole_model.GenaiPeer(Path(facts["genai"]["python"]), Path(facts["genai"]["model"]), threads)
-            stack.callback(peer.close)
-            lineup.versions[GENAI] = facts["genai"]["version"] = peer.version
-            made[GENAI] = genai_candidate(peer)
-        for name in SERVER_PEERS if plan.server_peers else ():
-            try:
-                with progress.stage(f"start {name}'s server"):
-                    started = stack.enter_context(server_peer(name, cfg, root, facts, plan, threads))
-            except server_peers.Unavailable as reason:
-                lineup.skipped[name] = str(reason)
-                continue
-            made[name] = openai_candidate(started, http)
-            lineup.servers[name] = [started.pid]
-            lineup.versions[name] = started.version
+        made |= peers(stack, lineup, cfg, root, facts, plan, threads, http, progress)
         lineup.generators = {name: made[name] for name in CANDIDATES if name in made}
         yield lineup
+
+
+def peers(stack, lineup: Lineup, cfg, root: Path, facts: dict, plan: Plan, threads: int, http, progress) -> dict:
+    """onnxruntime-genai's candidate and the server peers' that are built, started; those not, in
+    `lineup.skipped` with the reason."""
+    made: dict[str, Generate] = {}
+    if facts["genai"]["used"]:
+        peer = whole_model.GenaiPeer(Path(facts["genai"]["python"]), Path(facts["genai"]["model"]), threads)
+        stack.callback(peer.close)
+        lineup.versions[GENAI] = facts["genai"]["version"] = peer.version
+        made[GENAI] = genai_candidate(peer)
+    for name in SERVER_PEERS if plan.server_peers else ():
+        try:
+            with progress.stage(f"start {name}'s server"):
+                started = stack.enter_context(server_peer(name, cfg, root, facts, plan, threads))
+        except server_peers.Unavailable as reason:
+            lineup.skipped[name] = str(reason)
+            continue
+        made[name] = openai_candidate(started, http)
+        lineup.servers[name] = [started.pid]
+        lineup.versions[name] = started.version
+    return made
 
 
 def served_model(http, url: str) -> str:

@@ -61,6 +61,15 @@ class StepAnswer:
         return self.held_length if self.held_length is not None and self.held_length >= 0 else otherwise
 
 
+def _store(session_store: SessionStore | str | None, secret) -> SessionStore | None:
+    """The store a client writes its sessions' checkpoints to: as given, or opened from a path or URL."""
+    if isinstance(session_store, SessionStore) and secret is not None:
+        raise ValueError(f"store_secret is for a store named by a path or URL; {session_store!r} has its own")
+    if isinstance(session_store, SessionStore | None):
+        return session_store
+    return open_store(session_store, secret=secret)
+
+
 class ClientCore:
     """What `Client` and `AsyncClient` are made of; they differ only in how they run an operation."""
 
@@ -95,13 +104,7 @@ class ClientCore:
             raise ValueError(
                 f"need checkpoint_every >= 1 and recovery_timeout >= 0, got {checkpoint_every}, {recovery_timeout}"
             )
-        if isinstance(session_store, SessionStore) and store_secret is not None:
-            raise ValueError(f"store_secret is for a store named by a path or URL; {session_store!r} has its own")
-        self.store = (
-            session_store
-            if isinstance(session_store, SessionStore | None)
-            else open_store(session_store, secret=store_secret)
-        )
+        self.store = _store(session_store, store_secret)
         self.checkpoint_every, self.recovery_timeout = checkpoint_every, recovery_timeout
         self.protocol = _wire.check_protocol(protocol)
         self.url = _wire.normalize_url(url, protocol)

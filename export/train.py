@@ -178,6 +178,22 @@ def _train(
     with progress.stage("scoring the held-out text"):
         nats = held_out_nats(model, held_ids, settings.context)
         baselines = ngram_baselines(train_ids, held_ids, cfg.vocab_size)
+    seconds = round(time.perf_counter() - started, 1)
+    return model, tokenizer, _report(settings, corpus, cfg, (train_ids, held_ids), losses, nats, baselines, seconds)
+
+
+def _report(
+    settings: TrainSettings,
+    corpus: Corpus,
+    cfg,
+    ids: tuple[np.ndarray, np.ndarray],
+    losses: list[float],
+    nats: float,
+    baselines: dict[str, float],
+    seconds: float,
+) -> dict:
+    """What the training did and how the model scores the held-out text, against the n-gram baselines."""
+    train_ids, held_ids = ids
     held_bytes, scored = stream_bytes(corpus.held_out), len(held_ids) - 1
     per_token = nats / scored
     report = {
@@ -193,7 +209,7 @@ def _train(
         },
         "parameters": cfg.n_params(),
         "tokens_seen": settings.steps * settings.batch * settings.context,
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": seconds,
         "load_average_at_end": [round(load, 2) for load in os.getloadavg()],  # 1, 5, 15 min: others' work slows it
         "final_train_loss": float(np.mean(losses[-20:])),
         "held_out": {
@@ -211,7 +227,7 @@ def _train(
             for name, value in baselines.items()
         },
     }
-    return model, tokenizer, report
+    return report
 
 
 @torch.no_grad()

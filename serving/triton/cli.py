@@ -87,6 +87,12 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         default=defaults.max_request_tokens,
         help="mha: batch x new tokens one request may compute (default: the config's max_seq_len)",
     )
+    _engine_arguments(parser, defaults)
+
+
+def _engine_arguments(parser: argparse.ArgumentParser, defaults: ServingSettings) -> None:
+    """What the session model's engine and its graphs' forms are."""
+    add = parser.add_argument
     add(
         "--engine",
         choices=ENGINES,
