@@ -18,8 +18,10 @@ other). The candidates, each run alone, in `rounds` rounds with the order revers
   the one client that drives the server peers (bench/server_peers.py);
 - `in-process`: the same engine core (serving/engine/core.py) over `mha_session`'s engine built in this
   process from the same repository and settings, a generation a request to it;
-- `onnxruntime-genai`: its Generator on its model builder's fp32 CPU graph (bench/genai_peer.py), the
-  concurrent prompts as one batch;
+- `served-grpc-int4w`: a Triton of its own serving the artifact's 4-bit weights (`fp32-static-int4w`, as
+  `--weights-dtype int4` serves them), through the client as `served-grpc`;
+- `onnxruntime-genai` and `onnxruntime-genai-int4`: its Generator on its model builder's fp32 and int4 (`-p int4
+  -e cpu`) CPU graphs (bench/genai_peer.py), the concurrent prompts as one batch;
 - `transformers`: `LlamaForCausalLM.generate(do_sample=False)`, the concurrent prompts as one batch;
 - `llama.cpp-f32` and `vllm`: llama.cpp's `llama-server` (F32 GGUF, fp32 cache, `--parallel` the most
   generations at once, continuous batching) and vLLM CPU (fp32, `--max-num-seqs` as many) on the same
@@ -32,7 +34,8 @@ the first request to the last generation's end; the median over the rounds), the
 (p50 over the generations) and the inter-token latency (p50, p99 over the gaps between a generation's
 tokens as its caller received them). A batch candidate's first token is its prefill and first pick, and
 its gaps are its decode steps. Every candidate's tokens are checked against transformers' (fp32
-everywhere: they must agree), but the OpenAI route's of ours, which streams text, not ids.
+everywhere: they must agree), but the OpenAI route's of ours, which streams text, not ids, and the 4-bit
+weights' (`INT4_CANDIDATES`), whose agreement is reported: they compute other logits.
 
 Then two measures of our stack alone:
 - the joiner: `concurrency[1]` generations streaming (gRPC) when a `joiner`-id prompt arrives; the running
@@ -62,12 +65,17 @@ import numpy as np
 from bench import results as output
 from bench import server_peers, whole_model
 from bench.timing import SETTLE_S
+from contract import files
 from contract.config import ModelConfig, preset
 
 SERVED, GATEWAY, OPENAI, IN_PROCESS = "served-grpc", "gateway-sse", "gateway-openai", "in-process"
-GENAI, TORCH = "onnxruntime-genai", "transformers"
+SERVED_INT4 = "served-grpc-int4w"  # Triton serving the artifact's fp32-static-int4w (`--weights-dtype int4`)
+GENAI, GENAI_INT4, TORCH = "onnxruntime-genai", whole_model.GENAI_INT4, "transformers"
 LLAMA_CPP, VLLM = server_peers.LLAMA_F32, server_peers.VLLM
-CANDIDATES = (SERVED, GATEWAY, OPENAI, IN_PROCESS, GENAI, TORCH, LLAMA_CPP, VLLM)
+CANDIDATES = (SERVED, SERVED_INT4, GATEWAY, OPENAI, IN_PROCESS, GENAI, GENAI_INT4, TORCH, LLAMA_CPP, VLLM)
+# 4-bit weights compute other logits than transformers' fp32: their greedy tokens are compared and reported, not
+# required to agree (every other candidate's must, fp32 everywhere)
+INT4_CANDIDATES = (SERVED_INT4, GENAI_INT4)
 SERVER_PEERS = (LLAMA_CPP, VLLM)  # through their OpenAI routes, as OPENAI is ours
 DEFAULT_PRESET = "llama-whole"
 GATEWAY_KEY = "bench-generate-key"
@@ -323,11 +331,11 @@ def genai_candidate(peer: whole_model.GenaiPeer) -> Generate:
 # --- the servers ------------------------------------------------------------------------------------------
 
 
-def repository_for(artifact: Path, root: Path, plan: Plan, threads: int) -> Path:
+def repository_for(artifact: Path, root: Path, plan: Plan, threads: int, weights_dtype: str | None = None) -> Path:
     """`mha` and `mha_session` (which generates) of the artifact, sized for the machine's threads and for every
     concurrent generation's rows at once (and the joiner's); no rows kept for prefix reuse (the rounds repeat
     their prompts: a kept row would spare our prefill and no peer's), no cap on one owner's generations (the
-    run's one API key is one tenant)."""
+    run's one API key is one tenant); `weights_dtype` int4: the 4-bit weights' forms, in a folder of its own."""
     from contract.deployment import ServingSettings
     from serving.triton import config as triton_config
     from serving.triton.repository import write_repository
@@ -341,9 +349,11 @@ def repository_for(artifact: Path, root: Path, plan: Plan, threads: int) -> Path
         kv_cache_bytes=max(default.kv_cache_bytes, cfg.kv_cache_bytes(generations, cfg.max_seq_len)),
         kept_per_owner=0,
         generations_per_owner=0,
+        **({"weights_dtype": weights_dtype} if weights_dtype else {}),
     )
     models = (triton_config.MHA, triton_config.MHA_SESSION)  # the gateway's readiness probes both
-    return write_repository(artifact, root / "repository", settings, models=models)
+    folder = root / ("repository" if weights_dtype is None else f"repository-{weights_dtype}w")
+    return write_repository(artifact, folder, settings, models=models)
 
 
 @dataclasses.dataclass
@@ -403,9 +413,28 @@ def candidates(cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: i
             int(model_parameters(repository, STATIC_MODEL)[P_STEP_TOKENS]),
             {},
         )
+        made |= int4_served(stack, lineup, Path(facts["artifact"]), root, plan, threads, progress)
         made |= peers(stack, lineup, cfg, root, facts, plan, threads, http, progress)
         lineup.generators = {name: made[name] for name in CANDIDATES if name in made}
         yield lineup
+
+
+def int4_served(stack, lineup: Lineup, artifact: Path, root: Path, plan: Plan, threads: int, progress) -> dict:
+    """A Triton of its own serving the artifact's 4-bit weights (fp32-static-int4w), generating through the client;
+    left out, with the reason, where the artifact has no such form."""
+    from client import Client
+    from serving.host.launcher import start_triton
+
+    report = json.loads((artifact / files.REPORT_FILENAME).read_text())
+    if not report["variants"].get(whole_model.STATIC_INT4W, {}).get("passed"):
+        lineup.skipped[SERVED_INT4] = f"the artifact has no {whole_model.STATIC_INT4W} that passed its ladder"
+        return {}
+    repository = repository_for(artifact, root, plan, threads, weights_dtype="int4")
+    with progress.stage("start Triton (4-bit weights)"):
+        server = start_triton(repository, log_path=root / "triton-int4w.log")
+    stack.callback(server.stop)
+    lineup.servers["ours, 4-bit weights (Triton and its stubs)"] = [server.process.pid]
+    return {SERVED_INT4: served_candidate(stack.enter_context(Client(server.grpc_url)))}
 
 
 def peers(stack, lineup: Lineup, cfg, root: Path, facts: dict, plan: Plan, threads: int, http, progress) -> dict:
@@ -417,6 +446,11 @@ def peers(stack, lineup: Lineup, cfg, root: Path, facts: dict, plan: Plan, threa
         stack.callback(peer.close)
         lineup.versions[GENAI] = facts["genai"]["version"] = peer.version
         made[GENAI] = genai_candidate(peer)
+        int4_model = facts["genai"].get("models", {}).get(GENAI_INT4)
+        if int4_model:
+            int4_peer = whole_model.GenaiPeer(Path(facts["genai"]["python"]), Path(int4_model), threads)
+            stack.callback(int4_peer.close)
+            made[GENAI_INT4] = genai_candidate(int4_peer)
     for name in SERVER_PEERS if plan.server_peers else ():
         try:
             with progress.stage(f"start {name}'s server"):
@@ -697,6 +731,8 @@ def targets(results: dict) -> dict:
     goal("served_vs_in_process_C1", rate(results, 1, SERVED), rate(results, 1, IN_PROCESS), 0.95)
     for count in (c for c in counts if c in GOAL_COUNTS):
         goal(f"served_vs_{GENAI}_C{count}", rate(results, count, SERVED), rate(results, count, GENAI), 1.0)
+        int4 = rate(results, count, SERVED_INT4), rate(results, count, GENAI_INT4)
+        goal(f"served_int4w_vs_{GENAI_INT4}_C{count}", *int4, 1.0)  # issue 48: ahead of genai's int4 too
         for peer in SERVER_PEERS:
             goal(f"{OPENAI}_vs_{peer}_C{count}", rate(results, count, OPENAI), rate(results, count, peer), 1.0)
     for count in (c for c in counts if c > 1):

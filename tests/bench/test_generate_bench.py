@@ -1,11 +1,12 @@
 """`python -m bench generate` end to end, bounded: the session's build of TEST_CONFIGS["whole"] (its weights
 written as transformers' checkpoint, not imported again), a 16-token prompt and 8 greedy tokens at 1 and 4
 generations at once, one round, every candidate but the server peers (built outside the suite): Triton's
-`mha_session` through the client, the gateway's `POST /v1/generate` as Server-Sent Events and its `POST
-/v1/completions`, the same engine core in-process, onnxruntime-genai and transformers; then a 36-id joiner among
-4 streams and 2 s of idle CPU. Timings are not asserted (a smoke test); the tokens are: fp32 everywhere, each
-candidate answers exactly transformers' greedy tokens. And a gateway without the route: the candidate is left
-out, the reason said."""
+`mha_session` through the client (and another Triton's on the 4-bit weights), the gateway's `POST /v1/generate`
+as Server-Sent Events and its `POST /v1/completions`, the same engine core in-process, onnxruntime-genai (fp32 and
+int4) and transformers; then a 36-id joiner among 4 streams and 2 s of idle CPU. Timings are not asserted (a smoke
+test); the tokens are: fp32 everywhere, each candidate answers exactly transformers' greedy tokens, but the 4-bit
+weights' (counted, not required to agree). And a gateway without the route: the candidate is left out, the
+reason said."""
 
 import contextlib
 import http.server
@@ -23,8 +24,9 @@ from bench import generate
 from bench.__main__ import main
 from tests.conftest import TEST_CONFIGS
 
-STREAMED = (generate.SERVED, generate.GATEWAY, generate.OPENAI, generate.IN_PROCESS)  # a gap per token of each
-BATCHED = (generate.GENAI, generate.TORCH)  # a gap per decode step of the one batch
+# a gap per token of each
+STREAMED = (generate.SERVED, generate.SERVED_INT4, generate.GATEWAY, generate.OPENAI, generate.IN_PROCESS)
+BATCHED = (generate.GENAI, generate.GENAI_INT4, generate.TORCH)  # a gap per decode step of the one batch
 
 
 def bench_jobs(root, artifact_dir, finished) -> dict:
@@ -40,8 +42,9 @@ def bench_jobs(root, artifact_dir, finished) -> dict:
     def run() -> int:
         built = finished("whole-genai")
         facts = built.value["genai"] if built and built.error is None else {}
-        if facts.get("used"):
-            shutil.copytree(facts["model"], work / "whole" / "genai")  # bench/whole_model.py's prepare keeps it
+        if facts.get("used"):  # bench/whole_model.py's prepare keeps them
+            shutil.copytree(facts["model"], work / "whole" / "genai")
+            shutil.copytree(facts["models"][generate.GENAI_INT4], work / "whole" / "genai-int4")
         return main([*argv, "--out", str(root / "results"), "--work", str(work)])
 
     return {"generate": run}
@@ -75,6 +78,9 @@ def test_every_candidate_generates_transformers_greedy_tokens_and_is_measured(be
                 assert greedy is None
                 continue
             assert greedy["of"] == count * plan["tokens"], name
+            if name in generate.INT4_CANDIDATES:  # 4-bit weights: reported, not required to agree
+                assert 0 <= greedy["agree_before_first_difference"] <= plan["tokens"], (name, greedy)
+                continue
             assert greedy["agree_before_first_difference"] == plan["tokens"], (name, greedy)
     # (the OpenAI route runs the generation /v1/generate runs, whose ids are checked above)
     joiner = results["joiner"]
@@ -86,6 +92,7 @@ def test_every_candidate_generates_transformers_greedy_tokens_and_is_measured(be
         "served_vs_in_process_C1",
         "served_C4_vs_C1",
         f"served_vs_{generate.GENAI}_C1",
+        f"served_int4w_vs_{generate.GENAI_INT4}_C1",
         "joiner_raises_p99_itl_by_at_most_a_chunk",
         "idle_cpu_under_1_percent",
     }
