@@ -351,9 +351,11 @@ def repository_for(artifact: Path, root: Path, plan: Plan, threads: int, weights
         generations_per_owner=0,
         **({"weights_dtype": weights_dtype} if weights_dtype else {}),
     )
+    if weights_dtype is not None:  # the session model alone: it generates, and no gateway probes this one
+        folder = root / f"repository-{weights_dtype}w"
+        return write_repository(artifact, folder, settings, models=(triton_config.MHA_SESSION,))
     models = (triton_config.MHA, triton_config.MHA_SESSION)  # the gateway's readiness probes both
-    folder = root / ("repository" if weights_dtype is None else f"repository-{weights_dtype}w")
-    return write_repository(artifact, folder, settings, models=models)
+    return write_repository(artifact, root / "repository", settings, models=models)
 
 
 @dataclasses.dataclass
@@ -776,7 +778,7 @@ def table(results: dict) -> str:
     lines = [
         f"{results['preset']}: a {plan['prompt']}-token prompt then {plan['tokens']} greedy tokens per generation, "
         f"{plan['rounds']} interleaved rounds, {conditions['threads']} threads, {results['measured_at']['text']}",
-        f"{'conc.':<6}{'candidate':<19}{'tokens/s':>9}{'vs served':>10}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}"
+        f"{'conc.':<6}{'candidate':<23}{'tokens/s':>9}{'vs served':>10}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}"
         f"{'greedy = transformers':>23}",
     ]
     for row in results["rows"]:
@@ -786,7 +788,7 @@ def table(results: dict) -> str:
             greedy = entry["greedy"]
             agreed = f"{greedy['agree_before_first_difference']:>14} of {plan['tokens']}" if greedy else f"{'n/a':>20}"
             lines.append(
-                f"{row['concurrency']:<6}{name:<19}{entry['tokens_per_s']:>9.1f}{versus}"
+                f"{row['concurrency']:<6}{name:<23}{entry['tokens_per_s']:>9.1f}{versus}"
                 f"{entry['ttft_ms']['p50']:>8.1f}ms{entry['itl_ms']['p50']:>7.2f}ms{entry['itl_ms']['p99']:>7.2f}ms"
                 f"{agreed}"
             )
@@ -794,7 +796,8 @@ def table(results: dict) -> str:
         "tokens/s: every generated token over the round's wall time (median over rounds); TTFT: request to first "
         "token; ITL: gaps between a generation's tokens as its caller received them (a batch peer's: its decode "
         "step); greedy = transformers: tokens equal to transformers' before the first difference, the fewest over "
-        "generations and rounds (fp32 everywhere: all of them must agree; n/a: the route streams text, not ids)"
+        "generations and rounds (fp32 everywhere: all of them must agree, but the 4-bit weights'; n/a: the route "
+        "streams text, not ids)"
     )
     lines += joiner_lines(results.get("joiner"))
     for name, entry in (results.get("idle") or {}).items():
