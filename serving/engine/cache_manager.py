@@ -26,6 +26,7 @@ idle moves to the highest free row, `rename(..., aside=True)`).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import threading
 from collections.abc import Hashable, Mapping
@@ -112,21 +113,8 @@ class CacheManager:
         self.scales = dict(scales or {})
         self.identity = snapshots.fingerprint(cfg, self.cache_dtype, graph, graph_sha256)
         self.bytes_per_position = KVPool.row_bytes_for(session, cfg, 1)
-        smallest = self.granule * self.bytes_per_position
-        if budget_bytes < smallest:
-            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no row ({smallest} bytes the smallest)")
-        rows = max(1, min(max_rows, budget_bytes // smallest))
-        try:
-            self.pool = KVPool(
-                session, cfg, rows=rows, capacity=self.capacity, last_logits_session=last_logits_session, lazy=True
-            )
-        except MemoryError as refused:  # no address space beyond memory (strict overcommit): rows it commits
-            self.full_rows, self.granule, self.sizes = True, self.capacity, (self.capacity,)
-            full = self.row_bytes(self.capacity)
-            if budget_bytes < full:
-                raise ValueError(f"{refused}; and a KV budget of {budget_bytes} bytes holds no whole row") from None
-            rows = min(max_rows, budget_bytes // full)
-            self.pool = KVPool(session, cfg, rows=rows, capacity=self.capacity, last_logits_session=last_logits_session)
+        self.pool = self._pool(last_logits_session)
+        rows = self.pool.rows
         self.runs: GraphRuns = self.pool.runs
         self._free = list(range(rows))  # a heap: the lowest free row first
         self._rows: dict[Holder, int] = {}
@@ -141,6 +129,27 @@ class CacheManager:
             f"caches on {self.device}, {self.cache_kind}: {rows} rows of {self.capacity} positions ({memory}, "
             f"{reserve}) from a {mib:.0f} MiB budget"
         )
+
+    def _pool(self, last_logits_session) -> KVPool:
+        """As many rows as the budget holds: reserved a granule at a time in a pool whose pages are committed as
+        rows fill, or, where the kernel gives no address space beyond memory (strict overcommit), whole rows."""
+        smallest = self.granule * self.bytes_per_position
+        if self.budget_bytes < smallest:
+            raise ValueError(f"a KV budget of {self.budget_bytes} bytes holds no row ({smallest} bytes the smallest)")
+        rows = max(1, min(self.max_rows, self.budget_bytes // smallest))
+        pool = functools.partial(
+            KVPool, self.session, self.cfg, capacity=self.capacity, last_logits_session=last_logits_session
+        )
+        try:
+            return pool(rows=rows, lazy=True)
+        except MemoryError as refused:
+            self.full_rows, self.granule, self.sizes = True, self.capacity, (self.capacity,)
+            full = self.row_bytes(self.capacity)
+            if self.budget_bytes < full:
+                raise ValueError(
+                    f"{refused}; and a KV budget of {self.budget_bytes} bytes holds no whole row"
+                ) from None
+            return pool(rows=min(self.max_rows, self.budget_bytes // full))
 
     # --- what the budget holds -----------------------------------------------------------------------
 

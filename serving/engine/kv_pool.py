@@ -99,6 +99,18 @@ def host_buffer(shape: tuple[int, ...], dtype: type) -> tuple[np.ndarray, mmap.m
     return np.frombuffer(mapping, dtype, count=int(np.prod(shape))).reshape(shape), mapping
 
 
+def _claimed_cuda_graphs(session) -> bool:
+    """Whether the session replays CUDA graphs, claimed for one pool: a captured graph is the session's and holds
+    its pool's addresses, so a second pool on the same session would replay the first one's graph over the first
+    one's buffers."""
+    if not uses_cuda_graphs(session):
+        return False
+    if getattr(session, "_kv_pool_owned", False):
+        raise ValueError("this session's CUDA graphs belong to another KVPool; open a session per pool")
+    session._kv_pool_owned = True
+    return True
+
+
 class KVPool:
     """`rows` cache rows of up to `capacity` positions for the static graph of `session`.
 
@@ -125,17 +137,10 @@ class KVPool:
         """`runs`: where its graph runs are counted. `lazy`: on the host, buffers whose pages are committed as rows
         fill and given back as rows are released (`host_buffer`, `release`): the memory follows what the rows
         hold, whatever the pool's size; MemoryError where the kernel refuses the address space."""
-        import onnxruntime as ort
 
         assert rows > 0 and capacity > 0
         # decode windows then start at row 0 and are replayed as one CUDA graph per window size
-        self.cuda_graphs = uses_cuda_graphs(session)
-        if self.cuda_graphs:
-            # a captured graph is the session's and holds this pool's addresses: a second pool on the
-            # same session would replay the first one's graph over the first one's buffers
-            if getattr(session, "_kv_pool_owned", False):
-                raise ValueError("this session's CUDA graphs belong to another KVPool; open a session per pool")
-            session._kv_pool_owned = True
+        self.cuda_graphs = _claimed_cuda_graphs(session)
         self._windows: dict[tuple[int, int], DecodeWindow] = {}
         self.session, self.cfg, self.rows, self.capacity = session, cfg, rows, capacity
         self.device, self.device_id = session_device(session), device_id
@@ -149,19 +154,8 @@ class KVPool:
         self.present_names = names.present_names(cfg.n_layers)
         self.row_shape = (cfg.n_kv_heads, capacity + 1, width)
         shape = (rows, *self.row_shape)
-        # zeros, not garbage: no kernel should read past a row's length, and if one did it must
-        # not read NaN. On the CPU the pages of np.zeros are only touched as rows fill up.
-        self._mappings: list[mmap.mmap] = []
         self.lazy = lazy and self.device == CPU
-        if self.lazy:
-            made = [host_buffer(shape, self.cache_dtype) for _ in self.past_names]
-            self._host, self._mappings = [array for array, _ in made], [mapping for _, mapping in made]
-        else:
-            self._host = [np.zeros(shape, self.cache_dtype) for _ in self.past_names] if self.device == CPU else []
-        self.buffers = [ort.OrtValue.ortvalue_from_numpy(array) for array in self._host] or [
-            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.cache_dtype), CUDA, device_id)
-            for _ in self.past_names
-        ]
+        self._host, self._mappings, self.buffers = self._allocated(shape)
         assert row_copy is None or row_copy.row_shape == self.row_shape, "a row copy of another row shape"
         self._row_copy = row_copy
         self.row_bytes = int(np.prod(self.row_shape)) * np.dtype(self.cache_dtype).itemsize
@@ -174,6 +168,25 @@ class KVPool:
         self._prefill_options = run_options(
             {"memory.enable_memory_arena_shrinkage": "cpu:0"} | ({"gpu_graph_id": "-1"} if self.cuda_graphs else {})
         )
+
+    def _allocated(self, shape: tuple[int, ...]) -> tuple[list[np.ndarray], list[mmap.mmap], list]:
+        """Each layer's cache buffer: (the host arrays, their lazy mappings, the OrtValues over them or on the GPU).
+        Zeros, not garbage: no kernel should read past a row's length, and if one did it must not read NaN. On
+        the CPU the pages of np.zeros are only touched as rows fill up."""
+        import onnxruntime as ort
+
+        host: list[np.ndarray] = []
+        mappings: list[mmap.mmap] = []
+        if self.lazy:
+            made = [host_buffer(shape, self.cache_dtype) for _ in self.past_names]
+            host, mappings = [array for array, _ in made], [mapping for _, mapping in made]
+        elif self.device == CPU:
+            host = [np.zeros(shape, self.cache_dtype) for _ in self.past_names]
+        buffers = [ort.OrtValue.ortvalue_from_numpy(array) for array in host] or [
+            ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, self.cache_dtype), CUDA, self.device_id)
+            for _ in self.past_names
+        ]
+        return host, mappings, buffers
 
     @property
     def identity(self) -> dict[str, str]:

@@ -120,3 +120,22 @@ def test_over_a_random_mix_of_lengths_a_refusal_leaves_unused_less_than_it_asked
             worst = max(worst, unused / budget)
     assert refusals > 20  # the budget was the limit often enough for the bound to mean something
     print(f"{refusals} refusals; the most of the budget unused at one: {16 * worst:.2f}/16")
+
+
+def test_where_the_kernel_refuses_the_address_space_rows_are_whole_and_committed(served, monkeypatch):
+    """Under strict overcommit (vm.overcommit_memory=2) the lazy pool's address space is refused (MemoryError
+    from its mapping): the manager falls back to whole rows committed at once, as many as the budget holds,
+    and says so; a budget under one whole row is refused naming both."""
+    from serving.engine import kv_pool
+
+    def refused(shape, dtype):
+        raise MemoryError("mmap of the pool refused (strict overcommit)")
+
+    monkeypatch.setattr(kv_pool, "host_buffer", refused)
+    session, cfg = served
+    whole_row = kv_pool.KVPool.row_bytes_for(session, cfg, SIZES[-1])
+    manager = CacheManager(session, cfg, 4 * whole_row + 1, SIZES)
+    assert manager.full_rows and manager.sizes == (manager.capacity,) and manager.pool.rows == 4
+    assert not manager.pool.lazy and "reserved whole" in manager.description
+    with pytest.raises(ValueError, match=r"strict overcommit.*holds no whole row"):
+        CacheManager(session, cfg, whole_row // 2, SIZES)
