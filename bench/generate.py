@@ -443,16 +443,12 @@ def peers(stack, lineup: Lineup, cfg, root: Path, facts: dict, plan: Plan, threa
     """onnxruntime-genai's candidate and the server peers' that are built, started; those not, in
     `lineup.skipped` with the reason."""
     made: dict[str, Generate] = {}
-    if facts["genai"]["used"]:
-        peer = whole_model.GenaiPeer(Path(facts["genai"]["python"]), Path(facts["genai"]["model"]), threads)
+    genai = facts["genai"]
+    for name, model in genai.get("models", {GENAI: genai.get("model")}).items() if genai["used"] else ():
+        peer = whole_model.GenaiPeer(Path(genai["python"]), Path(model), threads)  # fp32, and int4 where built
         stack.callback(peer.close)
-        lineup.versions[GENAI] = facts["genai"]["version"] = peer.version
-        made[GENAI] = genai_candidate(peer)
-        int4_model = facts["genai"].get("models", {}).get(GENAI_INT4)
-        if int4_model:
-            int4_peer = whole_model.GenaiPeer(Path(facts["genai"]["python"]), Path(int4_model), threads)
-            stack.callback(int4_peer.close)
-            made[GENAI_INT4] = genai_candidate(int4_peer)
+        lineup.versions[GENAI] = genai["version"] = peer.version
+        made[name] = genai_candidate(peer)
     for name in SERVER_PEERS if plan.server_peers else ():
         try:
             with progress.stage(f"start {name}'s server"):

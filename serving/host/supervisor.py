@@ -124,7 +124,7 @@ class Supervisor:
         if state.ok:
             return None
         unhealthy = {model: found[1] for model, why in state.failures.items() if (found := UNHEALTHY_STUB.search(why))}
-        running = server.running_stubs()
+        running = server.running_stubs() if unhealthy else set()  # the process table read only when it tells
         gone = [instance for instance in unhealthy.values() if instance not in running]
         slow = bool(unhealthy) and not gone
         return Finding(state.problems(), certain=bool(gone), dead_models=tuple(unhealthy), slow=slow)

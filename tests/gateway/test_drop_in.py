@@ -187,6 +187,22 @@ def test_lm_eval_chat_generates_what_the_sdk_answers(served, checkpoints):
     assert generated == expected.choices[0].message.content
 
 
+def continued_as_the_whole_chat(client, model: str, first):
+    """The Responses turn after `first` ("Hello there."), which must answer as a greedy chat of the whole
+    conversation does; the response."""
+    second = client.responses.create(
+        model=model, input="And now?", previous_response_id=first.id, temperature=0, max_output_tokens=8
+    )
+    chat = [
+        {"role": "user", "content": "Hello there."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "And now?"},
+    ]
+    whole = client.chat.completions.create(model=model, messages=chat, max_tokens=8, temperature=0)
+    assert second.output_text == whole.choices[0].message.content
+    return second
+
+
 def test_a_served_folders_dead_model_is_reloaded_and_its_conversation_goes_on(served):
     """kill -9 of the process serving the second folder's model (its session model's stub): /readyz says which
     model is down, a request meanwhile is a 503 (never a 504 after the request's timeout, never `session_lost`),
@@ -206,14 +222,7 @@ def test_a_served_folders_dead_model_is_reloaded_and_its_conversation_goes_on(se
             assert during.headers.get("retry-after") and during.json()["error"]["code"] == "upstream_unavailable"
         assert time.monotonic() - killed_at < 10  # not a request that waited for its timeout
         recovered_in = wait_ready(gateway, killed_at)
-    second = client.responses.create(model="tiny-qwen", input="And now?", previous_response_id=first.id, **greedy)
-    chat = [
-        {"role": "user", "content": "Hello there."},
-        {"role": "assistant", "content": first.output_text},
-        {"role": "user", "content": "And now?"},
-    ]
-    whole = client.chat.completions.create(model="tiny-qwen", messages=chat, max_tokens=8, temperature=0)
-    assert second.output_text == whole.choices[0].message.content
+    second = continued_as_the_whole_chat(client, "tiny-qwen", first)
     assert second.usage.input_tokens_details.cached_tokens == 0  # its rows died with the process
     print(f"tiny-qwen's model reloaded {recovered_in:.1f} s after the kill")
 
@@ -227,14 +236,7 @@ def test_a_killed_gateway_is_started_again_and_a_responses_conversation_goes_on(
     kill(served, "-m serving.gateway")
     with httpx.Client(base_url=served.gateway_url, timeout=60) as gateway:
         print(f"the gateway served again {wait_ready(gateway, killed_at):.1f} s after its kill")
-    second = client.responses.create(model="tiny-llama", input="And now?", previous_response_id=first.id, **greedy)
-    chat = [
-        {"role": "user", "content": "Hello there."},
-        {"role": "assistant", "content": first.output_text},
-        {"role": "user", "content": "And now?"},
-    ]
-    whole = client.chat.completions.create(model="tiny-llama", messages=chat, max_tokens=8, temperature=0)
-    assert second.output_text == whole.choices[0].message.content
+    continued_as_the_whole_chat(client, "tiny-llama", first)
     assert client.responses.retrieve(first.id).output_text == first.output_text
 
 
