@@ -153,18 +153,10 @@ VARIANTS: dict[str, Variant] = {
 assert tuple(VARIANTS) == choices.VARIANT_NAMES, "export/choices.py names the variants the CLI offers"
 
 
-def this_host() -> str:
-    """The kind of host this is (choices.HOSTS), by what ONNX Runtime offers here and the devices
-    it finds: TensorRT, else CUDA, else the CPU."""
-    if placement.tensorrt_unavailable_reason() is None:
-        return choices.TENSORRT
-    return choices.CUDA if placement.cuda_usable() else choices.CPU
-
-
 # What a build makes unless told: the variants this machine serves. The others cost time it would not
 # use (on 2 CPU cores fp16-static's pool rung alone took longer than the whole CPU set: fp16 math is
 # emulated there) and are built by name or set (`--variants cuda`), or by default on such a host.
-HOST = this_host()
+HOST = placement.host_kind()
 DEFAULT_VARIANTS = choices.variants_for(HOST)
 
 # The ladder each stateless variant climbs: a left-padded prefill from an empty past then decode

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import secrets
 import shutil
 import signal
@@ -154,21 +153,18 @@ def ensure_repository(repository: Path) -> None:
             f"`python -m serving ensure --repository {repository} [--preset NAME | --config FILE]` or "
             f"`python -m serving repository --artifacts DIR --repository {repository}`"
         )
-    try:
-        from export.build import BuildError
-        from export.progress import Progress
-        from export.report import printing
-    except ImportError as error:  # a serving-only environment (the Triton image) cannot export
-        raise TritonStartError(
-            f"{repository} lacks the models and this environment cannot build them ({error}); "
-            "fill it first with `python -m serving ensure --repository ...` where the export extra is installed"
-        ) from None
-    from serving.triton.cli import DEFAULT_ARTIFACTS, export_default
+    from serving.triton.cli import DEFAULT_ARTIFACTS, BuildFailed, cannot_build, export_default
 
+    reason = cannot_build()
+    if reason:  # a serving-only environment (the Triton image) cannot export
+        raise TritonStartError(
+            f"{repository} lacks the models and this environment cannot build them ({reason}); "
+            "fill it first with `python -m serving ensure --repository ...` where the export extra is installed"
+        )
     print(f"{repository} lacks the models; exporting the default preset first (about 15 s)", flush=True)
     try:
-        printing(lambda: export_default(repository, DEFAULT_ARTIFACTS, Progress()), DEFAULT_ARTIFACTS)
-    except BuildError as error:  # a failed variant is left out; serve if the python models got theirs
+        export_default(repository, DEFAULT_ARTIFACTS, shown=True)
+    except BuildFailed as error:  # a failed variant is left out; serve if the python models got theirs
         print(f"warning: {error}", file=sys.stderr)
         if not is_complete(repository):
             raise TritonStartError(f"the default model could not be built: {error}") from None
@@ -178,25 +174,19 @@ def ensure_repository(repository: Path) -> None:
 def ensure_trained(repository: Path) -> None:
     """The model trained here (models/fortunes) built into the default repository beside the default model
     when it is not there yet; a checkout without it, or an environment that cannot build, serves without it."""
-    from serving.triton.cli import has_trained
+    from serving.triton.cli import BuildFailed, cannot_build, export_trained, has_trained
 
     if has_trained(repository) or not files.TRAINED_MODEL.is_dir():
         return
-    try:
-        from export.build import BuildError
-        from export.importers import SourceMismatchError
-        from export.progress import Progress
-        from export.report import printing
-    except ImportError as error:
-        print(f"warning: the trained model is not served: this environment cannot build it ({error})", file=sys.stderr)
+    reason = cannot_build()
+    if reason:
+        print(f"warning: the trained model is not served: this environment cannot build it ({reason})", file=sys.stderr)
         return
-    from serving.triton.cli import export_trained
-
     where = files.TRAINED_ARTIFACTS
     print(f"{repository} lacks the model trained on fortunes; building it from {files.TRAINED_MODEL} (about a minute)")
     try:
-        printing(lambda: export_trained(repository, where, Progress()), where)
-    except (BuildError, SourceMismatchError, OSError, ValueError) as error:
+        export_trained(repository, where, shown=True)
+    except (BuildFailed, OSError, ValueError) as error:
         print(f"warning: the trained model is not served: {error}", file=sys.stderr)
 
 
@@ -369,26 +359,12 @@ def built_folder(folder: Path) -> Path | None:
         return None
     if (folder / files.REPORT_FILENAME).is_file():  # an artifact `export build` wrote, not a checkpoint
         return folder
-    try:
-        from export.build import BuildError
-        from export.importers import SourceMismatchError
-        from export.progress import Progress
-        from export.report import printing
-        from serving.triton.cli import export_folder, folder_artifacts
-    except ImportError as error:
-        print(f"error: this environment cannot build {folder} ({error}): install the export extra", file=sys.stderr)
-        return None
+    from serving.triton.cli import BuildFailed, export_folder, folder_artifacts
+
     print(f"{folder}: building it (once: later runs reuse the build while the folder is unchanged)", flush=True)
-    artifacts = folder_artifacts(folder)
-
-    def build() -> dict:
-        export_folder(folder, Progress(), artifacts=artifacts)  # the folder's digest read once
-        return json.loads((artifacts / files.REPORT_FILENAME).read_text())
-
     try:
-        printing(build, artifacts)
-        return artifacts
-    except (BuildError, SourceMismatchError, OSError, ValueError) as error:
+        return export_folder(folder, shown=True, artifacts=folder_artifacts(folder))  # the folder's digest read once
+    except (BuildFailed, OSError, ValueError) as error:
         print(f"error: {folder} could not be built: {error}", file=sys.stderr)
         return None
 

@@ -66,6 +66,15 @@ def tensorrt_unavailable_reason() -> str | None:
     return None
 
 
+def host_kind() -> str:
+    """The kind of host this is (contract/deployment.py's HOST_KINDS), by what ONNX Runtime offers here and the
+    devices it finds: TensorRT, else CUDA, else the CPU. The build makes the variants such a host serves; the
+    server asks for them by this name (`python -m export build --variants KIND`)."""
+    if tensorrt_unavailable_reason() is None:
+        return TENSORRT
+    return CUDA if cuda_usable() else CPU
+
+
 def _loadable(library: str) -> bool:
     try:
         ctypes.CDLL(library)

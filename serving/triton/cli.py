@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from contract.deployment import ENGINES, HOST_KINDS, KV_DTYPES, MODELS, PYTHON_MODELS, WEIGHT_DTYPES, ServingSettings
-
-if TYPE_CHECKING:
-    from export.progress import Progress
 
 # The Triton configs and the repository (protobuf, tritonclient: half a second to import) are imported
 # where they are used, so that a command's --help and usage errors answer at once.
@@ -159,43 +157,76 @@ def settings_from(args: argparse.Namespace) -> ServingSettings:
     )
 
 
+class BuildFailed(Exception):
+    """`python -m export build` failed. `status`: its exit status (2: the input it was given, a config or weights;
+    1: a variant that failed, whose passing siblings stay in the artifacts)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def cannot_build() -> str | None:
+    """Why this environment cannot run the build (a serving-only one, the Triton image, lacks the export extra),
+    or None when it can. Found without importing anything."""
+    missing = [name for name in ("torch", "onnxscript", "export") if importlib.util.find_spec(name) is None]
+    return f"it lacks {', '.join(missing)}; install the export extra" if missing else None
+
+
+def export_build(arguments: list[str], out: Path, shown: bool = False) -> dict:
+    """`python -m export build ARGUMENTS --out OUT` run as a process of its own, so that no server process ever
+    imports the build (torch, the exporter), and the build's report. `shown`: its stages and table go to this
+    process's output, else they are kept and the last lines of what it said are the error's (BuildFailed)."""
+    reason = cannot_build()
+    if reason:
+        raise BuildFailed(f"this environment cannot build ({reason})", status=2)
+    command = [sys.executable, "-m", "export", "build", *arguments, "--out", str(out)]
+    done = subprocess.run(command, capture_output=not shown, text=True, check=False)
+    if done.returncode != 0:
+        said = "" if shown else "; it said:\n" + "\n".join((done.stdout + done.stderr).strip().splitlines()[-12:])
+        raise BuildFailed(f"`python -m export build` exited {done.returncode} building {out}{said}", done.returncode)
+    return json.loads((out / files.REPORT_FILENAME).read_text())
+
+
 def export_to(
     cfg: ModelConfig,
     repository: Path,
     artifacts: Path,
     settings: ServingSettings | None = None,
     models: tuple[str, ...] = MODELS,
-    progress: Progress | None = None,
+    shown: bool = False,
     host: str | None = None,
 ) -> dict:
     """Build `cfg` into `artifacts` (export, on the CPU) with the variants a `host` of that kind serves
     (export/choices.py: cpu, cuda, tensorrt; None: this machine's kind), fill `repository` from it and
-    return the build's report; prints nothing (`progress`: where the build's stages go, none by default).
+    return the build's report (`shown`: as `export_build`).
 
-    A failing variant still fails (BuildError), but the repository is filled from the variants that
+    A failing variant still fails (BuildFailed), but the repository is filled from the variants that
     passed: a failed fp16 graph must not keep `python -m serving` from starting on the CPU. A KV dtype
     whose graph is built only when asked for (int8, int4) adds it to the build.
     """
-    from export.build import HOST, BuildError, build
-    from export.progress import Progress
+    from serving.engine.placement import host_kind
     from serving.triton.repository import asked_variants, write_repository
 
-    variants = (host or HOST, *asked_variants(settings or ServingSettings()))
-    try:
-        report = build(cfg, artifacts, variants, progress=progress or Progress(enabled=False))
-    except BuildError:
-        write_repository(artifacts, repository, settings, models)
-        raise
+    variants = (host or host_kind(), *asked_variants(settings or ServingSettings()))
+    with tempfile.TemporaryDirectory(prefix="config-") as where:
+        given = cfg.save(where)
+        try:
+            report = export_build(["--config", str(given), "--variants", ",".join(variants)], artifacts, shown)
+        except BuildFailed as error:
+            if error.status == 1:  # the variants that passed are served
+                write_repository(artifacts, repository, settings, models)
+            raise
     write_repository(artifacts, repository, settings, models)
     return report
 
 
 def export_default(
-    repository: Path = files.DEFAULT_REPOSITORY, artifacts: Path = DEFAULT_ARTIFACTS, progress: Progress | None = None
+    repository: Path = files.DEFAULT_REPOSITORY, artifacts: Path = DEFAULT_ARTIFACTS, shown: bool = False
 ) -> dict:
     """The default preset into `repository` (what `python -m serving` does when the repository lacks
     it); the build's report, as `export_to`."""
-    return export_to(preset(DEFAULT_PRESET), repository, artifacts, progress=progress)
+    return export_to(preset(DEFAULT_PRESET), repository, artifacts, shown=shown)
 
 
 TRAINED_PREFIX = f"{files.TRAINED_MODEL_NAME}_"  # the trained model's Triton models: fortunes_mha_session, ...
@@ -215,66 +246,43 @@ def has_trained(repository: Path) -> bool:
     return is_complete(repository, (trained_model(),))
 
 
+def export_checkpoint(folder: Path, artifacts: Path, variants: tuple[str, ...] = (), shown: bool = False) -> dict:
+    """A Hugging Face checkpoint folder imported, proven and built with `variants` (none named: those this machine
+    serves) into `artifacts`, its held-out text (held_out.txt beside it) scored through each (export/quality.py);
+    the build's report."""
+    arguments = ["--weights", str(folder), "--layout", "hf"]
+    return export_build([*arguments, "--variants", ",".join(variants)] if variants else arguments, artifacts, shown)
+
+
 def export_trained(
     repository: Path = files.DEFAULT_REPOSITORY,
     artifacts: Path = files.TRAINED_ARTIFACTS,
-    progress: Progress | None = None,
+    shown: bool = False,
     folder: Path = files.TRAINED_MODEL,
-    variants: tuple[str, ...] | None = None,
+    variants: tuple[str, ...] = (),
 ) -> dict:
-    """The model trained here (a Hugging Face folder in the checkout) imported, proven, built with `variants`
-    (None: those this machine serves), its held-out text scored through each (export/quality.py), and written
+    """The model trained here (a Hugging Face folder in the checkout) built as `export_checkpoint` and written
     into `repository` beside the default model under its own names (TRAINED_PREFIX); the build's report."""
-    from export.build import HOST, build_model
-    from export.importers import import_weights
-    from export.progress import Progress
     from serving.triton.config import MHA_SESSION
     from serving.triton.repository import write_repository
 
-    imported = import_weights(folder, "hf", {})
-    held_out = folder / files.HELD_OUT_FILENAME
-    report = build_model(
-        imported.model,
-        artifacts,
-        variants or (HOST,),
-        progress=progress or Progress(enabled=False),
-        origin=imported.origin,
-        text_files=imported.text_files,
-        held_out=held_out if held_out.is_file() else None,
-    )
+    report = export_checkpoint(folder, artifacts, variants, shown)
     write_repository(artifacts, repository, models=(MHA_SESSION,), prefix=TRAINED_PREFIX)
     return report
 
 
 def export_folder(
-    folder: Path,
-    progress: Progress | None = None,
-    root: Path = files.DEFAULT_ARTIFACTS,
-    artifacts: Path | None = None,
+    folder: Path, shown: bool = False, root: Path = files.DEFAULT_ARTIFACTS, artifacts: Path | None = None
 ) -> Path:
-    """A Hugging Face checkpoint folder imported, proven and built with the variants this machine serves into
+    """A Hugging Face checkpoint folder built as `export_checkpoint` with the variants this machine serves into
     artifacts named by the digest of its files (`folder_artifacts`, unless the caller has it already: the digest
     reads every byte of the checkpoint): built once, reused while the folder is the same (another checkpoint in
     the same folder builds anew). The artifacts' folder."""
-    from export.build import HOST, build_model
-    from export.importers import import_weights
-    from export.progress import Progress
-
     artifacts = artifacts or folder_artifacts(folder, root)
     report = artifacts / files.REPORT_FILENAME
     if report.is_file() and json.loads(report.read_text()).get("passed"):
         return artifacts
-    imported = import_weights(folder, "hf", {})
-    held_out = folder / files.HELD_OUT_FILENAME
-    build_model(
-        imported.model,
-        artifacts,
-        (HOST,),
-        progress=progress or Progress(enabled=False),
-        origin=imported.origin,
-        text_files=imported.text_files,
-        held_out=held_out if held_out.is_file() else None,
-    )
+    export_checkpoint(folder, artifacts, shown=shown)
     return artifacts
 
 
@@ -360,9 +368,6 @@ def _artifacts_folder(given: Path | None) -> contextlib.AbstractContextManager:
 def run_ensure(args: argparse.Namespace) -> int:
     """The one-shot export of a deployment (compose's `export` service): the build's table, the
     repository and what its KV budget holds."""
-    from export.build import BuildError
-    from export.progress import Progress
-    from export.report import printing
     from serving.triton.repository import RepositoryError
 
     try:
@@ -371,16 +376,12 @@ def run_ensure(args: argparse.Namespace) -> int:
             print(f"model repository {args.repository} already holds this model; nothing to build")
             return 0
         with _artifacts_folder(args.artifacts) as where:
-            artifacts = Path(where)
-            printing(
-                lambda: export_to(cfg, args.repository, artifacts, settings, args.models, Progress(), args.host),
-                artifacts,
-            )
+            export_to(cfg, args.repository, Path(where), settings, args.models, shown=True, host=args.host)
         print(f"model repository: {args.repository}")
         print_capacity(cfg, settings, args.models)
-    except BuildError as error:
+    except BuildFailed as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return error.status
     except (OSError, ValueError, RepositoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

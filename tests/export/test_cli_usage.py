@@ -16,6 +16,7 @@ from export import __main__ as cli
 from export import artifacts, build, choices
 from export.importers import WeightsError, import_weights
 from export.model import AttentionModel
+from serving.engine import placement
 
 # main() in a fresh interpreter, then which heavy modules it imported
 LOADED = """
@@ -73,7 +74,7 @@ def test_an_unknown_variant_is_named_with_the_choices():
 
 
 def test_a_build_makes_what_this_machine_serves_and_says_how_to_build_the_rest():
-    assert choices.variants_for(build.this_host()) == build.DEFAULT_VARIANTS
+    assert choices.variants_for(placement.host_kind()) == build.DEFAULT_VARIANTS
     if build.HOST == choices.CPU:  # this machine's ONNX Runtime has no CUDA device
         assert build.DEFAULT_VARIANTS == ("fp32", "fp32-fused", "fp32-fused-inspect", "fp32-static")
         assert build.default_note() == (

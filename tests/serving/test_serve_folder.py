@@ -13,7 +13,7 @@ import transformers
 
 from contract import files
 from serving.__main__ import main
-from serving.triton.cli import export_folder, folder_digest
+from serving.triton.cli import BuildFailed, export_folder, folder_digest
 
 VOCAB = 2048  # the fortunes tokenizer's, copied beside the weights (no tokenizer trained here)
 
@@ -49,6 +49,19 @@ def test_what_is_not_a_checkpoint_and_a_command_beside_a_folder_are_refused(tmp_
     (tmp_path / "config.json").write_text("{}")
     assert main([str(tmp_path), "repository"]) == 2
     assert "served on its own" in capsys.readouterr().err
+
+
+def test_a_folder_the_build_refuses_is_an_error_with_the_builds_own_words(tmp_path, capsys):
+    """The build runs as `python -m export build` (no server process imports it): what it said reaches the
+    caller, its exit status too, and `python -m serving FOLDER` answers with it instead of starting."""
+    folder = tmp_path / "weightless"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(BuildFailed, match=r"(?s)exited 2 building .*a folder without one checkpoint") as refused:
+        export_folder(folder, root=tmp_path / "artifacts")
+    assert refused.value.status == 2
+    assert main([str(folder)]) == 1
+    assert f"error: {folder} could not be built" in capsys.readouterr().err
 
 
 def test_an_abbreviated_flag_is_not_taken_for_another(capsys):
