@@ -48,7 +48,7 @@ import numpy as np
 
 from bench import results as output
 from bench.generate import commit
-from bench.timing import SETTLE_S
+from bench.timing import SETTLE_S, interleaved
 
 MODEL_ID = "bench-llama"  # the model's id on the OpenAI routes
 VARIANTS = ("fp32-fused", "fp32-static")  # what the session model and the stateless one serve
@@ -414,12 +414,11 @@ def measure(url: str, keys: dict[tuple[int, int], str], text, checkpoint: Path, 
             client = base.with_options(api_key=keys[(-1, length)])
             converse(client, openings, prefill, f"warm-up {length}", length, plan.answer)
     measured: dict[int, list[Turns]] = {length: [] for length in plan.lengths}
-    for turn in range(plan.rounds):
-        for length in plan.lengths if turn % 2 == 0 else plan.lengths[::-1]:
-            with progress.stage(f"round {turn + 1}/{plan.rounds}: a {length}-token conversation"):
-                client = base.with_options(api_key=keys[(turn, length)])
-                label = f"{turn + 1}-{length}"
-                measured[length].append(converse(client, openings, prefill, label, length, plan.answer))
+    for turn, length in interleaved(plan.rounds, plan.lengths):
+        with progress.stage(f"round {turn + 1}/{plan.rounds}: a {length}-token conversation"):
+            client = base.with_options(api_key=keys[(turn, length)])
+            label = f"{turn + 1}-{length}"
+            measured[length].append(converse(client, openings, prefill, label, length, plan.answer))
     return measured
 
 
@@ -457,11 +456,7 @@ def side(replies: list[Reply]) -> dict:
 def targets(rows: list[dict]) -> dict:
     """The issue's goal, measured (reported, never asserted): cold / warm TTFT at every length of 4,000 or more."""
     return {
-        f"cold_over_warm_ttft_{row['length']}": {
-            "ratio": row["cold_over_warm"],
-            "target": f">= {GOAL_RATIO:g}",
-            "met": row["cold_over_warm"] >= GOAL_RATIO,
-        }
+        f"cold_over_warm_ttft_{row['length']}": output.goal(row["cold_over_warm"], least=GOAL_RATIO)
         for row in rows
         if row["length"] >= GOAL_LENGTH
     }
@@ -527,7 +522,7 @@ def plot(results: dict, path: Path) -> Path:
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    from bench.plot import save
+    from bench.plot import gridded, save
 
     rows = results["rows"]
     lengths = [str(row["length"]) for row in rows]
@@ -547,9 +542,7 @@ def plot(results: dict, path: Path) -> Path:
     ratio.axhline(GOAL_RATIO, color="black", linestyle="--", label=f"goal at {GOAL_LENGTH}: {GOAL_RATIO:g}x")
     ratio.set_xticks(at, lengths)
     ratio.set(xlabel="conversation length (prompt tokens)", ylabel="cold TTFT / warm TTFT")
-    for axis in (ttft, ratio):
-        axis.grid(True, axis="y", which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+    gridded(ttft, ratio)
     plan = results["plan"]
     figure.suptitle(
         f"{results['model']['shape']}: the next turn against a cold prefill, {rounds(plan['rounds'])} (CPU, "
@@ -566,20 +559,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="a 512-position model, conversations of 128 and 384 tokens, 1 round"
     )
     parser.add_argument("--lengths", help="comma-separated conversation lengths in tokens (default 1000,4000)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 1)")
+    output.rounds_argument(parser, None, "default 3; --quick 1")
     parser.add_argument("--answer", type=int, help="tokens each reply generates (default 16; --quick 8)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for Triton and PyTorch")
+    output.threads_argument(parser, "threads for Triton and PyTorch")
     output.output_arguments(parser)
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
-    plan = Plan.quick() if args.quick else Plan()
-    given = {
-        "lengths": tuple(int(length) for length in args.lengths.split(",")) if args.lengths else None,
-        "rounds": args.rounds,
-        "answer": args.answer,
-    }
-    return dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
+    return output.planned(args, Plan, "rounds", "answer", lengths=output.counts(args.lengths))
 
 
 def checked(plan: Plan) -> None:
@@ -616,9 +603,4 @@ def run(args: argparse.Namespace) -> int:
     with output.work_folder(args.work, "bench-conversation-") as root:
         results = benchmark(root, plan, args.threads)
     wrote = output.write(results, args.out, "conversation", plot)
-    print(table(results))
-    if results["conditions"]["load_average_1min"]["before"] > 0.5:
-        load = results["conditions"]["load_average_1min"]["before"]
-        print(f"note: the machine was busy when the run began (1-minute load average {load:.1f}): expect noise")
-    print(wrote)
-    return 0
+    return output.finished(wrote, table(results), results["conditions"]["load_average_1min"]["before"])

@@ -303,7 +303,6 @@ def plot(results: dict, path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="seed", help="the model (default: %(default)s)")
     parser.add_argument("--past", type=int, default=4096, help="the session's past (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=300, help="steps per store per round (default: %(default)s)")
     parser.add_argument(
@@ -312,10 +311,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=16,
         help="sessions over 3 replicas for the drain by migration; 0: no drain (default: %(default)s)",
     )
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    output.rounds_argument(parser, 3)
     parser.add_argument("--every", type=int, default=256, help="positions between checkpoints (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default: %(default)s)")
-    output.output_arguments(parser)
+    output.threads_argument(parser, "ONNX Runtime threads", 2)
+    output.output_arguments(parser, served_preset=True)
 
 
 def run(args: argparse.Namespace) -> int:

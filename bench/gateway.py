@@ -374,7 +374,7 @@ def plot(results: dict, path: Path) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", type=int, default=16, help="concurrent sessions (default 16)")
     parser.add_argument("--steps", type=int, default=100, help="steps per session per mode and round (default 100)")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    output.rounds_argument(parser, 5)
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (default 1)")
     parser.add_argument(
         "--compare",

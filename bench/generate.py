@@ -64,7 +64,7 @@ import numpy as np
 
 from bench import results as output
 from bench import server_peers, whole_model
-from bench.timing import SETTLE_S
+from bench.timing import SETTLE_S, interleaved
 from contract import files
 from contract.config import ModelConfig, preset
 
@@ -513,14 +513,12 @@ def measure_all(generators: dict[str, Generate], prompts: dict[int, np.ndarray],
                 skipped[f"{name} at {count}"] = str(reason)
                 runs.remove((name, count))
     measured: dict = {}
-    order = list(generators)
-    for turn in range(plan.rounds):
-        for name in order if turn % 2 == 0 else order[::-1]:
-            with progress.stage(f"round {turn + 1}/{plan.rounds}: {name}"):
-                for count, batch in prompts.items():
-                    if (name, count) in runs:
-                        measured.setdefault((name, count), []).append(generators[name](batch, plan.tokens))
-            time.sleep(SETTLE_S)  # its spinning threads go to sleep before the next candidate
+    for turn, name in interleaved(plan.rounds, list(generators)):
+        with progress.stage(f"round {turn + 1}/{plan.rounds}: {name}"):
+            for count, batch in prompts.items():
+                if (name, count) in runs:
+                    measured.setdefault((name, count), []).append(generators[name](batch, plan.tokens))
+        time.sleep(SETTLE_S)  # its spinning threads go to sleep before the next candidate
     return measured, skipped
 
 
@@ -722,8 +720,7 @@ def targets(results: dict) -> dict:
 
     def goal(key: str, numerator: float | None, denominator: float | None, least: float, **more) -> None:
         if numerator is not None and denominator is not None:
-            ratio = numerator / denominator
-            out[key] = {"ratio": ratio, "target": f">= {least:g}", "met": ratio >= least, **more}
+            out[key] = output.goal(numerator / denominator, least=least, **more)
 
     counts = [row["concurrency"] for row in results["rows"]]
     goal("served_vs_in_process_C1", rate(results, 1, SERVED), rate(results, 1, IN_PROCESS), 0.95)
@@ -844,7 +841,7 @@ def plot(results: dict, path: Path) -> Path:
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    from bench.plot import save
+    from bench.plot import gridded, save
 
     rows = results["rows"]
     names = [name for name in CANDIDATES if any(name in row["candidates"] for row in rows)]
@@ -862,8 +859,7 @@ def plot(results: dict, path: Path) -> Path:
     for axis, label in ((rates, "generated tokens / s"), (latency, "inter-token latency, ms")):
         axis.set_xticks(centers, names, rotation=20, ha="right", fontsize=8)
         axis.set(ylabel=label, yscale="log")
-        axis.grid(True, axis="y", which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+    gridded(rates, latency)
     plan = results["plan"]
     figure.suptitle(
         f"{results['preset']}: {plan['prompt']}-token prompts, {plan['tokens']} greedy tokens each (CPU, "
@@ -885,10 +881,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", type=int, help="prompt ids per generation (default 512; --quick 16)")
     parser.add_argument("--tokens", type=int, help="greedy tokens per generation (default 128; --quick 8)")
     parser.add_argument("--concurrency", help="comma-separated generations at once (default 1,16,64; --quick 1,4)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 1)")
+    output.rounds_argument(parser, None, "default 3; --quick 1")
     parser.add_argument("--joiner", type=int, help="the joiner's prompt ids (default 2000; --quick 36; 0: none)")
     parser.add_argument("--idle-seconds", type=float, help="each server's idle CPU over this long (default 30; 0: not)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per candidate and server")
+    output.threads_argument(parser, "threads per candidate and server")
     parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
     parser.add_argument(
         "--no-server-peers", action="store_true", help="leave llama.cpp's server and vLLM out (even where built)"
@@ -897,17 +893,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
-    plan = Plan.quick() if args.quick else Plan()
-    given = {
-        "prompt": args.prompt,
-        "tokens": args.tokens,
-        "rounds": args.rounds,
-        "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None,
-        "joiner": args.joiner,
-        "idle_s": args.idle_seconds,
-        "server_peers": False if args.no_server_peers else None,
-    }
-    return dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
+    return output.planned(
+        args,
+        Plan,
+        "prompt",
+        "tokens",
+        "rounds",
+        "joiner",
+        concurrency=output.counts(args.concurrency),
+        idle_s=args.idle_seconds,
+        server_peers=False if args.no_server_peers else None,
+    )
 
 
 def checked(cfg: ModelConfig, plan: Plan) -> None:
@@ -949,9 +945,4 @@ def run(args: argparse.Namespace) -> int:
     with output.work_folder(args.work, "bench-generate-") as root:
         results = benchmark(cfg, name, root / name, plan, args.threads, genai=not args.no_genai)
     wrote = output.write(results, args.out, "generate", plot)
-    print(table(results))
-    if results["conditions"]["load_average_1min"]["before"] > 0.5:
-        load = results["conditions"]["load_average_1min"]["before"]
-        print(f"note: the machine was busy when the run began (1-minute load average {load:.1f}): expect noise")
-    print(wrote)
-    return 0
+    return output.finished(wrote, table(results), results["conditions"]["load_average_1min"]["before"])

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.timing import Budget, Timing, measure
+from bench.timing import Budget, Timing, interleaved, measure
 from contract import files, names
 from contract.config import NO_NORM, ModelConfig, preset
 from export import artifacts
@@ -490,9 +490,8 @@ def candidates(cfg: ModelConfig) -> tuple[str, ...]:
 def _measure_shape(shape: Shape, makers: dict[str, Callable[[Shape], Step]], budget: Budget, passes: int) -> dict:
     steps = {name: make(shape) for name, make in makers.items()}
     timings = {name: Timing() for name in makers}
-    for turn in range(passes):
-        for name in list(makers) if turn % 2 == 0 else list(makers)[::-1]:
-            measure(steps[name], budget, into=timings[name])
+    for _, name in interleaved(passes, list(makers)):
+        measure(steps[name], budget, into=timings[name])
     candidates = {name: timing.to_dict() for name, timing in timings.items()}
     return {"batch": shape.batch, "past": shape.past, "label": shape.label, "candidates": candidates}
 
@@ -617,11 +616,10 @@ def generation_rows(generators: dict[str, Callable], cfg: ModelConfig, plan: Pla
         prompts = rng.integers(cfg.vocab_size, size=(batch, plan.generation_prompt), dtype=np.int64)
         with progress.stage(f"{cfg_label(cfg)} greedy generation, {batch} at once"):
             runs = {name: [] for name in generators}
-            for turn in range(plan.generation_rounds + 1):  # the first is the warm-up
-                for name in list(generators) if turn % 2 == 0 else list(generators)[::-1]:
-                    generated = generators[name](prompts, plan.generation_tokens)
-                    if turn:
-                        runs[name].append(generated)
+            for turn, name in interleaved(plan.generation_rounds + 1, list(generators)):  # the first: warm-up
+                generated = generators[name](prompts, plan.generation_tokens)
+                if turn:
+                    runs[name].append(generated)
         rows.append({"batch": batch, "candidates": {name: generation_summary(r) for name, r in runs.items()}})
         rows[-1]["agreement"] = agreement(runs[ENGINE_LOOP][-1].tokens, runs[TRANSFORMERS][-1].tokens)
     return rows

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import results as output
 from bench import whole_model
-from bench.results import machine
-from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, measure
+from bench.results import goal, machine
+from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, interleaved, measure
 from contract import files, names
 from contract.config import ModelConfig, preset
 from export import artifacts
@@ -285,17 +286,15 @@ def measure_preset(
         phase_shapes = [s for s in grid if s.phase == phase]
         budget, passes = plan.budgets[phase], plan.passes[phase]
         budget = dataclasses.replace(budget, seconds=budget.seconds / passes, min_runs=-(-budget.min_runs // passes))
-        for turn in range(passes):
-            order = measured(paths) if turn % 2 == 0 else measured(paths)[::-1]
-            for name in order:
-                with progress.stage(f"{cfg_label(cfg)} {phase} {name} (pass {turn + 1}/{passes})"):
-                    prepare = candidate(name, directory, paths, threads)
-                    for shape in phase_shapes:
-                        progress.update(shape.label)
-                        measure(prepare(shape), budget, into=timings.setdefault((name, shape), Timing()))
-                    del prepare
-                    gc.collect()
-                    time.sleep(plan.settle_s)
+        for turn, name in interleaved(passes, measured(paths)):
+            with progress.stage(f"{cfg_label(cfg)} {phase} {name} (pass {turn + 1}/{passes})"):
+                prepare = candidate(name, directory, paths, threads)
+                for shape in phase_shapes:
+                    progress.update(shape.label)
+                    measure(prepare(shape), budget, into=timings.setdefault((name, shape), Timing()))
+                del prepare
+                gc.collect()
+                time.sleep(plan.settle_s)
     return timings
 
 
@@ -357,24 +356,12 @@ def targets(results: dict) -> dict:
         if decode:
             speedup = median(decode, TORCH) / median(decode, FUSED)
             floor_ratio = median(decode, FUSED) / decode["floor_ms"]["fp32"]
-            out["seed_decode_B1_P4096_fused_vs_torch"] = {"speedup": speedup, "target": ">= 2", "met": speedup >= 2}
-            out["seed_decode_B1_P4096_fused_vs_floor"] = {
-                "ratio": floor_ratio,
-                "target": "<= 4",
-                "met": floor_ratio <= 4,
-            }
+            out["seed_decode_B1_P4096_fused_vs_torch"] = goal(speedup, least=2, kind="speedup")
+            out["seed_decode_B1_P4096_fused_vs_floor"] = goal(floor_ratio, most=4)
             static_floor = median(decode, STATIC) / decode["floor_ms"]["fp32"]
             static_speedup = median(decode, FUSED) / median(decode, STATIC)
-            out["seed_decode_B1_P4096_static_vs_floor"] = {
-                "ratio": static_floor,
-                "target": "<= 1.2",
-                "met": static_floor <= 1.2,
-            }
-            out["seed_decode_B1_P4096_static_vs_fused"] = {
-                "speedup": static_speedup,
-                "target": ">= 1.3",
-                "met": static_speedup >= 1.3,
-            }
+            out["seed_decode_B1_P4096_static_vs_floor"] = goal(static_floor, most=1.2)
+            out["seed_decode_B1_P4096_static_vs_fused"] = goal(static_speedup, least=1.3, kind="speedup")
     worst = max(
         (
             (median(r, FUSED) / median(r, PLAIN), f"{p} {r['label']}")
@@ -384,15 +371,10 @@ def targets(results: dict) -> dict:
         default=None,
     )
     if worst:
-        out["fused_vs_fp32_worst"] = {
-            "ratio": worst[0],
-            "where": worst[1],
-            "target": "<= 1.10",
-            "met": worst[0] <= 1.10,
-        }
+        out["fused_vs_fp32_worst"] = goal(worst[0], most=1.10, where=worst[1], target="<= 1.10")
     for name, entry in results["presets"].items():
         ratio = entry["file_bytes"][FP16] / entry["file_bytes"][FUSED]
-        out[f"{name}_fp16_file_vs_fused"] = {"ratio": ratio, "target": "<= 0.55", "met": ratio <= 0.55}
+        out[f"{name}_fp16_file_vs_fused"] = goal(ratio, most=0.55)
     return out
 
 
@@ -451,7 +433,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="only these shapes, e.g. decode:1:4096,prefill:1:512 (default: prefill B1/B4 at T 128/512/2048, "
         "decode B1/B8 at P 128/1024/4096)",
     )
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per candidate")
+    output.threads_argument(parser, "threads per candidate")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
     parser.add_argument(
         "--artifacts", type=Path, help="build (or reuse) artifacts under DIR/<preset>; default: temporary"
@@ -493,18 +475,17 @@ def run(args: argparse.Namespace) -> int:
         root = args.artifacts or Path(scratch)
         results = benchmark(configs, root, args.quick, args.threads, progress, args.shapes)
     write(results, args.out)
-    print(table(results))
-    print(f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)")
-    print(targets_text(results["targets"]))
+    lines = [
+        table(results),
+        f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)",
+        targets_text(results["targets"]),
+    ]
     for name, rows in results["rotation_costs"].items():
         for label, ratios in rows.items():
             cells = ", ".join(f"{c} {ratio:.2f}x" for c, ratio in ratios.items())
-            print(f"rotation cost, {name} {label}: {cells} (with / without rotary embeddings)")
-    load = results["machine"]["load_average_1min"]["before"]
-    if load > 0.5:
-        print(f"note: the machine was busy when the run began (1-minute load average {load:.1f}): expect noise")
-    print(f"wrote {args.out / 'model.json'} and {args.out / 'model_decode.png'}")
-    return 0
+            lines.append(f"rotation cost, {name} {label}: {cells} (with / without rotary embeddings)")
+    wrote = f"wrote {args.out / 'model.json'} and {args.out / 'model_decode.png'}"
+    return output.finished(wrote, "\n".join(lines), results["machine"]["load_average_1min"]["before"])
 
 
 def parse_shapes(text: str) -> list[Shape]:

@@ -33,6 +33,14 @@ def save(figure, path: Path) -> Path:
     return path
 
 
+def gridded(*axes, lines: str = "y", which: str = "both") -> None:
+    """Each axis gridded (`lines`: "y", "x" or "both"; `which`: major, minor or both ticks) and its legend drawn
+    small: every bench's panels read the same way."""
+    for axis in axes:
+        axis.grid(True, axis=lines, which=which, alpha=0.3)
+        axis.legend(fontsize=8)
+
+
 def _panel(axis, rows: list[dict], title: str) -> None:
     pasts = [r["past"] for r in rows]
     for name in rows[0]["candidates"]:

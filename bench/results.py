@@ -1,10 +1,11 @@
-"""What the served benchmarks' commands share: where they write (`--out`) and work (`--work`), and
-writing their JSON and plot."""
+"""What the benchmarks' commands share: where they write (`--out`) and work (`--work`), their common
+arguments and the plan a command's flags change, writing their JSON and plot, and what they print after."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -25,6 +26,31 @@ def output_arguments(parser: argparse.ArgumentParser, served_preset: bool = Fals
         parser.add_argument("--preset", default=DEFAULT_PRESET, help="the served model (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
     parser.add_argument("--work", type=Path, help="artifact and repository folder (default: a temporary one)")
+
+
+def rounds_argument(parser: argparse.ArgumentParser, default: int | None, text: str | None = None) -> None:
+    """--rounds: the interleaved rounds (None: the plan's, said in `text`)."""
+    said = text or f"default {default}"
+    parser.add_argument("--rounds", type=int, default=default, help=f"interleaved rounds ({said})")
+
+
+def threads_argument(parser: argparse.ArgumentParser, whose: str, default: int | None = None) -> None:
+    """--threads: each candidate's threads (`whose`: what they run), by default as many as the cores."""
+    default = default or os.cpu_count() or 1
+    parser.add_argument("--threads", type=int, default=default, help=f"{whose} (default {default})")
+
+
+def planned(args: argparse.Namespace, plan_class, *flags: str, **given):
+    """The plan (a dataclass: its `quick()` with --quick) with what the command's flags gave: `flags` named as the
+    plan's fields, `given` the others' values, None where a flag was not given (the plan's value stays)."""
+    plan = plan_class.quick() if args.quick else plan_class()
+    given |= {flag: getattr(args, flag) for flag in flags}
+    return dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
+
+
+def counts(text: str | None) -> tuple[int, ...] | None:
+    """A comma-separated list of whole numbers (`--lengths 1000,4000`), None when the flag was not given."""
+    return tuple(int(item) for item in text.split(",")) if text else None
 
 
 @contextlib.contextmanager
@@ -69,6 +95,26 @@ def write(results: dict, out: Path, name: str, plot: Callable[[dict, Path], Path
     with PLOT_LOCK:
         plot(results, out / f"{name}.png")
     return f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}"
+
+
+def finished(wrote: str, table: str, load_average: float) -> int:
+    """What every bench prints at its end: its table, a note when the machine was busy as it began (the
+    1-minute `load_average` then; our machines are shared), where it wrote; the command's exit code."""
+    print(table)
+    if load_average > 0.5:
+        print(f"note: the machine was busy when the run began (1-minute load average {load_average:.1f}): expect noise")
+    print(wrote)
+    return 0
+
+
+def goal(value: float, least: float | None = None, most: float | None = None, kind: str = "ratio", **more) -> dict:
+    """One of an issue's goals, measured (reported, never asserted): `value` (a `kind`: ratio, speedup) against
+    its bound, at `least` or at `most`, and whether it was met; `more`: what else the entry says."""
+    if (least is None) == (most is None):
+        raise ValueError("a goal is bounded below (least) or above (most)")
+    met = value >= least if least is not None else value <= most
+    target = f">= {least:g}" if least is not None else f"<= {most:g}"
+    return {kind: value, "target": more.pop("target", target), "met": met, **more}
 
 
 def target_lines(heading: str, targets: dict, value_key: str) -> list[str]:

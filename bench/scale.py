@@ -173,7 +173,7 @@ def plot(results: dict, path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--past", type=int, default=256, help="tokens in each timed session's past (default 256)")
-    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
+    output.rounds_argument(parser, 20)
     parser.add_argument("--steps", type=int, default=25, help="timed steps per mode and round (default 25)")
     parser.add_argument("--sessions", type=int, default=64, help="sessions spread over the replicas (default 64)")
     output.output_arguments(parser, served_preset=True)

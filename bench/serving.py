@@ -31,7 +31,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
-import os
 import re
 import shutil
 import threading
@@ -725,7 +724,7 @@ def plot(results: dict, path: Path) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="two past lengths, few steps, few sessions")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="ONNX Runtime threads in-process")
+    output.threads_argument(parser, "ONNX Runtime threads in-process")
     parser.add_argument("--time-limit", type=float, default=900.0, help="stop adding points after this many seconds")
     output.output_arguments(parser)
 

@@ -305,13 +305,12 @@ def plot(results: dict, path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="seed", help="the model (default: %(default)s)")
     parser.add_argument(
         "--lengths", default="256,1024,4096", help="session lengths, comma-separated (default: %(default)s)"
     )
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    output.rounds_argument(parser, 3)
     parser.add_argument("--seconds", type=float, default=0.5, help="per operation per round (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads (default: %(default)s)")
+    output.threads_argument(parser, "ONNX Runtime threads", 2)
     parser.add_argument("--others-past", type=int, default=1024, help="the other sessions' past (default: %(default)s)")
     parser.add_argument(
         "--others-seconds",
@@ -324,7 +323,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="1024,4096",
         help="prompt lengths through Triton, comma-separated; empty: none (default: %(default)s)",
     )
-    output.output_arguments(parser)
+    output.output_arguments(parser, served_preset=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 
 from bench import results as output
 from bench.generate import commit
-from bench.timing import Budget, measure
+from bench.timing import Budget, interleaved, measure
 from contract.generation import FINISH_REASON, TOKEN_ID
 
 if TYPE_CHECKING:
@@ -226,12 +226,11 @@ def measure_all(engine_core, model: Model, grammar, plan: Plan) -> dict[tuple[st
     for name, count in itertools.product(CANDIDATES, plan.concurrency):
         generations(engine_core, model, count, min(WARMUP_TOKENS, plan.tokens), plan.seed, constrain[name])
     measured: dict[tuple[str, int], list[Round]] = {}
-    for turn in range(plan.rounds):
+    for turn, name in interleaved(plan.rounds, CANDIDATES):
         seed = plan.seed + turn * max(plan.concurrency)  # new seeds each round, the same for both candidates
-        for name in CANDIDATES if turn % 2 == 0 else CANDIDATES[::-1]:
-            for count in plan.concurrency:
-                done = generations(engine_core, model, count, plan.tokens, seed, constrain[name])
-                measured.setdefault((name, count), []).append(done)
+        for count in plan.concurrency:
+            done = generations(engine_core, model, count, plan.tokens, seed, constrain[name])
+            measured.setdefault((name, count), []).append(done)
     return measured
 
 
@@ -328,11 +327,9 @@ def row_of(count: int, measured: dict, model: Model, schema: dict) -> dict:
 def targets(rows: list[dict]) -> dict:
     """The issue's goal, measured (reported, never asserted)."""
     return {
-        f"constrained_vs_unconstrained_C{row['concurrency']}": {
-            "ratio": row["ratio"],
-            "target": f">= {GOAL_RATIO:g}, at most {1 - GOAL_RATIO:.0%} slower",
-            "met": row["ratio"] >= GOAL_RATIO,
-        }
+        f"constrained_vs_unconstrained_C{row['concurrency']}": output.goal(
+            row["ratio"], least=GOAL_RATIO, target=f">= {GOAL_RATIO:g}, at most {1 - GOAL_RATIO:.0%} slower"
+        )
         for row in rows
         if row["concurrency"] == GOAL_COUNT
     }
@@ -423,7 +420,7 @@ def plot(results: dict, path: Path) -> Path:
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    from bench.plot import save
+    from bench.plot import gridded, save
 
     rows, at = results["rows"], np.arange(len(results["rows"]))
     figure, (rates, step) = plt.subplots(1, 2, figsize=(11, 4))
@@ -438,8 +435,7 @@ def plot(results: dict, path: Path) -> Path:
     step.set(ylabel=f"ms per step, p50 ({CONSTRAINED})")
     for axis, offset in ((rates, 0.2), (step, 0.27)):
         axis.set_xticks(at + offset, labels)
-        axis.grid(True, axis="y", alpha=0.3)
-        axis.legend(fontsize=8)
+    gridded(rates, step, which="major")
     figure.suptitle(f"a JSON schema's constraint against none ({results['measured_at']['text']})")
     return save(figure, path)
 
@@ -453,9 +449,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=PROMPT, help="each generation's prompt text (default: %(default)r)")
     parser.add_argument("--tokens", type=int, default=Plan.tokens, help="most tokens a generation (default 96)")
     parser.add_argument("--concurrency", default="1,16", help="comma-separated generations at once (default 1,16)")
-    parser.add_argument("--rounds", type=int, default=Plan.rounds, help="interleaved rounds (default 5)")
+    output.rounds_argument(parser, Plan.rounds)
     parser.add_argument("--compile-repeats", type=int, default=Plan.compile_repeats, help="compiles timed a schema")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="the graph's threads")
+    output.threads_argument(parser, "the graph's threads")
     output.output_arguments(parser)
 
 

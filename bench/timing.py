@@ -9,12 +9,24 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import numpy as np
 
+T = TypeVar("T")
+
 # Let the last candidate's spinning worker threads go to sleep before the next one is timed.
 SETTLE_S = 0.2
+
+
+def interleaved(rounds: int, names: Sequence[T]) -> Iterator[tuple[int, T]]:
+    """(round, name) for every candidate in every round, the order reversed each other round: no candidate
+    always runs first (on a cold cache) or last (beside the previous one's threads), and a slow drift of the
+    machine's load falls on every candidate alike. Every bench's rounds go this way."""
+    for turn in range(rounds):
+        for name in names if turn % 2 == 0 else names[::-1]:
+            yield turn, name
 
 
 @dataclasses.dataclass(frozen=True)

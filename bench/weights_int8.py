@@ -40,8 +40,8 @@ import numpy as np
 
 from bench import results as output
 from bench.model import Shape, module_steps, stateless_inputs
-from bench.plot import save
-from bench.timing import SETTLE_S, Budget, Timing, measure
+from bench.plot import gridded, save
+from bench.timing import SETTLE_S, Budget, Timing, interleaved, measure
 from contract import files, names
 from contract.config import ModelConfig, preset
 
@@ -176,11 +176,10 @@ def errors(cfg: ModelConfig, candidates: dict[str, Candidate], shape: Shape) -> 
 def timings(candidates: dict[str, Candidate], grid: list[Shape], rounds: int, seconds: float) -> dict:
     steps = {(name, shape): candidate.step(shape) for name, candidate in candidates.items() for shape in grid}
     measured = {key: Timing() for key in steps}
-    for turn in range(rounds):
-        for name in CANDIDATES if turn % 2 == 0 else CANDIDATES[::-1]:
-            for shape in grid:
-                measure(steps[(name, shape)], Budget(seconds, min_runs=3), into=measured[(name, shape)])
-            time.sleep(SETTLE_S)  # the last candidate's spinning threads go to sleep
+    for _, name in interleaved(rounds, CANDIDATES):
+        for shape in grid:
+            measure(steps[(name, shape)], Budget(seconds, min_runs=3), into=measured[(name, shape)])
+        time.sleep(SETTLE_S)  # the last candidate's spinning threads go to sleep
     return measured
 
 
@@ -268,8 +267,7 @@ def plot(results: dict, path: Path) -> Path:
     axis.set_xticks(range(len(rows)), [row["label"] for row in rows])
     axis.set(yscale="log", ylabel="median ms")
     axis.set_title(f"int8 weights, {results['preset']} (CPU, {results['machine']['threads']} threads)")
-    axis.grid(True, axis="y", which="both", alpha=0.3)
-    axis.legend(fontsize=8)
+    gridded(axis)
     return save(figure, path)
 
 
@@ -281,13 +279,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pasts", default="512,1024", help="decode past lengths, comma-separated (default: %(default)s)"
     )
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (default: %(default)s)")
+    output.rounds_argument(parser, 4)
     parser.add_argument(
         "--seconds", type=float, default=0.1, help="per candidate and shape, per round (default: %(default)s)"
     )
-    parser.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="threads per candidate (default: the cores)"
-    )
+    output.threads_argument(parser, "threads per candidate")
     output.output_arguments(parser, served_preset=True)
 
 
@@ -296,9 +292,4 @@ def run(args: argparse.Namespace) -> int:
     with output.work_folder(args.work, "bench-weights-int8-") as root:
         results = benchmark(root, args.preset, grid, args.rounds, args.seconds, args.threads)
     wrote = output.write(results, args.out, "weights_int8", plot)
-    print(table(results))
-    load = results["machine"]["load_average_1min"]["before"]
-    if load > 0.5:
-        print(f"note: the machine was busy when the run began (1-minute load average {load:.1f}): expect noise")
-    print(wrote)
-    return 0
+    return output.finished(wrote, table(results), results["machine"]["load_average_1min"]["before"])

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
-from bench.timing import SETTLE_S, Timing, copy_bandwidth
+from bench.timing import SETTLE_S, Timing, copy_bandwidth, interleaved
 from contract import files, names
 from contract.config import ModelConfig
 
@@ -501,17 +501,15 @@ def measure_all(generators: dict[str, Generate], prompts: dict[int, np.ndarray],
             for batch_prompts in prompts.values():
                 generate(batch_prompts, min(4, plan.tokens))
     measured: dict = {}
-    order = list(generators)
-    for turn in range(plan.rounds):
-        for name in order if turn % 2 == 0 else order[::-1]:
-            with progress.stage(f"round {turn + 1}/{plan.rounds}: {name}"):
-                for batch, batch_prompts in prompts.items():
-                    generation = generators[name](batch_prompts, plan.tokens)
-                    first = (Timing(), Timing(), generation.tokens)  # the first round's tokens are kept
-                    prefill, decode, _ = measured.setdefault((name, batch), first)
-                    prefill.samples_ms.append(generation.prefill_ms)
-                    decode.samples_ms.extend(generation.step_ms)
-            time.sleep(SETTLE_S)  # its spinning threads go to sleep before the next candidate
+    for turn, name in interleaved(plan.rounds, list(generators)):
+        with progress.stage(f"round {turn + 1}/{plan.rounds}: {name}"):
+            for batch, batch_prompts in prompts.items():
+                generation = generators[name](batch_prompts, plan.tokens)
+                first = (Timing(), Timing(), generation.tokens)  # the first round's tokens are kept
+                prefill, decode, _ = measured.setdefault((name, batch), first)
+                prefill.samples_ms.append(generation.prefill_ms)
+                decode.samples_ms.extend(generation.step_ms)
+        time.sleep(SETTLE_S)  # its spinning threads go to sleep before the next candidate
     return measured
 
 
@@ -612,27 +610,19 @@ def targets(results: dict) -> dict:
         batch, present = row["batch"], row["candidates"]
         if GENAI in present and STATIC in present:
             speedup = step_ms(row, GENAI) / step_ms(row, STATIC)
-            out[f"static_vs_genai_decode_B{batch}"] = {"speedup": speedup, "target": ">= 1", "met": speedup >= 1}
+            out[f"static_vs_genai_decode_B{batch}"] = output.goal(speedup, least=1, kind="speedup")
         if batch == 1 and FUSED in present and INT8W in present:
             speedup = step_ms(row, FUSED) / step_ms(row, INT8W)
-            out["int8w_vs_fused_decode_B1"] = {"speedup": speedup, "target": ">= 1.5", "met": speedup >= 1.5}
+            out["int8w_vs_fused_decode_B1"] = output.goal(speedup, least=1.5, kind="speedup")
         if batch == 1 and GENAI in present and STATIC_INT8W in present:  # the issue's: INT8 weights vs genai's fp32
             speedup = step_ms(row, GENAI) / step_ms(row, STATIC_INT8W)
-            out["static_int8w_vs_genai_decode_B1"] = {"speedup": speedup, "target": ">= 1.5", "met": speedup >= 1.5}
+            out["static_int8w_vs_genai_decode_B1"] = output.goal(speedup, least=1.5, kind="speedup")
         if GENAI_INT4 in present and STATIC_INT4W in present:  # issue 48: 4-bit weights against genai's
             speedup = step_ms(row, GENAI_INT4) / step_ms(row, STATIC_INT4W)
-            out[f"static_int4w_vs_genai_int4_decode_B{batch}"] = {
-                "speedup": speedup,
-                "target": ">= 1",
-                "met": speedup >= 1,
-            }
+            out[f"static_int4w_vs_genai_int4_decode_B{batch}"] = output.goal(speedup, least=1, kind="speedup")
         if batch == 1 and STATIC_INT8W in present and STATIC_INT4W in present:
             speedup = step_ms(row, STATIC_INT8W) / step_ms(row, STATIC_INT4W)
-            out["static_int4w_vs_static_int8w_decode_B1"] = {
-                "speedup": speedup,
-                "target": ">= 1.5",
-                "met": speedup >= 1.5,
-            }
+            out["static_int4w_vs_static_int8w_decode_B1"] = output.goal(speedup, least=1.5, kind="speedup")
     return out
 
 
@@ -678,7 +668,7 @@ def plot(results: dict, path: Path) -> Path:
     matplotlib.use("Agg")  # files only
     import matplotlib.pyplot as plt
 
-    from bench.plot import save
+    from bench.plot import gridded, save
 
     rows = results["rows"]
     figure, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
@@ -690,8 +680,7 @@ def plot(results: dict, path: Path) -> Path:
         axis.scatter(range(len(present)), floors, color="black", marker="_", s=400, label="bandwidth floor", zorder=3)
         axis.set_xticks(range(len(present)), present, rotation=30, ha="right", fontsize=8)
         axis.set(ylabel="ms per decode step", yscale="log", title=f"{results['preset']}, batch {row['batch']}")
-        axis.grid(True, axis="y", which="both", alpha=0.3)
-        axis.legend(fontsize=8)
+        gridded(axis)
     figure.suptitle(f"greedy decode after a {results['plan']['prompt']}-token prompt (CPU)")
     return save(figure, path)
 
@@ -704,19 +693,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     whole.add_argument("--prompt", type=int, help="prompt ids per row (default 512; --quick 16)")
     whole.add_argument("--tokens", type=int, help="greedy tokens generated (default 128; --quick 8)")
     whole.add_argument("--batches", help="comma-separated batch sizes (default 1,8; --quick 1,2)")
-    whole.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 1)")
+    output.rounds_argument(whole, None, "default 3; --quick 1")
     whole.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
-    plan = Plan.quick() if args.quick else Plan()
-    given = {
-        "prompt": args.prompt,
-        "tokens": args.tokens,
-        "rounds": args.rounds,
-        "batches": tuple(int(b) for b in args.batches.split(",")) if args.batches else None,
-    }
-    return dataclasses.replace(plan, **{k: v for k, v in given.items() if v is not None})
+    return output.planned(args, Plan, "prompt", "tokens", "rounds", batches=output.counts(args.batches))
 
 
 def benchmark(cfg: ModelConfig, preset_name: str, folder: Path, plan: Plan, threads: int, genai: bool) -> dict:
@@ -746,9 +728,5 @@ def run(configs: dict[str, ModelConfig], args: argparse.Namespace, root: Path) -
     for name, cfg in configs.items():
         results = benchmark(cfg, name, root / name, plan, args.threads, genai=not args.no_genai)
         wrote = output.write(results, args.out, "model_whole" if len(configs) == 1 else f"model_whole-{name}", plot)
-        print(table(results))
-        if results["machine"]["load_average_1min"]["before"] > 0.5:
-            load = results["machine"]["load_average_1min"]["before"]
-            print(f"note: the machine was busy when the run began (1-minute load average {load:.1f}): expect noise")
-        print(wrote)
+        output.finished(wrote, table(results), results["machine"]["load_average_1min"]["before"])
     return 0

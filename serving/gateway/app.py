@@ -79,7 +79,8 @@ class GatewayApp(FastAPI):
 
 def _install_edge(app: GatewayApp) -> HotRoutes:
     gateway = app.state.gateway
-    candidates = [route for route in (*routes.v1.routes, *openai_api.openai.routes) if _route_key(route) in HOT_ROUTES]
+    hot_keys = HOT_ROUTES if gateway.settings.hot_routes else frozenset()
+    candidates = [route for route in (*routes.v1.routes, *openai_api.openai.routes) if _route_key(route) in hot_keys]
     hot = HotRoutes(app, functools.partial(FastAPI.__call__, app), candidates)
     # metrics outermost: they see every answer, the limits' too; the limits run before any parsing
     edge: ASGIApp = RequestLimitsMiddleware(hot, gateway=gateway)

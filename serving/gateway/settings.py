@@ -124,6 +124,11 @@ class Settings(BaseSettings):
         description="the HTTP server: uvicorn with httptools and uvloop, each answer written in one piece; uvicorn as "
         "it comes (uvicorn-plain); granian's ASGI server (measured slower here: docs/design.md)",
     )
+    hot_routes: bool = Field(
+        default=True,
+        description="call the routes every token pays for directly, without FastAPI's per-request work "
+        "(serving/gateway/hot_path.py; false: FastAPI dispatches every route, as measured against in docs/design.md)",
+    )
     gc_freeze: bool = Field(
         default=False,
         description="gc.freeze() after start-up: what start-up made is left out of every later collection (measured "

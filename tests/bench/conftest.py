@@ -33,6 +33,7 @@ import concurrent.futures
 import dataclasses
 import inspect
 import io
+import json
 import sys
 import threading
 import time
@@ -81,6 +82,14 @@ class Run:
         if self.error is not None:
             raise self.error
         return self.value
+
+    def written(self, name: str, plot: str | None = None) -> tuple[Path, dict]:
+        """A bench run that exited 0 having written `name`.json and a PNG plot (`plot`.png, by default
+        `name`.png) into its results folder: that folder and the JSON read."""
+        assert self.result() == 0, self.stdout[-3000:]
+        out = self.root / "results"
+        assert (out / f"{plot or name}.png").read_bytes().startswith(b"\x89PNG")
+        return out, json.loads((out / f"{name}.json").read_text())
 
 
 class ThreadStdout(io.TextIOBase):

@@ -24,6 +24,8 @@ def test_every_busy_route_is_called_directly():
     stack: this says which ones did."""
     app = create_app(Settings(api_keys=("k",)))
     assert set(app.state.hot_routes.paths) == HOT_ROUTES
+    plain = create_app(Settings(api_keys=("k",), hot_routes=False))  # the bench's FastAPI-only gateway
+    assert plain.state.hot_routes.paths == []
 
 
 def _route(router: APIRouter, path: str):
