@@ -70,6 +70,9 @@ class Variant:
     # the graph also returns each layer's attention weights (`attention.{i}`), compared with the
     # original's on the stateless scenarios (export/parity.py, `compare_rung`'s `maps`)
     maps: bool = False
+    # ONNX Runtime's fp32 forms: each residual Add that feeds an RMSNorm and goes on is folded into it
+    # (SkipSimplifiedLayerNormalization, export/norm_rotary_fusion.py), counted by `fusion_shortfalls`
+    skip_norms: bool = False
 
     def cast(self, array: np.ndarray) -> np.ndarray:
         return array.astype(self.float_dtype)
@@ -80,10 +83,10 @@ def _make_fp32(model: AttentionModel, path: Path) -> Path:
 
 
 # what a static-cache form of a variant takes beside its fused form's (the quantized weights' static forms)
-STATIC_FORM = {"ladder": POOL, "target": targets.STATIC, "unsupported": forms.static_problem}
+STATIC_FORM = {"ladder": POOL, "target": targets.STATIC, "unsupported": forms.static_problem, "skip_norms": True}
 VARIANTS: dict[str, Variant] = {
     "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"], target=targets.ONNX_BACKEND),
-    "fp32-fused": Variant("fp32-fused", make_fp32_fused, TOLERANCES["fp32-fused"], fused=True),
+    "fp32-fused": Variant("fp32-fused", make_fp32_fused, TOLERANCES["fp32-fused"], fused=True, skip_norms=True),
     "fp16-fused": Variant("fp16-fused", make_fp16_fused, TOLERANCES["fp16-fused"], np.float16, fused=True),
     # what `mha` and `mha_session` answer the attention maps from (export/inspect_form.py): fp32-fused
     # with every Attention op's probabilities as outputs; its outputs and presents are fp32-fused's
@@ -96,6 +99,7 @@ VARIANTS: dict[str, Variant] = {
         ladder=POOL,
         target=targets.STATIC,
         unsupported=forms.static_problem,
+        skip_norms=True,
     ),
     "fp16-static": Variant(
         "fp16-static",
@@ -117,11 +121,12 @@ VARIANTS: dict[str, Variant] = {
             target=targets.STATIC,
             unsupported=forms.static_problem,
             kv_bits=bits,
+            skip_norms=True,
         )
         for name, bits in (("fp32-static-int8kv", 8), ("fp32-static-int4kv", 4))
     },
     **{
-        name: Variant(name, make, tolerance, fused=True, precision_floor=floor, **static)
+        name: Variant(name, make, tolerance, fused=True, precision_floor=floor, **({"skip_norms": True} | static))
         for fused_make, static_make, tolerance, floor, fused_name, static_name in (
             (
                 weights_int8.make_fp32_fused_int8w,
@@ -267,7 +272,9 @@ def check_variant(
     fused = graph_stats.fused_attention_count(model_proto)
     problems = [f"parity failed in scenario '{n}'" for n, r in results.items() if not r.passed]
     if variant.fused:
-        problems += fusion_shortfalls(model.cfg, model_proto, rotations_inside=variant.ladder == POOL)
+        problems += fusion_shortfalls(
+            model.cfg, model_proto, rotations_inside=variant.ladder == POOL, skip_norms=variant.skip_norms
+        )
     if variant.target:
         problems += [
             f"does not fit {variant.target}: {p}" for p in targets.problems(variant.target, model_proto, model.cfg)
@@ -280,7 +287,8 @@ def check_variant(
         "fused_attention_ops": fused,
         "fused_ops": {
             op: graph_stats.op_count(model_proto, op) for op in (graph_stats.ROTARY_OP, graph_stats.RMS_NORM_OP)
-        },
+        }
+        | {graph_stats.SKIP_RMS_NORM_OP: graph_stats.op_count(model_proto, *graph_stats.SKIP_RMS_NORM)},
         "target": variant.target,
         "tolerance": dataclasses.asdict(variant.tolerance),
         "parity": {name: result.to_dict() for name, result in results.items()},
@@ -291,20 +299,26 @@ def check_variant(
     }
 
 
-def fusion_shortfalls(cfg: ModelConfig, model_proto: onnx.ModelProto, rotations_inside: bool = False) -> list[str]:
+def fusion_shortfalls(
+    cfg: ModelConfig, model_proto: onnx.ModelProto, rotations_inside: bool = False, skip_norms: bool = False
+) -> list[str]:
     """What a "fused" graph lacks: one fused attention op per layer, and for the modern block one
     RMSNormalization per RMSNorm (the block's, q's, k's; a whole model's MLP norms and final norm) and one
     RotaryEmbedding per rotation of q and k, unless the attention op rotates them itself
-    (`rotations_inside`: the static form's GQA)."""
+    (`rotations_inside`: the static form's GQA). With `skip_norms`, every block norm but the first (which reads
+    the graph's input) holds its residual Add: a SkipSimplifiedLayerNormalization, counted as a norm too."""
     wanted = {"fused attention": (graph_stats.fused_attention_count(model_proto), cfg.n_layers)}
     # per layer the block's norm (and a whole model's MLP norm) and q's and k's; a whole model's final norm once
     block_norms = 1 + (cfg.mlp != NO_MLP)
     norms = (cfg.norm == RMSNORM) * block_norms + 2 * (cfg.qk_norm == RMSNORM)
     final = int(cfg.whole and cfg.norm == RMSNORM)
+    skipped = graph_stats.op_count(model_proto, *graph_stats.SKIP_RMS_NORM)
     wanted[graph_stats.RMS_NORM_OP] = (
-        graph_stats.op_count(model_proto, graph_stats.RMS_NORM_OP),
+        graph_stats.op_count(model_proto, graph_stats.RMS_NORM_OP) + skipped,
         norms * cfg.n_layers + final,
     )
+    if skip_norms and cfg.norm == RMSNORM and cfg.residual:
+        wanted[graph_stats.SKIP_RMS_NORM_OP] = (skipped, block_norms * cfg.n_layers - 1)
     if cfg.rotary and not rotations_inside:
         wanted[graph_stats.ROTARY_OP] = (graph_stats.op_count(model_proto, graph_stats.ROTARY_OP), 2 * cfg.n_layers)
     return [

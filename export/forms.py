@@ -41,9 +41,9 @@ from contract.config import ModelConfig
 from export.fusion import clean_up, fused_proto
 from export.kv_quant import CacheQuantization
 from export.model import AttentionModel
+from export.norm_rotary_fusion import MICROSOFT_DOMAIN, fuse_skip_norms
 from export.onnx_export import IR_VERSION, name_axes, plain_graph, save_onnx
 
-MICROSOFT_DOMAIN = "com.microsoft"
 # GroupQueryAttention's inputs before its scales (0-based): ..., cos_cache 7, sin_cache 8, position_ids 9,
 # attention_bias 10, head_sink 11, k_scale 12, v_scale 13
 GQA_K_SCALE_INPUT = 12
@@ -492,8 +492,13 @@ def tensorrt_proto(model: AttentionModel) -> onnx.ModelProto:
     return proto
 
 
+def fp32_static_proto(model: AttentionModel) -> onnx.ModelProto:
+    """The static-cache graph as ONNX Runtime serves it in fp32: its residual Adds in their norms."""
+    return fuse_skip_norms(static_proto(model))
+
+
 def make_fp32_static(model: AttentionModel, path) -> object:
-    return save_onnx(static_proto(model), path)
+    return save_onnx(fp32_static_proto(model), path)
 
 
 def make_fp16_static(model: AttentionModel, path) -> object:
@@ -503,7 +508,7 @@ def make_fp16_static(model: AttentionModel, path) -> object:
 
 
 def make_fp32_static_quantized(model: AttentionModel, path, quantization: CacheQuantization) -> object:
-    return save_onnx(quantized_static_proto(model, quantization), path)
+    return save_onnx(fuse_skip_norms(quantized_static_proto(model, quantization)), path)
 
 
 def make_fp32_trt(model: AttentionModel, path) -> object:

@@ -31,7 +31,7 @@ from onnxscript.rewriter import pattern
 from onnxscript.version_converter import convert_version
 
 from export.model import AttentionModel
-from export.norm_rotary_fusion import constant_ints, constant_scalar, fuse_norms_and_rotations
+from export.norm_rotary_fusion import constant_ints, constant_scalar, fuse_norms_and_rotations, fuse_skip_norms
 from export.onnx_export import IR_VERSION, plain_graph, save_onnx
 
 # The first ONNX opset with `Attention` (past/present, GQA, boolean masks).
@@ -262,5 +262,10 @@ def fused_proto(plain: onnx.ModelProto, *, fuse_qkv: bool = False) -> tuple[onnx
 
 def make_fp32_fused(model: AttentionModel, path: Path, fuse_qkv: bool = False) -> Path:
     """The `fp32-fused` variant at `path`: the plain export, fused, checked by onnx.checker."""
+    return save_onnx(fp32_fused_proto(model, fuse_qkv), path)
+
+
+def fp32_fused_proto(model: AttentionModel, fuse_qkv: bool = False) -> onnx.ModelProto:
+    """The fused graph as ONNX Runtime serves it in fp32: its residual Adds in their norms (fuse_skip_norms)."""
     fused, _ = fused_proto(plain_graph(model), fuse_qkv=fuse_qkv)
-    return save_onnx(fused, path)
+    return fuse_skip_norms(fused)

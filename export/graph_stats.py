@@ -38,6 +38,9 @@ def fused_attention_count(model_proto: onnx.ModelProto) -> int:
 
 # the modern block's parts as one op each (export/norm_rotary_fusion.py)
 ROTARY_OP, RMS_NORM_OP = "RotaryEmbedding", "RMSNormalization"
+# a residual Add and the RMSNorm after it as one op, in ONNX Runtime's fp32 forms: (op, domain) for `op_count`
+SKIP_RMS_NORM_OP = "SkipSimplifiedLayerNormalization"
+SKIP_RMS_NORM = (SKIP_RMS_NORM_OP, "com.microsoft")
 
 
 def op_count(model_proto: onnx.ModelProto, op_type: str, domain: str = "") -> int:

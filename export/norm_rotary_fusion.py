@@ -20,10 +20,12 @@ CPU (checked against the PyTorch original by the parity ladder) and parse in Ten
 
 from __future__ import annotations
 
+import onnx
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 MAX_INT64 = 2**63 - 1
+MICROSOFT_DOMAIN = "com.microsoft"  # ONNX Runtime's contrib ops
 
 
 def constant_ints(value: ir.Value | None) -> list[int] | None:
@@ -182,10 +184,56 @@ def _angle_rows(cos: ir.Value, sin: ir.Value) -> tuple[ir.Value, ir.Value, ir.Va
     return cos_table, sin_table, positions
 
 
+class FuseSkipRMSNorm(pattern.RewriteRuleClassBase):
+    """The residual Add into an RMSNorm, where the stream goes on past the norm: sum = a + b, normed =
+    RMSNormalization(sum, weight) -> normed, _, _, sum = SkipSimplifiedLayerNormalization(a, b, weight) (ONNX
+    Runtime's contrib op, as onnxruntime-genai's graphs hold it: the row is read once for both). ONNX Runtime 1.31
+    does not make it from `RMSNormalization` itself. A norm whose Add feeds nothing else (a whole model's final
+    norm) is left alone: `serving/engine/kv_pool.py` slices the stream to its last position right before it."""
+
+    def __init__(self) -> None:
+        super().__init__("FuseSkipRMSNorm", remove_nodes=True)
+
+    def pattern(self, op, a, b, weight):
+        summed = op.Add(a, b, _outputs=["summed"])
+        return summed, op.RMSNormalization(summed, weight, _allow_other_attributes=True, _outputs=["normed"])
+
+    def check(self, context, a, b, weight, summed, normed, **_):
+        result = pattern.MatchResult()
+        norm = normed.producer()
+        axis = norm.attributes.get("axis")
+        if axis is not None and axis.as_int() not in (-1, len(a.shape or ()) - 1):
+            return result.fail("the norm is not over the last axis")
+        if weight.const_value is None:
+            return result.fail("the norm's weight is not a constant")
+        if a.const_value is not None or b.const_value is not None:
+            return result.fail("a constant operand: a bias, not the residual stream")
+        # the static form's shapes are not inferred past GroupQueryAttention (a contrib op): where both are
+        # known they must agree; the parity ladder proves the rest
+        if a.shape is not None and b.shape is not None and (a.shape != b.shape or len(a.shape) != 3):
+            return result.fail("the Add's operands are not two (batch, positions, width) tensors of one shape")
+        if len(summed.uses()) < 2 or summed.is_graph_output():
+            return result.fail("the sum feeds only the norm (the final norm): left for the last-position slice")
+        return result
+
+    def rewrite(self, op, a, b, weight, normed, **_):
+        epsilon = normed.producer().attributes.get("epsilon")
+        normalized, _, _, summed = op.SkipSimplifiedLayerNormalization(
+            a,
+            b,
+            weight,
+            epsilon=epsilon.as_float() if epsilon is not None else 1e-5,  # RMSNormalization's default
+            _domain=MICROSOFT_DOMAIN,
+            _outputs=4,
+        )
+        return summed, normalized
+
+
 # partial rotations first: the whole-head rule would otherwise take their inner half and leave the split
 PARTIAL_ROTARY_RULES = pattern.RewriteRuleSet([FuseRotary.rule(interleaved=i, partial=True) for i in (False, True)])
 ROTARY_RULES = pattern.RewriteRuleSet([FuseRotary.rule(interleaved=i, partial=False) for i in (False, True)])
 NORM_RULES = pattern.RewriteRuleSet([FuseRMSNorm.rule()])
+SKIP_NORM_RULES = pattern.RewriteRuleSet([FuseSkipRMSNorm.rule()])
 
 
 def fuse_norms_and_rotations(model: ir.Model) -> tuple[int, int]:
@@ -193,3 +241,15 @@ def fuse_norms_and_rotations(model: ir.Model) -> tuple[int, int]:
     norms = NORM_RULES.apply_to_model(model)
     rotations = PARTIAL_ROTARY_RULES.apply_to_model(model) + ROTARY_RULES.apply_to_model(model)
     return norms, rotations
+
+
+def fuse_skip_norms(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` (a fused fp32 graph, fused or static) with each residual Add that feeds an RMSNorm and goes on
+    folded into it (FuseSkipRMSNorm): for the graphs ONNX Runtime serves in fp32 only. TensorRT's parser knows
+    no contrib op, and the fp16 forms keep their norms' statistics in fp32 by op type (export/fp16.py)."""
+    model = ir.from_proto(proto)
+    if SKIP_NORM_RULES.apply_to_model(model):
+        model.opset_imports.setdefault(MICROSOFT_DOMAIN, 1)
+    fused = ir.to_proto(model)
+    fused.ir_version = proto.ir_version
+    return fused

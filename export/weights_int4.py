@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from export.fusion import fused_proto
+from export.fusion import fp32_fused_proto
 from export.model import AttentionModel
-from export.onnx_export import plain_graph
 from export.parity import Tolerance
 from export.weights_blockwise import blockwise_floor, quantize_projections
 from serving.engine.ort import Forward
@@ -31,16 +30,15 @@ BITS = 4
 
 def make_fp32_fused_int4w(model: AttentionModel, path: Path) -> Path:
     """The `fp32-fused-int4w` variant at `path`: the `fp32-fused` graph of `model`, its projections in 4 bits."""
-    fused, _ = fused_proto(plain_graph(model))
-    return quantize_projections(fused, model.cfg, path, BITS)
+    return quantize_projections(fp32_fused_proto(model), model.cfg, path, BITS)
 
 
 def make_fp32_static_int4w(model: AttentionModel, path: Path) -> Path:
     """The `fp32-static-int4w` variant at `path`: the `fp32-static` graph of `model`, its projections in 4 bits
     as `fp32-fused-int4w`'s."""
-    from export.forms import static_proto
+    from export.forms import fp32_static_proto
 
-    return quantize_projections(static_proto(model), model.cfg, path, BITS)
+    return quantize_projections(fp32_static_proto(model), model.cfg, path, BITS)
 
 
 def int4_weights_floor(model: AttentionModel, dtype: type = np.float32) -> Forward:

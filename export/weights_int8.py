@@ -61,9 +61,9 @@ import torch
 from torch import Tensor, nn
 
 from contract.config import ModelConfig
-from export.fusion import fused_proto
+from export.fusion import fp32_fused_proto
 from export.model import AttentionModel
-from export.onnx_export import attach_config, plain_graph, save_onnx
+from export.onnx_export import attach_config, save_onnx
 from export.parity import Tolerance
 from export.weights_blockwise import (
     QUANTIZED_OPS,
@@ -132,17 +132,16 @@ class Int8WeightsError(ValueError):
 
 def make_fp32_fused_int8w(model: AttentionModel, path: Path) -> Path:
     """The `fp32-fused-int8w` variant at `path`: the `fp32-fused` graph of `model`, its projections quantized."""
-    fused, _ = fused_proto(plain_graph(model))
-    return quantize_projections(fused, model.cfg, path)
+    return quantize_projections(fp32_fused_proto(model), model.cfg, path)
 
 
 def make_fp32_static_int8w(model: AttentionModel, path: Path) -> Path:
     """The `fp32-static-int8w` variant at `path`: the `fp32-static` graph of `model` (GroupQueryAttention over
     the shared cache buffers), its projections quantized as `fp32-fused-int8w`'s: the sessions' form of INT8
     weights. The attention op and the caches stay fp32."""
-    from export.forms import static_proto
+    from export.forms import fp32_static_proto
 
-    return quantize_projections(static_proto(model), model.cfg, path)
+    return quantize_projections(fp32_static_proto(model), model.cfg, path)
 
 
 def quantize_projections(fused: onnx.ModelProto, cfg: ModelConfig, path: Path) -> Path:

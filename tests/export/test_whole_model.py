@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from contract import files, names
+from export import build
 from export import report as report_module
 from export.artifacts import load_model
 from export.choices import expand
+from export.graph_stats import RMS_NORM_OP, SKIP_RMS_NORM, op_count
 from export.parity import TOLERANCES
 from export.weights_blockwise import MLP_PROJECTIONS, PROJECTIONS, projection_matmuls
 from export.weights_int8 import NAME as INT8_WEIGHTS
@@ -122,3 +124,26 @@ def test_a_pool_of_a_whole_model_refuses_hidden_states(artifact_dir):
     (error,) = pool.run({0: np.zeros((2, model.cfg.d_model), np.float32)}).values()
     assert isinstance(error, ValueError) and "row 0: input_ids must be (T,) integer token ids" in str(error)
     assert list(pool.lengths) == [0]
+
+
+def test_onnx_runtimes_fp32_forms_fold_each_residual_add_into_the_norm_after_it(whole):
+    """Llama's block: every norm but the first layer's (it reads the embeddings) and the final one (its sum
+    feeds nothing else: the last-position slice goes before it) holds its residual Add, in each fp32 form ONNX
+    Runtime serves; the TensorRT and fp16 forms keep plain norms. The build's gate counts them: a fused graph
+    without them falls short. GPT-2's LayerNorms are left as they are."""
+    _, directory, report = whole
+    cfg = load_model(directory).cfg
+    folded = 2 * cfg.n_layers - 1 if cfg.norm == "rmsnorm" else 0
+    for variant, entry in report["variants"].items():
+        proto = onnx.load(str(directory / entry["file"]), load_external_data=False)
+        expected = folded if build.VARIANTS[variant].skip_norms else 0
+        assert op_count(proto, *SKIP_RMS_NORM) == expected, variant
+    if not folded:
+        return
+    static = onnx.load(str(directory / files.model_filename("fp32-static")))
+    producer = {output: node for node in static.graph.node for output in node.output}
+    head_input = producer[names.LOGITS].input[0]
+    assert producer[head_input].op_type == RMS_NORM_OP  # the final norm, where the last-position slice goes
+    plain = onnx.load(str(directory / files.model_filename("fp16-static")), load_external_data=False)
+    shortfalls = build.fusion_shortfalls(cfg, plain, rotations_inside=True, skip_norms=True)
+    assert shortfalls == [f"0 {SKIP_RMS_NORM[0]} ops for {cfg.n_layers} layers (expected {folded})"], shortfalls

@@ -183,8 +183,12 @@ def test_a_whole_models_text_is_inspected_with_its_tokens_on_the_axes(browser, w
         f"weight {weight:.4f}"
     ), tooltip
 
-    # random ids repeated: the page sends N ids twice over, tables the induction share the API answers
-    # and lists the heads its roles name
+    repeated_ids_are_tabled_with_the_apis_statistics(browser, api)
+
+
+def repeated_ids_are_tabled_with_the_apis_statistics(browser, api) -> None:
+    """Random ids repeated: the page sends N ids twice over, tables the induction share the API answers and lists
+    the heads its roles name."""
     fill(browser, "text", "")
     browser.find_element("id", "repeat").click()
     fill(browser, "tokens", "6")
