@@ -24,7 +24,7 @@ length is unchanged.
 
 A row as a whole (a snapshot, a restore, a fork, a move to a row of another pool) moves as array
 copies of its used positions where the buffers are host memory (the CPU: a graph run per copy would
-cost more than the copy), and through the row-copy kernel on a device (serving/engine/kernels.py:
+cost more than the copy), and through the row-copy kernel on a device (serving/engine/side_graphs.py:
 bound by address, no bytes leave the device when both rows have one shape). The pool is a slab of
 the static engine's cache manager (serving/engine/cache_manager.py); the export's pool rung drives
 one directly.
@@ -42,7 +42,6 @@ import numpy as np
 from contract import names
 from contract.config import ModelConfig
 from serving.engine import snapshots
-from serving.engine.kernels import CacheRows, DecodeWindow, RowCopy
 from serving.engine.ort import (
     CPU,
     CPU_PROVIDER,
@@ -53,6 +52,7 @@ from serving.engine.ort import (
     session_options,
     uses_cuda_graphs,
 )
+from serving.engine.side_graphs import CacheRows, DecodeWindow, RowCopy
 
 # Prefill chunk: a longer prompt runs as several runs of this many tokens (the op's subsequent-prompt
 # mode), which bounds a run's attention scores (chunk x length per head) and so the memory it takes.
@@ -114,7 +114,7 @@ def _claimed_cuda_graphs(session) -> bool:
 class KVPool:
     """`rows` cache rows of up to `capacity` positions for the static graph of `session`.
 
-    `row_copy`: the kernel that moves its rows on a device (serving/engine/kernels.py), shared by the
+    `row_copy`: the kernel that moves its rows on a device (serving/engine/side_graphs.py), shared by the
     pools of one row shape (a cache manager passes one; made at first use otherwise). On the CPU the
     buffers are host arrays, and rows move as array copies of their used positions.
 

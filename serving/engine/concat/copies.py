@@ -15,9 +15,9 @@ import onnxruntime as ort
 
 from contract import names
 from contract.config import ModelConfig
-from serving.engine.kernels import kernel_model
 from serving.engine.ort import CPU_PROVIDER, CUDA, CUDA_PROVIDER, session_options
 from serving.engine.runner import Runner
+from serving.engine.side_graphs import kernel_model
 
 
 def copies_for(runner: Runner, on_device: bool = False) -> HostCopies | DeviceCopies:
