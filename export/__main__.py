@@ -68,6 +68,13 @@ def parser() -> argparse.ArgumentParser:
         help="a .npy of hidden states (N, T, d_model) to calibrate the quantized KV caches' scales on "
         "(default: generated ones, export/kv_quant.py)",
     )
+    b.add_argument(
+        "--int4-head-bits",
+        type=int,
+        choices=(8,),
+        help="a whole model's head in 8 bits in the 4-bit weights' variants (onnxruntime-genai's last_matmul:int8: "
+        "the logits' error is the head's, at twice its 4-bit bytes) (default: 4, as every projection)",
+    )
     own = b.add_argument_group("a trained model's weights (docs/importing.md)")
     own.add_argument(
         "--weights",
@@ -305,6 +312,8 @@ def import_and_report(args: argparse.Namespace) -> int:
     except CalibrationError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if headless(args, imported.model.cfg):
+        return 2
     report = _built(
         lambda: printing(
             lambda: build_model(
@@ -315,6 +324,7 @@ def import_and_report(args: argparse.Namespace) -> int:
                 calibration=calibration,
                 text_files=imported.text_files,
                 held_out=held_out_text(args),
+                int4_head_bits=args.int4_head_bits,
             ),
             args.out,
         ),
@@ -324,6 +334,14 @@ def import_and_report(args: argparse.Namespace) -> int:
         return 1
     print(origin_summary(report))
     return 0
+
+
+def headless(args: argparse.Namespace, cfg: ModelConfig) -> bool:
+    """Whether --int4-head-bits was given for a model without a head (its error printed)."""
+    if args.int4_head_bits is not None and not cfg.whole:
+        print(f"error: --int4-head-bits {args.int4_head_bits}: this model has no head (no vocab_size)", file=sys.stderr)
+        return True
+    return False
 
 
 def _built(run, out) -> dict | None:
@@ -398,8 +416,17 @@ def build_and_print(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:  # kv_quant.CalibrationError is a ValueError
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if headless(args, cfg):
+        return 2
     report = _built(
-        lambda: build_and_report(cfg, args.out, args.variants, seed=args.seed or 0, calibration=calibration),
+        lambda: build_and_report(
+            cfg,
+            args.out,
+            args.variants,
+            seed=args.seed or 0,
+            calibration=calibration,
+            int4_head_bits=args.int4_head_bits,
+        ),
         args.out,
     )
     return 1 if report is None else 0

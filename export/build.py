@@ -9,6 +9,7 @@ sha256 goes into the report.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import shutil
 import time
@@ -360,11 +361,19 @@ def build(
     progress: Progress | None = None,
     calibration: kv_quant.CalibrationData | None = None,
     text_files: tuple[Path, ...] = (),
+    int4_head_bits: int | None = None,
 ) -> dict:
     """`build_model` for the weights `seed` initializes."""
     model = AttentionModel(cfg, seed=seed).eval()
     return build_model(
-        model, out, variants, progress, origin={"seed": seed}, calibration=calibration, text_files=text_files
+        model,
+        out,
+        variants,
+        progress,
+        origin={"seed": seed},
+        calibration=calibration,
+        text_files=text_files,
+        int4_head_bits=int4_head_bits,
     )
 
 
@@ -377,6 +386,7 @@ def build_model(
     calibration: kv_quant.CalibrationData | None = None,
     text_files: tuple[Path, ...] = (),
     held_out: Path | None = None,
+    int4_head_bits: int | None = None,
 ) -> dict:
     """Write config, weights, every passing variant and `report.json` to `out`; return the report.
 
@@ -389,6 +399,8 @@ def build_model(
     for by name fails the build. `held_out`: a held-out text (fortune's format) that a whole model with a
     tokenizer among its text files is scored on through the original and every passing variant
     (`quality_ladder`, export/quality.py); a variant beyond its quality bound fails like a parity failure.
+    `int4_head_bits`: a whole model's head in the 4-bit weights' variants in this many bits instead (8:
+    onnxruntime-genai's `last_matmul:int8`), their floor too, said in their report entries (`weights`).
     Raises BuildError (after writing the report) when any variant fails. Everything is written into a
     directory beside `out` and put in place at the end (`artifacts.staged`): an error (OSError: a full disk,
     a directory that cannot be written) leaves `out` as it was.
@@ -401,6 +413,8 @@ def build_model(
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} or {list(choices.VARIANT_SETS)}")
     asked = {v for v in given if v in VARIANTS}  # by name: one the config cannot have fails the build
+    if int4_head_bits is not None and not model.cfg.whole:
+        raise ValueError(f"a head in {int4_head_bits} bits was asked for, but this model has no head (no vocab_size)")
     variants = choices.expand(given)
     out = Path(out)
     if held_out is not None:  # an unreadable held-out text fails now, not after every variant was built
@@ -412,8 +426,9 @@ def build_model(
     with artifacts.staged(out, owned=owned) as staging:
         copied = _copy_text_files(text_files, staging)
         origin = {**(origin or {}), **({"text_files": copied} if copied else {})}
+        chosen = {name: with_int4_head(VARIANTS[name], int4_head_bits) for name in variants}
         report = _build_into(
-            model, staging, variants, asked, progress, origin, shown=out, calibration=calibration, held_out=held_out
+            model, staging, chosen, asked, progress, origin, shown=out, calibration=calibration, held_out=held_out
         )
     if not report["passed"]:
         failed = {n: e["problems"] for n, e in report["variants"].items() if not e["passed"]}
@@ -437,10 +452,22 @@ def default_note() -> str:
     return line + (f"; build the rest with --variants {','.join(rest)} (or --variants all)" if rest else "")
 
 
+def with_int4_head(variant: Variant, head_bits: int | None) -> Variant:
+    """`variant`, or for the 4-bit weights' variants with `head_bits`, the same with the head in that many bits:
+    its graph and its floor."""
+    if head_bits is None or variant.name not in (weights_int4.NAME, weights_int4.STATIC_NAME):
+        return variant
+    return dataclasses.replace(
+        variant,
+        make=functools.partial(variant.make, head_bits=head_bits),
+        precision_floor=functools.partial(variant.precision_floor, head_bits=head_bits),
+    )
+
+
 def _build_into(
     model: AttentionModel,
     out: Path,
-    variants: tuple[str, ...],
+    variants: dict[str, Variant],
     asked: set[str],
     progress: Progress,
     origin: dict | None,
@@ -453,8 +480,7 @@ def _build_into(
         artifacts.save_artifact(model, out)
     report = {"config": model.cfg.to_dict(), **(origin or {}), "variants": {}}
     calibrated: kv_quant.Calibration | None = None  # the original's keys and values, once a build
-    for name in variants:
-        variant = VARIANTS[name]
+    for name, variant in variants.items():
         reason = variant.unsupported(model.cfg)
         if reason is None and variant.kv_bits:
             if calibrated is None:
@@ -497,6 +523,11 @@ def _build_variant(
         entry["kv_cache"] = quantization.to_report() | {"calibration_errors": calibrated.errors(variant.kv_bits)}
     if variant.precision_floor is weights_int8.int8_weights_floor:  # which int8 path this CPU chose, and why
         entry["int8_weights"] = weights_int8.int8_weights_report()
+    if variant.name in (weights_int4.NAME, weights_int4.STATIC_NAME):
+        head = getattr(variant.make, "keywords", {}).get("head_bits")
+        entry["weights"] = {"bits": weights_int4.BITS} | (
+            {"head_bits": head or weights_int4.BITS} if model.cfg.whole else {}
+        )
     entry["build_seconds"] = round(time.perf_counter() - started, 2)
     if entry["passed"]:
         entry["file"], entry["sha256"] = path.name, files.sha256(path)

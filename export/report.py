@@ -156,13 +156,21 @@ def origin_summary(report: dict) -> str:
 
 
 def build_and_report(
-    cfg: ModelConfig, out: Path, variants: tuple[str, ...] | None = None, seed: int = 0, calibration=None
+    cfg: ModelConfig,
+    out: Path,
+    variants: tuple[str, ...] | None = None,
+    seed: int = 0,
+    calibration=None,
+    int4_head_bits: int | None = None,
 ) -> dict:
     """Build `cfg` into `out` and print the variants' table; raises BuildError (after printing the
-    table) when a variant failed. `calibration`: the quantized caches' (export/kv_quant.py)."""
+    table) when a variant failed. `calibration`: the quantized caches' (export/kv_quant.py); `int4_head_bits`:
+    as `build_model`'s."""
     from export.build import build
 
-    return printing(lambda: build(cfg, out, variants, seed=seed, calibration=calibration), out)
+    return printing(
+        lambda: build(cfg, out, variants, seed=seed, calibration=calibration, int4_head_bits=int4_head_bits), out
+    )
 
 
 def printing(run: Callable[[], dict], out: Path) -> dict:

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from contract.config import ModelConfig
+from contract.names import LOGITS
 from export.model import AttentionModel
 from export.onnx_export import attach_config, save_onnx
 from serving.engine.ort import Arrays, Forward
@@ -69,38 +70,70 @@ def projection_matmuls(model_proto: onnx.ModelProto) -> list[str]:
     ]
 
 
-def quantize_projections(graph: onnx.ModelProto, cfg: ModelConfig, path: Path, bits: int) -> Path:
+def quantize_projections(
+    graph: onnx.ModelProto, cfg: ModelConfig, path: Path, bits: int, head_bits: int | None = None
+) -> Path:
     """`graph` (an `fp32-fused` graph of `cfg`, or its static form) with every MatMul of a constant weight as
-    MatMulNBits (`bits`, blocks of BLOCK, symmetric, accuracy_level 4), written to `path` with the config
-    attached as every variant carries it, checked."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
+    MatMulNBits (`bits`, blocks of BLOCK, symmetric, accuracy_level 4), a whole model's head in `head_bits`
+    where given (onnxruntime-genai's `last_matmul:int8`: the logits' error is the head's), written to `path`
+    with the config attached as every variant carries it, checked."""
     graph = constant_transposed_weights(graph)
     matmuls = [name for name in projection_matmuls(graph) if _op(graph, name) == "MatMul"]
+    head = head_matmul(graph) if head_bits else None
+    if head_bits and head is None:
+        raise QuantizedWeightsError(f"a head in {head_bits} bits was asked for, but no MatMul answers {LOGITS}")
+    if head:  # the head first, in its own width, the others left for the pass in `bits`
+        graph = _matmul_nbits(graph, [head], head_bits, leave=[m for m in matmuls if m != head])
+    graph = _matmul_nbits(graph, matmuls, bits)
+    attach_config(graph, cfg)
+    check_quantized_weights(graph, len(matmuls), bits, head_bits)
+    return save_onnx(graph, path)
+
+
+def _matmul_nbits(graph: onnx.ModelProto, nodes: list[str], bits: int, leave: list[str] = ()) -> onnx.ModelProto:
+    """`nodes` as `bits`-bit MatMulNBits. The tool also takes every other MatMul (`nodes_to_include` adds to the
+    op types it quantizes, ONNX Runtime 1.31): those in `leave` are excluded by name."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
     quantizer = MatMulNBitsQuantizer(
-        graph, bits=bits, block_size=BLOCK, is_symmetric=True, accuracy_level=ACCURACY_LEVEL, nodes_to_include=matmuls
+        graph,
+        bits=bits,
+        block_size=BLOCK,
+        is_symmetric=True,
+        accuracy_level=ACCURACY_LEVEL,
+        nodes_to_include=nodes,
+        nodes_to_exclude=list(leave),
     )
     with quiet_quantizer():
         quantizer.process()
-    quantized = quantizer.model.model
-    attach_config(quantized, cfg)
-    check_quantized_weights(quantized, len(matmuls), bits)
-    return save_onnx(quantized, path)
+    return quantizer.model.model
+
+
+def head_matmul(model_proto: onnx.ModelProto) -> str | None:
+    """The name of the MatMul that answers a whole model's logits (its head), None where there is none."""
+    producer = {output: node for node in model_proto.graph.node for output in node.output}
+    node = producer.get(LOGITS)
+    return node.name if node is not None and node.op_type in ("MatMul", "MatMulNBits") else None
 
 
 def _op(graph: onnx.ModelProto, name: str) -> str:
     return next(node.op_type for node in graph.graph.node if node.name == name)
 
 
-def check_quantized_weights(model_proto: onnx.ModelProto, projections: int, bits: int) -> None:
-    """Every projection became a `bits`-bit MatMulNBits, and none is left multiplying fp32 weights."""
+def check_quantized_weights(
+    model_proto: onnx.ModelProto, projections: int, bits: int, head_bits: int | None = None
+) -> None:
+    """Every projection became a `bits`-bit MatMulNBits (the head a `head_bits`-bit one where given), and none is
+    left multiplying fp32 weights."""
     left = projection_matmuls(model_proto)
     nbits = [node for node in model_proto.graph.node if node.op_type == "MatMulNBits"]
-    found = {attribute.i for node in nbits for attribute in node.attribute if attribute.name == "bits"}
-    if left or len(nbits) != projections or found - {bits}:
+    widths = {node.name: next(a.i for a in node.attribute if a.name == "bits") for node in nbits}
+    head = head_matmul(model_proto) if head_bits else None
+    wrong = {name: width for name, width in widths.items() if width != (head_bits if name == head else bits)}
+    if left or len(nbits) != projections or wrong:
         raise QuantizedWeightsError(
-            f"{len(nbits)} of {projections} projections in MatMulNBits of {sorted(found)} bits (expected {bits}); "
-            f"left in fp32: {left}"
+            f"{len(nbits)} of {projections} projections in MatMulNBits, of other widths than {bits} bits"
+            f"{f' (the head {head_bits})' if head_bits else ''}: {wrong}; left in fp32: {left}"
         )
 
 
@@ -186,15 +219,24 @@ class _BlockQuantized(nn.Module):
         return nn.functional.linear(fake_quantize_activation(x), self.weight, self.bias)
 
 
-def blockwise_floor(model: AttentionModel, bits: int, dtype: type = np.float32) -> Forward:
-    """The precision floor of the `bits`-bit weights graph of `model` (this module's doc), as a
-    `runners.rounded_runner` (`dtype`: the graph's float, fp32 here)."""
-    return quantized_floor(model, dtype, lambda linear: _BlockQuantized(linear, bits))
+def blockwise_floor(
+    model: AttentionModel, bits: int, dtype: type = np.float32, head_bits: int | None = None
+) -> Forward:
+    """The precision floor of the `bits`-bit weights graph of `model` (this module's doc), its head in `head_bits`
+    where given, as a `runners.rounded_runner` (`dtype`: the graph's float, fp32 here)."""
+    head = (lambda linear: _BlockQuantized(linear, head_bits)) if head_bits else None
+    return quantized_floor(model, dtype, lambda linear: _BlockQuantized(linear, bits), head)
 
 
-def quantized_floor(model: AttentionModel, dtype: type, quantized: Callable[[nn.Linear], nn.Module]) -> Forward:
+def quantized_floor(
+    model: AttentionModel,
+    dtype: type,
+    quantized: Callable[[nn.Linear], nn.Module],
+    quantized_head: Callable[[nn.Linear], nn.Module] | None = None,
+) -> Forward:
     """The PyTorch original in fp64 with every MatMul of a constant weight a graph quantizes (the projections,
-    a whole model's MLPs and head; the embedding's Gather stays fp32) replaced by `quantized(linear)`."""
+    a whole model's MLPs and head; the embedding's Gather stays fp32) replaced by `quantized(linear)`, the head
+    by `quantized_head(linear)` where given."""
     from export.runners import torch_runner
 
     floored = copy.deepcopy(model).double()
@@ -206,8 +248,8 @@ def quantized_floor(model: AttentionModel, dtype: type, quantized: Callable[[nn.
                 setattr(layer.mlp, name, quantized(getattr(layer.mlp, name)))
     if floored.cfg.whole:  # the head, tied or not
         head = floored.lm_head if hasattr(floored, "lm_head") else tied_head(floored)
-        quantized_head = quantized(head)
-        floored.head = lambda x: quantized_head(floored.final_norm(x))  # this copy's head only
+        floored_head = (quantized_head or quantized)(head)
+        floored.head = lambda x: floored_head(floored.final_norm(x))  # this copy's head only
     run = torch_runner(floored)
 
     def forward(inputs: Mapping[str, np.ndarray]) -> Arrays:

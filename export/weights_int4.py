@@ -28,22 +28,22 @@ STATIC_NAME = "fp32-static-int4w"  # the sessions' form: what `--weights-dtype i
 BITS = 4
 
 
-def make_fp32_fused_int4w(model: AttentionModel, path: Path) -> Path:
+def make_fp32_fused_int4w(model: AttentionModel, path: Path, head_bits: int | None = None) -> Path:
     """The `fp32-fused-int4w` variant at `path`: the `fp32-fused` graph of `model`, its projections in 4 bits."""
-    return quantize_projections(fp32_fused_proto(model), model.cfg, path, BITS)
+    return quantize_projections(fp32_fused_proto(model), model.cfg, path, BITS, head_bits)
 
 
-def make_fp32_static_int4w(model: AttentionModel, path: Path) -> Path:
+def make_fp32_static_int4w(model: AttentionModel, path: Path, head_bits: int | None = None) -> Path:
     """The `fp32-static-int4w` variant at `path`: the `fp32-static` graph of `model`, its projections in 4 bits
     as `fp32-fused-int4w`'s."""
     from export.forms import fp32_static_proto
 
-    return quantize_projections(fp32_static_proto(model), model.cfg, path, BITS)
+    return quantize_projections(fp32_static_proto(model), model.cfg, path, BITS, head_bits)
 
 
-def int4_weights_floor(model: AttentionModel, dtype: type = np.float32) -> Forward:
+def int4_weights_floor(model: AttentionModel, dtype: type = np.float32, head_bits: int | None = None) -> Forward:
     """The precision floor of the int4-weights graph of `model`; the same signature as `runners.rounded_runner`."""
-    return blockwise_floor(model, BITS, dtype)
+    return blockwise_floor(model, BITS, dtype, head_bits)
 
 
 INT4_WEIGHTS_FLOOR_FACTOR = 1.5

@@ -6,6 +6,8 @@ is under a fifth of fp32-fused's; a whole model's MLPs and head are in 4 bits to
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx
 import pytest
@@ -109,3 +111,36 @@ def test_a_whole_models_mlps_and_head_are_4_bit_too(tmp_path):
     assert len(nbits_nodes(path)) == model.cfg.n_layers * (len(PROJECTIONS) + mlp) + 1  # the head
     entry = check_variant(model, path, VARIANTS[NAME], Progress(enabled=False))
     assert entry["passed"], entry["problems"]
+
+
+def test_a_whole_models_head_kept_at_8_bits_is_8_bit_and_its_error_a_tenth(tmp_path, capsys):
+    """`--int4-head-bits 8` (onnxruntime-genai's last_matmul:int8): the head alone becomes an 8-bit MatMulNBits,
+    every other projection stays 4-bit, and the graph passes against a floor whose head is 8-bit too. The head's
+    own error (the original with only its head quantized, int8 inputs both ways) is a tenth of the 4-bit head's
+    or less: what the option buys."""
+    from export.__main__ import main as export_main
+    from export.build import with_int4_head
+    from export.weights_blockwise import _BlockQuantized, head_matmul, quantized_floor
+
+    model = AttentionModel(TEST_CONFIGS["whole"], seed=0).eval()
+    variant = with_int4_head(VARIANTS[NAME], 8)
+    path = tmp_path / "whole-int4w-head8.onnx"
+    variant.make(model, path)
+    widths = {node.name: helper.get_attribute_value(next(a for a in node.attribute if a.name == "bits"))
+              for node in nbits_nodes(path)}  # fmt: skip
+    assert widths.pop(head_matmul(onnx.load(str(path)))) == 8 and set(widths.values()) == {BITS}, widths
+    entry = check_variant(model, path, variant, Progress(enabled=False))
+    assert entry["passed"], entry["problems"]
+
+    ids = np.random.default_rng(0).integers(0, model.cfg.vocab_size, (2, 12))
+    original = torch_runner(model)({"input_ids": ids})["logits"]
+    error = {}
+    for bits in (BITS, 8):
+        in_bits = functools.partial(_BlockQuantized, bits=bits)
+        head_only = quantized_floor(model, np.float32, lambda linear: linear, in_bits)
+        error[bits] = np.abs(head_only({"input_ids": ids})["logits"] - original).max()
+    assert error[8] <= error[BITS] / 10, error
+
+    headless = ["build", "--preset", "tiny", "--out", str(tmp_path / "tiny"), "--int4-head-bits", "8"]
+    assert export_main(headless) == 2  # an attention module has no head: refused before anything is built
+    assert "this model has no head" in capsys.readouterr().err and not (tmp_path / "tiny").exists()
