@@ -39,7 +39,7 @@ from pathlib import Path
 
 from contract.arguments import DefaultsHelp, config_arguments, config_from
 from contract.config import ModelConfig
-from export.choices import FP32_FUSED, INSPECTED_VARIANTS, LAYOUT_NAMES, VARIANT_SETS, parse_variants
+from export.choices import FP32_FUSED, INSPECTED_VARIANTS, LAYOUT_NAMES, VARIANT_SETS, expand, parse_variants
 from export.hf_config import checkpoint_instead
 
 
@@ -337,9 +337,19 @@ def import_and_report(args: argparse.Namespace) -> int:
 
 
 def headless(args: argparse.Namespace, cfg: ModelConfig) -> bool:
-    """Whether --int4-head-bits was given for a model without a head (its error printed)."""
-    if args.int4_head_bits is not None and not cfg.whole:
-        print(f"error: --int4-head-bits {args.int4_head_bits}: this model has no head (no vocab_size)", file=sys.stderr)
+    """Whether --int4-head-bits was given where it changes nothing: a model without a head, or no 4-bit weights'
+    variant built (its error printed)."""
+    from export.build import HOST
+    from export.weights_int4 import NAME, STATIC_NAME
+
+    if args.int4_head_bits is None:
+        return False
+    flag = f"--int4-head-bits {args.int4_head_bits}"
+    if not cfg.whole:
+        print(f"error: {flag}: this model has no head (no vocab_size)", file=sys.stderr)
+        return True
+    if not {NAME, STATIC_NAME} & set(expand(args.variants or (HOST,))):
+        print(f"error: {flag}: no 4-bit weights' variant is built; add {STATIC_NAME} to --variants", file=sys.stderr)
         return True
     return False
 

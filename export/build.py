@@ -306,8 +306,9 @@ def fusion_shortfalls(
     """What a "fused" graph lacks: one fused attention op per layer, and for the modern block one
     RMSNormalization per RMSNorm (the block's, q's, k's; a whole model's MLP norms and final norm) and one
     RotaryEmbedding per rotation of q and k, unless the attention op rotates them itself
-    (`rotations_inside`: the static form's GQA). With `skip_norms`, every block norm but the first (which reads
-    the graph's input) holds its residual Add: a SkipSimplifiedLayerNormalization, counted as a norm too."""
+    (`rotations_inside`: the static form's GQA). With `skip_norms`, at least every block norm but the first
+    (which reads the graph's input) holds its residual Add: a SkipSimplifiedLayerNormalization, counted as a norm
+    too."""
     wanted = {"fused attention": (graph_stats.fused_attention_count(model_proto), cfg.n_layers)}
     # per layer the block's norm (and a whole model's MLP norm) and q's and k's; a whole model's final norm once
     block_norms = 1 + (cfg.mlp != NO_MLP)
@@ -416,6 +417,8 @@ def build_model(
     if int4_head_bits is not None and not model.cfg.whole:
         raise ValueError(f"a head in {int4_head_bits} bits was asked for, but this model has no head (no vocab_size)")
     variants = choices.expand(given)
+    if int4_head_bits is not None and not {weights_int4.NAME, weights_int4.STATIC_NAME} & set(variants):
+        raise ValueError(f"a head in {int4_head_bits} bits was asked for, but no 4-bit weights' variant is built")
     out = Path(out)
     if held_out is not None:  # an unreadable held-out text fails now, not after every variant was built
         try:

@@ -104,7 +104,8 @@ def with_attention_maps(fused: onnx.ModelProto) -> onnx.ModelProto:
 
 def inspection_proto(model: AttentionModel, variant: str = FP32_FUSED) -> onnx.ModelProto:
     """The inspection form of `model`'s `variant` (fp32-fused or fp16-fused), made as the build makes
-    that variant."""
+    that variant's fused graph, its norms left plain (fp32-fused folds its residual Adds into them: the same
+    math, rounded in another order)."""
     from export.fp16 import to_fp16
     from export.fusion import fused_proto
 

@@ -183,7 +183,10 @@ def ensure_trained(repository: Path) -> None:
         print(f"warning: the trained model is not served: this environment cannot build it ({reason})", file=sys.stderr)
         return
     where = files.TRAINED_ARTIFACTS
-    print(f"{repository} lacks the model trained on fortunes; building it from {files.TRAINED_MODEL} (about a minute)")
+    print(
+        f"{repository} lacks the model trained on fortunes; building it from {files.TRAINED_MODEL} (about a minute)",
+        flush=True,  # before the build's own output
+    )
     try:
         export_trained(repository, where, shown=True)
     except (BuildFailed, OSError, ValueError) as error:

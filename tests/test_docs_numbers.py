@@ -15,12 +15,15 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 MEASUREMENT = re.compile(r"\d[\d.,]*\s?(ms|µs|us|tok/s|tokens/s|steps/s|GB/s|GiB/s|MB/s)\b")
 # a short or full sha: hex with a letter, or all digits where the word "commit" says so
 COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b|\bcommits? [0-9]{7,40}\b")
-MACHINE = re.compile(r"EPYC|Xeon|H100|H200|AVX|\bcores?\b|GPU|machine", re.IGNORECASE)
+# a named CPU or GPU, or a core count ("engine core" or "the machine" alone name none)
+MACHINE = re.compile(r"EPYC|Xeon|H100|H200|AVX|VNNI|\b\d+[- ]cores?\b")
 HEADING = re.compile(r"^#{1,4} ", re.MULTILINE)
+FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)  # a `# comment` in a code block is no heading
 
 
 def unnamed_measurements(text: str) -> list[str]:
     """The headings of the sections that state a measurement without a commit or without a machine."""
+    text = FENCED.sub(lambda block: block.group().replace("#", "_"), text)
     starts = [0, *(match.start() for match in HEADING.finditer(text)), len(text)]
     found = []
     for start, end in itertools.pairwise(starts):
@@ -42,3 +45,6 @@ def test_the_check_sees_a_figure_with_no_commit_or_no_machine():
     assert unnamed_measurements("## Decode\n\nAt 3a95856: 3.81 ms a step.\n") == ["## Decode"]
     assert unnamed_measurements("## Words\n\nNo figure here, 3 steps.\n") == []
     assert unnamed_measurements("## Decode\n\nWith commit 3479407 on the H200: 0.9 ms.\n") == []  # all digits
+    assert unnamed_measurements("## Decode\n\nAt 3a95856, the engine core: 3.81 ms a step.\n") == ["## Decode"]
+    fenced = "## Decode\n\nAt 3a95856 on the H100:\n\n```bash\n# a comment, not a heading\nrun\n```\n\n3.81 ms.\n"
+    assert unnamed_measurements(fenced) == []

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from contract import files
@@ -209,16 +210,28 @@ def export_to(
     from serving.triton.repository import asked_variants, write_repository
 
     variants = (host or host_kind(), *asked_variants(settings or ServingSettings()))
+    started = time.time()
     with tempfile.TemporaryDirectory(prefix="config-") as where:
         given = cfg.save(where)
         try:
             report = export_build(["--config", str(given), "--variants", ",".join(variants)], artifacts, shown)
-        except BuildFailed as error:
-            if error.status == 1:  # the variants that passed are served
+        except BuildFailed:
+            if _built_now(artifacts, cfg, started):  # a variant failed: the variants that passed are served
                 write_repository(artifacts, repository, settings, models)
             raise
     write_repository(artifacts, repository, settings, models)
     return report
+
+
+def _built_now(artifacts: Path, cfg: ModelConfig, since: float) -> bool:
+    """Whether `artifacts` holds a build of `cfg` that ended after `since` (a build whose variant failed puts its
+    report and the passing variants in place; one that failed otherwise leaves the folder as it was, which may
+    hold another model's build)."""
+    report = artifacts / files.REPORT_FILENAME
+    try:
+        return report.stat().st_mtime >= since and ModelConfig.load(artifacts) == cfg
+    except (OSError, ValueError):
+        return False
 
 
 def export_default(
@@ -381,7 +394,7 @@ def run_ensure(args: argparse.Namespace) -> int:
         print_capacity(cfg, settings, args.models)
     except BuildFailed as error:
         print(f"error: {error}", file=sys.stderr)
-        return error.status
+        return error.status if error.status in (1, 2) else 1  # a build killed by a signal: a failed build
     except (OSError, ValueError, RepositoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -44,6 +44,12 @@ def graphs(tmp_path_factory):
     return model, make_fp32_fused_int4w(model, folder / "int4w.onnx"), make_fp32_fused(model, folder / "fused.onnx")
 
 
+def nbits_widths(path) -> list[tuple[str, int]]:
+    """(name, bits) of each MatMulNBits node of the graph at `path`."""
+    bits = (next(a for a in node.attribute if a.name == "bits") for node in nbits_nodes(path))
+    return [(node.name, helper.get_attribute_value(width)) for node, width in zip(nbits_nodes(path), bits, strict=True)]
+
+
 def nbits_nodes(path) -> list[onnx.NodeProto]:
     return [node for node in onnx.load(str(path)).graph.node if node.op_type == "MatMulNBits"]
 
@@ -126,9 +132,11 @@ def test_a_whole_models_head_kept_at_8_bits_is_8_bit_and_its_error_a_tenth(tmp_p
     variant = with_int4_head(VARIANTS[NAME], 8)
     path = tmp_path / "whole-int4w-head8.onnx"
     variant.make(model, path)
-    widths = {node.name: helper.get_attribute_value(next(a for a in node.attribute if a.name == "bits"))
-              for node in nbits_nodes(path)}  # fmt: skip
+    widths = dict(nbits_widths(path))
     assert widths.pop(head_matmul(onnx.load(str(path)))) == 8 and set(widths.values()) == {BITS}, widths
+    static = tmp_path / "whole-static-int4w-head8.onnx"
+    with_int4_head(VARIANTS[STATIC_NAME], 8).make(model, static)
+    assert sorted(dict(nbits_widths(static)).values()).count(8) == 1  # the static form's head alone, too
     entry = check_variant(model, path, variant, Progress(enabled=False))
     assert entry["passed"], entry["problems"]
 
@@ -144,3 +152,6 @@ def test_a_whole_models_head_kept_at_8_bits_is_8_bit_and_its_error_a_tenth(tmp_p
     headless = ["build", "--preset", "tiny", "--out", str(tmp_path / "tiny"), "--int4-head-bits", "8"]
     assert export_main(headless) == 2  # an attention module has no head: refused before anything is built
     assert "this model has no head" in capsys.readouterr().err and not (tmp_path / "tiny").exists()
+    no_int4 = ["build", "--preset", "llama-whole", "--out", str(tmp_path / "w"), "--int4-head-bits", "8"]
+    assert export_main([*no_int4, "--variants", "fp32-fused"]) == 2  # nothing it would change is built
+    assert "no 4-bit weights' variant is built" in capsys.readouterr().err and not (tmp_path / "w").exists()
