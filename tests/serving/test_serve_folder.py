@@ -79,3 +79,27 @@ def test_several_folders_need_distinct_names_and_no_one_name_for_all(tmp_path, c
     assert "two FOLDERs are named model" in capsys.readouterr().err
     assert main([str(twins[0]), str(tmp_path / "a"), "--served-model-name", "x"]) == 2
     assert "names one FOLDER's model" in capsys.readouterr().err
+
+
+def test_a_failed_build_refills_the_repository_only_from_a_build_it_wrote(tmp_path):
+    """`export_to` serves the variants that passed when a variant failed (the build put its report and those
+    variants in place); a build that failed otherwise (a folder it could not write, a killed process) left the
+    folder as it was, which may hold an older build or another model's: that one is not served."""
+    import os
+    import time
+
+    from contract.config import preset
+    from serving.triton.cli import _built_now
+
+    artifacts, cfg = tmp_path / "artifacts", preset("tiny")
+    artifacts.mkdir()
+    cfg.save(artifacts)
+    report = artifacts / files.REPORT_FILENAME
+    report.write_text("{}")
+    started = time.time()
+    os.utime(report, (started - 60, started - 60))  # written by an earlier build
+    assert not _built_now(artifacts, cfg, started)
+    report.write_text("{}")  # this build's
+    assert _built_now(artifacts, cfg, started)
+    assert not _built_now(artifacts, preset("gqa"), started)  # another model's build
+    assert not _built_now(tmp_path / "nothing", cfg, started)
