@@ -337,21 +337,14 @@ def import_and_report(args: argparse.Namespace) -> int:
 
 
 def headless(args: argparse.Namespace, cfg: ModelConfig) -> bool:
-    """Whether --int4-head-bits was given where it changes nothing: a model without a head, or no 4-bit weights'
-    variant built (its error printed)."""
-    from export.build import HOST
-    from export.weights_int4 import NAME, STATIC_NAME
+    """Whether --int4-head-bits was given where it changes nothing (build.int4_head_problem; its error printed),
+    before anything is built."""
+    from export.build import HOST, int4_head_problem
 
-    if args.int4_head_bits is None:
-        return False
-    flag = f"--int4-head-bits {args.int4_head_bits}"
-    if not cfg.whole:
-        print(f"error: {flag}: this model has no head (no vocab_size)", file=sys.stderr)
-        return True
-    if not {NAME, STATIC_NAME} & set(expand(args.variants or (HOST,))):
-        print(f"error: {flag}: no 4-bit weights' variant is built; add {STATIC_NAME} to --variants", file=sys.stderr)
-        return True
-    return False
+    problem = int4_head_problem(cfg, expand(args.variants or (HOST,)), args.int4_head_bits)
+    if problem:
+        print(f"error: --int4-head-bits {args.int4_head_bits}: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def _built(run, out) -> dict | None:

@@ -74,6 +74,7 @@ class Variant:
     # ONNX Runtime's fp32 forms: each residual Add that feeds an RMSNorm and goes on is folded into it
     # (SkipSimplifiedLayerNormalization, export/norm_rotary_fusion.py), counted by `fusion_shortfalls`
     skip_norms: bool = False
+    head_bits: int | None = None  # 4-bit weights: a whole model's head in this many bits (`with_int4_head`)
 
     def cast(self, array: np.ndarray) -> np.ndarray:
         return array.astype(self.float_dtype)
@@ -414,11 +415,10 @@ def build_model(
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)} or {list(choices.VARIANT_SETS)}")
     asked = {v for v in given if v in VARIANTS}  # by name: one the config cannot have fails the build
-    if int4_head_bits is not None and not model.cfg.whole:
-        raise ValueError(f"a head in {int4_head_bits} bits was asked for, but this model has no head (no vocab_size)")
     variants = choices.expand(given)
-    if int4_head_bits is not None and not {weights_int4.NAME, weights_int4.STATIC_NAME} & set(variants):
-        raise ValueError(f"a head in {int4_head_bits} bits was asked for, but no 4-bit weights' variant is built")
+    problem = int4_head_problem(model.cfg, variants, int4_head_bits)
+    if problem:
+        raise ValueError(problem)
     out = Path(out)
     if held_out is not None:  # an unreadable held-out text fails now, not after every variant was built
         try:
@@ -455,6 +455,21 @@ def default_note() -> str:
     return line + (f"; build the rest with --variants {','.join(rest)} (or --variants all)" if rest else "")
 
 
+def int4_head_problem(cfg: ModelConfig, variants: tuple[str, ...], head_bits: int | None) -> str | None:
+    """Why a head in `head_bits` changes nothing in a build of `variants` (names, expanded) of `cfg`: a model
+    without a head, or no 4-bit weights' variant among them; None where it applies (or none is asked for)."""
+    if head_bits is None:
+        return None
+    if not cfg.whole:
+        return f"a head in {head_bits} bits was asked for, but this model has no head (no vocab_size)"
+    if not {weights_int4.NAME, weights_int4.STATIC_NAME} & set(variants):
+        return (
+            f"a head in {head_bits} bits was asked for, but no 4-bit weights' variant is built; "
+            f"add {weights_int4.STATIC_NAME} to the variants"
+        )
+    return None
+
+
 def with_int4_head(variant: Variant, head_bits: int | None) -> Variant:
     """`variant`, or for the 4-bit weights' variants with `head_bits`, the same with the head in that many bits:
     its graph and its floor."""
@@ -462,6 +477,7 @@ def with_int4_head(variant: Variant, head_bits: int | None) -> Variant:
         return variant
     return dataclasses.replace(
         variant,
+        head_bits=head_bits,
         make=functools.partial(variant.make, head_bits=head_bits),
         precision_floor=functools.partial(variant.precision_floor, head_bits=head_bits),
     )
@@ -527,10 +543,8 @@ def _build_variant(
     if variant.precision_floor is weights_int8.int8_weights_floor:  # which int8 path this CPU chose, and why
         entry["int8_weights"] = weights_int8.int8_weights_report()
     if variant.name in (weights_int4.NAME, weights_int4.STATIC_NAME):
-        head = getattr(variant.make, "keywords", {}).get("head_bits")
-        entry["weights"] = {"bits": weights_int4.BITS} | (
-            {"head_bits": head or weights_int4.BITS} if model.cfg.whole else {}
-        )
+        head = {"head_bits": variant.head_bits or weights_int4.BITS} if model.cfg.whole else {}
+        entry["weights"] = {"bits": weights_int4.BITS} | head
     entry["build_seconds"] = round(time.perf_counter() - started, 2)
     if entry["passed"]:
         entry["file"], entry["sha256"] = path.name, files.sha256(path)
