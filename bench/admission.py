@@ -1,10 +1,10 @@
-"""Admission: more sessions than the KV budget holds, opened one after another, on mha_session with
+"""Admission: more sessions than the KV budget holds, opened one after another, on sessions with
 its sequence slots derived from the budget and with the 1,024 it had before.
 
 Writes `admission.json` and `admission.png` and prints a table.
 
 - per slot setting (`derived`: serving/triton/config.py `candidate_sequences`; `fixed-1024`: the
-  count mha_session had whatever its budget): how many of `--attempts` opens succeed, the first
+  count sessions had whatever its budget): how many of `--attempts` opens succeed, the first
   START beyond what opened (its index, the client's error type, kind and status, its latency), the
   latency of every open and of every refusal; an attempt that gets no answer within `--timeout`
   ends that setting's attempts (each further one would wait as long);
@@ -37,7 +37,7 @@ from contract import files
 from contract.config import ModelConfig, preset
 
 PRESET = "tiny"
-VARIANTS = ("fp32-fused", "fp32-static")  # what mha and mha_session serve on the CPU
+VARIANTS = ("fp32-fused", "fp32-static")  # what forward and sessions serve on the CPU
 DERIVED, FIXED = "derived", "fixed-1024"
 FIXED_SLOTS = 1024
 SAMPLE = 50  # opened sessions stepped after the refusals
@@ -55,17 +55,17 @@ def artifact(root: Path) -> Path:
 
 
 def repository(source: Path, where: Path, kv_cache_bytes: int, slots: int | None) -> Path:
-    """mha and mha_session for the budget; `slots` overrides the derived sequence slots."""
+    """forward and sessions for the budget; `slots` overrides the derived sequence slots."""
     from contract.config import ModelConfig
-    from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings, parse, to_text
+    from serving.triton.config import FORWARD, SESSIONS, TRITON_CONFIG_FILENAME, ServingSettings, parse, to_text
     from serving.triton.repository import write_repository
 
     # full rows: the budget is `rows` sessions of max_seq_len, whatever their length (not sized to them)
     cfg = ModelConfig.load(source)
     settings = ServingSettings(threads=1, kv_cache_bytes=kv_cache_bytes, min_row_positions=cfg.max_seq_len)
-    written = write_repository(source, where, settings, models=(MHA, MHA_SESSION))
+    written = write_repository(source, where, settings, models=(FORWARD, SESSIONS))
     if slots is not None:
-        path = written / MHA_SESSION / TRITON_CONFIG_FILENAME
+        path = written / SESSIONS / TRITON_CONFIG_FILENAME
         config = parse(path.read_text())
         config.sequence_batching.oldest.max_candidate_sequences = slots
         path.write_text(to_text(config))
@@ -73,9 +73,9 @@ def repository(source: Path, where: Path, kv_cache_bytes: int, slots: int | None
 
 
 def slots_of(repository_dir: Path) -> int:
-    from serving.triton.config import MHA_SESSION, TRITON_CONFIG_FILENAME, parse
+    from serving.triton.config import SESSIONS, TRITON_CONFIG_FILENAME, parse
 
-    config = parse((repository_dir / MHA_SESSION / TRITON_CONFIG_FILENAME).read_text())
+    config = parse((repository_dir / SESSIONS / TRITON_CONFIG_FILENAME).read_text())
     return config.sequence_batching.oldest.max_candidate_sequences
 
 
@@ -138,7 +138,7 @@ def run_setting(server, repository_dir: Path, attempts: int, timeout: float, rea
     client = Client(server.grpc_url, timeout=timeout, retries=0)
     opened, record = attempt_opens(client, attempts)
     after_rss = rss_mib(server)
-    steps = steps_after(client, opened, client.metadata("mha_session").d_model)
+    steps = steps_after(client, opened, client.metadata("sessions").d_model)
     for session in opened:
         session.close()
     client.close()

@@ -1,5 +1,5 @@
 """Sessions per GiB: the KV cache's values (fp32, int8, int4) and rows sized to the session against a
-full row of max_seq_len per session, on the static engine that mha_session runs.
+full row of max_seq_len per session, on the static engine that sessions runs.
 
 Writes `capacity.json` and `capacity.png` and prints a table.
 
@@ -16,7 +16,7 @@ Writes `capacity.json` and `capacity.png` and prints a table.
 - 16 sessions at `--batch-past` (1,000) decode one token each in one execute(): steps per second
   per cache with sized reservations, and fp32 with the 16 at pasts of four sizes (one pool of one stride:
   they decode in one graph run whatever their lengths).
-- Served: the same per cache as `mha_session` in a real Triton (`--kv-dtype`, the bundled binary, one
+- Served: the same per cache as `sessions` in a real Triton (`--kv-dtype`, the bundled binary, one
   server per cache, all up at once, taking turns by round): 16 sessions prefilled to `--batch-past`
   stepping concurrently through the asyncio gRPC client, `--served-steps` steps each; steps per second.
 - Conditions: the preset at `--max-seq-len` (8,192), its static graphs (`fp32-static`,
@@ -209,7 +209,7 @@ def served_throughput(
 
     from bench.serving import concurrent_steps, start_servers, stop_all
     from contract.config import ModelConfig
-    from serving.triton.config import MHA_SESSION, ServingSettings
+    from serving.triton.config import SESSIONS, ServingSettings
     from serving.triton.repository import write_repository
 
     cfg = ModelConfig.load(directory)
@@ -218,14 +218,14 @@ def served_throughput(
     for cache in caches:
         kv_dtype = "float" if cache == "fp32" else cache
         settings = ServingSettings(threads=threads, kv_cache_bytes=1 << 30, kv_dtype=kv_dtype)
-        repositories.append(write_repository(directory, root / f"repository-{cache}", settings, models=(MHA_SESSION,)))
+        repositories.append(write_repository(directory, root / f"repository-{cache}", settings, models=(SESSIONS,)))
     started = start_servers(repositories, [root / f"triton-{cache}.log" for cache in caches])
     try:
         servers = dict(zip(caches, started, strict=True))
         for round_index in range(rounds):
             for cache, server in servers.items():
                 first_id = 1 + round_index * BATCH
-                rate = asyncio.run(concurrent_steps(server.grpc_url, cfg, MHA_SESSION, BATCH, past, steps, first_id))
+                rate = asyncio.run(concurrent_steps(server.grpc_url, cfg, SESSIONS, BATCH, past, steps, first_id))
                 rates[cache].append(rate)
     finally:
         stop_all(started)

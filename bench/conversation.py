@@ -9,7 +9,7 @@ tokenizer trained on a fixed corpus and Llama 3's chat template (tests/fixtures/
 imported from that folder with the documented command (`python -m export build --weights DIR --layout hf
 --variants fp32-fused,fp32-static`); the checkpoint and the artifact are kept under `--work` and reused.
 
-Served for real: Triton (`mha_session`: its engine core generates) and the gateway with API keys, called
+Served for real: Triton (`sessions`: its engine core generates) and the gateway with API keys, called
 with the official `openai` SDK, streamed. A conversation of length L: its first request is a user message
 whose rendered prompt is about L tokens (a fresh random first line, then text of the tokenizer's corpus);
 the next turn re-sends it with the assistant's answer and a short new user message. Each conversation has
@@ -256,7 +256,7 @@ def serving(artifact: Path, root: Path, plan: Plan, threads: int, keys: list[str
     # idle) in full rows: no measured request waits for kept conversations to be ended to make room
     sessions = 2 * plan.conversations
     settings = ServingSettings(threads=threads, kv_cache_bytes=cfg.kv_cache_bytes(sessions, cfg.max_seq_len))
-    models = (triton_config.MHA, triton_config.MHA_SESSION)
+    models = (triton_config.FORWARD, triton_config.SESSIONS)
     repository = write_repository(artifact, root / "repository", settings, models=models)
     facts = {
         "kv_cache_bytes": settings.kv_cache_bytes,

@@ -21,7 +21,7 @@ Writes `durable.json` and `durable.png` and prints a table.
   the last session answered, each moved session's step (a restore from the store on another replica),
   and when the replica had stopped.
 - Conditions: the preset with a max_seq_len that holds the past and the steps, its fp32-static graph
-  as `mha_session` on the CPU, `--threads` threads.
+  as `sessions` on the CPU, `--threads` threads.
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def benchmark(
     root: Path, preset_name: str, past: int, steps: int, rounds: int, every: int, threads: int, drain_sessions: int
 ) -> dict:
     from serving.host.launcher import start_triton
-    from serving.triton.config import MHA_SESSION, ServingSettings
+    from serving.triton.config import SESSIONS, ServingSettings
     from serving.triton.repository import write_repository
 
     # the timed steps, or the recovery's half interval, its normal step and its recovering one
     directory, cfg = _artifact(root, preset_name, past + max(rounds * steps, every // 2 + 2))
     settings = ServingSettings(threads=threads, kv_cache_bytes=8 * cfg.kv_cache_bytes(1, cfg.max_seq_len))
-    repository = write_repository(directory, root / "repository", settings, models=(MHA_SESSION,))
+    repository = write_repository(directory, root / "repository", settings, models=(SESSIONS,))
     server, redis = start_triton(repository), _redis(root)
 
     def stop() -> None:
@@ -114,7 +114,7 @@ def _steps(url: str, stores: dict, past: int, steps: int, rounds: int, every: in
         for name, where in stores.items()
         if name == "none" or where
     }
-    d = clients["none"].metadata("mha_session").d_model
+    d = clients["none"].metadata("sessions").d_model
     rng = np.random.default_rng(0)
     prompt = rng.standard_normal((1, past, d)).astype(np.float32)
     token = rng.standard_normal((1, 1, d)).astype(np.float32)
@@ -158,7 +158,7 @@ def _recovery(url: str, store: str, past: int, every: int, rounds: int) -> dict:
 
     normal, recovering, replayed = [], [], []
     with Client(url, timeout=300, session_store=store, checkpoint_every=every) as client:
-        d = client.metadata("mha_session").d_model
+        d = client.metadata("sessions").d_model
         rng = np.random.default_rng(1)
         for _ in range(rounds):
             session = client.session()
@@ -198,7 +198,7 @@ def _drain(repository: Path, store: str, count: int, past: int, every: int, star
     try:
         started()
         with Client(fleet.envoy.grpc_url, timeout=300, session_store=store, checkpoint_every=every) as client:
-            d = client.metadata("mha_session").d_model
+            d = client.metadata("sessions").d_model
             rng = np.random.default_rng(2)
             sessions = [client.session() for _ in range(count)]
             for session in sessions:

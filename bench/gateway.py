@@ -291,7 +291,7 @@ def benchmark(
     gateways = {DEFAULT_GATEWAY: {"workers": workers}} | dict(compared or {})
     try:
         with Client(server.grpc_url, "grpc") as triton:
-            d_model = triton.metadata("mha_session").d_model
+            d_model = triton.metadata("sessions").d_model
         token = np.random.default_rng(0).standard_normal((1, 1, d_model)).astype(np.float32)
         with contextlib.ExitStack() as running:
             fronts, pids = {}, {"triton": [server.process.pid]}

@@ -10,13 +10,13 @@ built from it; all in one folder, kept with `--work`). Each of `concurrency` gen
 random ids and generates `tokens` greedy tokens (no stop token: an end-of-sequence id is a token as any
 other). The candidates, each run alone, in `rounds` rounds with the order reversed every round:
 
-- `served-grpc`: Triton serving the artifact (`mha_session`: its engine core generates), the client's
+- `served-grpc`: Triton serving the artifact (`sessions`: its engine core generates), the client's
   `Client.generate` streaming, one thread per concurrent generation;
 - `gateway-sse`: the gateway in front of that Triton, `POST /v1/generate` with `stream: true` through httpx,
   one thread per concurrent generation (left out, with the reason, where the route answers 404);
 - `gateway-openai`: the same gateway's `POST /v1/completions`, streamed, the prompt as token ids, driven by
   the one client that drives the server peers (bench/server_peers.py);
-- `in-process`: the same engine core (serving/engine/core.py) over `mha_session`'s engine built in this
+- `in-process`: the same engine core (serving/engine/core.py) over the `sessions` model's engine built in this
   process from the same repository and settings, a generation a request to it;
 - `served-grpc-int4w`: a Triton of its own serving the artifact's 4-bit weights (`fp32-static-int4w`, as
   `--weights-dtype int4` serves them), through the client as `served-grpc`;
@@ -185,7 +185,7 @@ def batched(tokens: np.ndarray, first_ms: float, steps_ms: list[float], wall_s: 
 
 
 def served_stream(client) -> Stream:
-    """`Client.generate` streaming from Triton's `mha_session`."""
+    """`Client.generate` streaming from Triton's `sessions`."""
 
     def stream(prompt: np.ndarray, tokens: int, received: Callable[[int], None]) -> None:
         for token in client.generate(prompt, max_new_tokens=tokens):
@@ -251,7 +251,7 @@ class Answers:
 
 
 def in_process_candidate(engine_core) -> Generate:
-    """The served model's engine core (serving/engine/core.py) over `mha_session`'s engine built in this process
+    """The served model's engine core (serving/engine/core.py) over the `sessions` model's engine built in this process
     from the same repository and settings: each generation a request to it, stateless as the served ones."""
     from contract.generation import GenerationRequest
     from serving.engine import core
@@ -332,7 +332,7 @@ def genai_candidate(peer: whole_model.GenaiPeer) -> Generate:
 
 
 def repository_for(artifact: Path, root: Path, plan: Plan, threads: int, weights_dtype: str | None = None) -> Path:
-    """`mha` and `mha_session` (which generates) of the artifact, sized for the machine's threads and for every
+    """`forward` and `sessions` (which generates) of the artifact, sized for the machine's threads and for every
     concurrent generation's rows at once (and the joiner's); no rows kept for prefix reuse (the rounds repeat
     their prompts: a kept row would spare our prefill and no peer's), no cap on one owner's generations (the
     run's one API key is one tenant); `weights_dtype` int4: the 4-bit weights' forms, in a folder of its own."""
@@ -353,8 +353,8 @@ def repository_for(artifact: Path, root: Path, plan: Plan, threads: int, weights
     )
     if weights_dtype is not None:  # the session model alone: it generates, and no gateway probes this one
         folder = root / f"repository-{weights_dtype}w"
-        return write_repository(artifact, folder, settings, models=(triton_config.MHA_SESSION,))
-    models = (triton_config.MHA, triton_config.MHA_SESSION)  # the gateway's readiness probes both
+        return write_repository(artifact, folder, settings, models=(triton_config.SESSIONS,))
+    models = (triton_config.FORWARD, triton_config.SESSIONS)  # the gateway's readiness probes both
     return write_repository(artifact, root / "repository", settings, models=models)
 
 

@@ -44,7 +44,7 @@ CUDA = "CUDAExecutionProvider"
 # the forms meant for a GPU; fp32-static is not one (GroupQueryAttention runs fp16/bf16 on CUDA)
 GRAPHS = "fp16-static+graphs"  # fp16-static with ONNX Runtime's CUDA graphs: the decode engine's GPU form
 BUILT_VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-trt", "fp16-trt", "fp16-static")
-BUILD = (*BUILT_VARIANTS, "fp32-static")  # what a proof builds: fp32-static too, for the served mha_session
+BUILD = (*BUILT_VARIANTS, "fp32-static")  # what a proof builds: fp32-static too, for the served sessions
 PARITY_VARIANTS = (*BUILT_VARIANTS, GRAPHS)
 LATENCY_VARIANTS = ("fp16-fused", "fp16-trt", "fp16-static", GRAPHS)
 TORCH, PEER, TRANSFORMERS = "torch-fp16", "torch-static-fp16", "transformers-fp16"
@@ -536,7 +536,7 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
 
     cfg = ModelConfig.load(directory)
     settings = ServingSettings(kv_cache_bytes=cfg.kv_cache_bytes(1, cfg.max_seq_len) * 8)
-    repository = write_repository(directory, root / "repository", settings, models=("mha", "mha_session"))
+    repository = write_repository(directory, root / "repository", settings, models=("forward", "sessions"))
     write_noop_model(repository)
     log_path = root / "triton.log"
     with progress.stage("start Triton (the Python models place themselves: the GPU where there is one)"):
@@ -548,7 +548,7 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
         for k, past in enumerate(pasts):
             with progress.stage(f"served stateful step at past {past}"):
                 row = {"past": past, "stateful_grpc": stateful(server, "grpc", cfg, past, runs, (1 << 40) + k)}
-                engine = session_engine(repository, "mha_session", cfg)
+                engine = session_engine(repository, "sessions", cfg)
                 row["in_process"] = in_process(engine, cfg, past, runs) | {"engine": engine.description}
                 del engine
                 rows.append(row)
@@ -570,7 +570,7 @@ def runner_lines(log_path: Path) -> list[str]:
 def generation(directory: Path, device: Device, plan: Plan, progress: Progress) -> dict:
     """Greedy generation of a Llama-shaped whole model: a `plan.generation_prompt`-token prompt per row,
     then `plan.generation_tokens` tokens, at each of `plan.generation_batches` concurrent generations:
-    the served model's engine core (serving/engine/core.py) over `mha_session`'s engine built here as
+    the served model's engine core (serving/engine/core.py) over the `sessions` model's engine built here as
     the server builds it (on a GPU: fp16-static with CUDA graphs, prompts through the last-logits graph;
     every running generation's token in one engine run a step: bench/generate.py's in-process
     candidate) against transformers' LlamaForCausalLM in fp16 with
@@ -626,7 +626,7 @@ def generation_rows(generators: dict[str, Callable], cfg: ModelConfig, plan: Pla
 
 
 def generation_engine(directory: Path, cfg: ModelConfig, rows: int, positions: int):
-    """`mha_session`'s engine of the artifact, built by the factory as the server builds it: on a CUDA
+    """the `sessions` model's engine of the artifact, built by the factory as the server builds it: on a CUDA
     host the fp16 static graph with CUDA graphs, else the fp32 one; its KV budget holds `rows` rows of
     the config's max_seq_len (full rows on a GPU) or of `positions`. (engine, its settings)"""
     from contract.files import model_filename
@@ -639,7 +639,7 @@ def generation_engine(directory: Path, cfg: ModelConfig, rows: int, positions: i
     row = cfg.kv_cache_bytes(batch=1, length=cfg.max_seq_len)  # fp32: room for the fp16 rows too
     settings = SessionSettings(kv_cache_bytes=(rows + 1) * row, idle_timeout_seconds=3600.0, max_batch=rows)
     found = {k: v for k, v in files.items() if v.is_file()}
-    return factory.session_engine(found, cfg, settings, "mha_session"), settings
+    return factory.session_engine(found, cfg, settings, "sessions"), settings
 
 
 def transformers_generator(model, device: Device) -> Callable:
@@ -873,7 +873,7 @@ def served_table(results: dict) -> str:
     served_results = results["served"]
     noop = served_results["noop_grpc"]["p50_ms"]
     lines = [
-        f"no-op model with mha_session's sequence batching, gRPC step p50: {noop:.3f} ms",
+        f"no-op model with the sessions model's sequence batching, gRPC step p50: {noop:.3f} ms",
         "past   served p50 ms  in-process p50 ms  ratio  in-process + no-op + 0.3 ms",
     ]
     for row in served_results["rows"]:

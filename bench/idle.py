@@ -17,7 +17,7 @@ machine over the run falls on every level alike. A level is measured once the se
 its sessions (the ENDs of the deleted ones done: its metrics say so) and after a few uncounted steps
 and opens; a step and an open take turns within it.
 
-Conditions: the tiny model (`--preset`), `mha_session`'s static engine on the CPU, one ONNX Runtime
+Conditions: the tiny model (`--preset`), the `sessions` model's static engine on the CPU, one ONNX Runtime
 thread, a KV budget of as many rows of the smallest size as the most idle sessions and some to spare
 (an idle session holds a short row: its one START), every idle timeout (the gateway's, the model's,
 Triton's) past the run; one Triton (the bundled binary) and one gateway (`python -m serving.gateway`,
@@ -41,7 +41,7 @@ from bench.gateway import Connection, gateway_process
 from bench.plot import save
 from contract import files
 
-VARIANTS = ("fp32-fused", "fp32-static")  # what mha and mha_session serve on the CPU
+VARIANTS = ("fp32-fused", "fp32-static")  # what forward and sessions serve on the CPU
 CONTROL_KEY, IDLE_KEY = "bench-control-key", "bench-idle-key"
 LEVELS = (0, 1000, 2000, 4000, 8000)
 SPARE_ROWS = 64  # beyond the idle sessions: the control session, the opens measured
@@ -61,16 +61,16 @@ def artifact(root: Path, preset_name: str) -> Path:
 
 
 def repository(source: Path, where: Path, most_idle: int) -> tuple[Path, int]:
-    """mha and mha_session with a KV budget for `most_idle` short sessions and the spare rows; the budget."""
+    """forward and sessions with a KV budget for `most_idle` short sessions and the spare rows; the budget."""
     from contract.config import ModelConfig
     from contract.deployment import MIN_ROW_POSITIONS
-    from serving.triton.config import MHA, MHA_SESSION, ServingSettings
+    from serving.triton.config import FORWARD, SESSIONS, ServingSettings
     from serving.triton.repository import write_repository
 
     cfg = ModelConfig.load(source)
     budget = (most_idle + SPARE_ROWS) * cfg.kv_cache_bytes(1, MIN_ROW_POSITIONS)
     settings = ServingSettings(threads=1, kv_cache_bytes=budget, idle_timeout_seconds=IDLE_S)
-    return write_repository(source, where, settings, models=(MHA, MHA_SESSION)), budget
+    return write_repository(source, where, settings, models=(FORWARD, SESSIONS)), budget
 
 
 class Front:
@@ -180,11 +180,11 @@ async def settled(metrics_url: str, sequences: int, timeout_s: float = 60.0) -> 
     async with httpx.AsyncClient() as http:
         while True:
             text = (await http.get(metrics_url)).text
-            held = re.search(r'^attention_kv_cache_sequences\{[^}]*model="mha_session"[^}]*\} (\S+)$', text, re.M)
+            held = re.search(r'^attention_kv_cache_sequences\{[^}]*model="sessions"[^}]*\} (\S+)$', text, re.M)
             if held is not None and float(held.group(1)) == sequences:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"mha_session did not settle at {sequences} sequences: {held and held.group(1)}")
+                raise RuntimeError(f"sessions did not settle at {sequences} sequences: {held and held.group(1)}")
             await asyncio.sleep(0.1)
 
 

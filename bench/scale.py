@@ -3,7 +3,7 @@
 Writes `scale.json` and `scale.png` and prints a table.
 
 - latency of one decode step of a session (the served default model, gRPC, one new token onto a
-  past of `--past`), through Envoy and straight to one replica, and the same for `noop` (mha_session's
+  past of `--past`), through Envoy and straight to one replica, and the same for `noop` (the sessions model's
   Triton config on a model that answers its input: the floor, Triton's own cost of a session step):
   p50, p99, sequential steps per second, and the ratio through/direct. The four are measured in
   interleaved rounds, so the machine's noise falls on all of them alike;
@@ -30,7 +30,7 @@ from bench import results as output
 from bench.plot import save
 from bench.serving import NOOP, percentiles, start_servers, stop_all, write_noop_model
 
-MODES = ("envoy/mha_session", "direct/mha_session", "envoy/noop", "direct/noop")
+MODES = ("envoy/sessions", "direct/sessions", "envoy/noop", "direct/noop")
 
 
 def prepare(root: Path, preset_name: str) -> Path:
@@ -70,7 +70,7 @@ def step_latencies(fronts: dict[str, str], d_model: int, past: int, rounds: int,
     results = {
         mode: percentiles(values) | {"steps_per_s": 1e3 / float(np.mean(values))} for mode, values in samples.items()
     }
-    for model in ("mha_session", NOOP):
+    for model in ("sessions", NOOP):
         through, direct = results[f"envoy/{model}"], results[f"direct/{model}"]
         through["p50_ratio_to_direct"] = through["p50_ms"] / direct["p50_ms"]
         through["p99_ratio_to_direct"] = through["p99_ms"] / direct["p99_ms"]
@@ -112,7 +112,7 @@ def benchmark(root: Path, preset_name: str, past: int, rounds: int, steps: int, 
     try:
         envoy = start_envoy([Replica(s.host, s.ports["http"], s.ports["grpc"]) for s in servers])
         try:
-            d_model = Client(servers[0].grpc_url, "grpc").metadata("mha_session").d_model
+            d_model = Client(servers[0].grpc_url, "grpc").metadata("sessions").d_model
             fronts = {"envoy": envoy.grpc_url, "direct": servers[0].grpc_url}
             replicas = {s.grpc_url: i for i, s in enumerate(servers)}
             return {

@@ -3,18 +3,18 @@
 Writes `serving.json` and `serving.png` and prints tables and the targets.
 
 - latency of one decode step (batch 1, one new token) against the past length, p50 and p99:
-  `in-process/static` and `in-process/concat` (mha_session's two engines built from the repository
-  as the model builds them, without Triton), `stateful/grpc` (mha_session: its engine core over the
+  `in-process/static` and `in-process/concat` (the sessions model's two engines built from the repository
+  as the model builds them, without Triton), `stateful/grpc` (sessions: its engine core over the
   static cache, each step a gRPC stream of one request, the only way Triton takes a decoupled model's
   request), `stateful/grpc/concat` (the same model with per-sequence caches batched by padding),
-  `stateless/grpc` and `stateless/http` (mha: the client sends the whole cache and gets the presents
-  back), and `noop/grpc`: a decoupled Python model with mha_session's sequence batching that answers
+  `stateless/grpc` and `stateless/http` (forward: the client sends the whole cache and gets the presents
+  back), and `noop/grpc`: a decoupled Python model with the sessions model's sequence batching that answers
   its input, Triton's own cost for the same call;
 - bytes a step puts on the wire, request and response;
 - decode throughput of each engine, and of the no-op model (the ceiling Triton and the client set on
   this machine), against the number of concurrent sessions at two past lengths
   (asyncio gRPC client, every session stepping as fast as its answers come back);
-- the resident memory of each mha_session stub before, at the peak of and after each load run,
+- the resident memory of each sessions stub before, at the peak of and after each load run,
   over two identical runs (memory bounded by the pool, nothing kept from one run to the next).
 
 Conditions: one Triton from the bundled binary on 127.0.0.1, ONNX Runtime with `--threads`
@@ -47,7 +47,7 @@ from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from export.progress import Progress
 from serving.triton.config import ServingSettings
 
-STATIC_MODEL, CONCAT_MODEL, NOOP = "mha_session", "mha_session_concat", "noop"
+STATIC_MODEL, CONCAT_MODEL, NOOP = "sessions", "sessions_concat", "noop"
 ENGINE_MODELS = {"static": STATIC_MODEL, "concat": CONCAT_MODEL}
 # throughput also runs the no-op model: the most steps/s Triton and the client reach on this machine
 # for the same calls, whatever the engine does (the ceiling the engines are read against)
@@ -170,9 +170,9 @@ def wire_bytes(cfg: ModelConfig, past: int) -> dict:
     new_token = {names.HIDDEN_STATES: inputs[names.HIDDEN_STATES]}
     output_bytes = inputs[names.HIDDEN_STATES].nbytes
     return {
-        "stateless_request_grpc": grpc_request_bytes("mha", inputs),
+        "stateless_request_grpc": grpc_request_bytes("forward", inputs),
         "stateless_request_http": http_request_bytes(inputs),
-        "stateful_request_grpc": grpc_request_bytes("mha_session", new_token, sequence_id=1 << 40),
+        "stateful_request_grpc": grpc_request_bytes("sessions", new_token, sequence_id=1 << 40),
         "stateful_request_http": http_request_bytes(new_token, sequence_id=1 << 40),
         "stateless_response_tensors": output_bytes + cfg.kv_cache_bytes(1, past + 1),
         "stateful_response_tensors": output_bytes,
@@ -233,7 +233,7 @@ def stateless(server, protocol: str, cfg: ModelConfig, past: int, runs: int) -> 
     client = module.InferenceServerClient(_url(server, protocol))
     try:
         inputs = infer_inputs(module, step_inputs(cfg, past, np.random.default_rng(2)))
-        return timed(lambda: client.infer("mha", inputs), runs)
+        return timed(lambda: client.infer("forward", inputs), runs)
     finally:
         client.close()
 
@@ -373,8 +373,8 @@ def throughput(server, cfg: ModelConfig, engine: str, count: int, past: int, pla
 
 
 def prepare(root: Path, progress: Progress) -> Path:
-    """An artifact of the bench config (reused when it is already there) and a repository with mha,
-    mha_session on each engine (the concat one as `mha_session_concat`) and the no-op model."""
+    """An artifact of the bench config (reused when it is already there) and a repository with forward,
+    sessions on each engine (the concat one as `sessions_concat`) and the no-op model."""
     from export.build import build
     from serving.engine.settings import ENGINE_CONCAT
     from serving.triton.config import P_ENGINE, parse, to_text
@@ -384,7 +384,7 @@ def prepare(root: Path, progress: Progress) -> Path:
     if not all((directory / files.model_filename(v)).is_file() for v in VARIANTS) or ModelConfig.load(directory) != cfg:
         build(cfg, directory, VARIANTS, progress=progress)
     settings = ServingSettings(threads=0, kv_cache_bytes=cfg.kv_cache_bytes(1, cfg.max_seq_len) * 40)
-    repository = write_repository(directory, root / "repository", settings, models=("mha", STATIC_MODEL))
+    repository = write_repository(directory, root / "repository", settings, models=("forward", STATIC_MODEL))
     concat = dataclasses.replace(settings, engine=ENGINE_CONCAT)
     staged = write_repository(directory, root / "concat", concat, models=(STATIC_MODEL,))
     shutil.rmtree(repository / CONCAT_MODEL, ignore_errors=True)
@@ -398,7 +398,7 @@ def prepare(root: Path, progress: Progress) -> Path:
 
 
 def write_noop_model(repository: Path) -> None:
-    """`noop`: mha_session's Triton config (decoupled, sequence batching and all) on a Python model that
+    """`noop`: the sessions model's Triton config (decoupled, sequence batching and all) on a Python model that
     answers its input: Triton's own cost of a session step, measured beside ours."""
     from serving.triton.config import parse, to_text
 
@@ -418,7 +418,7 @@ class TritonPythonModel:
     def execute(self, requests):  # decoupled: each answer goes through its request's sender
         for request in requests:
             hidden = pb_utils.get_input_tensor_by_name(request, "hidden_states").as_numpy()
-            held = np.array([[hidden.shape[1]]], np.int64)  # as mha_session answers both outputs
+            held = np.array([[hidden.shape[1]]], np.int64)  # as sessions answers both outputs
             outputs = [pb_utils.Tensor("output", hidden), pb_utils.Tensor("held_length", held)]
             request.get_response_sender().send(
                 pb_utils.InferenceResponse(outputs), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

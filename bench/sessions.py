@@ -11,7 +11,7 @@ Writes `sessions.json` and `sessions.png` and prints a table.
 - Conditions: the preset's fp32-static graph on ONNX Runtime's CPU provider with `--threads`
   threads, a cache of 4 full rows of max_seq_len positions, one session at a time; `--rounds` rounds, the
   operations taking turns within each round (the machines are shared and noisy).
-- Served (`--served-lengths`): the same model as `mha_session` in a real Triton (the bundled
+- Served (`--served-lengths`): the same model as `sessions` in a real Triton (the bundled
   binary, the static engine on the CPU), called with the gRPC client: the time to the first token
   of a session whose prompt is `length` tokens, prefilled (`cold`: START with the prompt) against
   started from that prompt's snapshot (`restore`, the blob sent with the START, then one token)
@@ -20,7 +20,7 @@ Writes `sessions.json` and `sessions.png` and prints a table.
   and bytes. Rounds interleaved as above.
 - What an operation costs the other sessions: 8 sessions of `--others-past` positions decode one
   token each in one execute(), alone, and after an operation on a session of the longest length
-  (mha_session runs a batch's operations before its steps, so the steps wait for it).
+  (sessions runs a batch's operations before its steps, so the steps wait for it).
 """
 
 from __future__ import annotations
@@ -198,12 +198,12 @@ def served(root: Path, preset_name: str, lengths: list[int], rounds: int, thread
     """Time to first token, cold against restored, and snapshots, through Triton (see the module's doc)."""
     from client import Client
     from serving.host.launcher import start_triton
-    from serving.triton.config import MHA_SESSION, ServingSettings
+    from serving.triton.config import SESSIONS, ServingSettings
     from serving.triton.repository import write_repository
 
     directory = artifact(root, preset_name)
     settings = ServingSettings(threads=threads, kv_cache_bytes=8 * preset(preset_name).kv_cache_bytes(1, 4096))
-    repository = write_repository(directory, root / "repository", settings, models=(MHA_SESSION,))
+    repository = write_repository(directory, root / "repository", settings, models=(SESSIONS,))
     server = start_triton(repository)
     try:
         with Client(server.grpc_url, timeout=300) as client:
@@ -213,7 +213,7 @@ def served(root: Path, preset_name: str, lengths: list[int], rounds: int, thread
 
 
 def _served_length(client, length: int, rounds: int) -> dict:
-    d = client.metadata("mha_session").d_model
+    d = client.metadata("sessions").d_model
     rng = np.random.default_rng(length)
     prompt = rng.standard_normal((1, length, d)).astype(np.float32)
     with client.session() as source:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 UNCONSTRAINED, CONSTRAINED = "unconstrained", "json-schema"
 CANDIDATES = (UNCONSTRAINED, CONSTRAINED)
-VARIANT = "fp32-static"  # the graph mha_session serves on the CPU
+VARIANT = "fp32-static"  # the graph sessions serves on the CPU
 PROMPT = "Answer in JSON:"
 SCHEMA = {
     "type": "object",
@@ -171,7 +171,7 @@ def model_of(artifact: Path, prompt: str) -> Model:
 
 
 def started_core(model: Model, most: int, threads: int):
-    """The static session engine of the VARIANT graph under the engine core, as mha_session runs them, a full
+    """The static session engine of the VARIANT graph under the engine core, as sessions runs them, a full
     row for each of `most` generations; no rows kept for reuse (the rounds repeat their prompt) and no cap on
     one owner's generations (they are all one owner's)."""
     from contract.files import model_filename

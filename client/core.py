@@ -108,7 +108,8 @@ class ClientCore:
         self.checkpoint_every, self.recovery_timeout = checkpoint_every, recovery_timeout
         self.protocol = _wire.check_protocol(protocol)
         self.url = _wire.normalize_url(url, protocol)
-        self.model, self.session_model = model, session_model
+        # a caller may hold the models' names of before (`mha`, `mha_session`): they are today's
+        self.model, self.session_model = names.current_model_name(model), names.current_model_name(session_model)
         self.timeout, self.validate = timeout, validate
         self._settings = {
             "timeout": timeout,
@@ -223,7 +224,7 @@ class ClientCore:
             yield Sleep(interval)
 
     def _metadata(self, model: str | None = None) -> Operation[ModelInfo]:
-        model = model or self.model
+        model = names.current_model_name(model) if model else self.model
         if model not in self._infos:
             kw = {**_wire.metadata_kwargs(self.protocol), **self._timeout_kw}
             raw = yield from self._call(f"metadata of '{model}'", lambda s: s.get_model_metadata(model, **kw))

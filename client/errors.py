@@ -13,6 +13,7 @@ import re
 import sys
 
 from contract import errors as kinds
+from contract import names
 
 
 class ClientError(Exception):
@@ -107,6 +108,20 @@ _TRANSPORT = re.compile(
 )
 
 
+def _renamed_hint(message: str) -> str:
+    """Where Triton does not know one of today's model names: the name a repository written before may hold it
+    under (contract/names.py LEGACY_MODEL_NAMES), and what renames that repository's folders."""
+    for quoted in re.findall(r"'([^']+)'", message):
+        for legacy, current in names.LEGACY_MODEL_NAMES.items():
+            if quoted == current or quoted.endswith(f"_{current}"):
+                old = quoted[: len(quoted) - len(current)] + legacy
+                return (
+                    f" (a repository written before the models' names said what they serve holds '{quoted}' as "
+                    f"'{old}': `python -m serving ensure --repository DIR` or `python -m serving` renames it)"
+                )
+    return ""
+
+
 def code_of(status: str | None) -> str | None:
     """gRPC-style code name of a tritonclient status ("404" -> NOT_FOUND, "StatusCode.X" -> X)."""
     if status is None:
@@ -129,7 +144,7 @@ def from_server(message: str, status: str | None, *, session: bool = False) -> C
 def _untagged(message: str, status: str, code: str | None, session: bool) -> ClientError:
     """An error of Triton's own (no kind): its code and a few of its messages tell what happened."""
     if _UNKNOWN_MODEL.search(message) and code in ("NOT_FOUND", "UNAVAILABLE", "INVALID_ARGUMENT"):
-        return ModelNotFoundError(message, status=status)
+        return ModelNotFoundError(message + _renamed_hint(message), status=status)
     if _DEAD_STUB.search(message):  # a session's cache died with it; a stateless call can be repeated
         if session:
             return SessionLostError(message, status=status, kind=kinds.SEQUENCE_LOST)

@@ -22,15 +22,15 @@ PYTHON_MODELS = (names.MODEL, names.SESSION_MODEL)
 ENGINE_STATIC, ENGINE_CONCAT = "static", "concat"
 ENGINES = (ENGINE_STATIC, ENGINE_CONCAT)
 # The session operations (contract.names.OPERATIONS) each engine offers: its class declares them from here
-# (serving/engine/steps.py StepEngine.OPERATIONS), and a repository writes them into mha_session's config
+# (serving/engine/steps.py StepEngine.OPERATIONS), and a repository writes them into the sessions model's config
 # without loading an engine. Both offer all of them: the concat engine's cache is host arrays it copies.
 ENGINE_OPERATIONS = {ENGINE_STATIC: names.OPERATIONS, ENGINE_CONCAT: names.OPERATIONS}
 # A session engine's cache values by the deployment's KV dtype: the graph's float (fp32 on the CPU,
 # fp16 with the static graph on CUDA), int8, int4 (serving/triton/repository.py picks the graph)
 KV_FLOAT, KV_INT8, KV_INT4 = "float", "int8", "int4"
 KV_DTYPES = (KV_FLOAT, KV_INT8, KV_INT4)
-# The projections' weights of the graphs served: the graph's float, or int8 (fp32-fused-int8w for `mha`,
-# fp32-static-int8w for `mha_session`'s static engine, CPU only): a quarter of the bytes a decode step reads
+# The projections' weights of the graphs served: the graph's float, or int8 (fp32-fused-int8w for `forward`,
+# fp32-static-int8w for the `sessions` model's static engine, CPU only): a quarter of the bytes a decode step reads
 WEIGHTS_FLOAT, WEIGHTS_INT8, WEIGHTS_INT4 = "float", "int8", "int4"
 WEIGHT_DTYPES = (WEIGHTS_FLOAT, WEIGHTS_INT8, WEIGHTS_INT4)
 NARROWEST_CACHE_BITS = {KV_FLOAT: 16, KV_INT8: 8, KV_INT4: 4}  # on any placement
@@ -75,7 +75,7 @@ def request_tokens(cfg: ModelConfig, max_request_tokens: int | None = None) -> i
 
 @dataclasses.dataclass(frozen=True)
 class SessionSettings:
-    """What `mha_session`'s engine is made with (its repository parameters, typed); a wrong value is a
+    """What the `sessions` model's engine is made with (its repository parameters, typed); a wrong value is a
     ValueError naming it."""
 
     engine: str = ENGINE_STATIC  # the slot pool over the static-cache graph, or per-sequence caches
@@ -123,15 +123,15 @@ class ServingSettings:
     idle_timeout_seconds: float = _SESSION.idle_timeout_seconds
     max_batch_size: int = _SESSION.max_batch
     max_queue_delay_microseconds: int = 0  # batch what queued while the model was busy; never wait
-    trt_cache_dir: str = "/tmp/triton-trt-cache"  # mha_onnx: TensorRT engine cache (must be writable)
-    engine: str = _SESSION.engine  # mha_session: the static slot pool, or per-sequence caches
-    max_request_tokens: int | None = None  # mha: see `request_tokens` (None: the config's max_seq_len)
-    # mha_session (static): the cache's values, float (the graph's float: fp32 on the CPU, fp16 on CUDA)
+    trt_cache_dir: str = "/tmp/triton-trt-cache"  # forward_onnx: TensorRT engine cache (must be writable)
+    engine: str = _SESSION.engine  # sessions: the static slot pool, or per-sequence caches
+    max_request_tokens: int | None = None  # forward: see `request_tokens` (None: the config's max_seq_len)
+    # sessions (static): the cache's values, float (the graph's float: fp32 on the CPU, fp16 on CUDA)
     # or int8/int4 (the quantized static graphs, CPU), and the smallest row a session starts in
     kv_dtype: str = KV_FLOAT
     min_row_positions: int = _SESSION.min_row_positions
     weights_dtype: str = WEIGHTS_FLOAT  # both python models: the projections' weights (WEIGHT_DTYPES)
-    step_tokens: int = _SESSION.step_tokens  # mha_session: the engine core's (SessionSettings)
+    step_tokens: int = _SESSION.step_tokens  # sessions: the engine core's (SessionSettings)
     kept_per_owner: int = _SESSION.kept_per_owner
     generations_per_owner: int = _SESSION.generations_per_owner
 
@@ -150,7 +150,7 @@ class ServingSettings:
             )
 
     def session(self) -> SessionSettings:
-        """The settings `mha_session`'s engine is made with from these."""
+        """The settings the `sessions` model's engine is made with from these."""
         return SessionSettings(
             self.engine,
             self.kv_cache_bytes,

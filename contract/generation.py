@@ -1,7 +1,7 @@
 """Generation on the server: what a generation request of the session model carries and what its responses
 answer.
 
-A whole model's session model (`mha_session`, decoupled: serving/triton/models/mha_session.py) generates in its
+A whole model's session model (`sessions`, decoupled: serving/triton/models/sessions.py) generates in its
 engine core (serving/engine/core.py): a request with the parameter `generate` names a session (its sequence id,
 Triton's correlation id), brings new token ids (or none, to continue after what the session holds) and the
 sampling parameters; the core decodes it with every other running generation, a token each step, until

@@ -10,9 +10,24 @@ import dataclasses
 
 from contract.config import ModelConfig
 
-# The Triton models of a repository (docs/design.md, "Triton models"): the stateless one, the session
-# one, and the native onnxruntime one of GPU hosts. Every default that names a model names these.
-MODEL, SESSION_MODEL, ONNX_MODEL = "mha", "mha_session", "mha_onnx"
+# The Triton models of a repository (docs/design.md, "Triton models"): the stateless one (one forward pass
+# a request), the session one (the sessions it keeps, and what it generates for them), and the native
+# onnxruntime one of GPU hosts. Every default that names a model names these.
+MODEL, SESSION_MODEL, ONNX_MODEL = "forward", "sessions", "forward_onnx"
+# What they were called until the names said what they serve (they served whole decoders as `mha`):
+# a repository, a setting or a client may still hold these, and is taken to mean the new ones
+LEGACY_MODEL_NAMES = {"mha": MODEL, "mha_session": SESSION_MODEL, "mha_onnx": ONNX_MODEL}
+
+
+def current_model_name(name: str) -> str:
+    """`name` with a legacy model name (LEGACY_MODEL_NAMES) replaced by today's, a model set's prefix kept
+    (`fortunes_mha_session` is `fortunes_sessions`); any other name as it is."""
+    for legacy in sorted(LEGACY_MODEL_NAMES, key=len, reverse=True):
+        if name == legacy or name.endswith(f"_{legacy}"):
+            return name[: len(name) - len(legacy)] + LEGACY_MODEL_NAMES[legacy]
+    return name
+
+
 # Triton config parameters that carry a model fact (`model.d_model`, ...): written by the config
 # generator, read by the client's metadata
 FACT_PREFIX = "model."
@@ -35,7 +50,7 @@ HELD_LENGTH = "held_length"
 # START (one blob, or a checkpoint's increments in order) and a BYTES output of a snapshot.
 SNAPSHOT = "snapshot"
 OPERATION = "session_operation"  # request parameter: one of OPERATIONS
-# request parameter (a bool) of an `mha_session` step: true answers only the last real position's output
+# request parameter (a bool) of an `sessions` step: true answers only the last real position's output
 # (1, 1, width), as a prompt chunk of a generation loop needs; a whole model's static engine then computes
 # no logits but that position's (kv_pool.last_logits_graph). Absent or false: every position's (1, T, width)
 LAST_ONLY = "last_only"
@@ -60,7 +75,7 @@ REWIND_TO = "rewind_to"  # request parameter of a rewind: the positions the sess
 # request parameter of a snapshot: its first position (a durable session's checkpoint writes only the
 # positions added since the one before; 0 or absent: the whole cache)
 SNAPSHOT_SINCE = "snapshot_since"
-# request parameter of `mha` (stateless) and `mha_session` (the operation ATTENTION_MAPS_OPERATION): true
+# request parameter of `forward` (stateless) and `sessions` (the operation ATTENTION_MAPS_OPERATION): true
 # asks for each layer's attention weights as the outputs `attention.{i}` (attention_map_name)
 ATTENTION_MAPS = "attention_maps"
 OWNER = "owner"  # request parameter of a snapshot and a restore: who may restore the blob (the gateway's)
@@ -105,7 +120,7 @@ def present_name(layer: int, kind: str) -> str:
 
 def attention_map_name(layer: int) -> str:
     """`attention.{i}`: one layer's attention weights (B, n_heads, T, P+T), an output of the inspection
-    graph (`fp32-fused-inspect`) that `mha` and `mha_session` answer when a request asks for the maps
+    graph (`fp32-fused-inspect`) that `forward` and `sessions` answer when a request asks for the maps
     (`ATTENTION_MAPS`)."""
     return f"attention.{layer}"
 

@@ -90,7 +90,7 @@ VARIANTS: dict[str, Variant] = {
     "fp32": Variant("fp32", _make_fp32, TOLERANCES["fp32"], target=targets.ONNX_BACKEND),
     "fp32-fused": Variant("fp32-fused", make_fp32_fused, TOLERANCES["fp32-fused"], fused=True, skip_norms=True),
     "fp16-fused": Variant("fp16-fused", make_fp16_fused, TOLERANCES["fp16-fused"], np.float16, fused=True),
-    # what `mha` and `mha_session` answer the attention maps from (export/inspect_form.py): fp32-fused
+    # what `forward` and `sessions` answer the attention maps from (export/inspect_form.py): fp32-fused
     # with every Attention op's probabilities as outputs; its outputs and presents are fp32-fused's
     INSPECT: Variant(INSPECT, make_inspection_graph, TOLERANCES["fp32-fused"], fused=True, maps=True),
     "fp32-static": Variant(

@@ -34,8 +34,8 @@ VARIANT_NAMES = (
 )
 INSPECTED_VARIANTS = (FP32_FUSED, FP16_FUSED)  # the fused graphs: one Attention node per layer
 
-# What a host of each kind serves (serving/triton/repository.py, PYTHON_FILES): the CPU runs `mha` on
-# fp32-fused, `mha_session` on fp32-static (fp32-fused with the concat engine), `mha_onnx` on fp32 and
+# What a host of each kind serves (serving/triton/repository.py, PYTHON_FILES): the CPU runs `forward` on
+# fp32-fused, `sessions` on fp32-static (fp32-fused with the concat engine), `forward_onnx` on fp32 and
 # the attention maps on the inspection graph; CUDA adds the fp16 forms, TensorRT its own. The
 # quantized caches and weights are built when asked for: a deployment asks for one by its kv_dtype
 # (`python -m serving ensure --kv-dtype int8` adds fp32-static-int8kv), and INT8 weights by its

@@ -18,7 +18,7 @@ per query head whatever the input layout, GQA included. Measured on ONNX Runtime
   a norm, `attention_needs_fp32`), the map is cast back to fp16 like the context.
 
 Made on demand from an artifact (`python -m export inspect`), and built as the variant
-`fp32-fused-inspect` (export/build.py), which `mha` and `mha_session` run only for a request that asks
+`fp32-fused-inspect` (export/build.py), which `forward` and `sessions` run only for a request that asks
 for the maps: serving pays nothing otherwise. The maps are graph outputs named `attention.{layer}`
 (`contract.names.attention_map_name`).
 """

@@ -32,7 +32,7 @@ from export.forms import MICROSOFT_DOMAIN
 STATIC = "onnxruntime static cache (CPU)"
 STATIC_CUDA = "onnxruntime static cache (CUDA, fp16)"
 TENSORRT = "TensorRT 10 parser"
-ONNX_BACKEND = "mha_onnx: NGC 26.04 onnxruntime 1.24 CUDA and TensorRT 10"
+ONNX_BACKEND = "forward_onnx: NGC 26.04 onnxruntime 1.24 CUDA and TensorRT 10"
 TARGETS = (STATIC, STATIC_CUDA, TENSORRT, ONNX_BACKEND)
 
 TENSORRT_OPS = frozenset(
@@ -206,7 +206,7 @@ def _tensorrt_problems(proto: onnx.ModelProto) -> list[str]:
 
 
 def _ort_1_24_cuda_problems(proto: onnx.ModelProto) -> list[str]:
-    """`mha_onnx` must run whole on the GPU with or without TensorRT: every node needs a CUDA kernel in
+    """`forward_onnx` must run whole on the GPU with or without TensorRT: every node needs a CUDA kernel in
     ONNX Runtime 1.24 for its op version (a node without one runs on the CPU, with copies each way)."""
     opset = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     found = set()
@@ -214,7 +214,7 @@ def _ort_1_24_cuda_problems(proto: onnx.ModelProto) -> list[str]:
         if node.op_type in _NO_KERNEL_NEEDED:
             continue
         if _domain(node):
-            found.add(f"{node.op_type} ({node.domain}): a contrib op, not one of the ai.onnx kernels mha_onnx may use")
+            found.add(f"{node.op_type} ({node.domain}): a contrib op, not an ai.onnx kernel forward_onnx may use")
             continue
         version = onnx.defs.get_schema(node.op_type, opset).since_version
         if not has_kernel(ORT_1_24_CUDA_KERNELS.get(node.op_type, []), version):

@@ -140,8 +140,10 @@ def ensure_repository(repository: Path) -> None:
     lacks them; a repository the user named is never filled behind their back: it must hold the served models
     already."""
     from serving.host.launcher import TritonStartError
-    from serving.triton.repository import is_complete, lacks
+    from serving.triton.repository import is_complete, lacks, rename_legacy_models
 
+    for line in rename_legacy_models(repository):
+        print(line, flush=True)
     if is_complete(repository):
         if repository.resolve() == files.DEFAULT_REPOSITORY.resolve():
             ensure_trained(repository)

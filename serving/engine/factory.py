@@ -1,5 +1,5 @@
 """The engines the served models run, made from a model's ONNX files and typed settings: the
-stateless runner of `mha` and the session engine of `mha_session` (static or concat). What Triton's
+stateless runner of `forward` and the session engine of `sessions` (static or concat). What Triton's
 parameters say is read by the Triton adapter (serving/triton/engines.py), not here.
 
 `files` maps a placement kind (placement.py: tensorrt, cuda, cpu) to the model's ONNX file for it;
@@ -42,7 +42,7 @@ def session_engine(
     model_name: str,
     inspection: Path | None = None,
 ) -> SessionEngines:
-    """`mha_session`'s engine as `settings` ask; `inspection`: the graph its attention maps come from."""
+    """the `sessions` model's engine as `settings` ask; `inspection`: the graph its attention maps come from."""
     idle, budget, threads = settings.idle_timeout_seconds, settings.kv_cache_bytes, settings.threads
     maps = InspectionRunner(inspection, cfg, threads)  # opened at its first use
     if settings.engine == ENGINE_STATIC:

@@ -21,7 +21,7 @@ from serving.engine.errors import EngineError
 
 @dataclasses.dataclass(frozen=True)
 class SessionSettings(deployment.SessionSettings):
-    """What `mha_session`'s engine is made with; a value the deployment's checks refuse is an
+    """What the `sessions` model's engine is made with; a value the deployment's checks refuse is an
     EngineError naming it (the model does not load)."""
 
     def __post_init__(self) -> None:

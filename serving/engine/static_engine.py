@@ -1,4 +1,4 @@
-"""`mha_session`'s static engine: every live sequence holds its KV cache in the cache manager
+"""the `sessions` model's static engine: every live sequence holds its KV cache in the cache manager
 (serving/engine/cache_manager.py), and a step appends its tokens in place (serving/engine/kv_pool.py).
 
 The engine speaks to its cache by holder only (the sequence id; a named prefix's key): START takes

@@ -1,6 +1,6 @@
 """Generation through the gateway: `POST /v1/sessions/{id}/generate` and `POST /v1/generate` (stateless).
 
-The server generates (contract/generation.py: `mha_generate` beside a whole model's session model). The
+The server generates (contract/generation.py: a whole model's session model, in its engine core). The
 gateway checks a request once (`checked`: the contract's own checks, 400 naming the field), runs it
 through the client library's `AsyncGeneration` and answers (`answer`) either one JSON object once it
 ends, or, with `stream: true`, Server-Sent Events as the tokens come:

@@ -1,6 +1,6 @@
 """The KV cache's utilization and the engine core's load, read from Triton's Prometheus endpoints for the
 gateway's own /metrics (serving/gateway/metrics.py): what the session model's stub publishes there
-(serving/triton/models/mha_session.py `SessionGauges`): the bytes live sequences reserve of the budget over
+(serving/triton/models/sessions.py `SessionGauges`): the bytes live sequences reserve of the budget over
 the budget, and the requests its engine core runs and holds waiting (every gateway's, not this one's only).
 
 Reserved, not held or allocated: the budget admits a new sequence by its reservations (one row per live

@@ -183,6 +183,17 @@ class Settings(BaseSettings):
     )
     log_level: str = Field(default="info", description="uvicorn's log level: critical, error, warning, info, debug")
 
+    @field_validator("model", "session_model", "generate_model")
+    @classmethod
+    def _current_name(cls, value: str | None) -> str | None:
+        # a deployment's environment may hold the names of before (SERVING_SESSION_MODEL=mha_session)
+        return value and names.current_model_name(value)
+
+    @field_validator("more_served_models")
+    @classmethod
+    def _current_names(cls, value: dict[str, str]) -> dict[str, str]:
+        return {served: names.current_model_name(model) for served, model in value.items()}
+
     @field_validator("session_store", mode="before")
     @classmethod
     def _no_store(cls, value: object) -> object:

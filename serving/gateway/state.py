@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from client import AsyncClient, ClientError, ModelInfo
 from client.text import TextError, TextModel
+from contract import names
 from contract.files import TOKENIZER_FILENAME
 from contract.integrity import Keyring, derived_secret
 from serving.gateway import upstream
@@ -352,7 +353,9 @@ class GatewayState:
 
     def generator(self, model_id: str) -> AsyncClient:
         """The client of the session model that generates for `model_id`; 404 for an id not served here."""
-        client = self.generators().get(model_id)
+        generators = self.generators()
+        # an id of before, where the session model's name is the id (`mha_session`), is today's (`sessions`)
+        client = generators.get(model_id) or generators.get(names.current_model_name(model_id))
         if client is None:
             served = ", ".join(f"'{name}'" for name in self.generators())
             raise ModelNotFound(f"model: no model '{model_id}' here; this gateway serves {served}", param="model")

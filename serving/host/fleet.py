@@ -25,7 +25,7 @@ from serving.host.launcher import serving_lines
 from serving.host.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
-SEQUENCES_METRIC = "attention_kv_cache_sequences"  # mha_session's gauge (serving/triton/models/mha_session.py)
+SEQUENCES_METRIC = "attention_kv_cache_sequences"  # the sessions model's gauge (serving/triton/models/sessions.py)
 
 
 @dataclasses.dataclass

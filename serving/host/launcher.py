@@ -54,7 +54,7 @@ STUB_NAME = "triton_python_backend_stub"  # the Python backend's model process, 
 _PLATFORM_BACKENDS = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt", "pytorch_libtorch": "pytorch"}
 
 
-# Triton's count while its exit timeout runs: "Model 'mha_session' (version 1) has 1 in-flight inferences"
+# Triton's count while its exit timeout runs: "Model 'sessions' (version 1) has 1 in-flight inferences"
 _IN_FLIGHT = re.compile(r"Model '([\w.-]+)' \(version \d+\) has (\d+) in-flight")
 # Triton's shutdown counts (server.cc) and unloads: see `Shutdown`; a line is matched only once written whole
 _SIGNAL = "Signal ("
@@ -420,7 +420,7 @@ def sessions_waited_for(lines: list[str]) -> int:
         return 0
     versions = int(_VERSIONS_IN_FLIGHT.search(lines[counts[-1]])[1])
     held = [found for line in lines[counts[-1] + 1 :] if (found := _IN_FLIGHT.search(line))]
-    # a session model of any model set of the repository (mha_session, fortunes_mha_session)
+    # a session model of any model set of the repository (sessions, fortunes_sessions)
     if versions == 0 or len(held) != versions or not all(m[1].endswith(SESSION_MODEL) for m in held):
         return 0
     return sum(int(m[2]) for m in held)

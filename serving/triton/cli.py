@@ -22,6 +22,7 @@ from contract import files
 from contract.arguments import DefaultsHelp, comma_list, config_arguments, config_from
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from contract.deployment import ENGINES, HOST_KINDS, KV_DTYPES, MODELS, PYTHON_MODELS, WEIGHT_DTYPES, ServingSettings
+from contract.names import current_model_name
 
 # The Triton configs and the repository (protobuf, tritonclient: half a second to import) are imported
 # where they are used, so that a command's --help and usage errors answer at once.
@@ -52,12 +53,17 @@ def add_commands(commands) -> None:
     _settings_arguments(e)
 
 
+def model_names(text: str) -> tuple[str, ...]:
+    """--models: comma-separated models of MODELS, their legacy names (`mha,mha_session`) taken as today's."""
+    return comma_list(MODELS, "model")(",".join(current_model_name(name.strip()) for name in text.split(",")))
+
+
 def _settings_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = ServingSettings()
     add = parser.add_argument
     add(
         "--models",
-        type=comma_list(MODELS, "model"),
+        type=model_names,
         default=MODELS,
         help=f"comma-separated (default: {','.join(MODELS)})",
     )
@@ -66,25 +72,25 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-mib",
         type=float,
         default=defaults.kv_cache_bytes / (1 << 20),
-        help="mha_session: the KV cache budget of all sequences together (MiB)",
+        help="sessions: the KV cache budget of all sequences together (MiB)",
     )
     add(
         "--idle-timeout",
         type=float,
         default=defaults.idle_timeout_seconds,
-        help="mha_session: seconds after which an idle sequence loses its cache",
+        help="sessions: seconds after which an idle sequence loses its cache",
     )
     add(
         "--max-batch-size",
         type=int,
         default=defaults.max_batch_size,
-        help="mha_session (concat engine): the largest batch its TensorRT profile takes",
+        help="sessions (concat engine): the largest batch its TensorRT profile takes",
     )
     add(
         "--max-request-tokens",
         type=int,
         default=defaults.max_request_tokens,
-        help="mha: batch x new tokens one request may compute (default: the config's max_seq_len)",
+        help="forward: batch x new tokens one request may compute (default: the config's max_seq_len)",
     )
     _engine_arguments(parser, defaults)
 
@@ -96,13 +102,13 @@ def _engine_arguments(parser: argparse.ArgumentParser, defaults: ServingSettings
         "--engine",
         choices=ENGINES,
         default=defaults.engine,
-        help="mha_session: the slot pool over the static cache (default) or per-sequence caches batched by padding",
+        help="sessions: the slot pool over the static cache (default) or per-sequence caches batched by padding",
     )
     add(
         "--kv-dtype",
         choices=KV_DTYPES,
         default=defaults.kv_dtype,
-        help="mha_session (static): the cache's values: the graph's float (default), or int8/int4 (the quantized "
+        help="sessions (static): the cache's values: the graph's float (default), or int8/int4 (the quantized "
         "static graphs: 4x/8x the sessions of fp32 per byte, CPU only)",
     )
     add(
@@ -117,27 +123,27 @@ def _engine_arguments(parser: argparse.ArgumentParser, defaults: ServingSettings
         "--min-row-positions",
         type=int,
         default=defaults.min_row_positions,
-        help="mha_session (static): the positions a session reserves at a time, from its START on, as it grows "
+        help="sessions (static): the positions a session reserves at a time, from its START on, as it grows "
         "(max_seq_len: a full row per session)",
     )
     add(
         "--step-tokens",
         type=int,
         default=defaults.step_tokens,
-        help="mha_session: new tokens one step of the engine core runs: every decoding row's, then prompt chunks "
+        help="sessions: new tokens one step of the engine core runs: every decoding row's, then prompt chunks "
         "(a joining prompt holds the decoders up for at most one chunk)",
     )
     add(
         "--kept-per-owner",
         type=int,
         default=defaults.kept_per_owner,
-        help="mha_session: rows each owner (API key) keeps for prefix reuse after its stateless generations (0: none)",
+        help="sessions: rows each owner (API key) keeps for prefix reuse after its stateless generations (0: none)",
     )
     add(
         "--generations-per-owner",
         type=int,
         default=defaults.generations_per_owner,
-        help="mha_session: an owner's generations running at once; more wait their turn (0: no cap)",
+        help="sessions: an owner's generations running at once; more wait their turn (0: no cap)",
     )
 
 
@@ -242,14 +248,14 @@ def export_default(
     return export_to(preset(DEFAULT_PRESET), repository, artifacts, shown=shown)
 
 
-TRAINED_PREFIX = f"{files.TRAINED_MODEL_NAME}_"  # the trained model's Triton models: fortunes_mha_session, ...
+TRAINED_PREFIX = f"{files.TRAINED_MODEL_NAME}_"  # the trained model's Triton models: fortunes_sessions, ...
 
 
 def trained_model() -> str:
     """The Triton model of the model trained here (files.TRAINED_MODEL): its session model, which generates."""
-    from serving.triton.config import MHA_SESSION
+    from serving.triton.config import SESSIONS
 
-    return f"{TRAINED_PREFIX}{MHA_SESSION}"
+    return f"{TRAINED_PREFIX}{SESSIONS}"
 
 
 def has_trained(repository: Path) -> bool:
@@ -276,11 +282,11 @@ def export_trained(
 ) -> dict:
     """The model trained here (a Hugging Face folder in the checkout) built as `export_checkpoint` and written
     into `repository` beside the default model under its own names (TRAINED_PREFIX); the build's report."""
-    from serving.triton.config import MHA_SESSION
+    from serving.triton.config import SESSIONS
     from serving.triton.repository import write_repository
 
     report = export_checkpoint(folder, artifacts, variants, shown)
-    write_repository(artifacts, repository, models=(MHA_SESSION,), prefix=TRAINED_PREFIX)
+    write_repository(artifacts, repository, models=(SESSIONS,), prefix=TRAINED_PREFIX)
     return report
 
 
@@ -308,16 +314,16 @@ def served_folders_repository(served: list[tuple[Path, str]]) -> tuple[Path, dic
     """One repository for served folders' artifacts (`python -m serving FOLDER ...`), each (artifacts, model id),
     rewritten from them each time (it is cheap: configs and links): the first as the repository's own models, each
     other as a session model of its own. The repository, and the other ids -> their Triton session models."""
-    from serving.triton.config import MHA, MHA_SESSION
+    from serving.triton.config import FORWARD, SESSIONS
     from serving.triton.repository import write_repository
 
     repository = files.PROJECT_ROOT / "build" / "served" / "+".join(name for _, name in served)
     (first, _), more = served[0], {}
-    write_repository(first, repository, models=(MHA, MHA_SESSION))
+    write_repository(first, repository, models=(FORWARD, SESSIONS))
     for artifacts, name in served[1:]:
         prefix = re.sub(r"[^A-Za-z0-9_.-]", "_", name) + "_"  # what Triton takes in a model's name
-        write_repository(artifacts, repository, models=(MHA_SESSION,), prefix=prefix)
-        more[name] = f"{prefix}{MHA_SESSION}"
+        write_repository(artifacts, repository, models=(SESSIONS,), prefix=prefix)
+        more[name] = f"{prefix}{SESSIONS}"
     return repository, more
 
 
@@ -334,7 +340,7 @@ def up_to_date(
 ) -> bool:
     """Whether `repository` holds every model of `models` built from `cfg` with these settings, i.e.
     the configs it would write now (nothing to do)."""
-    from serving.triton.config import MHA_ONNX, TRITON_CONFIG_FILENAME, to_text
+    from serving.triton.config import FORWARD_ONNX, TRITON_CONFIG_FILENAME, to_text
     from serving.triton.repository import ONNX_BACKEND_VARIANT, is_complete, model_configs
 
     if not is_complete(repository, tuple(m for m in models if m in PYTHON_MODELS)):
@@ -345,7 +351,7 @@ def up_to_date(
         return False
     graphs = (path.name for model in models for path in (repository / model / "1").glob("model.*.onnx"))
     present = {name.removeprefix("model.").removesuffix(".onnx") for name in graphs}
-    if MHA_ONNX in models:
+    if FORWARD_ONNX in models:
         present.add(ONNX_BACKEND_VARIANT)
     expected = model_configs(cfg, present, settings)
     return all((repository / m / TRITON_CONFIG_FILENAME).read_text() == to_text(expected[m]) for m in models)
@@ -366,9 +372,9 @@ def run_repository(args: argparse.Namespace) -> int:
 
 def print_capacity(cfg: ModelConfig, settings: ServingSettings | None, models: tuple[str, ...]) -> None:
     """What the session model's KV budget holds (config.capacity_lines), when the repository has it."""
-    from serving.triton.config import MHA_SESSION, capacity_lines
+    from serving.triton.config import SESSIONS, capacity_lines
 
-    if MHA_SESSION in models:
+    if SESSIONS in models:
         for line in capacity_lines(cfg, settings or ServingSettings()):
             print(line)
 
@@ -381,10 +387,12 @@ def _artifacts_folder(given: Path | None) -> contextlib.AbstractContextManager:
 def run_ensure(args: argparse.Namespace) -> int:
     """The one-shot export of a deployment (compose's `export` service): the build's table, the
     repository and what its KV budget holds."""
-    from serving.triton.repository import RepositoryError
+    from serving.triton.repository import RepositoryError, rename_legacy_models
 
     try:
         cfg, settings = config_from(args), settings_from(args)
+        for line in rename_legacy_models(args.repository):
+            print(line)
         if up_to_date(args.repository, cfg, args.models, settings):
             print(f"model repository {args.repository} already holds this model; nothing to build")
             return 0

@@ -4,17 +4,17 @@ Each config is a `model_config_pb2.ModelConfig` built from a `ModelConfig` and t
 (`contract.names`), written with `text_format`; a test parses each one back and checks it against
 the ONNX graph its model loads.
 
-- `mha` (python backend): stateless, the graph's inputs and outputs exactly (docs/design.md, "Tensor names") with the
-  batch axis in `dims` (`max_batch_size: 0`: Triton must not add a batch axis of its own, the
+- `forward` (python backend): stateless, the graph's inputs and outputs exactly (docs/design.md, "Tensor names")
+  with the batch axis in `dims` (`max_batch_size: 0`: Triton must not add a batch axis of its own, the
   graph already has one). The mask and the past are optional: a first call leaves the past out.
-- `mha_session` (python backend, decoupled): Triton sequence batching hands every request to the model's
+- `sessions` (python backend, decoupled): Triton sequence batching hands every request to the model's
   engine core (serving/engine/core.py), which keeps each session's cache, orders and batches its requests and
   answers them from its own thread. A step sends the new tokens only, `hidden_states` [1, T, d_model] (a whole
   model's `input_ids` [1, T] int64, answered by `logits` [1, T, vocab_size]) and optionally their
   `attention_mask` [1, T]; a whole model's generations are requests to it too (contract/generation.py),
   answered a token at a time. Strategy `oldest` (`direct` fills empty batch slots with null requests that need
   answers too); `allow_ragged_batch` lets requests with different T share one execute().
-- `mha_onnx` (onnxruntime backend, GPU hosts): stateless like `mha`, with the TensorRT
+- `forward_onnx` (onnxruntime backend, GPU hosts): stateless like `forward`, with the TensorRT
   accelerator in FP16 with the TensorRT options of `contract.tensorrt_options` (the engine's own).
 
 What a deployment tunes (`ServingSettings`) and its capacity arithmetic are contract/deployment.py's:
@@ -45,15 +45,15 @@ from contract.deployment import (  # noqa: F401  (MODELS, PYTHON_MODELS: re-expo
 from contract.names import TensorSpec
 from contract.tensorrt_options import Limits, provider_options
 
-MHA, MHA_SESSION, MHA_ONNX = names.MODEL, names.SESSION_MODEL, names.ONNX_MODEL
+FORWARD, SESSIONS, FORWARD_ONNX = names.MODEL, names.SESSION_MODEL, names.ONNX_MODEL
 TRITON_CONFIG_FILENAME = "config.pbtxt"
 ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_filename
 
 # The module that implements each python-backend model; the shim `model.py` imports it.
 _MODELS_PACKAGE = __name__.rpartition(".")[0] + ".models"  # serving.triton.models, beside this module
 IMPLEMENTATIONS = {
-    MHA: f"{_MODELS_PACKAGE}.mha",
-    MHA_SESSION: f"{_MODELS_PACKAGE}.mha_session",
+    FORWARD: f"{_MODELS_PACKAGE}.forward",
+    SESSIONS: f"{_MODELS_PACKAGE}.sessions",
 }
 
 # Parameter keys the python models read (serving/triton/models/*.py, serving/triton/engines.py).
@@ -67,14 +67,14 @@ P_ONNX_FILE_INSPECT = "onnx_file_inspect"
 P_THREADS = "threads"
 P_KV_CACHE_BYTES = "kv_cache_bytes"
 P_IDLE_TIMEOUT = "idle_timeout_seconds"
-P_ENGINE = "engine"  # mha_session: ENGINE_STATIC or ENGINE_CONCAT
-P_MIN_ROW_POSITIONS = "min_row_positions"  # mha_session (static): the smallest row
-P_MAX_REQUEST_TOKENS = "max_request_tokens"  # mha: batch x new tokens one request may compute
-P_MAX_BATCH = "max_batch"  # mha_session: the concat engine's largest batch (its TensorRT profile)
-P_STEP_TOKENS = "step_tokens"  # mha_session: the engine core's tokens a step
-P_KEPT_PER_OWNER = "kept_per_owner"  # mha_session: rows kept for prefix reuse per owner
-P_GENERATIONS_PER_OWNER = "generations_per_owner"  # mha_session: an owner's generations running at once
-P_TEXT_DIGEST = generation.P_TEXT_DIGEST  # mha_session: the digest of its text files (none: no tokenizer)
+P_ENGINE = "engine"  # sessions: ENGINE_STATIC or ENGINE_CONCAT
+P_MIN_ROW_POSITIONS = "min_row_positions"  # sessions (static): the smallest row
+P_MAX_REQUEST_TOKENS = "max_request_tokens"  # forward: batch x new tokens one request may compute
+P_MAX_BATCH = "max_batch"  # sessions: the concat engine's largest batch (its TensorRT profile)
+P_STEP_TOKENS = "step_tokens"  # sessions: the engine core's tokens a step
+P_KEPT_PER_OWNER = "kept_per_owner"  # sessions: rows kept for prefix reuse per owner
+P_GENERATIONS_PER_OWNER = "generations_per_owner"  # sessions: an owner's generations running at once
+P_TEXT_DIGEST = generation.P_TEXT_DIGEST  # sessions: the digest of its text files (none: no tokenizer)
 # The model's sizes and limits, published in both python models' configs so that any caller reads the
 # facts from Triton's model-config API (the session model's IO does not show its layers or cache)
 MODEL_FACTS = ("d_model", "n_heads", "n_kv_heads", "head_dim", "n_layers", "max_seq_len")
@@ -129,8 +129,8 @@ def _add_attention_maps(config: pb.ModelConfig, cfg: ModelConfig, batch_axis: bo
         config.output.add(name=name, data_type=pb.TYPE_FP32, dims=dims)
 
 
-def mha_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
-    config = _python_model(MHA, cfg, onnx_files, settings)
+def forward_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSettings) -> pb.ModelConfig:
+    config = _python_model(FORWARD, cfg, onnx_files, settings)
     config.max_batch_size = 0  # the batch axis is the graph's own, in dims as -1
     _add_stateless_io(config, cfg, "float32", optional=True)
     _add_attention_maps(config, cfg, batch_axis=True)
@@ -138,7 +138,7 @@ def mha_config(cfg: ModelConfig, onnx_files: dict[str, str], settings: ServingSe
     return config
 
 
-def mha_session_config(
+def sessions_config(
     cfg: ModelConfig,
     onnx_files: dict[str, str],
     settings: ServingSettings,
@@ -149,7 +149,7 @@ def mha_session_config(
     graph could not be built for the config). A whole model's config also declares the generation's outputs;
     `text_files` (name -> sha256): the tokenizer files in its version folder, which it answers a `text_files`
     request with; their digest is published (P_TEXT_DIGEST) so that a gateway knows the files it fetched."""
-    config = _python_model(MHA_SESSION, cfg, onnx_files, settings)
+    config = _python_model(SESSIONS, cfg, onnx_files, settings)
     config.max_batch_size = settings.max_batch_size  # Triton's batch axis = one row per sequence
     config.model_transaction_policy.decoupled = True  # answered from the engine core's thread, a token at a time
     ragged = {"allow_ragged_batch": True}  # requests with different T share one execute()
@@ -214,21 +214,21 @@ def _add_generation_outputs(config: pb.ModelConfig) -> None:
 
 
 def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
-    """What `mha_session`'s KV budget holds, as the repository commands print it: sequences of
+    """What the `sessions` model's KV budget holds, as the repository commands print it: sequences of
     max_seq_len in the deployment's cache on the CPU (and an fp16 one on a GPU), with rows sized to
     the session how many shorter ones, and a warning when few full-length ones fit; first, the memory
     the model's weights take beside the budget (a whole model's embeddings, MLPs and head are most of it)."""
     budget, dtype = settings.kv_cache_bytes, settings.kv_dtype
     weights = cfg.n_params() * 4  # the fp32 graphs' initializers
     held = (
-        f"{MHA_SESSION}: weights {weights / (1 << 20):.2f} MiB ({cfg.n_params():,} parameters, fp32) held beside the "
+        f"{SESSIONS}: weights {weights / (1 << 20):.2f} MiB ({cfg.n_params():,} parameters, fp32) held beside the "
         f"KV cache budget: {(weights + budget) / (1 << 20):.2f} MiB in all"
     )
     on_cpu = sequences_fitting(cfg, budget, CPU_CACHE_BITS[dtype])
     cache = "fp32" if dtype == KV_FLOAT else dtype
     lines = [
         held,
-        f"{MHA_SESSION}: KV cache budget {budget / (1 << 20):.0f} MiB = {on_cpu} sequences of up to {cfg.max_seq_len} "
+        f"{SESSIONS}: KV cache budget {budget / (1 << 20):.0f} MiB = {on_cpu} sequences of up to {cfg.max_seq_len} "
         f"positions on the CPU ({cache})"
         + (f", {most_sequences(cfg, budget)} on a GPU (fp16)" if dtype == KV_FLOAT else ""),
     ]
@@ -237,7 +237,7 @@ def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
         short = most_sequences(cfg, budget, smallest_row=smallest, cache_bits=CPU_CACHE_BITS[dtype])
         capped = " (the hard cap on live sequences, whatever the budget)" if short == MAX_LIVE_SEQUENCES else ""
         lines.append(
-            f"{MHA_SESSION}: reservations sized to the session: up to {short}{capped} sequences of up to {smallest} "
+            f"{SESSIONS}: reservations sized to the session: up to {short}{capped} sequences of up to {smallest} "
             f"positions on the CPU ({cache}) at once, each reserving {smallest} positions more as it grows"
         )
     if on_cpu < FEW_SESSIONS:
@@ -249,7 +249,7 @@ MIN_CANDIDATE_SEQUENCES = 1024
 
 
 def candidate_sequences(cfg: ModelConfig, settings: ServingSettings) -> int:
-    """mha_session's candidate sequence slots (`oldest` strategy), from the KV budget, so that the
+    """The sessions model's candidate sequence slots (`oldest` strategy), from the KV budget, so that the
     budget and never Triton is what turns a session away.
 
     Triton's sequence batcher gives a sequence a slot from its START until its END or Triton's idle
@@ -266,18 +266,18 @@ def candidate_sequences(cfg: ModelConfig, settings: ServingSettings) -> int:
     return max(MIN_CANDIDATE_SEQUENCES, 4 * settings.max_batch_size, 3 * most)
 
 
-def mha_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConfig:
+def forward_onnx_config(cfg: ModelConfig, settings: ServingSettings) -> pb.ModelConfig:
     """The onnxruntime backend on a GPU: CUDA EP plus the TensorRT accelerator in FP16.
 
     It loads the plain `fp32` graph (see `repository.onnx_backend_variant` for why). Every input is
     required: the backend feeds the graph only what a request carries, so a first call sends a
     zero-length past and the full mask.
     """
-    config = pb.ModelConfig(name=MHA_ONNX, backend="onnxruntime", max_batch_size=0)
+    config = pb.ModelConfig(name=FORWARD_ONNX, backend="onnxruntime", max_batch_size=0)
     config.default_model_filename = ONNX_BACKEND_FILENAME
     _add_stateless_io(config, cfg, "float32", optional=False)
     config.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
-    cache = f"{settings.trt_cache_dir.rstrip('/')}/{MHA_ONNX}"
+    cache = f"{settings.trt_cache_dir.rstrip('/')}/{FORWARD_ONNX}"
     options = provider_options(cfg, Limits(), cache_path=cache, fp16=True)
     config.optimization.CopyFrom(triton_optimization(options))
     return config
@@ -308,9 +308,9 @@ def model_configs(
 ) -> dict[str, pb.ModelConfig]:
     """Every model's config; `onnx_files[model]` are the python models' file parameters."""
     return {
-        MHA: mha_config(cfg, onnx_files[MHA], settings),
-        MHA_SESSION: mha_session_config(cfg, onnx_files[MHA_SESSION], settings, engine),
-        MHA_ONNX: mha_onnx_config(cfg, settings),
+        FORWARD: forward_config(cfg, onnx_files[FORWARD], settings),
+        SESSIONS: sessions_config(cfg, onnx_files[SESSIONS], settings, engine),
+        FORWARD_ONNX: forward_onnx_config(cfg, settings),
     }
 
 

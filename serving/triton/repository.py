@@ -5,9 +5,9 @@
     REPO/<model>/1/config.json         the ModelConfig the model was built from
     REPO/<model>/1/model.<variant>.onnx  python models: one passing graph per placement (PYTHON_FILES),
                                        and the inspection graph for attention maps (INSPECTION_FILES)
-    REPO/mha_onnx/1/model.onnx         the onnxruntime backend's default file name
+    REPO/forward_onnx/1/model.onnx     the onnxruntime backend's default file name
     REPO/<model>/1/SHA256SUMS          each graph's sha256 from the build's report (serving/triton/digests.py)
-    REPO/mha_session/1/tokenizer.json ...  a whole model's text files (contract/files.py TEXT_FILES), listed too
+    REPO/sessions/1/tokenizer.json ... a whole model's text files (contract/files.py TEXT_FILES), listed too
 
 Only variants that passed the parity ladder (report.json) are ever copied, and only when the file is
 still the one the build checked (its sha256 as the report recorded it); the Python models check the
@@ -42,19 +42,19 @@ SHIM_FILENAME = "model.py"
 
 P_CPU, P_CUDA, P_TRT = triton_config.P_ONNX_FILE, triton_config.P_ONNX_FILE_CUDA, triton_config.P_ONNX_FILE_TENSORRT
 P_INSPECT = triton_config.P_ONNX_FILE_INSPECT
-# mha_session: the session operations its engine offers, comma-separated (published, read by no model)
+# sessions: the session operations its engine offers, comma-separated (published, read by no model)
 P_OPERATIONS = "operations"
 # Both python models answer the attention maps from the inspection graph on the CPU, whatever else they
 # run (export/inspect_form.py); an artifact without it serves the rest, and a request for maps is refused.
 INSPECTION_FILES = {P_INSPECT: (names.INSPECTION_VARIANT,)}
 # The python models' graphs per placement, best first; the first that passed is copied. The served IO
-# is fp32 (the runner rounds to an fp16 graph's dtype and back). `mha`: the fused graph on the CPU (the
-# fastest CPU decode step), fp16 on CUDA, the TensorRT form under TensorRT. `mha_session`: the static
+# is fp32 (the runner rounds to an fp16 graph's dtype and back). `forward`: the fused graph on the CPU (the
+# fastest CPU decode step), fp16 on CUDA, the TensorRT form under TensorRT. `sessions`: the static
 # cache (fp32 on the CPU, fp16 on CUDA) for the `static` engine, the fused fp32 graph for `concat`;
 # with a quantized KV cache (`kv_dtype`) the static graph of that cache, on the CPU only (ONNX Runtime
 # 1.31's CUDA GroupQueryAttention quantizes a cache too, but none of it has run on a GPU of ours).
 PYTHON_FILES: dict[str, dict[str, tuple[str, ...]]] = {
-    triton_config.MHA: {
+    triton_config.FORWARD: {
         P_CPU: ("fp32-fused", "fp32"),
         P_CUDA: ("fp16-fused", "fp32-fused", "fp32"),
         P_TRT: ("fp16-trt", "fp32-trt"),
@@ -64,12 +64,12 @@ PYTHON_FILES: dict[str, dict[str, tuple[str, ...]]] = {
 }
 QUANTIZED_STATIC_FILES = {KV_INT8: {P_CPU: ("fp32-static-int8kv",)}, KV_INT4: {P_CPU: ("fp32-static-int4kv",)}}
 # With INT8 or 4-bit weights (`weights_dtype`): the graphs whose projections are int8 (int4), on the CPU only
-# (ONNX Runtime's dynamic quantization and MatMulNBits are CPU kernels here): the fused one for `mha` and the
+# (ONNX Runtime's dynamic quantization and MatMulNBits are CPU kernels here): the fused one for `forward` and the
 # concat engine, the static one for the static engine. Asked for by name, they are never given up silently for
 # the float graphs.
 QUANTIZED_WEIGHTS_FILES = {
     dtype: {
-        triton_config.MHA: {P_CPU: (f"fp32-fused-{dtype}w",)},
+        triton_config.FORWARD: {P_CPU: (f"fp32-fused-{dtype}w",)},
         ENGINE_STATIC: {P_CPU: (f"fp32-static-{dtype}w",)},
         ENGINE_CONCAT: {P_CPU: (f"fp32-fused-{dtype}w",)},
     }
@@ -78,7 +78,7 @@ QUANTIZED_WEIGHTS_FILES = {
 
 
 def session_choices(settings: ServingSettings, engine: str) -> dict[str, tuple[str, ...]]:
-    """mha_session's graphs per placement for `engine` and the deployment's KV cache and weights dtypes."""
+    """The sessions model's graphs per placement for `engine` and the deployment's KV cache and weights dtypes."""
     if settings.weights_dtype in QUANTIZED_WEIGHTS_FILES:
         return QUANTIZED_WEIGHTS_FILES[settings.weights_dtype][engine]
     if engine == ENGINE_STATIC and settings.kv_dtype in QUANTIZED_STATIC_FILES:
@@ -87,9 +87,9 @@ def session_choices(settings: ServingSettings, engine: str) -> dict[str, tuple[s
 
 
 def stateless_choices(settings: ServingSettings) -> dict[str, tuple[str, ...]]:
-    """mha's graphs per placement for the deployment's weights dtype."""
+    """The forward model's graphs per placement for the deployment's weights dtype."""
     quantized = QUANTIZED_WEIGHTS_FILES.get(settings.weights_dtype)
-    return quantized[triton_config.MHA] if quantized else PYTHON_FILES[triton_config.MHA]
+    return quantized[triton_config.FORWARD] if quantized else PYTHON_FILES[triton_config.FORWARD]
 
 
 def asked_variants(settings: ServingSettings) -> tuple[str, ...]:
@@ -101,10 +101,10 @@ def asked_variants(settings: ServingSettings) -> tuple[str, ...]:
     return QUANTIZED_STATIC_FILES.get(settings.kv_dtype, {}).get(P_CPU, ())
 
 
-# mha_onnx loads the plain fp32 graph: (1) every op of it has a CUDA kernel in the ONNX Runtime of
+# forward_onnx loads the plain fp32 graph: (1) every op of it has a CUDA kernel in the ONNX Runtime of
 # the NGC image's onnxruntime backend (1.24.4 in 26.04), which has none for the ONNX `Attention` op;
 # (2) TensorRT parses it whole (no attention node with a cache inside); (3) FP16 comes from the
-# TensorRT accelerator's precision_mode, keeping the fp32 IO shared with `mha`. The build checks both
+# TensorRT accelerator's precision_mode, keeping the fp32 IO shared with `forward`. The build checks both
 # (export/targets.py, ONNX_BACKEND).
 ONNX_BACKEND_VARIANT = "fp32"
 
@@ -161,7 +161,7 @@ def python_files(choices: dict[str, tuple[str, ...]], passing: set[str]) -> dict
 
 
 def session_engine(settings: ServingSettings, passing: set[str]) -> str:
-    """The engine mha_session runs: the one asked for, or `concat` where the static graph is missing
+    """The engine sessions runs: the one asked for, or `concat` where the static graph is missing
     (a config GroupQueryAttention cannot take)."""
     if settings.engine == ENGINE_STATIC and P_CPU not in python_files(
         session_choices(settings, ENGINE_STATIC), passing
@@ -185,20 +185,20 @@ def model_files(passing: set[str], settings: ServingSettings | None = None) -> d
     settings = settings or ServingSettings()
     engine = session_engine(settings, passing)
     return {
-        triton_config.MHA: python_files(stateless_choices(settings) | INSPECTION_FILES, passing),
-        triton_config.MHA_SESSION: python_files(session_choices(settings, engine) | INSPECTION_FILES, passing),
+        triton_config.FORWARD: python_files(stateless_choices(settings) | INSPECTION_FILES, passing),
+        triton_config.SESSIONS: python_files(session_choices(settings, engine) | INSPECTION_FILES, passing),
     }
 
 
 def model_configs(cfg: ModelConfig, passing: set[str], settings: ServingSettings | None = None) -> dict:
-    """Every model's Triton config for an artifact whose `passing` variants are there; mha_session's
+    """Every model's Triton config for an artifact whose `passing` variants are there; the sessions model's
     publishes the engine chosen (`engine`) and the session operations it offers (P_OPERATIONS), which
     the gateway's GET /v1/models reads back."""
     settings = settings or ServingSettings()
     files = model_files(passing, settings)
     engine = session_engine(settings, passing)
     configs = triton_config.model_configs(cfg, files, settings, engine)
-    configs[triton_config.MHA_SESSION].parameters[P_OPERATIONS].string_value = ",".join(ENGINE_OPERATIONS[engine])
+    configs[triton_config.SESSIONS].parameters[P_OPERATIONS].string_value = ",".join(ENGINE_OPERATIONS[engine])
     return configs
 
 
@@ -210,12 +210,13 @@ def write_repository(
     prefix: str = "",
 ) -> Path:
     """Fill `repository_dir` with `models` built from `artifact_dir`; return the repository path. `prefix` names
-    a second model set of the same repository (`fortunes_mha_session`): its models are written under the
+    a second model set of the same repository (`fortunes_sessions`): its models are written under the
     prefixed names. A whole model's session model carries the checkpoint's text files (the tokenizer, its special
     tokens, the chat template), checked against the build's digests and listed in its SHA256SUMS, which the
     model checks again when it loads."""
     artifact_dir, repository = Path(artifact_dir), Path(repository_dir)
     settings = settings or ServingSettings()
+    models = tuple(names.current_model_name(m) for m in models)
     unknown = [m for m in models if m not in triton_config.MODELS]
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; choose from {list(triton_config.MODELS)}")
@@ -232,9 +233,11 @@ def write_repository(
             raise RepositoryError(
                 f"{artifact_dir}: no passing variant for {name} on the CPU{build}; passing: {sorted(passing)}"
             )
-    if triton_config.MHA_ONNX in models and ONNX_BACKEND_VARIANT not in passing:
-        raise RepositoryError(f"{artifact_dir}: {triton_config.MHA_ONNX} needs the passing `{ONNX_BACKEND_VARIANT}`")
+    if triton_config.FORWARD_ONNX in models and ONNX_BACKEND_VARIANT not in passing:
+        needs = f"{triton_config.FORWARD_ONNX} needs the passing `{ONNX_BACKEND_VARIANT}`"
+        raise RepositoryError(f"{artifact_dir}: {needs}")
     configs = model_configs(cfg, passing, settings)
+    rename_legacy_models(repository)
     for name in models:
         version = _fresh_version_dir(repository / f"{prefix}{name}")
         configs[name].name = f"{prefix}{name}"
@@ -245,7 +248,7 @@ def write_repository(
         else:
             copies = {model_filename(ONNX_BACKEND_VARIANT): triton_config.ONNX_BACKEND_FILENAME}
         recorded = _copy_graphs(artifact_dir, report, version, copies)
-        if name == triton_config.MHA_SESSION and cfg.whole:  # its text travels with the model that generates
+        if name == triton_config.SESSIONS and cfg.whole:  # its text travels with the model that generates
             text = _copy_text_files(artifact_dir, report, version)
             if text:
                 digest = generation.text_digest(text)
@@ -313,8 +316,36 @@ def lacks(repository_dir: str | Path, models: tuple[str, ...] = triton_config.PY
     return found
 
 
+def rename_legacy_models(repository_dir: str | Path) -> list[str]:
+    """The model folders of `repository_dir` under the names they had before the names said what they serve
+    (contract/names.py LEGACY_MODEL_NAMES: `mha_session`, `fortunes_mha_session`, ...) moved to today's names,
+    their configs' names and implementations with them, so that a repository written before serves as it is,
+    with no build. A legacy folder beside a folder of today's name is removed: Triton would load both, two KV
+    budgets for one model. Says what it did, a line a folder."""
+    repository = Path(repository_dir)
+    done = []
+    for config_path in sorted(repository.glob(f"*/{triton_config.TRITON_CONFIG_FILENAME}")):
+        folder = config_path.parent
+        current = names.current_model_name(folder.name)
+        if current == folder.name:
+            continue
+        if (repository / current).exists():
+            shutil.rmtree(folder)
+            done.append(f"{folder}: removed, the old name of {current}, which {repository} holds")
+            continue
+        config = triton_config.parse(config_path.read_text())
+        config.name = current
+        if triton_config.P_IMPLEMENTATION in config.parameters:
+            served = next(model for model in triton_config.IMPLEMENTATIONS if current.endswith(model))
+            config.parameters[triton_config.P_IMPLEMENTATION].string_value = triton_config.IMPLEMENTATIONS[served]
+        config_path.write_text(triton_config.to_text(config))
+        folder.rename(repository / current)
+        done.append(f"{folder}: renamed {current} (the model's name since the names say what they serve)")
+    return done
+
+
 def other_session_models(repository_dir: str | Path) -> tuple[str, ...]:
-    """The session models of `repository_dir` beside `mha_session`: those of its other model sets (the trained
+    """The session models of `repository_dir` beside `sessions`: those of its other model sets (the trained
     model's, a second served folder's), which the supervisor and /readyz probe too."""
     found = []
     for config_path in sorted(Path(repository_dir).glob(f"*/{triton_config.TRITON_CONFIG_FILENAME}")):

@@ -1,7 +1,7 @@
 """`python -m bench generate` end to end, bounded: the session's build of TEST_CONFIGS["whole"] (its weights
 written as transformers' checkpoint, not imported again), a 16-token prompt and 8 greedy tokens at 1 and 4
 generations at once, one round, every candidate but the server peers (built outside the suite): Triton's
-`mha_session` through the client (and another Triton's on the 4-bit weights), the gateway's `POST /v1/generate`
+`sessions` through the client (and another Triton's on the 4-bit weights), the gateway's `POST /v1/generate`
 as Server-Sent Events and its `POST /v1/completions`, the same engine core in-process, onnxruntime-genai (fp32 and
 int4) and transformers; then a 36-id joiner among 4 streams and 2 s of idle CPU. Timings are not asserted (a smoke
 test); the tokens are: fp32 everywhere, each candidate answers exactly transformers' greedy tokens, but the 4-bit

@@ -83,7 +83,7 @@ def test_every_section_ran_and_wrote_its_results(proof):
     assert entry["latency"]["peer_error"] < gpu.PEER_BOUND  # the PyTorch static-cache peer is the original
     served = results["served"]
     assert [r["past"] for r in served["rows"]] == [8] and served["noop_grpc"]["p50_ms"] > 0
-    assert {line.split(":")[0].strip('"') for line in served["runners"]} == {"mha", "mha_session"}
+    assert {line.split(":")[0].strip('"') for line in served["runners"]} == {"forward", "sessions"}
     assert json.loads((out / "gpu.json").read_text())["presets"]["tiny"]["latency"]["rows"] == rows
 
 

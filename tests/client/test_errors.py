@@ -24,7 +24,7 @@ from client.errors import (
 from contract import errors as kinds
 
 START_REQUIRED = (
-    "inference request for sequence 1077 to model 'mha_session' must specify the START flag on the first "
+    "inference request for sequence 1077 to model 'sessions' must specify the START flag on the first "
     "request of the sequence"
 )
 BUDGET_FULL = kinds.tag(
@@ -32,7 +32,7 @@ BUDGET_FULL = kinds.tag(
     "sequence 77 cannot start: the KV cache budget is full: all 4 slots of 2048 positions (64.0 MiB) hold live "
     "sequences; retry later or end a sequence",
 )
-DEAD_STUB = "Stub process 'mha_session_0_0' is not healthy."
+DEAD_STUB = "Stub process 'sessions_0_0' is not healthy."
 REFUSED = (
     "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect to remote host: "
     "Connection refused"
@@ -40,9 +40,10 @@ REFUSED = (
 
 # (HTTP status, gRPC status, message, sent as a session step, expected type)
 CASES = [
-    ("400", "INVALID_ARGUMENT", "inference input 'hidden_states' data-type is 'FP64', but model 'mha' expects 'FP32'",
-     False, InvalidInputError),
-    ("400", "INVALID_ARGUMENT", "unexpected shape for input 'hidden_states' for model 'mha'. Expected [-1,-1,256], "
+    ("400", "INVALID_ARGUMENT",
+     "inference input 'hidden_states' data-type is 'FP64', but model 'forward' expects 'FP32'", False,
+     InvalidInputError),
+    ("400", "INVALID_ARGUMENT", "unexpected shape for input 'hidden_states' for model 'forward'. Expected [-1,-1,256], "
      "got [1,2]. ", False, InvalidInputError),
     ("400", "INVALID_ARGUMENT", kinds.tag(kinds.INVALID_INPUT, "input 'attention_mask': expected length past + new "
      "= 4 + 1 = 5, got 4"), False, InvalidInputError),

@@ -15,7 +15,7 @@ from contract.config import ModelConfig
 from tests.conftest import TEST_CONFIGS
 
 
-def metadata(cfg: ModelConfig, as_grpc_json: bool = False, model: str = "mha") -> dict:
+def metadata(cfg: ModelConfig, as_grpc_json: bool = False, model: str = "forward") -> dict:
     """Triton's metadata for a stateless model of `cfg` (docs/design.md, "Tensor names"): dynamic axes are -1, and
     gRPC's JSON renders int64 dims as strings."""
 
@@ -30,7 +30,7 @@ def metadata(cfg: ModelConfig, as_grpc_json: bool = False, model: str = "mha") -
 
 
 SESSION_METADATA = {
-    "name": "mha_session",
+    "name": "sessions",
     "inputs": [
         {"name": names.HIDDEN_STATES, "datatype": "FP32", "shape": [-1, -1, 32]},
         {"name": names.ATTENTION_MASK, "datatype": "INT64", "shape": [-1, -1]},

@@ -1,5 +1,5 @@
 """The client against the real Triton of tests/fixtures/triton.py (the `gqa` test artifact served
-as `mha` and `mha_session`): sync and asyncio, HTTP and gRPC, compared with the PyTorch original."""
+as `forward` and `sessions`): sync and asyncio, HTTP and gRPC, compared with the PyTorch original."""
 
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def request_count(triton, model: str) -> int:
 def test_bad_inputs_are_refused_before_sending(triton, served_cfg, protocol):
     with Client(url(triton, protocol), protocol) as client:
         client.metadata()
-        before = request_count(triton, "mha")
+        before = request_count(triton, "forward")
         with pytest.raises(InvalidInputError, match="hidden_states") as caught:
             client.infer(hidden(served_cfg, 1, 2, seed=0).astype(np.float64))
         assert caught.value.status is None
@@ -201,7 +201,7 @@ def test_bad_inputs_are_refused_before_sending(triton, served_cfg, protocol):
             client.infer(poisoned)
         with pytest.raises(InvalidInputError, match="finite"), client.session() as session:
             session.step(poisoned)
-        assert request_count(triton, "mha") == before  # no round trip
+        assert request_count(triton, "forward") == before  # no round trip
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -293,7 +293,7 @@ def test_waiting_for_readiness(triton, protocol):
     with Client(url(triton, protocol), protocol) as client:
         assert client.wait_ready(timeout=10).ok
     with Client(url(triton, protocol), protocol, session_model="nope") as client:
-        assert client.health().models == {"mha": True, "nope": False}
+        assert client.health().models == {"forward": True, "nope": False}
         assert client.ready() is False
         with pytest.raises(ServerUnavailableError, match="model 'nope' not ready"):
             client.wait_ready(timeout=0.2, interval=0.05)
@@ -364,7 +364,7 @@ def test_cli_health_infer_and_bench(triton, served_cfg, tmp_path, capsys):
     from client.__main__ import main
 
     assert main(["health", "--url", triton.grpc_url]) == 0
-    assert "model mha_session: serving" in capsys.readouterr().out  # it answered a real token
+    assert "model sessions: serving" in capsys.readouterr().out  # it answered a real token
     np.save(tmp_path / "hidden.npy", hidden(served_cfg, 2, 3, seed=13))
     assert (
         main(["infer", "--url", triton.http_url, "--protocol", "http", "--hidden", str(tmp_path / "hidden.npy")]) == 0

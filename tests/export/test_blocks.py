@@ -11,7 +11,7 @@ from contract.config import ModelConfig
 from export.build import build
 from export.progress import Progress
 from serving.triton import repository
-from serving.triton.config import MHA, MHA_ONNX, MHA_SESSION
+from serving.triton.config import FORWARD, FORWARD_ONNX, SESSIONS
 from tests.fixtures.builds import FULL_BUILD, FULL_VARIANTS
 from tests.fixtures.configs import assert_fits, graph_io, loaded_onnx, model_filename_of, read_config
 from tests.fixtures.prebuilds import folder_job
@@ -70,7 +70,7 @@ def test_the_repository_fits_every_block(built, tmp_path):
     repo = repository.write_repository(out, tmp_path / "repo")
     assert repository.is_complete(repo)
     map_names = names.attention_map_names(ModelConfig.load(out).n_layers)
-    for model in (MHA, MHA_ONNX):
+    for model in (FORWARD, FORWARD_ONNX):
         config = read_config(repo, model)
         maps = [t for t in config.output if t.name in map_names]  # the inspection graph's, when asked
         served = [t for t in [*config.input, *config.output] if t not in maps]
@@ -78,7 +78,7 @@ def test_the_repository_fits_every_block(built, tmp_path):
         if maps:
             inspection = graph_io(repo / model / repository.VERSION / model_filename_of(config))
             assert_fits([*config.input, *config.output], inspection, batch_axis_added=False)
-    session = read_config(repo, MHA_SESSION)  # the static engine: new tokens in, lengths instead of the mask
+    session = read_config(repo, SESSIONS)  # the static engine: new tokens in, lengths instead of the mask
     graph = graph_io(loaded_onnx(repo, session))
     # held_length and a snapshot's blob are the model's, not the graph's; the maps the inspection graph's
     model_only = (names.HELD_LENGTH, names.SNAPSHOT)

@@ -83,7 +83,7 @@ def test_every_gpu_graph_fits_its_target_and_not_the_others(built):
         variant: {t for t in targets.TARGETS if not targets.problems(t, load(directory, variant), cfg)}
         for variant in ("fp32", "fp32-fused", *STATIC, *TRT)
     }
-    # the plain graph: ONNX Runtime 1.24's CUDA kernels and TensorRT's parser take it whole (mha_onnx)
+    # the plain graph: ONNX Runtime 1.24's CUDA kernels and TensorRT's parser take it whole (forward_onnx)
     assert {targets.ONNX_BACKEND, targets.TENSORRT} <= fits["fp32"]
     # the fused node has its cache inside and three outputs: TensorRT would split the graph
     assert targets.TENSORRT not in fits["fp32-fused"] and targets.ONNX_BACKEND not in fits["fp32-fused"]

@@ -33,7 +33,7 @@ from serving.engine.kv_pool import KVPool
 from serving.engine.ort import ort_runner, ort_session
 from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
-from serving.triton.config import MHA, MHA_SESSION, TRITON_CONFIG_FILENAME, ServingSettings
+from serving.triton.config import FORWARD, SESSIONS, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.prebuilds import folder_job
 from tests.fixtures.text import save_tokenizer
@@ -281,14 +281,14 @@ def served_name(model: str, family: str) -> str:
 
 @pytest.fixture(scope="module")
 def served(request, checkpoints, tmp_path_factory):
-    """One real Triton for the module, serving every family's `mha` and `mha_session` as its repository has
-    them, each pair under the family's name (`mha-llama`, `mha_session-llama`): the config's name is the
+    """One real Triton for the module, serving every family's `forward` and `sessions` as its repository has
+    them, each pair under the family's name (`forward-llama`, `sessions-llama`): the config's name is the
     folder's; the rest is what `write_repository` wrote (Triton starts and stops in seconds: once)."""
     work = tmp_path_factory.mktemp("hf-served")
     repository = work / "repository"
     for family in sorted(selected(request, "checkpoint") | selected(request, "family")):
-        own = write_repository(checkpoints(family).artifact, work / family, SETTINGS, models=(MHA, MHA_SESSION))
-        for model in (MHA, MHA_SESSION):  # the session model generates too
+        own = write_repository(checkpoints(family).artifact, work / family, SETTINGS, models=(FORWARD, SESSIONS))
+        for model in (FORWARD, SESSIONS):  # the session model generates too
             target = shutil.copytree(own / model, repository / served_name(model, family))
             config = triton_config.parse((target / TRITON_CONFIG_FILENAME).read_text())
             config.name = target.name
@@ -315,7 +315,7 @@ def test_served_a_session_and_stateless_calls_equal_the_causal_lm(checkpoint, se
 
 def served_models(family: str) -> dict[str, str]:
     """The client's model names for a family served under its own names."""
-    return {"model": served_name(MHA, family), "session_model": served_name(MHA_SESSION, family)}
+    return {"model": served_name(FORWARD, family), "session_model": served_name(SESSIONS, family)}
 
 
 GENERATED = 24

@@ -118,7 +118,7 @@ def test_the_served_session_equals_transformers_over_a_prefill_and_16_greedy_ste
     """The issue's check as a user meets it: the artifact's session model in a real Triton, stepped through the
     client library, against transformers' LlamaForCausalLM over the same tokens."""
     settings = ServingSettings(threads=1, kv_cache_bytes=16 << 20, max_batch_size=4)
-    repository = write_repository(built / "artifact", tmp_path / "repository", settings, models=("mha_session",))
+    repository = write_repository(built / "artifact", tmp_path / "repository", settings, models=("sessions",))
     ids = np.random.default_rng(4).integers(3, 1003, (1, 9), dtype=np.int64)
     with (
         start_triton(repository, log_path=tmp_path / "triton.log") as server,

@@ -1,7 +1,7 @@
 """Admission: the KV budget, never Triton's sequence batcher, is what turns a session away.
 
 Triton gives each sequence a candidate slot from START to END; with every slot taken it holds a new
-START unanswered in a backlog. mha_session had 1,024 slots whatever its budget: on a budget of more
+START unanswered in a backlog. sessions had 1,024 slots whatever its budget: on a budget of more
 sessions than that, the 1,025th START hung to the caller's deadline. The slots now follow the budget
 (serving/triton/config.py `candidate_sequences`): on a budget of more than 1,024 sessions every START
 is answered at once, those beyond the budget with `[cache_full]` (the client's ServerBusyError),
@@ -20,7 +20,7 @@ from client import Client, ServerBusyError
 from contract import errors as kinds
 from contract.config import ModelConfig
 from serving.host.launcher import start_triton
-from serving.triton.config import MHA, MHA_SESSION, ServingSettings
+from serving.triton.config import FORWARD, SESSIONS, ServingSettings
 from serving.triton.repository import write_repository
 from tests.serving import helpers
 
@@ -41,7 +41,7 @@ def server(artifact_dir, tmp_path_factory):
     cfg = ModelConfig.load(artifact)
     settings = ServingSettings(threads=1, kv_cache_bytes=ROWS * cfg.kv_cache_bytes(1, cfg.max_seq_len))
     work = tmp_path_factory.mktemp("admission")
-    repository = write_repository(artifact, work / "repository", settings, models=(MHA, MHA_SESSION))
+    repository = write_repository(artifact, work / "repository", settings, models=(FORWARD, SESSIONS))
     triton = start_triton(repository, log_path=work / "triton.log")
     yield triton
     triton.stop()
@@ -92,7 +92,7 @@ def assert_a_refused_open_is_ended(server, client: Client) -> None:
     refused = client.session()
     with pytest.raises(ServerBusyError):
         refused.open()
-    width = client.metadata(MHA_SESSION).d_model
+    width = client.metadata(SESSIONS).d_model
     with helpers.Client(server, "grpc") as raw, pytest.raises(InferenceServerException) as answer:
         raw.step(refused.id, np.zeros((1, 1, width), np.float32))
     assert "must specify the START flag" in answer.value.message(), answer.value.message()
@@ -101,7 +101,7 @@ def assert_a_refused_open_is_ended(server, client: Client) -> None:
 def assert_live_sessions_still_answer_right(client: Client, sessions: list) -> None:
     """Sessions opened before the refusals step as usual: the same tokens give each of them the
     stateless model's answer for a sequence with no past."""
-    width = client.metadata(MHA_SESSION).d_model
+    width = client.metadata(SESSIONS).d_model
     tokens = np.random.default_rng(5).standard_normal((1, 3, width)).astype(np.float32)
     expected = client.infer(tokens).output
     for session in sessions:

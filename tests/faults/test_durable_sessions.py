@@ -78,7 +78,7 @@ def advance(sessions, gateway, gateway_sessions, steps: int) -> None:
             np.testing.assert_allclose(out, sequence.expected(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fault", ["mha_session_0_0", "bin/tritonserver"])
+@pytest.mark.parametrize("fault", ["sessions_0_0", "bin/tritonserver"])
 def test_sessions_survive_a_killed_process_and_go_on_as_the_original(stack, original, tmp_path, fault):
     served, gateway = stack
     wait_ready(gateway, time.monotonic())
@@ -149,7 +149,7 @@ def test_one_killed_stub_a_redis_session_goes_on_changed_or_foreign_entries_are_
         redis_session(served, original, redis_server),
         rewound_sessions(served, original, tmp_path / "rewound"),
     ]
-    kill(served, "mha_session_0_0")
+    kill(served, "sessions_0_0")
     for check in checks:
         check()
 

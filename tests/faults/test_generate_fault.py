@@ -29,7 +29,7 @@ from tests.fixtures.triton import WHOLE_ARTIFACT, WHOLE_SETTINGS
 pytestmark = [pytest.mark.served, pytest.mark.slow]
 EVERY = 8  # positions between checkpoints: the generated tokens reach both the store and the replay log
 PROBE_INTERVAL_S = 0.5  # as `python -m serving --probe-interval 0.5`: the dead stub is found within a second
-SESSION_STUB = "mha_session_0_0"
+SESSION_STUB = "sessions_0_0"
 
 
 def greedy(model, ids: np.ndarray, tokens: int) -> list[int]:
@@ -82,5 +82,5 @@ def test_a_killed_stub_mid_generation_gives_the_right_prefix_a_clear_error_then_
         # when a stub killed while it held their shared-memory lock is unloaded: "terminate called after throwing
         # an instance of 'boost::interprocess::lock_exception'", seen here; triton-inference-server/server#8882)
         assert len(supervisor.recoveries) == 1, supervisor.recoveries
-        assert supervisor.recoveries[0].action in ("reload mha_session", "restart"), supervisor.recoveries
+        assert supervisor.recoveries[0].action in ("reload sessions", "restart"), supervisor.recoveries
         assert all(recovery.ok for recovery in supervisor.recoveries)

@@ -3,7 +3,7 @@
 
 In process, the two tables a request goes through: the gateway's (`GatewaySessions`: an open counts the
 key's sessions) and the session model's (the static engine: a START sweeps for idle sequences, takes a
-row, and mha_session reads the engine's stats after it). Each request's cost is timed with thousands
+row, and sessions reads the engine's stats after it). Each request's cost is timed with thousands
 of idle sessions beside it against none, the two taking turns; the bound is 10x, where walking the
 table costs 100x and more (timings noisy on shared cores fall far inside it). What the counts and the
 sweep answer is checked against a recount of the table."""
@@ -140,7 +140,7 @@ def test_a_step_and_an_open_of_the_engine_cost_the_same_with_2000_idle_sequences
     token, nothing = np.ones((1, 1, cfg.d_model), np.float32), np.zeros((1, 0, cfg.d_model), np.float32)
 
     def open_and_end(engine: StaticSessionEngine) -> Callable[[], None]:
-        def call() -> None:  # a START and an END as Triton sends them, each followed by mha_session's gauges
+        def call() -> None:  # a START and an END as Triton sends them, each followed by the sessions model's gauges
             engine.execute([StepRequest("opened", True, False, nothing)])
             engine.stats()
             engine.execute([StepRequest("opened", False, True, nothing)])

@@ -59,7 +59,7 @@ def processes_using(path: Path) -> list[str]:
 
 
 def test_serving_a_changed_graph_fails_at_start_naming_the_file_and_both_digests(repository, tmp_path):
-    graph = repository / "mha" / "1" / "model.fp32-fused.onnx"
+    graph = repository / "forward" / "1" / "model.fp32-fused.onnx"
     recorded, actual = changed(graph)
     ports = [str(free_port()) for _ in range(3)]
     command = [sys.executable, "-m", "serving", "--model-repository", str(repository), "--no-gateway"]
@@ -77,18 +77,18 @@ def test_a_running_model_refuses_to_reload_a_changed_graph_and_keeps_serving_the
     server = start_triton(repository, log_path=tmp_path / "triton.log")
     try:
         client = Client(server.grpc_url, retries=0)
-        width = client.metadata("mha_session").d_model
+        width = client.metadata("sessions").d_model
         token = np.random.default_rng(0).standard_normal((1, 3, width)).astype(np.float32)
         with client.session() as session:
             before = session.step(token)
-        graph = repository / "mha_session" / "1" / "model.fp32-static.onnx"
+        graph = repository / "sessions" / "1" / "model.fp32-static.onnx"
         recorded, actual = changed(graph)
         # as the supervisor reloads a model whose process died: Triton's next poll loads it anew and
         # fails; the log says when it has (no fixed wait for a reload that never comes)
-        with pytest.raises(TimeoutError, match="did not load mha_session again"):
-            server.reload(["mha_session"], timeout=1)
-        log = logged(tmp_path / "triton.log", "failed to load 'mha_session' version 1")
-        assert "failed to load 'mha_session' version 1: Internal: IntegrityError" in log, server.log_tail()
+        with pytest.raises(TimeoutError, match="did not load sessions again"):
+            server.reload(["sessions"], timeout=1)
+        log = logged(tmp_path / "triton.log", "failed to load 'sessions' version 1")
+        assert "failed to load 'sessions' version 1: Internal: IntegrityError" in log, server.log_tail()
         assert f"IntegrityError: {graph.resolve()} changed after its build: sha256 {actual}" in log
         assert f"the build recorded {recorded}" in log
         # Triton keeps the version it had, whose graph was checked when it loaded

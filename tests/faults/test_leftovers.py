@@ -154,7 +154,7 @@ def assert_nothing_left(server, stub_pids, log_kept: bool = False) -> None:
 
 def test_a_killed_tritonserver_leaves_no_region_stub_or_folder(tiny_repository):
     server = start_triton(tiny_repository)
-    wait_until(lambda: sorted(stubs(server)) == ["mha_0_0", "mha_session_0_0"], timeout=10.0)
+    wait_until(lambda: sorted(stubs(server)) == ["mha_0_0", "sessions_0_0"], timeout=10.0)
     stub_pids = list(stubs(server).values())
     sizes = [region.stat().st_size for region in regions(server)]  # each stub's
     assert len(sizes) >= 2 and set(sizes) == {SHM_REGION_BYTES}, sizes
@@ -164,30 +164,30 @@ def test_a_killed_tritonserver_leaves_no_region_stub_or_folder(tiny_repository):
     assert_nothing_left(server, stub_pids, log_kept=True)
 
 
-def infer_mha(server) -> np.ndarray:
+def infer_forward(server) -> np.ndarray:
     client = httpclient.InferenceServerClient(server.http_url)
     try:
         x = httpclient.InferInput("hidden_states", [1, 2, 32], "FP32")
         x.set_data_from_numpy(np.ones((1, 2, 32), np.float32))
-        return client.infer("mha", [x]).as_numpy("output")
+        return client.infer("forward", [x]).as_numpy("output")
     finally:
         client.close()
 
 
-def reload_dead_mha(server, during=None) -> None:
-    """kill -9 of the mha stub, then `server.reload` (as the supervisor does), `during(reloading)`
+def reload_dead_forward(server, during=None) -> None:
+    """kill -9 of the forward stub, then `server.reload` (as the supervisor does), `during(reloading)`
     called meanwhile if given (`reloading`: the thread reloading); asserts that a new stub answers as
     the old one did."""
-    before = infer_mha(server)
+    before = infer_forward(server)
     dead = stubs(server)["mha_0_0"]
     os.kill(dead, signal.SIGKILL)
-    reloading = threading.Thread(target=server.reload, args=(["mha"],))
+    reloading = threading.Thread(target=server.reload, args=(["forward"],))
     reloading.start()
     if during is not None:
         during(reloading)
     reloading.join(60)
     assert stubs(server)["mha_0_0"] != dead
-    np.testing.assert_array_equal(infer_mha(server), before)
+    np.testing.assert_array_equal(infer_forward(server), before)
 
 
 def stop_and_check(server, caplog) -> tuple[int, float]:
@@ -211,13 +211,13 @@ def test_a_server_whose_stub_died_and_was_reloaded_stops_cleanly_and_logging_els
     log_path = tmp_path / "triton.log"
     server = start_triton(tiny_repository, log_path=log_path)
     started = time.monotonic()
-    reload_dead_mha(server)
+    reload_dead_forward(server)
     time.sleep(max(0.0, 3 * POLL_SECONDS - (time.monotonic() - started)))  # at least 3 of Triton's polls
     assert stop_and_check(server, caplog)[0] == 0
     log = log_path.read_text()
-    # each model loaded once at the start, and mha once more by the reload: nothing is loaded twice
-    assert log.count("successfully loaded 'mha_session'") == 1, log
-    assert log.count("successfully loaded 'mha'") == 2, log
+    # each model loaded once at the start, and forward once more by the reload: nothing is loaded twice
+    assert log.count("successfully loaded 'sessions'") == 1, log
+    assert log.count("successfully loaded 'forward'") == 2, log
 
 
 def test_requests_that_reach_the_dead_model_during_its_reload_leave_nothing_behind(tiny_repository, caplog):
@@ -234,11 +234,11 @@ def test_requests_that_reach_the_dead_model_during_its_reload_leave_nothing_behi
         while reloading.is_alive() or not knocked:
             client = httpclient.InferenceServerClient(server.http_url, network_timeout=2.0)
             with contextlib.suppress(Exception):
-                client.infer("mha", [x])
+                client.infer("forward", [x])
             client.close()
             knocked += 1
             time.sleep(0.05)
 
-    reload_dead_mha(server, during=knock)
+    reload_dead_forward(server, during=knock)
     returncode, seconds = stop_and_check(server, caplog)
     assert returncode in (0, -signal.SIGKILL) and seconds < EXIT_TIMEOUT_S

@@ -143,7 +143,7 @@ LAUNCHERS = textwrap.dedent(
         os.write(1, (json.dumps(line) + "\\n").encode())
 
     def launch(holds, http, grpc, metrics):
-        models = ["mha", "mha_session"] if holds == "none" else ["mha_session"]
+        models = ["forward", "sessions"] if holds == "none" else ["sessions"]
         # what is checked is the kill, not twenty starts at once on two cores: a start that failed (once, in a
         # suite run beside a benchmark: the Python backend's "boost::interprocess::lock_exception") is tried again
         try:
@@ -163,7 +163,7 @@ LAUNCHERS = textwrap.dedent(
         def step(tokens, **sequence):  # the session model is decoupled: a stream of one request (client/affinity.py)
             tensor = grpcclient.InferInput("hidden_states", [1, tokens, d_model], "FP32")
             tensor.set_data_from_numpy(np.full((1, tokens, d_model), 0.5, np.float32))
-            affinity.infer(stub, "mha_session", [tensor], headers={}, sequence_id=1, **sequence)
+            affinity.infer(stub, "sessions", [tensor], headers={}, sequence_id=1, **sequence)
 
         if holds != "none":
             step(4, sequence_start=True)
@@ -174,7 +174,7 @@ LAUNCHERS = textwrap.dedent(
             step(1)
             time.sleep(every)
         while holds == "none":
-            infer("mha", 64)  # one request after another: one is in flight at the kill
+            infer("forward", 64)  # one request after another: one is in flight at the kill
         time.sleep(600)
 
     for run in runs:
@@ -231,7 +231,7 @@ def test_20_runs_kill_9_of_a_launcher_with_a_session_open_or_not_leaves_no_stub_
     processes timed from its own kill."""
     from contract.config import ModelConfig
 
-    d_model = ModelConfig.load(tiny_repository / "mha_session" / "1").d_model
+    d_model = ModelConfig.load(tiny_repository / "sessions" / "1").d_model
     forker = start_launchers(tiny_repository, d_model, tmp_path / "launchers.log")
     runs: list[tuple[str, int, dict[int, str]]] = []
     try:

@@ -151,7 +151,7 @@ def test_a_generation_is_refused_when_its_prompt_and_new_tokens_pass_the_quota(g
     )
     fits = generating.post(path, json={"input_ids": prompt, "max_new_tokens": 4})
     assert fits.status_code == 200 and fits.json()["held_length"] == 8, fits.text
-    completion = {"model": "mha_session", "prompt": prompt, "temperature": 0}
+    completion = {"model": "sessions", "prompt": prompt, "temperature": 0}
     assert_quota(
         generating.post("/v1/completions", json=completion | {"max_tokens": 5}),
         "this API key's other sessions and prefixes hold",
@@ -168,7 +168,7 @@ def test_a_generation_is_refused_when_its_prompt_and_new_tokens_pass_the_quota(g
 class Stepped:
     """A client session as the tallies read one: its length and the session model it steps."""
 
-    def __init__(self, model: str = "mha_session") -> None:
+    def __init__(self, model: str = "sessions") -> None:
         self.length = 0
         self.client = types.SimpleNamespace(session_model=model)
 
@@ -177,13 +177,13 @@ def tallies(**settings) -> tuple[Quotas, list[float]]:
     """Quotas of 10 positions a key over a model of 8 bytes a position (2 x 1 x 1 x 1 x 4), and their clock."""
     now = [0.0]
     quotas = Quotas(Settings(kv_bytes_per_key=80, **settings), clock=lambda: now[0])
-    quotas.learn("mha_session", session_model())
+    quotas.learn("sessions", session_model())
     return quotas, now
 
 
 def session_model(**facts) -> ModelInfo:
     sizes = {"n_layers": 1, "n_kv_heads": 1, "head_dim": 1}
-    return ModelInfo("mha_session", {}, {}, d_model=4, float_dtype="float32", facts=sizes | facts)
+    return ModelInfo("sessions", {}, {}, d_model=4, float_dtype="float32", facts=sizes | facts)
 
 
 def test_a_generation_reserves_its_most_and_gives_back_what_it_did_not_use():
@@ -223,7 +223,7 @@ def test_idle_shares_are_forgotten_and_a_default_is_a_share_of_the_published_bud
     quotas.forget_idle(idle_s=60.0)
     assert quotas.held("key") == Held()
     shared = Quotas(Settings(kv_share_per_key=0.25))
-    shared.learn("mha_session", session_model(kv_cache_bytes=1000))
+    shared.learn("sessions", session_model(kv_cache_bytes=1000))
     assert (shared.kv_bytes, shared.prefix_bytes) == (250, 125)
 
 

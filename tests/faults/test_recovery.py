@@ -84,7 +84,7 @@ def test_a_killed_session_model_is_reloaded_and_its_sessions_are_lost(stack):
     before, (session, first) = attend(gateway), new_session(gateway)
 
     killed_at = time.monotonic()
-    kill(served, "mha_session_0_0")
+    kill(served, "sessions_0_0")
     assert gateway.get("/readyz").status_code == 503  # readiness tells the truth at once
     # the session's KV cache died with the process: a precise 409, never another sequence's data
     assert_code(gateway.post(f"/v1/sessions/{session}/step", json={"hidden_states": hidden(1, 3)}), 409, "session_lost")
@@ -94,7 +94,7 @@ def test_a_killed_session_model_is_reloaded_and_its_sessions_are_lost(stack):
     again, (_, first_again) = attend(gateway), new_session(gateway)
     np.testing.assert_array_equal(again, before)
     np.testing.assert_array_equal(first_again, first)
-    served.wait_for_output("reloading mha_session", "serving again")
+    served.wait_for_output("reloading sessions", "serving again")
     assert served.process.poll() is None
 
 
@@ -103,7 +103,7 @@ def test_opening_a_session_while_the_session_model_is_dead_answers_503_with_retr
     the README promises (it was 409 session_lost)."""
     served, gateway = stack
     killed_at = time.monotonic()
-    kill(served, "mha_session_0_0")
+    kill(served, "sessions_0_0")
     opened = gateway.post("/v1/sessions")
     assert_code(opened, 503, "upstream_unavailable")
     assert opened.headers["retry-after"] == "1"
@@ -125,7 +125,7 @@ def test_a_stopped_session_stub_is_slow_not_dead_and_the_stack_serves_again_afte
     session, _ = new_session(gateway)
     expected = step(gateway, session, seed=5)  # what the next step answers once more, after a rewind
     assert gateway.post(f"/v1/sessions/{session}/rewind", json={"length": 3}).status_code == 200
-    stub = next(pid for pid, command in served.descendants().items() if " mha_session_0_0 " in f"{command} ")
+    stub = next(pid for pid, command in served.descendants().items() if " sessions_0_0 " in f"{command} ")
     os.kill(stub, signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
@@ -133,7 +133,7 @@ def test_a_stopped_session_stub_is_slow_not_dead_and_the_stack_serves_again_afte
         while time.monotonic() - stopped_at < 5:
             time.sleep(0.2)
         during = served.output().rpartition("its process runs (slow, or stopped)")[2]
-        assert "reloading mha_session" not in during and "restarting Triton" not in during, during
+        assert "reloading sessions" not in during and "restarting Triton" not in during, during
     finally:
         os.kill(stub, signal.SIGCONT)
     resumed_at = time.monotonic()
@@ -194,7 +194,7 @@ def test_a_killed_stateless_model_is_reloaded(stack):
     recovered = wait_ready(gateway, killed_at)
     print(f"stateless model reloaded: serving {recovered:.1f} s after kill -9")
     np.testing.assert_array_equal(attend(gateway), before)
-    served.wait_for_output("reloading mha")
+    served.wait_for_output("reloading forward")
 
 
 def test_a_killed_tritonserver_is_started_again(stack):
@@ -228,7 +228,7 @@ def test_the_shape_that_kills_triton_2_51s_http_front_end_costs_seconds_not_the_
 
     sent_at = time.monotonic()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{served.http_port}/v2/models/mha/infer", data=json.dumps(body).encode()
+        f"http://127.0.0.1:{served.http_port}/v2/models/forward/infer", data=json.dumps(body).encode()
     )
     with pytest.raises((urllib.error.URLError, ConnectionError)):
         urllib.request.urlopen(request, timeout=30)

@@ -76,7 +76,7 @@ def test_either_header_with_any_configured_key_is_accepted(gateway, header, key)
 
 def test_models_describe_the_served_tensors(api):
     models = {m["name"]: m for m in api.get("/v1/models").json()["models"]}
-    stateless, session = models["mha"], models["mha_session"]
+    stateless, session = models["forward"], models["sessions"]
     assert stateless["kind"] == "stateless" and stateless["ready"]
     assert (stateless["d_model"], stateless["n_layers"], stateless["n_kv_heads"], stateless["head_dim"]) == (
         D_MODEL,
@@ -438,10 +438,12 @@ def test_metrics_count_requests_by_route_and_status(api, gateway):
 
 def test_the_openai_routes_refuse_an_attention_model_by_name(api):
     """The OpenAI-compatible routes take text: an attention model (hidden states in and out) is told so, 400 in
-    OpenAI's error shape naming `model`, and the gateway goes on serving."""
+    OpenAI's error shape naming `model`, and the gateway goes on serving. The id the session model had before the
+    models' names said what they serve (`mha_session`) is still that model."""
     for route, body in (
+        ("/v1/completions", {"model": "sessions", "prompt": "hello"}),
+        ("/v1/chat/completions", {"model": "sessions", "messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/completions", {"model": "mha_session", "prompt": "hello"}),
-        ("/v1/chat/completions", {"model": "mha_session", "messages": [{"role": "user", "content": "hi"}]}),
     ):
         answer = api.post(route, json=body)
         assert answer.status_code == 400, answer.text

@@ -211,10 +211,10 @@ def test_a_served_folders_dead_model_is_reloaded_and_its_conversation_goes_on(se
     client, greedy = sdk(served), {"temperature": 0, "max_output_tokens": 8}
     first = client.responses.create(model="tiny-qwen", input="Hello there.", **greedy)
     killed_at = time.monotonic()
-    kill(served, "tiny-qwen_mha_session_0_0")
+    kill(served, "tiny-qwen_sessions_0_0")
     with httpx.Client(base_url=served.gateway_url, timeout=60) as gateway:
         down = gateway.get("/readyz")
-        assert down.status_code == 503 and "tiny-qwen_mha_session" in down.json()["error"]["message"]
+        assert down.status_code == 503 and "tiny-qwen_sessions" in down.json()["error"]["message"]
         body = {"model": "tiny-qwen", "prompt": PROMPT, "max_tokens": 2}
         during = gateway.post("/v1/completions", json=body)
         assert during.status_code in (503, 200)  # 200: the reload was already done

@@ -3,8 +3,8 @@ JSON answer and as Server-Sent Events: greedy tokens equal the PyTorch original'
 the prompt and every token answered, bad parameters answer 400 naming them, and a stream the client leaves
 early leaves its session usable.
 
-In front of the session's whole-model Triton (tests/fixtures/triton.py `whole_triton`, which serves
-`mha_generate` beside `mha_session`); the shared gateway in front of the main Triton's attention model
+In front of the session's whole-model Triton (tests/fixtures/triton.py `whole_triton`, whose `sessions` model
+generates); the shared gateway in front of the main Triton's attention model
 answers 400: it has no logits to pick from."""
 
 from __future__ import annotations

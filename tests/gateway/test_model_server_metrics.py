@@ -27,7 +27,7 @@ from tests.gateway.conftest import FreezableProxy, running
 KEY = "metrics-key"
 PROMPT = [3, 14, 15, 92, 65]
 NEW_TOKENS = 6
-SESSION_MODEL = "mha_session"
+SESSION_MODEL = "sessions"
 RESERVED, BUDGET = "attention_kv_cache_reserved_bytes", "attention_kv_cache_budget_bytes"
 WAITING, RUNNING = "gateway_num_requests_waiting", "gateway_num_requests_running"
 PROMPT_TOKENS, GENERATED = "gateway_prompt_tokens_total", "gateway_generation_tokens_total"
@@ -217,30 +217,30 @@ def test_the_usage_is_the_session_models_reserved_bytes_over_its_budget():
         [
             "# HELP nv_inference_count Number of inferences performed",
             "# TYPE nv_inference_count counter",
-            'nv_inference_count{model="mha_session",version="1"} 12',
+            'nv_inference_count{model="sessions",version="1"} 12',
             "# HELP attention_kv_cache_reserved_bytes Bytes of the budget reserved by live sequences",
             "# TYPE attention_kv_cache_reserved_bytes gauge",
-            'attention_kv_cache_reserved_bytes{kv_dtype="float32",model="mha_session"} 1048576',
-            'attention_kv_cache_reserved_bytes{kv_dtype="int8",model="mha_session-int8w"} 4096',
-            'attention_kv_cache_reserved_bytes{kv_dtype="float32",model="fortunes_mha_session"} 3145728',
+            'attention_kv_cache_reserved_bytes{kv_dtype="float32",model="sessions"} 1048576',
+            'attention_kv_cache_reserved_bytes{kv_dtype="int8",model="sessions-int8w"} 4096',
+            'attention_kv_cache_reserved_bytes{kv_dtype="float32",model="fortunes_sessions"} 3145728',
             "# HELP attention_kv_cache_budget_bytes The KV cache budget in bytes",
             "# TYPE attention_kv_cache_budget_bytes gauge",
-            'attention_kv_cache_budget_bytes{kv_dtype="float32",model="mha_session"} 4194304',
-            'attention_kv_cache_budget_bytes{kv_dtype="int8",model="mha_session-int8w"} 0',
-            'attention_kv_cache_budget_bytes{kv_dtype="float32",model="fortunes_mha_session"} 4194304',
+            'attention_kv_cache_budget_bytes{kv_dtype="float32",model="sessions"} 4194304',
+            'attention_kv_cache_budget_bytes{kv_dtype="int8",model="sessions-int8w"} 0',
+            'attention_kv_cache_budget_bytes{kv_dtype="float32",model="fortunes_sessions"} 4194304',
             "# HELP attention_engine_running Generations and steps the engine core is running",
             "# TYPE attention_engine_running gauge",
-            'attention_engine_running{kv_dtype="float32",model="mha_session"} 3',
-            'attention_engine_running{kv_dtype="int8",model="mha_session-int8w"} 9',
+            'attention_engine_running{kv_dtype="float32",model="sessions"} 3',
+            'attention_engine_running{kv_dtype="int8",model="sessions-int8w"} 9',
             "# HELP attention_engine_waiting Requests waiting for their session's turn or their owner's",
             "# TYPE attention_engine_waiting gauge",
-            'attention_engine_waiting{kv_dtype="float32",model="mha_session"} 2',
+            'attention_engine_waiting{kv_dtype="float32",model="sessions"} 2',
         ]
     )
-    usage = usage_in(exposition, "mha_session")
+    usage = usage_in(exposition, "sessions")
     assert usage is not None and usage.ratio == 0.25
     assert (usage.running, usage.waiting) == (3, 2)  # the engine core's load, its model's only
-    assert usage_in(exposition, "mha_session-int8w") is None
+    assert usage_in(exposition, "sessions-int8w") is None
     assert usage_in(exposition, "absent") is None
     # every model set the gateway sends to, summed: the OpenAI routes' model's usage is not left out
-    assert usage_in(exposition, ["mha_session", "fortunes_mha_session"]).ratio == 0.5
+    assert usage_in(exposition, ["sessions", "fortunes_sessions"]).ratio == 0.5

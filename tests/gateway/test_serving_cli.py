@@ -89,8 +89,8 @@ def test_the_console_tells_each_models_runner_and_how_many_sessions_fit(served_u
     sessions = ServingSettings(threads=1).kv_cache_bytes // one_sequence
     lines = served.output().splitlines()
     assert any(line.startswith("repository ") and line.endswith("/repository") for line in lines), lines
-    assert any(line.startswith("mha ") and ".onnx on CPUExecutionProvider" in line for line in lines), lines
-    assert any(line.startswith("mha_session ") and "engine" in line for line in lines), lines
+    assert any(line.startswith("forward ") and ".onnx on CPUExecutionProvider" in line for line in lines), lines
+    assert any(line.startswith("sessions ") and "engine" in line for line in lines), lines
     assert any(f"= {sessions} sequences of up to {cfg.max_seq_len} positions" in line for line in lines), lines
 
 

@@ -39,7 +39,7 @@ def test_settings_made_again_from_their_variables_are_the_same(monkeypatch, tmp_
         api_keys=("a", "b"),
         api_keys_file=tmp_path / "keys",
         session_secret="s" * 40,
-        more_served_models={"tiny-qwen": "tiny-qwen_mha_session"},
+        more_served_models={"tiny-qwen": "tiny-qwen_sessions"},
         session_store="none",
         gc_freeze=False,
         sessions_per_key=3,

@@ -27,7 +27,7 @@ def unseen(artifact_dir, tmp_path_factory):
 
     artifact = artifact_dir("unseen")
     repository = write_repository(artifact, tmp_path_factory.mktemp("unseen-repository"), ServingSettings(threads=1))
-    server = start_triton(repository, models=["mha", "mha_session"])
+    server = start_triton(repository, models=["forward", "sessions"])
     yield artifact, server
     server.stop()
 

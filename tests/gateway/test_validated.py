@@ -27,7 +27,7 @@ def tensor(name: str, datatype: str, shape: list[int]) -> dict:
 
 STATELESS = parse_metadata(
     {
-        "name": "mha",
+        "name": "forward",
         "inputs": [
             tensor(names.HIDDEN_STATES, "FP32", [-1, -1, D_MODEL]),
             tensor(names.ATTENTION_MASK, "INT64", [-1, -1]),
@@ -38,7 +38,7 @@ STATELESS = parse_metadata(
 )
 SESSION = parse_metadata(
     {
-        "name": "mha_session",
+        "name": "sessions",
         "inputs": [
             tensor(names.HIDDEN_STATES, "FP32", [-1, -1, D_MODEL]),
             tensor(names.ATTENTION_MASK, "INT64", [-1, -1]),

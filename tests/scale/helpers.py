@@ -60,7 +60,7 @@ def step(stub, session_id: int, pin: str | None, *, start=False, end=False, toke
     """One step of a session: (output, the replica the answer names or None)."""
     result, answer = affinity.infer(
         stub,
-        "mha_session",
+        "sessions",
         hidden(protocol_of(stub), tokens, seed),
         headers=affinity.step_headers(session_id, pin),
         sequence_id=session_id,
@@ -102,7 +102,7 @@ def end_all(stub, pins: dict[int, str | None]) -> None:
     for session, pin in pins.items():
         _, _ = affinity.infer(
             stub,
-            "mha_session",
+            "sessions",
             hidden(protocol_of(stub), tokens=0),
             headers=affinity.step_headers(session, pin),
             sequence_id=session,

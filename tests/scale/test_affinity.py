@@ -57,7 +57,7 @@ async def _async_session(url: str, protocol: str) -> tuple[list, list, str]:
             tensor.set_data_from_numpy(array)
             result, answer = await affinity.infer(
                 stub,
-                "mha_session",
+                "sessions",
                 [tensor],
                 headers=affinity.step_headers(session, pin),
                 sequence_id=session,
@@ -69,7 +69,7 @@ async def _async_session(url: str, protocol: str) -> tuple[list, list, str]:
             pin = pin or named[-1]
         with pytest.raises(InferenceServerException, match="START"):
             await affinity.infer(
-                stub, "mha_session", [tensor], headers=affinity.step_headers(session, pin), sequence_id=session
+                stub, "sessions", [tensor], headers=affinity.step_headers(session, pin), sequence_id=session
             )
     finally:
         await stub.close()

@@ -86,10 +86,10 @@ def test_stateless_calls_go_to_every_replica_and_name_none(proxy, replicas, prot
     try:
         for seed in range(30):
             if protocol == "grpc":  # a stream of one request reads the answer's headers
-                _, answer = affinity.infer(stub, "mha", hidden(protocol, 2, seed), headers={})
+                _, answer = affinity.infer(stub, "forward", hidden(protocol, 2, seed), headers={})
             else:
                 array = np.random.default_rng(seed).standard_normal((1, 2, D_MODEL)).astype(np.float32)
-                answer = http_infer_headers(proxy.http_url, "mha", array)
+                answer = http_infer_headers(proxy.http_url, "forward", array)
             assert affinity.replica_from(answer) is None
     finally:
         stub.close()
@@ -249,7 +249,7 @@ def test_a_replica_whose_model_died_answers_new_sessions_by_name(replicas, spare
     envoy = start_envoy([*(replica_of(server) for server in replicas[:2]), replica_of(broken)])
     stub = client(envoy.grpc_url, "grpc")
     try:
-        os.kill(_stub_of(broken, "mha_session"), signal.SIGKILL)
+        os.kill(_stub_of(broken, "sessions"), signal.SIGKILL)
         failures, served_elsewhere = [], 0
         for _ in range(30):  # a third of them hash to it
             try:

@@ -103,7 +103,7 @@ def expected(original, parts: list[np.ndarray]) -> np.ndarray:
 
 def test_24_sessions_of_two_clients_each_stay_on_one_replica_and_equal_the_original(fleet, original):
     clients = [Client(f"127.0.0.1:{fleet.grpc_port}", "grpc"), Client(f"127.0.0.1:{fleet.grpc_port}", "grpc")]
-    d_model = clients[0].metadata("mha_session").d_model
+    d_model = clients[0].metadata("sessions").d_model
     sessions = [clients[i % 2].session() for i in range(24)]
     inputs = [chunks(i, d_model) for i in range(24)]
     outputs: list[list[np.ndarray]] = [[] for _ in sessions]
@@ -140,7 +140,7 @@ def step_on(url: str, session_id: str, hidden: np.ndarray) -> httpx.Response:
 
 
 def test_a_session_opened_on_one_gateway_is_stepped_on_another(fleet, original):
-    d_model = Client(f"127.0.0.1:{fleet.grpc_port}", "grpc").metadata("mha_session").d_model
+    d_model = Client(f"127.0.0.1:{fleet.grpc_port}", "grpc").metadata("sessions").d_model
     parts = chunks(100, d_model)
     with second_gateway(fleet) as other:
         created = httpx.post(f"{fleet.gateway_url}/v1/sessions", timeout=60)
@@ -222,7 +222,7 @@ def test_a_killed_replica_loses_only_its_sessions_and_serves_again_once_restarte
     at their next step, at once); those with one (a client's directory, the gateway's own) are
     rebuilt on a survivor at their next step and go on as the original; the others are untouched."""
     client = Client(f"127.0.0.1:{fleet.grpc_port}", "grpc")
-    d_model = client.metadata("mha_session").d_model
+    d_model = client.metadata("sessions").d_model
     sessions = [client.session() for _ in range(9)]
     inputs = [chunks(200 + i, d_model) for i in range(9)]
     for session, parts in zip(sessions, inputs, strict=True):
@@ -313,7 +313,7 @@ def test_replicas_retired_by_migration_by_drain_and_at_a_deadline_leave_the_last
 
 def _held_on(client: Client, ports: dict[str, int], index: int, seed: int):
     """A session prefilled on replica `index` (new ones opened until one lands there), and its inputs."""
-    d_model = client.metadata("mha_session").d_model
+    d_model = client.metadata("sessions").d_model
     for _ in range(60):
         session = client.session()
         parts = chunks(seed, d_model)
@@ -331,7 +331,7 @@ def _drain_by_migration(fleet, ports: dict[str, int], original, tmp_path) -> int
 
     client = Client(fleet.envoy.grpc_url, "grpc", session_store=tmp_path / "store", checkpoint_every=4)
     try:
-        d_model = client.metadata("mha_session").d_model
+        d_model = client.metadata("sessions").d_model
         rng = np.random.default_rng(400)
         parts = [[rng.standard_normal((1, 5, d_model)).astype(np.float32)] for _ in range(16)]
         sessions = [client.session() for _ in parts]
@@ -412,7 +412,7 @@ def test_a_snapshot_restores_on_another_replica_and_a_fork_stays_on_its_sessions
     replica than the original) and goes on bit for bit as the original; a fork reaches the replica
     holding the session it copies, and its branch equals the original's forward."""
     with Client(f"127.0.0.1:{fleet.grpc_port}") as client:
-        d_model = client.metadata("mha_session").d_model
+        d_model = client.metadata("sessions").d_model
         parts = chunks(40, d_model)
         with client.session() as source:
             source.step(parts[0])
@@ -440,7 +440,7 @@ def test_a_prefix_reaches_each_replica_a_session_needs_it_on_and_is_deleted_from
     from client import InvalidInputError
 
     with Client(f"127.0.0.1:{fleet.grpc_port}") as client:
-        d_model = client.metadata("mha_session").d_model
+        d_model = client.metadata("sessions").d_model
         rng = np.random.default_rng(50)
         prefix = rng.standard_normal((1, 6, d_model)).astype(np.float32)
         client.put_prefix("shared", prefix)

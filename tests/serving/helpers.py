@@ -13,6 +13,7 @@ from tritonclient.utils import np_to_triton_dtype
 
 from client import affinity
 from contract import names
+from serving.triton import config as triton_config
 
 PROTOCOLS = {"http": httpclient, "grpc": grpcclient}
 # the session model is decoupled: Triton takes its requests on gRPC streams only (client/affinity.py)
@@ -25,7 +26,7 @@ def new_sequence_id() -> int:
 
 
 class Client:
-    """One protocol's tritonclient, for `mha` calls and `mha_session` steps (gRPC: each a stream of one request,
+    """One protocol's tritonclient, for `forward` calls and `sessions` steps (gRPC: each a stream of one request,
     tritonclient's request and answer); close() it (Triton waits for open connections when it shuts down)."""
 
     def __init__(self, server, protocol: str) -> None:
@@ -54,7 +55,7 @@ class Client:
         if mask is not None:
             arrays[names.ATTENTION_MASK] = mask
         sequence = {"sequence_id": sequence_id, "sequence_start": start, "sequence_end": end}
-        return self.infer("mha_session", arrays, **sequence)[names.OUTPUT]
+        return self.infer("sessions", arrays, **sequence)[names.OUTPUT]
 
     def end(self, sequence_id, d_model: int) -> np.ndarray:
         """END with no new tokens: how a client ends a session without computing."""
@@ -82,3 +83,23 @@ def change_one_weight(path, by: float = 1e-3) -> None:
     values.flat[0] += by
     initializer.CopyFrom(numpy_helper.from_array(values, initializer.name))
     onnx.save(model, str(path))
+
+
+LEGACY = {current: legacy for legacy, current in names.LEGACY_MODEL_NAMES.items()}
+
+
+def as_written_before(repository, prefix: str = "") -> None:
+    """`repository`'s models as a repository written before the rename holds them: folders, config names and
+    the implementations they load under the legacy names."""
+    for current, legacy in LEGACY.items():
+        folder = repository / f"{prefix}{current}"
+        if not folder.is_dir():
+            continue
+        config_path = folder / triton_config.TRITON_CONFIG_FILENAME
+        config = triton_config.parse(config_path.read_text())
+        config.name = f"{prefix}{legacy}"
+        if triton_config.P_IMPLEMENTATION in config.parameters:
+            implementation = config.parameters[triton_config.P_IMPLEMENTATION]
+            implementation.string_value = implementation.string_value.rpartition(".")[0] + f".{legacy}"
+        config_path.write_text(triton_config.to_text(config))
+        folder.rename(repository / f"{prefix}{legacy}")

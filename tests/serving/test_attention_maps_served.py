@@ -1,7 +1,7 @@
 """Attention maps through the real Triton of tests/fixtures/triton.py and the client library, over
-gRPC and HTTP: `mha` answers a call with `attention_maps=True` from the inspection graph
+gRPC and HTTP: `forward` answers a call with `attention_maps=True` from the inspection graph
 (`fp32-fused-inspect`), equal to the PyTorch original's weights within 1e-5 on real queries (a mask
-with padding and a past); `mha_session`'s `attention_maps` operation gives the maps of a session's next
+with padding and a past); the `sessions` model's `attention_maps` operation gives the maps of a session's next
 step over what it holds, and leaves the session as it was. A call without the parameter gets no maps."""
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ def test_a_request_without_the_parameter_carries_no_maps_and_a_wrong_value_is_re
     with grpcclient.InferenceServerClient(triton.grpc_url) as raw:
         infer_input = grpcclient.InferInput(names.HIDDEN_STATES, list(tokens.shape), "FP32")
         infer_input.set_data_from_numpy(tokens)
-        plain = raw.infer("mha", [infer_input])
+        plain = raw.infer("forward", [infer_input])
         assert plain.as_numpy(names.OUTPUT) is not None and plain.as_numpy(names.attention_map_name(0)) is None
         with pytest.raises(InferenceServerException, match="parameter 'attention_maps': expected true or false"):
-            raw.infer("mha", [infer_input], parameters={names.ATTENTION_MAPS: "yes"})
+            raw.infer("forward", [infer_input], parameters={names.ATTENTION_MAPS: "yes"})
 
 
 @pytest.mark.parametrize("protocol", SESSION_PROTOCOLS)

@@ -63,7 +63,7 @@ def _run(command: list[str], timeout: float) -> None:
 
 def _wait_ready(served: Served, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
-    for path in ("/v2/health/ready", "/v2/models/mha/ready", "/v2/models/mha_session/ready"):
+    for path in ("/v2/health/ready", "/v2/models/forward/ready", "/v2/models/sessions/ready"):
         while True:
             assert served.process.poll() is None, served.output_path.read_text()
             assert time.monotonic() < deadline, f"not ready: {path}\n{served.output_path.read_text()}"
@@ -157,7 +157,7 @@ def test_stateless_json_matches_the_independent_implementation(served):
         inputs += [
             tensor(names.past_name(layer, kind), array) for kind, array in zip(names.KV_KINDS, pair, strict=True)
         ]
-    status, body = post(served, "mha", {"inputs": inputs})
+    status, body = post(served, "forward", {"inputs": inputs})
     assert status == 200, body
     got = outputs(body)
     expected, presents = reference.forward(cfg, served.weights, hidden, mask, caches)
@@ -178,7 +178,7 @@ def test_a_session_over_grpc_streams_matches_the_independent_implementation_and_
         ]
     expected, _ = reference.forward(cfg, served.weights, hidden)
     np.testing.assert_allclose(np.concatenate(got, axis=1), expected, atol=1e-5, rtol=1e-5)
-    status, answer = post(served, "mha_session", session_body(new_sequence_id(), hidden[:, :1], start=True))
+    status, answer = post(served, "sessions", session_body(new_sequence_id(), hidden[:, :1], start=True))
     assert status == 501 and "decoupled" in answer["error"], answer  # Triton's own answer: streams only
 
 
@@ -189,10 +189,10 @@ def _hidden_json(served: Served, shape: list[int], datatype: str = "FP32") -> di
 @pytest.mark.parametrize(
     ("model", "case"),
     [
-        ("mha", "wrong shape"),
-        ("mha", "wrong dtype"),
-        ("mha", "missing input"),
-        ("mha", "mask length"),
+        ("forward", "wrong shape"),
+        ("forward", "wrong dtype"),
+        ("forward", "missing input"),
+        ("forward", "mask length"),
     ],
 )
 def test_a_wrong_json_request_gets_400_naming_the_input(served, model, case):
@@ -217,10 +217,10 @@ def test_json_that_does_not_parse_gets_triton_cores_500(served):
     """A known Triton limitation (TRITON_FACTS.md): the core, not our model, parses the JSON and
     answers 500 for a body it cannot parse or whose data does not fill its shape. The gateway turns
     these into 4xx; here we record what Triton itself does."""
-    status, answer = post(served, "mha", b'{"inputs": [{"name": }]}')
+    status, answer = post(served, "forward", b'{"inputs": [{"name": }]}')
     assert status == 500 and "failed to parse the request JSON buffer" in answer["error"]
     short = {"inputs": [{**_hidden_json(served, [1, 2, served.cfg.d_model]), "data": [0.5]}]}
-    status, answer = post(served, "mha", short)
+    status, answer = post(served, "forward", short)
     assert status == 500 and "Shape does not match true shape of 'data'" in answer["error"]
 
 
@@ -232,7 +232,7 @@ def one_token(served: Served, seed: int) -> np.ndarray:
 
 
 def test_a_full_budget_refuses_new_sessions_and_the_others_keep_working(served):
-    assert metric(served, "attention_kv_cache_sequences", "mha_session") == 0
+    assert metric(served, "attention_kv_cache_sequences", "sessions") == 0
     d, ids = served.cfg.d_model, [new_sequence_id() for _ in range(CAPACITY)]
     with Client(served, "grpc") as grpc:
         firsts = {sid: one_token(served, k) for k, sid in enumerate(ids)}
@@ -250,32 +250,32 @@ def test_a_full_budget_refuses_new_sessions_and_the_others_keep_working(served):
             expected, _ = reference.forward(served.cfg, served.weights, np.concatenate([firsts[sid], second], axis=1))
             np.testing.assert_allclose(got, expected[:, 1:], atol=1e-5, rtol=1e-5)
         held = CAPACITY * served.cfg.kv_cache_bytes(1, 2)
-        assert wait_for_metric(served, "attention_kv_cache_bytes", "mha_session", held) == held
+        assert wait_for_metric(served, "attention_kv_cache_bytes", "sessions", held) == held
 
         grpc.end(ids[0], d)  # memory comes back, and with it room for one more
         sequences = "attention_kv_cache_sequences"  # the engine core publishes it within a quarter second
-        assert wait_for_metric(served, sequences, "mha_session", CAPACITY - 1) == CAPACITY - 1
+        assert wait_for_metric(served, sequences, "sessions", CAPACITY - 1) == CAPACITY - 1
         held = (CAPACITY - 1) * served.cfg.kv_cache_bytes(1, 2)
-        assert wait_for_metric(served, "attention_kv_cache_bytes", "mha_session", held) == held
+        assert wait_for_metric(served, "attention_kv_cache_bytes", "sessions", held) == held
         grpc.step(refused_grpc, one_token(served, 9), start=True)
         for sid in [*ids[1:], refused_grpc]:
             grpc.end(sid, d)
-    assert wait_for_metric(served, "attention_kv_cache_sequences", "mha_session", 0) == 0
-    assert wait_for_metric(served, "attention_kv_cache_bytes", "mha_session", 0) == 0
+    assert wait_for_metric(served, "attention_kv_cache_sequences", "sessions", 0) == 0
+    assert wait_for_metric(served, "attention_kv_cache_bytes", "sessions", 0) == 0
 
 
 def test_an_idle_session_is_evicted_its_memory_freed_and_its_next_step_says_so(served):
-    d, evictions = served.cfg.d_model, metric(served, "attention_kv_cache_evictions", "mha_session")
+    d, evictions = served.cfg.d_model, metric(served, "attention_kv_cache_evictions", "sessions")
     sessions = [new_sequence_id(), new_sequence_id()]
     with Client(served, "grpc") as grpc:
         for sid in sessions:
             grpc.step(sid, one_token(served, 0), start=True)
-        assert wait_for_metric(served, "attention_kv_cache_sequences", "mha_session", 2) == 2
+        assert wait_for_metric(served, "attention_kv_cache_sequences", "sessions", 2) == 2
         deadline = time.monotonic() + 3 * IDLE_SECONDS  # the engine core looks 4 times a second
-        while metric(served, "attention_kv_cache_evictions", "mha_session") < evictions + 2:
+        while metric(served, "attention_kv_cache_evictions", "sessions") < evictions + 2:
             assert time.monotonic() < deadline, "no eviction"
             time.sleep(0.1)
-        assert metric(served, "attention_kv_cache_bytes", "mha_session") == 0  # no request needed to free it
+        assert metric(served, "attention_kv_cache_bytes", "sessions") == 0  # no request needed to free it
         for sid in sessions:
             with pytest.raises(InferenceServerException) as evicted:
                 grpc.step(sid, one_token(served, 1))

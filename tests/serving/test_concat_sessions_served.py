@@ -2,7 +2,7 @@
 its repository gets the concat engine (serving/engine/concat/), and `python -m serving` says so on
 the console and in GET /v1/models with every session operation. Through the client library a session
 on it snapshots, restores, forks and rewinds, each step within 1e-5 of the PyTorch original, and a
-session with a directory store survives a kill -9 of the mha_session stub: its next step (after the
+session with a directory store survives a kill -9 of the sessions stub: its next step (after the
 supervisor reloads the model and the client restores the session from the store and replays the
 steps since) is within 1e-5 of the original over everything it was given."""
 
@@ -82,11 +82,11 @@ def close(ours: np.ndarray, original, parts: list[np.ndarray]) -> None:
 def test_the_deployment_says_the_concat_engine_serves_with_every_operation(served):
     console = served.output()
     every = ", ".join(names.OPERATIONS)
-    assert any(line.startswith("mha_session") and "concat engine" in line for line in console.splitlines()), console
+    assert any(line.startswith("sessions") and "concat engine" in line for line in console.splitlines()), console
     assert f"session operations: {every}" in console, console
     with httpx.Client(base_url=served.gateway_url, timeout=30) as gateway:
         models = {model["name"]: model for model in gateway.get("/v1/models").json()["models"]}
-    session = models["mha_session"]
+    session = models["sessions"]
     assert (session["engine"], session["operations"], session["head_dim"]) == ("concat", list(names.OPERATIONS), 12)
 
 
@@ -125,7 +125,7 @@ def test_a_session_with_a_directory_store_survives_a_killed_stub(served, origina
 
 
 def kill_stub(served) -> None:
-    """kill -9 of mha_session's python backend stub under `python -m serving`."""
-    stubs = [pid for pid, command in served.descendants().items() if "mha_session_0_0" in command]
+    """kill -9 of the sessions model's python backend stub under `python -m serving`."""
+    stubs = [pid for pid, command in served.descendants().items() if "sessions_0_0" in command]
     assert len(stubs) == 1, served.descendants()
     os.kill(stubs[0], signal.SIGKILL)

@@ -17,7 +17,7 @@ import pytest
 
 from client import Client
 from serving.host.launcher import start_triton
-from serving.triton.config import MHA, MHA_SESSION
+from serving.triton.config import FORWARD, SESSIONS
 from serving.triton.repository import write_repository
 from tests.fixtures.triton import WHOLE_SETTINGS, metric, metric_reaches, wait_for_metric
 from tests.gateway.conftest import running
@@ -39,7 +39,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(trained_artifact, tmp_path_factory) -> Iterator[Served]:
     work = tmp_path_factory.mktemp("core-served")
-    repository = write_repository(trained_artifact, work / "repository", SETTINGS, models=(MHA, MHA_SESSION))
+    repository = write_repository(trained_artifact, work / "repository", SETTINGS, models=(FORWARD, SESSIONS))
     with contextlib.ExitStack() as stack:
         triton = stack.enter_context(start_triton(repository, log_path=work / "triton.log"))
         settings = {"triton_url": triton.grpc_url, "served_model_name": MODEL_ID, "session_secret": SECRET}
@@ -52,7 +52,7 @@ def served(trained_artifact, tmp_path_factory) -> Iterator[Served]:
 
 
 def engine_gauge(served: Served, name: str) -> float:
-    return metric(served.triton, f"attention_engine_{name}", MHA_SESSION)
+    return metric(served.triton, f"attention_engine_{name}", SESSIONS)
 
 
 def test_sixteen_sessions_of_different_lengths_decode_in_one_graph_run_a_step(served):
@@ -65,14 +65,14 @@ def test_sixteen_sessions_of_different_lengths_decode_in_one_graph_run_a_step(se
             together = list(pool.map(lambda ids: list(client.generate(ids, max_new_tokens=60)), prompts))
     assert together[:2] == solo
     assert all(len(tokens) == 60 for tokens in together)
-    assert metric_reaches(served.triton, "attention_engine_most_decode_rows", MHA_SESSION, 16)
+    assert metric_reaches(served.triton, "attention_engine_most_decode_rows", SESSIONS, 16)
     assert engine_gauge(served, "most_decode_runs") == 1
 
 
 def test_a_client_that_leaves_a_stream_is_dropped_within_one_step_and_its_rows_freed(served):
     api = served.gateways[0]
     sequences = "attention_kv_cache_sequences"
-    before = wait_for_metric(served.triton, sequences, MHA_SESSION, 0)
+    before = wait_for_metric(served.triton, sequences, SESSIONS, 0)
     generated = engine_gauge(served, "generated_tokens")
     body = {"input_ids": list(range(1, 17)), "max_new_tokens": 200, "stream": True}
     with api.stream("POST", "/v1/generate", json=body) as answer:
@@ -82,9 +82,9 @@ def test_a_client_that_leaves_a_stream_is_dropped_within_one_step_and_its_rows_f
             read += line.startswith("data: ") and "token_id" in line
             if read == 2:
                 break  # the client leaves: the connection closes with the block
-    assert wait_for_metric(served.triton, sequences, MHA_SESSION, before, timeout=10) == before  # its rows freed
+    assert wait_for_metric(served.triton, sequences, SESSIONS, before, timeout=10) == before  # its rows freed
     assert engine_gauge(served, "most_stop_steps") <= 1  # dropped at the step after its stop reached the core
-    assert metric_reaches(served.triton, "attention_engine_generated_tokens", MHA_SESSION, generated + 2)
+    assert metric_reaches(served.triton, "attention_engine_generated_tokens", SESSIONS, generated + 2)
     assert engine_gauge(served, "generated_tokens") - generated < 200  # it did not run to its end
 
 

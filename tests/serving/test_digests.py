@@ -81,13 +81,13 @@ def test_the_tokenizer_travels_into_the_session_model_checked_and_a_changed_one_
     artifact = shutil.copytree(artifact_dir("whole"), tmp_path / "artifact")
     recorded = json.loads((artifact / REPORT_FILENAME).read_text())["text_files"]
     assert TOKENIZER_FILENAME in recorded and set(recorded) <= set(TEXT_FILES)
-    models = (triton_config.MHA, triton_config.MHA_SESSION)
+    models = (triton_config.FORWARD, triton_config.SESSIONS)
     repository = write_repository(artifact, tmp_path / "repository", models=models)
-    version = repository / triton_config.MHA_SESSION / "1"
+    version = repository / triton_config.SESSIONS / "1"
     assert {name: sha256(version / name) for name in recorded} == recorded
     assert {name: digests.read(version)[name] for name in recorded} == recorded
     digests.verify(version, recorded)
-    config = triton_config.parse((repository / triton_config.MHA_SESSION / "config.pbtxt").read_text())
+    config = triton_config.parse((repository / triton_config.SESSIONS / "config.pbtxt").read_text())
     graphs = [value.string_value for key, value in config.parameters.items() if key.startswith("onnx_file")]
     assert graphs and set(graphs) <= set(digests.read(version))  # the graphs' digests beside the text files'
     assert config.parameters[triton_config.P_TEXT_DIGEST].string_value == generation.text_digest(recorded)

@@ -101,13 +101,13 @@ def _batched(arrays: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]
 @pytest.mark.parametrize("case", STATELESS_CASES)
 def test_stateless_error_names_the_input_and_the_server_goes_on(clients, served_cfg, protocol, case):
     client, good = clients[protocol], good_inputs(served_cfg)
-    before = client.infer("mha", good)
+    before = client.infer("forward", good)
     with pytest.raises(InferenceServerException) as raised:
-        client.infer("mha", STATELESS_CASES[case].change(good, served_cfg))
+        client.infer("forward", STATELESS_CASES[case].change(good, served_cfg))
     assert raised.value.status() == INVALID[protocol], raised.value
     for fragment in STATELESS_CASES[case].says:
         assert fragment in raised.value.message(), raised.value.message()
-    after = client.infer("mha", good)
+    after = client.infer("forward", good)
     for name, array in before.items():
         np.testing.assert_array_equal(after[name], array)
 
@@ -118,7 +118,7 @@ SESSION_CASES = {
     # (hidden (1, T, d) maker, mask maker or None, what the message says)
     "wrong dtype": (lambda d: np.ones((1, 2, d), np.float64), None, (H, "FP64", "FP32")),
     "wrong size": (lambda d: np.ones((1, 2, d - 1), np.float32), None, (H, "[-1,-1,256]")),
-    "two rows": (lambda d: np.ones((2, 2, d), np.float32), None, ("mha_session", "batch-size 1")),  # Triton core
+    "two rows": (lambda d: np.ones((2, 2, d), np.float32), None, ("sessions", "batch-size 1")),  # Triton core
     "mask length": (lambda d: np.ones((1, 2, d), np.float32), np.ones((1, 3), np.int64), (M, "[1, 2]", "[1, 3]")),
     "mask value 5": (
         lambda d: np.ones((1, 2, d), np.float32),

@@ -1,4 +1,4 @@
-"""Generation on the server (`mha_generate` beside a whole model's `mha_session`), through the client's
+"""Generation on the server (a whole model's `sessions` model: its engine core), through the client's
 gRPC stream, against the session's whole-model Triton (tests/fixtures/triton.py `whole_triton`): greedy
 tokens are the PyTorch original's, a session keeps its text and goes on from it, a seeded sample repeats,
 forks share a prompt, stopping early leaves the session exactly where the client saw it, the row's end and
@@ -215,7 +215,7 @@ def test_concurrent_generations_share_graph_runs_and_plain_steps_go_on_beside_th
         assert [future.result() for future in generated] == solo
         for actual, expected in zip(beside.result(), expected_plain, strict=True):
             np.testing.assert_allclose(actual, expected, atol=1e-5 * np.abs(expected).max(), rtol=0)
-    assert metric_reaches(whole_triton, "attention_engine_most_decode_rows", "mha_session", 2)
+    assert metric_reaches(whole_triton, "attention_engine_most_decode_rows", "sessions", 2)
 
 
 def test_a_session_the_server_forgot_is_lost_in_our_words_not_tritons(whole):

@@ -73,7 +73,7 @@ def import_and_fill(layout: str, work: Path) -> None:
     (work / "serving.json").write_text(json.dumps({"max_seq_len": 64}))
     argv = ["build", "--weights", str(weights), "--layout", layout, *heads, "--config", str(work / "serving.json")]
     assert export_main([*argv, "--out", str(work / "artifact"), "--variants", "fp32-fused,fp32-static"]) == 0
-    write_repository(work / "artifact", work / "repository", SETTINGS, models=("mha", "mha_session"))
+    write_repository(work / "artifact", work / "repository", SETTINGS, models=("forward", "sessions"))
 
 
 def users_forward(layout: str, work: Path) -> Callable:
@@ -144,7 +144,7 @@ def test_a_session_equals_the_users_module(served):
             client.end(sequence_id, D)
     served_output, expected = np.concatenate(outputs, axis=1), user_output(forward, hidden)
     error = float(np.abs(served_output - expected).max())
-    print(f"{layout}: mha_session over a prefill of {PREFILL} and {STEPS} decode steps: max abs error {error:.2e}")
+    print(f"{layout}: sessions over a prefill of {PREFILL} and {STEPS} decode steps: max abs error {error:.2e}")
     assert error <= 1e-5
 
 
@@ -154,7 +154,7 @@ def test_stateless_calls_sending_the_cache_back_equal_the_users_module(served):
     outputs, past = [], {}
     with Client(server, "http") as client:
         for start, stop in [(0, PREFILL), *((t, t + 1) for t in range(PREFILL, PREFILL + STEPS))]:
-            result = client.infer("mha", {names.HIDDEN_STATES: hidden[:, start:stop], **past})
+            result = client.infer("forward", {names.HIDDEN_STATES: hidden[:, start:stop], **past})
             outputs.append(result[names.OUTPUT])
             past = {
                 names.past_name(i, kind): result[names.present_name(i, kind)]
@@ -162,5 +162,5 @@ def test_stateless_calls_sending_the_cache_back_equal_the_users_module(served):
                 for kind in names.KV_KINDS
             }
     error = float(np.abs(np.concatenate(outputs, axis=1) - user_output(forward, hidden)).max())
-    print(f"{layout}: mha over a prefill of {PREFILL} and {STEPS} decode steps: max abs error {error:.2e}")
+    print(f"{layout}: forward over a prefill of {PREFILL} and {STEPS} decode steps: max abs error {error:.2e}")
     assert error <= 1e-5

@@ -138,8 +138,8 @@ def test_a_missing_repository_is_a_clear_error(tmp_path):
 
 ADMIN_CALLS = {
     # (what, call(client) for the HTTP and the gRPC tritonclient alike)
-    "unload a model": lambda client, **kw: client.unload_model("mha_session", **kw),
-    "load a model": lambda client, **kw: client.load_model("mha", **kw),
+    "unload a model": lambda client, **kw: client.unload_model("sessions", **kw),
+    "load a model": lambda client, **kw: client.load_model("forward", **kw),
     "list the repository": lambda client, **kw: client.get_model_repository_index(**kw),
     "register shared memory": lambda client, **kw: client.register_system_shared_memory("r", "/r", 64, **kw),
     "change the log settings": lambda client, **kw: client.update_log_settings({"log_verbose_level": 1}, **kw),
@@ -166,7 +166,7 @@ def test_admin_apis_are_refused_to_every_caller(triton, protocol, call):
         # the client libraries will not even send it (what reaches the server: the raw test below)
         with pytest.raises((InferenceServerException, ValueError), match=r"(?i)header|metadata"):
             ADMIN_CALLS[call](client, headers={named: value})
-        assert client.is_model_ready("mha_session")  # nothing was unloaded
+        assert client.is_model_ready("sessions")  # nothing was unloaded
     finally:
         client.close()
 
@@ -174,8 +174,8 @@ def test_admin_apis_are_refused_to_every_caller(triton, protocol, call):
 # what each restricted API is over the wire: (HTTP method and path, gRPC method)
 RESTRICTED_CALLS = {
     "list the repository": (("POST", "/v2/repository/index"), "RepositoryIndex"),
-    "load a model": (("POST", "/v2/repository/models/mha/load"), "RepositoryModelLoad"),
-    "unload a model": (("POST", "/v2/repository/models/mha/unload"), "RepositoryModelUnload"),
+    "load a model": (("POST", "/v2/repository/models/forward/load"), "RepositoryModelLoad"),
+    "unload a model": (("POST", "/v2/repository/models/forward/unload"), "RepositoryModelUnload"),
     "shared memory": (("GET", "/v2/systemsharedmemory/status"), "SystemSharedMemoryStatus"),
     "log settings": (("GET", "/v2/logging"), "LogSettings"),
     "trace settings": (("GET", "/v2/trace/setting"), "TraceSetting"),
@@ -203,7 +203,7 @@ def test_the_header_the_command_line_names_cannot_be_carried_by_any_request(trit
 def client_ready(server) -> bool:
     client = httpclient.InferenceServerClient(server.http_url)
     try:
-        return client.is_model_ready("mha") and client.is_model_ready("mha_session")
+        return client.is_model_ready("forward") and client.is_model_ready("sessions")
     finally:
         client.close()
 

@@ -17,7 +17,7 @@ from serving.engine.ort import ort_session
 from serving.engine.steps import StepRequest
 from serving.host.launcher import start_triton
 from serving.triton import config as triton_config
-from serving.triton.config import MHA_SESSION, ServingSettings
+from serving.triton.config import SESSIONS, ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.engine import full_rows_engine
 from tests.fixtures.triton import wait_for_metric
@@ -36,13 +36,13 @@ ORIGINAL_SCALE_BOUND = 5e-2
 def served(artifact_dir, tmp_path_factory):
     artifact, work = artifact_dir("gqa"), tmp_path_factory.mktemp("int8-cache")
     settings = ServingSettings(threads=1, kv_cache_bytes=4 << 20, kv_dtype="int8", min_row_positions=16)
-    repository = write_repository(artifact, work / "repository", settings, models=(MHA_SESSION,))
+    repository = write_repository(artifact, work / "repository", settings, models=(SESSIONS,))
     with start_triton(repository, log_path=work / "triton.log") as server, Client(server.grpc_url) as client:
         yield server, client, artifact, repository
 
 
 def test_the_repository_serves_the_int8_graph(served):
-    config = triton_config.parse((served[3] / MHA_SESSION / triton_config.TRITON_CONFIG_FILENAME).read_text())
+    config = triton_config.parse((served[3] / SESSIONS / triton_config.TRITON_CONFIG_FILENAME).read_text())
     assert triton_config.parameter(config, triton_config.P_ONNX_FILE) == files.model_filename(VARIANT)
     assert triton_config.parameter(config, triton_config.P_MIN_ROW_POSITIONS) == "16"
 
@@ -55,9 +55,7 @@ def test_an_int8_session_answers_as_the_graph_in_process_and_near_the_original(s
     with client.session() as session:
         outputs = [session.step(piece) for piece in pieces]
         held = session.length
-        gauge = wait_for_metric(
-            server, "attention_kv_cache_bytes", MHA_SESSION, original.cfg.kv_cache_bytes(1, held, 1)
-        )
+        gauge = wait_for_metric(server, "attention_kv_cache_bytes", SESSIONS, original.cfg.kv_cache_bytes(1, held, 1))
         assert gauge == original.cfg.kv_cache_bytes(1, held, 1)  # one byte a value
     served_output = np.concatenate(outputs, axis=1)
     engine = full_rows_engine(ort_session(artifact / files.model_filename(VARIANT)), original.cfg, rows=1, capacity=64)

@@ -9,19 +9,24 @@ import pytest
 
 from contract.config import preset
 from serving import __main__ as serving_cli
+from tests.serving.helpers import as_written_before
 
 pytestmark = pytest.mark.slow  # each test builds artifacts
 
 
 def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_path, capsys):
     repository = tmp_path / "models"
-    command = ["ensure", "--repository", str(repository), "--preset", "tiny", "--models", "mha,mha_session"]
+    command = ["ensure", "--repository", str(repository), "--preset", "tiny", "--models", "forward,sessions"]
     assert serving_cli.main(command) == 0
     assert "model repository:" in capsys.readouterr().out
-    built = (repository / "mha_session" / "config.pbtxt").stat().st_mtime_ns
+    built = (repository / "sessions" / "config.pbtxt").stat().st_mtime_ns
     assert serving_cli.main(command) == 0
     assert "already holds this model; nothing to build" in capsys.readouterr().out
-    assert (repository / "mha_session" / "config.pbtxt").stat().st_mtime_ns == built
+    assert (repository / "sessions" / "config.pbtxt").stat().st_mtime_ns == built
+    as_written_before(repository)  # the models' names of before: renamed in place, nothing built
+    assert serving_cli.main([*command[:-1], "mha,mha_session"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("renamed") == 2 and "already holds this model; nothing to build" in out, out
     assert serving_cli.main([*command, "--kv-cache-mib", "8"]) == 0  # other settings: the configs are rewritten
     out = capsys.readouterr().out
     assert "model repository:" in out
@@ -29,16 +34,16 @@ def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_pat
     row_fp32 = 2 * tiny.n_layers * tiny.n_kv_heads * tiny.max_seq_len * (tiny.d_model // tiny.n_heads) * 4
     fit = (8 << 20) // row_fp32
     assert (
-        f"mha_session: KV cache budget 8 MiB = {fit} sequences of up to {tiny.max_seq_len} positions on the CPU "
+        f"sessions: KV cache budget 8 MiB = {fit} sequences of up to {tiny.max_seq_len} positions on the CPU "
         f"(fp32), {(8 << 20) // (row_fp32 // 2)} on a GPU (fp16)"
     ) in out, out
     assert ("warning: only" in out) == (fit < 4)
     as_json = ["--config-json", '{"d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1, "max_seq_len": 64}']
-    assert serving_cli.main([*command[:3], *as_json, "--models", "mha,mha_session"]) == 0  # another model
-    assert json.loads((repository / "mha" / "1" / "config.json").read_text())["n_kv_heads"] == 2
-    # max_seq_len below 512 with every model: the TensorRT profile of mha_onnx follows the config
+    assert serving_cli.main([*command[:3], *as_json, "--models", "forward,sessions"]) == 0  # another model
+    assert json.loads((repository / "forward" / "1" / "config.json").read_text())["n_kv_heads"] == 2
+    # max_seq_len below 512 with every model: the TensorRT profile of forward_onnx follows the config
     assert serving_cli.main([*command[:3], *as_json]) == 0
-    profile = (repository / "mha_onnx" / "config.pbtxt").read_text()
+    profile = (repository / "forward_onnx" / "config.pbtxt").read_text()
     assert "hidden_states:8x32x32,attention_mask:8x64,past_key_values.0.key:8x2x32x8" in profile, profile
 
 
@@ -52,7 +57,7 @@ def test_ensure_refuses_a_config_that_is_not_one(tmp_path, capsys):
 def test_a_budget_holding_few_sessions_is_a_warning_naming_the_option(tmp_path, capsys):
     # 16 MiB a sequence in fp32: 2 (k, v) x 4 heads x 32768 positions x 16 floats x 4 bytes
     long = '{"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 1, "max_seq_len": 32768}'
-    command = ["ensure", "--repository", str(tmp_path / "m"), "--config-json", long, "--models", "mha,mha_session"]
+    command = ["ensure", "--repository", str(tmp_path / "m"), "--config-json", long, "--models", "forward,sessions"]
     assert serving_cli.main([*command, "--kv-cache-mib", "48"]) == 0
     out = capsys.readouterr().out
     assert "KV cache budget 48 MiB = 3 sequences of up to 32768 positions on the CPU (fp32), 6 on a GPU" in out

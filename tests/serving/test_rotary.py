@@ -36,7 +36,7 @@ def tritons(request, artifact_dir, tmp_path_factory):
         for engine in (engine for engine in ENGINES if engine in runs):
             work = tmp_path_factory.mktemp(f"rotary-{engine}")
             settings = ServingSettings(threads=1, kv_cache_bytes=8 << 20, max_batch_size=4, engine=engine)
-            repository = write_repository(artifact, work / "repository", settings, models=("mha", "mha_session"))
+            repository = write_repository(artifact, work / "repository", settings, models=("forward", "sessions"))
             started[engine] = start(repository, log_path=work / "triton.log")
         yield started
 

@@ -32,12 +32,12 @@ def test_a_named_repository_without_the_models_is_an_error_and_stays_as_it_was(t
     if kind != "missing":
         repository.mkdir()
     if kind == "incomplete":
-        (repository / "mha").mkdir()
+        (repository / "forward").mkdir()
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert main(["--no-gateway", "--model-repository", str(repository)]) == 1
     err = capsys.readouterr().err
     assert f"error: {repository} does not hold the served models" in err
-    assert "no such folder" in err if kind == "missing" else "mha: no config.pbtxt" in err
+    assert "no such folder" in err if kind == "missing" else "forward: no config.pbtxt" in err
     assert f"python -m serving ensure --repository {repository}" in err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
@@ -45,9 +45,7 @@ def test_a_named_repository_without_the_models_is_an_error_and_stays_as_it_was(t
 def test_a_budget_holding_few_sessions_is_a_console_warning_naming_the_option():
     from serving.host.launcher import serving_lines
 
-    said = (
-        'I1124 mha_session.py:38] "s: runner static engine; KV cache budget 8 MiB = 2 sequences of up to 512 positions"'
-    )
+    said = 'I1124 sessions.py:38] "s: runner static engine; KV cache budget 8 MiB = 2 sequences of up to 512 positions"'
     lines = serving_lines(said + "\nI1124 other.cc:1] unrelated")
     assert lines[0].split() == ["s", "static", "engine"]
     assert "only 2 sessions fit at once" in lines[-1] and "--kv-cache-mib" in lines[-1]

@@ -172,7 +172,7 @@ def test_a_snapshot_of_a_sequence_the_engine_does_not_hold_names_why(engine, ori
 @pytest.mark.gpu
 @pytest.mark.skipif(cuda_missing() is not None, reason=cuda_missing() or "")
 def test_on_a_gpu_the_operations_copy_rows_on_the_device_and_restore_exactly(artifact_dir, original, tmp_path):
-    """The fp16 pool on CUDA (with CUDA graphs) as mha_session builds it: the row copies are bound to
+    """The fp16 pool on CUDA (with CUDA graphs) as sessions builds it: the row copies are bound to
     device addresses; a restored and a forked session step bit for bit as the original does."""
     from serving.triton import engines
     from serving.triton.config import P_ENGINE, P_IDLE_TIMEOUT, P_KV_CACHE_BYTES, P_ONNX_FILE, P_ONNX_FILE_CUDA
@@ -185,8 +185,8 @@ def test_on_a_gpu_the_operations_copy_rows_on_the_device_and_restore_exactly(art
         P_KV_CACHE_BYTES: str(original.cfg.kv_cache_bytes(4, original.cfg.max_seq_len)),
         P_IDLE_TIMEOUT: "60",
     }
-    repository = write_repository(artifact_dir("gqa"), tmp_path, models=("mha_session",))
-    engine = engines.session_engine(repository / "mha_session" / VERSION, original.cfg, parameters, 8, "test")
+    repository = write_repository(artifact_dir("gqa"), tmp_path, models=("sessions",))
+    engine = engines.session_engine(repository / "sessions" / VERSION, original.cfg, parameters, 8, "test")
     assert engine.cache.device == "cuda" and engine.cache.identity["dtype"] == "float16"
     rng, d = np.random.default_rng(5), original.cfg.d_model
     step(engine, "a", tokens(rng, 9, d), start=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from serving.host.launcher import Shutdown, holds_only_replaced_versions, sessions_waited_for
 
-MODELS = ("mha", "mha_session")
+MODELS = ("forward", "sessions")
 SIGNAL = "Signal (2) received."
 
 
@@ -29,15 +29,15 @@ def unloaded(model: str) -> str:
     return stamped(f"successfully unloaded '{model}' version 1")[0]
 
 
-# a stop after a reload whose replaced version a request reached: 3 live (mha twice), both served ones unload
+# a stop after a reload whose replaced version a request reached: 3 live (forward twice), both served ones unload
 STUCK = [
     SIGNAL,
     *in_flight({}),
     *stamped("All models are stopped, unloading models"),
     live(3, 5),
     live(3, 4),
-    unloaded("mha_session"),
-    unloaded("mha"),
+    unloaded("sessions"),
+    unloaded("forward"),
     live(1, 3),
     live(1, 2),
 ]
@@ -52,7 +52,7 @@ def test_one_count_after_the_last_unload_is_not_yet_a_whole_one():
 
 
 def test_a_served_model_still_unloading_is_waited_for():
-    lines = [*STUCK[:5], unloaded("mha"), live(2, 3), live(2, 2)]  # mha_session has not unloaded yet
+    lines = [*STUCK[:5], unloaded("forward"), live(2, 3), live(2, 2)]  # sessions has not unloaded yet
     assert not holds_only_replaced_versions(lines, MODELS)
 
 
@@ -62,27 +62,27 @@ def test_a_shutdown_whose_count_reaches_zero_holds_nothing():
 
 
 def test_sessions_alone_in_flight_are_counted_and_anything_else_is_waited_for():
-    assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 2})]) == 2
-    assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 2, "mha": 1})]) == 0  # a stateless call
-    assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 2, "mha": 1})[:2]]) == 0  # half written
-    assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 1}), *in_flight({})]) == 0  # they ended
+    assert sessions_waited_for([SIGNAL, *in_flight({"sessions": 2})]) == 2
+    assert sessions_waited_for([SIGNAL, *in_flight({"sessions": 2, "forward": 1})]) == 0  # a stateless call
+    assert sessions_waited_for([SIGNAL, *in_flight({"sessions": 2, "forward": 1})[:2]]) == 0  # half written
+    assert sessions_waited_for([SIGNAL, *in_flight({"sessions": 1}), *in_flight({})]) == 0  # they ended
     # a second model set's sessions (the trained model's, beside the default one) are sessions too
-    assert sessions_waited_for([SIGNAL, *in_flight({"mha_session": 1, "fortunes_mha_session": 2})]) == 3
-    assert sessions_waited_for([SIGNAL, *in_flight({"fortunes_mha_session": 1, "fortunes_mha": 1})]) == 0
+    assert sessions_waited_for([SIGNAL, *in_flight({"sessions": 1, "fortunes_sessions": 2})]) == 3
+    assert sessions_waited_for([SIGNAL, *in_flight({"fortunes_sessions": 1, "fortunes_forward": 1})]) == 0
 
 
 def test_a_stop_reads_the_log_from_its_signal_on_and_ends_sessions_only_when_not_draining(tmp_path):
     log = tmp_path / "triton.log"
     log.write_text("earlier run\n")
     offset = log.stat().st_size
-    # a reload just before the stop unloaded the old mha: no unload of the served one since the signal
-    before_signal = [unloaded("mha")]
-    after = [*STUCK[:5], unloaded("mha_session"), live(2, 3), live(2, 2)]
+    # a reload just before the stop unloaded the old forward: no unload of the served one since the signal
+    before_signal = [unloaded("forward")]
+    after = [*STUCK[:5], unloaded("sessions"), live(2, 3), live(2, 2)]
     with log.open("a") as out:
         out.write("\n".join([*before_signal, *after]) + "\n")
     assert not Shutdown(log, offset, MODELS, drain=True).settled()
 
-    log.write_text("\n".join([SIGNAL, *in_flight({"mha_session": 3})]) + "\n")
+    log.write_text("\n".join([SIGNAL, *in_flight({"sessions": 3})]) + "\n")
     draining, moved = Shutdown(log, 0, MODELS, drain=True), Shutdown(log, 0, MODELS, drain=False)
     assert not draining.settled() and not draining.ended
     assert moved.settled() and moved.ended.startswith("3 open session(s)")

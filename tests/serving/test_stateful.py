@@ -1,4 +1,4 @@
-"""`mha_session`: the server keeps each sequence's KV cache between steps.
+"""`sessions`: the server keeps each sequence's KV cache between steps.
 
 A session stepped token by token equals the PyTorch original's full causal forward; 16 sessions
 driven at once from threads each equal their own run alone, and the engine core really ran several
@@ -115,9 +115,9 @@ def test_16_concurrent_sessions_each_equal_their_run_alone_and_share_decode_runs
     plans = [session_plan(k, served_model.cfg.d_model) for k in range(count)]
     alone = [run_session(clients["grpc"], hidden, chunks) for hidden, chunks in plans]
 
-    requests_before, _ = settled_counts(triton, "mha_session")
+    requests_before, _ = settled_counts(triton, "sessions")
     together = run_concurrently(triton, plans)
-    requests = settled_counts(triton, "mha_session")[0] - requests_before
+    requests = settled_counts(triton, "sessions")[0] - requests_before
 
     for k in range(count):
         assert isinstance(together[k], np.ndarray), together[k]
@@ -125,20 +125,20 @@ def test_16_concurrent_sessions_each_equal_their_run_alone_and_share_decode_runs
         np.testing.assert_allclose(together[k], full_forward(served_model, plans[k][0]), atol=1e-5, rtol=1e-5)
     assert requests == count * 26  # prefill, 24 steps, end: each answered once, none retried, nobody else's
     # the engine core ran several sessions' one-token steps in one decode graph run
-    assert metric_reaches(triton, "attention_engine_most_decode_rows", "mha_session", 2)
+    assert metric_reaches(triton, "attention_engine_most_decode_rows", "sessions", 2)
 
 
 def test_end_gives_the_memory_back(triton, clients, served_model):
     client, held = clients["grpc"], "attention_kv_cache_bytes"
     time.sleep(0.5)  # the bytes gauge follows steps within a quarter second: let other tests' settle
-    held_before = metric(triton, held, "mha_session")
+    held_before = metric(triton, held, "sessions")
     sequence_id = new_sequence_id()
     client.step(sequence_id, np.ones((1, 10, served_model.cfg.d_model), np.float32), start=True)
     with_cache = held_before + served_model.cfg.kv_cache_bytes(batch=1, length=10)
-    assert wait_for_metric(triton, held, "mha_session", with_cache) == with_cache
+    assert wait_for_metric(triton, held, "sessions", with_cache) == with_cache
     closed = client.end(sequence_id, served_model.cfg.d_model)
     assert closed.shape == (1, 0, served_model.cfg.d_model)
-    assert wait_for_metric(triton, held, "mha_session", held_before) == held_before
+    assert wait_for_metric(triton, held, "sessions", held_before) == held_before
 
 
 def mixed_plan(k: int, d_model: int) -> tuple[np.ndarray, list[int]]:

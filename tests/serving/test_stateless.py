@@ -1,4 +1,4 @@
-"""`mha` over HTTP and gRPC equals the PyTorch original: a left-padded batch-3 prefill, then 32
+"""`forward` over HTTP and gRPC equals the PyTorch original: a left-padded batch-3 prefill, then 32
 decode steps, each feeding the served presents back (the parity ladder's served rung)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from serving.engine.ort import Forward
 from tests.serving.helpers import PROTOCOLS, Client
 
 
-def triton_runner(client: Client, model: str = "mha") -> Forward:
+def triton_runner(client: Client, model: str = "forward") -> Forward:
     """The served model as a parity-ladder runner, through tritonclient."""
     return lambda inputs: client.infer(model, dict(inputs))
 

@@ -1,4 +1,4 @@
-"""The static engine behind mha_session, without Triton: a cache of full rows over the fp32-static graph
+"""The static engine behind sessions, without Triton: a cache of full rows over the fp32-static graph
 on the CPU, driven with the requests Triton would send; every output against the PyTorch original."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_the_engine_offers_every_session_operation_through_the_method_the_table_
 @pytest.mark.gpu
 @pytest.mark.skipif(cuda_missing() is not None, reason=cuda_missing() or "")
 def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(artifact_dir, original, tmp_path):
-    """The engine as mha_session builds it on a CUDA host (docs/gpu.md has the proof's numbers)."""
+    """The engine as sessions builds it on a CUDA host (docs/gpu.md has the proof's numbers)."""
     from serving.engine.settings import ENGINE_STATIC
     from serving.triton import engines
     from serving.triton.config import P_ENGINE, P_IDLE_TIMEOUT, P_KV_CACHE_BYTES, P_ONNX_FILE, P_ONNX_FILE_CUDA
@@ -157,8 +157,8 @@ def test_on_a_gpu_the_pool_runs_fp16_with_cuda_graphs_and_matches_the_original(a
         P_KV_CACHE_BYTES: str(original.cfg.kv_cache_bytes(4, original.cfg.max_seq_len)),
         P_IDLE_TIMEOUT: "60",
     }
-    repository = write_repository(artifact_dir("gqa"), tmp_path, models=("mha_session",))  # with the digests
-    engine = engines.session_engine(repository / "mha_session" / VERSION, original.cfg, parameters, 8, "test")
+    repository = write_repository(artifact_dir("gqa"), tmp_path, models=("sessions",))  # with the digests
+    engine = engines.session_engine(repository / "sessions" / VERSION, original.cfg, parameters, 8, "test")
     assert engine.cache.device == "cuda" and engine.cache.dtype is np.float16
     assert engine.cache.cuda_graphs and engine.cache.full_rows, engine.description
     rng, reference = np.random.default_rng(4), Reference(original)

@@ -188,7 +188,7 @@ def whole_text(artifact_dir) -> tuple[Grammars, tokenizers.Tokenizer, int]:
 
 
 def constrained(engine_core, grammars: Grammars, sid, prompt, grammar: Grammar, end: int, **sampling) -> Answers:
-    """A stateless constrained generation submitted to the core, its grammar compiled as mha_session does."""
+    """A stateless constrained generation submitted to the core, its grammar compiled as sessions does."""
     answers = Answers()
     max_new_tokens = sampling.pop("max_new_tokens", 60)
     request = generation.GenerationRequest(

@@ -20,7 +20,7 @@ from export.artifacts import load_model
 from serving.engine.ort import ort_runner, ort_session
 from serving.engine.steps import StepRequest
 from serving.triton import config as triton_config
-from serving.triton.config import MHA, MHA_SESSION
+from serving.triton.config import FORWARD, SESSIONS
 from serving.triton.repository import RepositoryError, model_files
 from tests.fixtures.engine import full_rows_engine
 from tests.fixtures.triton import WEIGHT_SUFFIXES, WHOLE_ARTIFACT
@@ -44,7 +44,7 @@ def served(request, artifact_dir, whole_triton):
     """(the weights dtype, a client of its models in the session's whole-model Triton, the artifact, their
     repository)."""
     suffix = WEIGHT_SUFFIXES[request.param]
-    models = {"model": f"{MHA}{suffix}", "session_model": f"{MHA_SESSION}{suffix}"}
+    models = {"model": f"{FORWARD}{suffix}", "session_model": f"{SESSIONS}{suffix}"}
     with Client(whole_triton.grpc_url, **models) as client:
         yield request.param, client, artifact_dir(WHOLE_ARTIFACT), whole_triton.repository
 
@@ -59,8 +59,8 @@ def served_graph(repository, model: str, dtype: str) -> str:
 def test_the_repository_serves_the_quantized_weight_graphs(served):
     dtype, _, _, repository = served
     stateless, static = GRAPHS[dtype]
-    assert served_graph(repository, MHA, dtype) == files.model_filename(stateless)
-    assert served_graph(repository, MHA_SESSION, dtype) == files.model_filename(static)
+    assert served_graph(repository, FORWARD, dtype) == files.model_filename(stateless)
+    assert served_graph(repository, SESSIONS, dtype) == files.model_filename(static)
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:

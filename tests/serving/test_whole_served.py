@@ -51,7 +51,7 @@ def servers(request, artifact_dir, tmp_path_factory):
                 server.set_result(request.getfixturevalue("whole_triton"))
             else:
                 work = tmp_path_factory.mktemp(f"served-{name}")
-                repository = write_repository(artifact, work / "repository", SETTINGS, models=("mha", "mha_session"))
+                repository = write_repository(artifact, work / "repository", SETTINGS, models=("forward", "sessions"))
                 server = start(repository, log_path=work / "triton.log")
             made[name] = server, load_model(artifact).eval()
         yield made

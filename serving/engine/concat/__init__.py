@@ -1,4 +1,4 @@
-"""The fallback engine in a room of its own: `mha_session`'s `concat` engine (engine.py), for configs
+"""The fallback engine in a room of its own: the `sessions` model's `concat` engine (engine.py), for configs
 the static form cannot take (head_dim not a multiple of 8), with its batching by padding
 (batching.py), its per-sequence store (store.py) and the copies of caches both make (copies.py). It
 offers the static engine's session operations, with the same blobs."""

@@ -1,6 +1,6 @@
 """Several sequences' decode steps as ONE graph run.
 
-Triton's sequence batcher may hand `mha_session` one execute() with steps of different sequences,
+Triton's sequence batcher may hand `sessions` one execute() with steps of different sequences,
 each with its own past length P_r and number of new tokens T_r (real tokens only: the engine drops
 a step's padded tokens before they get here, so a cache holds real positions only). They run as
 one batch:

@@ -1,4 +1,4 @@
-"""`mha_session`'s `concat` engine, for configs the static form cannot take (head_dim not a multiple
+"""the `sessions` model's `concat` engine, for configs the static form cannot take (head_dim not a multiple
 of 8): each sequence's cache is its own value (the graph's present), kept in a KVCacheStore
 (store.py); the steps of one execute() run as one graph run, batched by padding (batching.py).
 

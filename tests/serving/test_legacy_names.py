@@ -1,0 +1,86 @@
+"""The Triton models' names before they said what they serve (`mha`, `mha_session`, `mha_onnx`) are accepted
+where a deployment may still hold them: a repository written then (renamed in place by `ensure` and
+`python -m serving`, no build; loaded as it is by a Triton started by hand), settings, a client's arguments,
+`--models`, and an OpenAI model id that was the session model's name."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from client import Client, ModelNotFoundError
+from contract import names
+from contract.config import ModelConfig
+from serving.gateway.settings import Settings
+from serving.triton import config as triton_config
+from serving.triton.cli import model_names
+from serving.triton.repository import is_complete, rename_legacy_models
+from tests.serving.helpers import LEGACY, as_written_before
+
+
+def test_a_legacy_name_is_todays_and_any_other_name_is_left_alone():
+    assert [names.current_model_name(n) for n in ("mha", "mha_session", "mha_onnx")] == [
+        names.MODEL,
+        names.SESSION_MODEL,
+        names.ONNX_MODEL,
+    ]
+    assert names.current_model_name("fortunes_mha_session") == f"fortunes_{names.SESSION_MODEL}"
+    assert names.current_model_name("fortunes_mha") == f"fortunes_{names.MODEL}"
+    for kept in ("sessions", "forward", "noop", "mhax", "mha-llama", "my_model"):
+        assert names.current_model_name(kept) == kept
+    settings = Settings(model="mha", session_model="mha_session", more_served_models={"qwen": "qwen_mha_session"})
+    assert (settings.model, settings.session_model) == (names.MODEL, names.SESSION_MODEL)
+    assert settings.more_served_models == {"qwen": f"qwen_{names.SESSION_MODEL}"}
+    assert Settings(generate_model="fortunes_mha_session").generate_model == f"fortunes_{names.SESSION_MODEL}"
+    client = Client("127.0.0.1:1", "grpc", "mha", "mha_session")  # connects on first use only
+    assert (client.model, client.session_model) == (names.MODEL, names.SESSION_MODEL)
+    assert model_names("mha, mha_session") == (names.MODEL, names.SESSION_MODEL)
+
+
+def test_a_repository_of_the_legacy_names_is_renamed_in_place(triton_repository, tmp_path):
+    repository = shutil.copytree(triton_repository, tmp_path / "repository", symlinks=True)
+    as_written_before(repository)
+    assert not is_complete(repository)
+    done = rename_legacy_models(repository)
+    assert len(done) == len(list(repository.iterdir())) and all("renamed" in line for line in done), done
+    assert is_complete(repository)
+    for current in LEGACY:
+        config = triton_config.parse((repository / current / triton_config.TRITON_CONFIG_FILENAME).read_text())
+        assert config.name == current
+        expected = triton_config.IMPLEMENTATIONS.get(current)
+        assert config.parameters[triton_config.P_IMPLEMENTATION].string_value == expected if expected else True
+    # written again beside today's (an older tool run after a newer one): the legacy folder goes
+    shutil.copytree(repository / names.SESSION_MODEL, repository / "mha_session")
+    assert rename_legacy_models(repository) == [
+        f"{repository / 'mha_session'}: removed, the old name of {names.SESSION_MODEL}, which {repository} holds"
+    ]
+    assert not (repository / "mha_session").exists() and rename_legacy_models(repository) == []
+
+
+@pytest.mark.slow
+def test_a_triton_started_by_hand_loads_a_repository_written_before(triton_artifact, triton_repository, tmp_path):
+    """Its configs name the implementations' old modules (serving/triton/models/mha.py, mha_session.py), which
+    load today's; a client asking for today's names is told where the old ones are and what renames them."""
+    from serving.host.launcher import start_triton
+
+    repository = shutil.copytree(triton_repository, tmp_path / "repository", symlinks=True)
+    shutil.rmtree(repository / names.ONNX_MODEL)  # the onnxruntime backend's: GPU hosts only
+    as_written_before(repository)
+    server = start_triton(repository, models=["mha", "mha_session"], log_path=tmp_path / "triton.log")
+    try:
+        import tritonclient.grpc as grpcclient
+
+        raw = grpcclient.InferenceServerClient(server.grpc_url)
+        assert raw.is_model_ready("mha") and raw.is_model_ready("mha_session")
+        d_model = ModelConfig.load(triton_artifact).d_model
+        hidden = grpcclient.InferInput(names.HIDDEN_STATES, [1, 2, d_model], "FP32")
+        hidden.set_data_from_numpy(np.ones((1, 2, d_model), np.float32))
+        assert np.isfinite(raw.infer("mha", [hidden]).as_numpy(names.OUTPUT)).all()
+        with Client(server.grpc_url, "grpc") as client, pytest.raises(ModelNotFoundError) as refused:
+            client.metadata(names.SESSION_MODEL)
+        assert f"holds '{names.SESSION_MODEL}' as 'mha_session'" in refused.value.message, refused.value.message
+        assert "python -m serving ensure --repository DIR" in refused.value.message
+    finally:
+        server.stop()
