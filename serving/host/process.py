@@ -2,7 +2,7 @@
 
 A `ManagedProcess` runs in a session of its own (a stop reaches its whole group: tritonserver's model
 stubs too), in a private work directory, and dies with the process that started it: it is spawned
-with PR_SET_PDEATHSIG, from one thread that lives as long as this process (the kernel sends the
+with PR_SET_PDEATHSIG (set by util-linux's setpriv, `dying_with_parent`), from one thread that lives as long as this process (the kernel sends the
 signal when the *thread* that forked the child ends, so a child started from a supervisor's or a
 pool's thread would otherwise die with that thread). Triton's stubs are tritonserver's children
 and check every 300 ms that it still exists (the Python backend's own watch), so they follow it.
@@ -24,6 +24,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -74,6 +75,45 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> Callable[[], None
     return preexec
 
 
+@functools.cache
+def _death_signal_wrapper() -> str | None:
+    """util-linux's setpriv where it takes --pdeathsig (2.33 and later: Debian's base, the NGC images)."""
+    setpriv = shutil.which("setpriv")
+    try:
+        probe = subprocess.run([setpriv, "--pdeathsig", "KILL", "true"], timeout=10, check=False) if setpriv else None
+    except (OSError, subprocess.SubprocessError):
+        probe = None
+    return setpriv if probe is not None and probe.returncode == 0 else None
+
+
+# run by the child once its death signal is set: it ends there if the parent died before that, else runs the command
+_UNLESS_ORPHANED = 'test "$PPID" = "$1" || exit 1; shift; exec "$@"'
+
+
+def dying_with_parent(command: Sequence[str], sig: signal.Signals = signal.SIGKILL) -> tuple[list[str], dict]:
+    """`command` and the Popen options under which it gets `sig` when the thread that forks it ends, and ends at
+    once if this process died before the signal was set: setpriv sets it and execs a shell that checks its
+    parent and execs the command, so that no Python runs in the forked child (a preexec_fn does, and in a
+    process with threads the child can crash there: a segfault between fork and exec, seen under the benches'
+    threads and torch's). Where setpriv cannot, the preexec_fn `die_with_parent`."""
+    wrapper = _death_signal_wrapper()
+    if wrapper:
+        signal_name = sig.name.removeprefix("SIG")
+        return [
+            wrapper,
+            "--pdeathsig",
+            signal_name,
+            "--",
+            "/bin/sh",
+            "-c",
+            _UNLESS_ORPHANED,
+            "sh",
+            str(os.getpid()),
+            *command,
+        ], {}
+    return list(command), {"preexec_fn": die_with_parent(os.getpid(), sig)}
+
+
 class _Spawner:
     """One thread that starts every managed process and lives as long as this process, so the
     children's death signal comes when this process ends and never when a caller's thread does."""
@@ -101,9 +141,8 @@ class _Spawner:
         while True:
             command, options, done = self._requests.get()
             try:
-                # the preexec_fn calls one libc function, looked up before the fork, and takes no lock
-                preexec = die_with_parent(os.getpid())
-                done.set_result(subprocess.Popen(command, preexec_fn=preexec, **options))  # noqa: PLW1509
+                command, dying = dying_with_parent(command)
+                done.set_result(subprocess.Popen(command, **dying, **options))
             except BaseException as error:  # handed to the caller, who raises it
                 done.set_exception(error)
 

@@ -65,7 +65,7 @@ CASES = [
     ("404", "NOT_FOUND", "Request for unknown model: 'nope' is not found", False, ModelNotFoundError),
     ("404", "NOT_FOUND", "Request for unknown model: 'nope' is not found", True, ModelNotFoundError),
     ("503", "UNAVAILABLE", BUDGET_FULL, True, ServerBusyError),
-    ("500", "INTERNAL", "Failed to process the request(s) for model 'mha_0_0', message: ValueError: boom",
+    ("500", "INTERNAL", "Failed to process the request(s) for model 'forward_0_0', message: ValueError: boom",
      False, ServerError),
     ("501", "UNIMPLEMENTED", "not supported", False, ServerError),
     ("504", "DEADLINE_EXCEEDED", "Deadline Exceeded", False, RequestTimeoutError),

@@ -22,7 +22,14 @@ import numpy as np
 import tritonclient.http as httpclient
 
 from serving.host.launcher import EXIT_TIMEOUT_S, POLL_SECONDS, start_triton
-from serving.host.process import OWNER_FILE, SHM_DIR, ManagedProcess, group_members, reap_leftovers
+from serving.host.process import (
+    OWNER_FILE,
+    SHM_DIR,
+    ManagedProcess,
+    dying_with_parent,
+    group_members,
+    reap_leftovers,
+)
 
 SHM_REGION_BYTES = 16 << 20  # the launcher's shm-default-byte-size
 
@@ -92,6 +99,19 @@ def test_a_child_dies_with_its_owner_even_when_the_thread_that_started_it_ended(
             os.kill(child, signal.SIGKILL)
 
 
+def test_no_python_runs_between_fork_and_exec_and_an_orphan_before_its_signal_ends_at_once(tmp_path):
+    """setpriv sets the death signal (Debian's base has it): no preexec_fn, whose Python in a forked child of a
+    process with threads crashed there once; the shell after it ends the child whose parent died before the
+    signal was set (its parent is then another process), and runs the command otherwise."""
+    command, options = dying_with_parent(["touch", str(tmp_path / "ran")])
+    assert options == {} and Path(command[0]).name == "setpriv", (command, options)
+    assert subprocess.run(command, check=False).returncode == 0 and (tmp_path / "ran").exists()
+    (tmp_path / "ran").unlink()
+    orphaned = [str(os.getppid()) if part == str(os.getpid()) else part for part in command]  # a parent not its own
+    assert orphaned != command and subprocess.run(orphaned, check=False).returncode == 1
+    assert not (tmp_path / "ran").exists()
+
+
 def test_a_start_removes_what_a_dead_owner_left_and_nothing_of_a_living_one(tmp_path):
     owner, orphan = run_owner(tmp_path / "dead", "orphan")
     owner.wait(10)
@@ -154,7 +174,7 @@ def assert_nothing_left(server, stub_pids, log_kept: bool = False) -> None:
 
 def test_a_killed_tritonserver_leaves_no_region_stub_or_folder(tiny_repository):
     server = start_triton(tiny_repository)
-    wait_until(lambda: sorted(stubs(server)) == ["mha_0_0", "sessions_0_0"], timeout=10.0)
+    wait_until(lambda: sorted(stubs(server)) == ["forward_0_0", "sessions_0_0"], timeout=10.0)
     stub_pids = list(stubs(server).values())
     sizes = [region.stat().st_size for region in regions(server)]  # each stub's
     assert len(sizes) >= 2 and set(sizes) == {SHM_REGION_BYTES}, sizes
@@ -179,14 +199,14 @@ def reload_dead_forward(server, during=None) -> None:
     called meanwhile if given (`reloading`: the thread reloading); asserts that a new stub answers as
     the old one did."""
     before = infer_forward(server)
-    dead = stubs(server)["mha_0_0"]
+    dead = stubs(server)["forward_0_0"]
     os.kill(dead, signal.SIGKILL)
     reloading = threading.Thread(target=server.reload, args=(["forward"],))
     reloading.start()
     if during is not None:
         during(reloading)
     reloading.join(60)
-    assert stubs(server)["mha_0_0"] != dead
+    assert stubs(server)["forward_0_0"] != dead
     np.testing.assert_array_equal(infer_forward(server), before)
 
 

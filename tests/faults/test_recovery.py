@@ -182,7 +182,7 @@ def test_a_killed_stateless_model_is_reloaded(stack):
     served, gateway = stack
     before = attend(gateway)
     killed_at = time.monotonic()
-    kill(served, "mha_0_0")
+    kill(served, "forward_0_0")
     # a stateless call is safe to repeat: the gateway's retries may reach the reloaded model (a
     # late, correct answer); otherwise 503 with Retry-After. Never a wrong answer, never a 5xx of ours.
     during = gateway.post("/v1/attend", json={"hidden_states": hidden(5, seed=1)})

@@ -15,7 +15,6 @@ import http.client
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -36,7 +35,7 @@ from serving.host.envoy.config import (
     render,
     write_endpoints,
 )
-from serving.host.process import ManagedProcess, die_with_parent
+from serving.host.process import ManagedProcess, dying_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +73,10 @@ def validate(config: dict[str, Any] | str | Path) -> None:
         path = Path(config) if isinstance(config, Path) else Path(scratch) / ENVOY_CONFIG_FILENAME
         if not isinstance(config, Path):
             path.write_text(config if isinstance(config, str) else render(config))
-        run = subprocess.run(
-            [
-                str(envoy_binary()),
-                "--mode",
-                "validate",
-                "--disable-hot-restart",
-                "--log-level",
-                "warn",
-                "-c",
-                str(path),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            preexec_fn=die_with_parent(os.getpid()),  # one libc call, no lock (serving/host/process.py)
+        command, dying = dying_with_parent(
+            [str(envoy_binary()), "--mode", "validate", "--disable-hot-restart", "--log-level", "warn", "-c", str(path)]
         )
+        run = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False, **dying)
     output = (run.stdout + run.stderr).strip()
     if run.returncode != 0 or "Deprecated field" in output:
         raise EnvoyConfigError(f"envoy rejects {path.name} (exit {run.returncode}):\n{output}")
