@@ -1,7 +1,6 @@
 """`python -m export build` end to end, on a config no preset uses."""
 
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -206,18 +205,12 @@ def test_a_full_disk_leaves_the_earlier_build_as_it_was_and_says_so_in_one_line(
     assert (earlier / files.WEIGHTS_FILENAME).stat().st_size > limit  # the weights are what hits the limit
     before = tree(tmp_path)
 
-    def small_disk() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes get EFBIG
-
+    # util-linux's prlimit sets the file size limit and execs the build (no preexec_fn: no Python in a forked child
+    # of this process's threads); Python ignores SIGXFSZ, so its writes past the limit get EFBIG
+    small_disk = ["prlimit", f"--fsize={limit}", "--"]
     outs = (earlier, tmp_path / "first")
     procs = [
-        subprocess.Popen(
-            build_command(out),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=small_disk,  # noqa: PLW1509  (the limit is set in the child before exec)
-        )
+        subprocess.Popen([*small_disk, *build_command(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for out in outs
     ]
     try:
