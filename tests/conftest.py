@@ -100,6 +100,16 @@ TEST_CONFIGS = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def background_stops():
+    """The servers stopped beside the next tests (tests/fixtures/stops.py) have all ended, each cleanly."""
+    from tests.fixtures import stops
+
+    yield
+    problems = stops.finish()
+    assert not problems, "\n".join(problems)
+
+
 @pytest.fixture(scope="session")
 def artifact_dir(tmp_path_factory, prebuilds):
     """`artifact_dir(name)` -> an artifact directory built from TEST_CONFIGS[name] once per session,

@@ -129,7 +129,7 @@ def default_stack(tmp_path_factory, trained_artifact, prebuilds):
     artifacts = prebuilds.wait(DEFAULT_KEY) or build_default(stack / "artifacts")
     repository = write_repository(artifacts, stack / "model_repository", ServingSettings(threads=1))
     write_repository(trained_artifact, repository, ServingSettings(threads=1), (SESSION_MODEL,), TRAINED_PREFIX)
-    with serving_process(repository, stack) as served:
+    with serving_process(repository, stack, stop_later=True) as served:
         yield served
 
 

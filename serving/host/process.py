@@ -2,10 +2,11 @@
 
 A `ManagedProcess` runs in a session of its own (a stop reaches its whole group: tritonserver's model
 stubs too), in a private work directory, and dies with the process that started it: it is spawned
-with PR_SET_PDEATHSIG (set by util-linux's setpriv, `dying_with_parent`), from one thread that lives as long as this process (the kernel sends the
-signal when the *thread* that forked the child ends, so a child started from a supervisor's or a
-pool's thread would otherwise die with that thread). Triton's stubs are tritonserver's children
-and check every 300 ms that it still exists (the Python backend's own watch), so they follow it.
+with PR_SET_PDEATHSIG (set by util-linux's setpriv, `dying_with_parent`), from one thread that lives
+as long as this process (the kernel sends the signal when the *thread* that forked the child ends,
+so a child started from a supervisor's or a pool's thread would otherwise die with that thread).
+Triton's stubs are tritonserver's children and check every 300 ms that it still exists (the Python
+backend's own watch), so they follow it.
 
 Every work directory holds an owner record: the child's pid and start time, and those of the
 process that started it. `reap_leftovers()` (run before every start) finds the records whose owner

@@ -36,6 +36,7 @@ from serving.triton import config as triton_config
 from serving.triton.config import FORWARD, SESSIONS, TRITON_CONFIG_FILENAME, ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.prebuilds import folder_job
+from tests.fixtures.stops import stopped_later
 from tests.fixtures.text import save_tokenizer
 from tests.fixtures.triton import selected
 
@@ -293,7 +294,7 @@ def served(request, checkpoints, tmp_path_factory):
             config = triton_config.parse((target / TRITON_CONFIG_FILENAME).read_text())
             config.name = target.name
             (target / TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
-    with start_triton(repository, log_path=work / "triton.log") as server:
+    with stopped_later(start_triton(repository, log_path=work / "triton.log")) as server:
         yield server
 
 

@@ -43,7 +43,7 @@ def fleet(tiny_repository, tmp_path_factory):
         "SERVING_SESSION_SECRET": SECRET,
         "SERVING_SESSION_STORE": str(work / "sessions"),
     }
-    with serving_process(tiny_repository, work, env=env, args=args) as served:
+    with serving_process(tiny_repository, work, env=env, args=args, stop_later=True) as served:
         yield served
 
 

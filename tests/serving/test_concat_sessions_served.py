@@ -55,7 +55,7 @@ def served(artifact, tmp_path_factory):
     settings = ServingSettings(threads=1, kv_cache_bytes=64 << 20)
     repository = write_repository(artifact, work / "repository", settings)
     env = {"SERVING_REQUEST_TIMEOUT_S": "30"}
-    with serving_process(repository, work, env=env, args=("--probe-interval", "0.5")) as process:
+    with serving_process(repository, work, env=env, args=("--probe-interval", "0.5"), stop_later=True) as process:
         yield process
 
 

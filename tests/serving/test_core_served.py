@@ -19,6 +19,7 @@ from client import Client
 from serving.host.launcher import start_triton
 from serving.triton.config import FORWARD, SESSIONS
 from serving.triton.repository import write_repository
+from tests.fixtures.stops import stopped_later
 from tests.fixtures.triton import WHOLE_SETTINGS, metric, metric_reaches, wait_for_metric
 from tests.gateway.conftest import running
 
@@ -41,7 +42,7 @@ def served(trained_artifact, tmp_path_factory) -> Iterator[Served]:
     work = tmp_path_factory.mktemp("core-served")
     repository = write_repository(trained_artifact, work / "repository", SETTINGS, models=(FORWARD, SESSIONS))
     with contextlib.ExitStack() as stack:
-        triton = stack.enter_context(start_triton(repository, log_path=work / "triton.log"))
+        triton = stack.enter_context(stopped_later(start_triton(repository, log_path=work / "triton.log")))
         settings = {"triton_url": triton.grpc_url, "served_model_name": MODEL_ID, "session_secret": SECRET}
         clients = []
         for _ in range(2):

@@ -20,6 +20,7 @@ from serving.triton import config as triton_config
 from serving.triton.config import SESSIONS, ServingSettings
 from serving.triton.repository import write_repository
 from tests.fixtures.engine import full_rows_engine
+from tests.fixtures.stops import stopped_later
 from tests.fixtures.triton import wait_for_metric
 
 pytestmark = [pytest.mark.served]
@@ -37,7 +38,8 @@ def served(artifact_dir, tmp_path_factory):
     artifact, work = artifact_dir("gqa"), tmp_path_factory.mktemp("int8-cache")
     settings = ServingSettings(threads=1, kv_cache_bytes=4 << 20, kv_dtype="int8", min_row_positions=16)
     repository = write_repository(artifact, work / "repository", settings, models=(SESSIONS,))
-    with start_triton(repository, log_path=work / "triton.log") as server, Client(server.grpc_url) as client:
+    server = start_triton(repository, log_path=work / "triton.log")
+    with stopped_later(server), Client(server.grpc_url) as client:
         yield server, client, artifact, repository
 
 

@@ -7,11 +7,13 @@ import json
 
 import pytest
 
-from contract.config import preset
+from contract.config import ModelConfig, preset
+from contract.deployment import ServingSettings
 from serving import __main__ as serving_cli
+from serving.triton.cli import print_capacity
 from tests.serving.helpers import as_written_before
 
-pytestmark = pytest.mark.slow  # each test builds artifacts
+pytestmark = pytest.mark.slow  # the first test builds artifacts
 
 
 def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_path, capsys):
@@ -39,10 +41,10 @@ def test_ensure_builds_once_and_again_only_for_another_model_or_settings(tmp_pat
     ) in out, out
     assert ("warning: only" in out) == (fit < 4)
     as_json = ["--config-json", '{"d_model": 32, "n_heads": 4, "n_kv_heads": 2, "n_layers": 1, "max_seq_len": 64}']
-    assert serving_cli.main([*command[:3], *as_json, "--models", "forward,sessions"]) == 0  # another model
+    assert serving_cli.main([*command[:3], *as_json]) == 0  # another model, and every model (forward_onnx too)
+    assert "model repository:" in capsys.readouterr().out
     assert json.loads((repository / "forward" / "1" / "config.json").read_text())["n_kv_heads"] == 2
-    # max_seq_len below 512 with every model: the TensorRT profile of forward_onnx follows the config
-    assert serving_cli.main([*command[:3], *as_json]) == 0
+    # max_seq_len below 512: the TensorRT profile of forward_onnx follows the config
     profile = (repository / "forward_onnx" / "config.pbtxt").read_text()
     assert "hidden_states:8x32x32,attention_mask:8x64,past_key_values.0.key:8x2x32x8" in profile, profile
 
@@ -54,11 +56,13 @@ def test_ensure_refuses_a_config_that_is_not_one(tmp_path, capsys):
     assert not (tmp_path / "m").exists()
 
 
-def test_a_budget_holding_few_sessions_is_a_warning_naming_the_option(tmp_path, capsys):
+def test_a_budget_holding_few_sessions_is_a_warning_naming_the_option(capsys):
+    """What ensure and repository print after their build (print_capacity; the build itself: the first test)."""
     # 16 MiB a sequence in fp32: 2 (k, v) x 4 heads x 32768 positions x 16 floats x 4 bytes
-    long = '{"d_model": 64, "n_heads": 4, "n_kv_heads": 4, "n_layers": 1, "max_seq_len": 32768}'
-    command = ["ensure", "--repository", str(tmp_path / "m"), "--config-json", long, "--models", "forward,sessions"]
-    assert serving_cli.main([*command, "--kv-cache-mib", "48"]) == 0
+    long = ModelConfig(d_model=64, n_heads=4, n_kv_heads=4, n_layers=1, max_seq_len=32768)
+    print_capacity(long, ServingSettings(kv_cache_bytes=48 << 20), ("forward", "sessions"))
     out = capsys.readouterr().out
     assert "KV cache budget 48 MiB = 3 sequences of up to 32768 positions on the CPU (fp32), 6 on a GPU" in out
     assert "warning: only 3 sessions fit at once on the CPU; raise --kv-cache-mib to hold more" in out
+    print_capacity(long, ServingSettings(kv_cache_bytes=48 << 20), ("forward",))
+    assert capsys.readouterr().out == ""  # no session model, no budget
