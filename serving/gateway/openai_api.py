@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from client.chat_template import TemplateFailed
@@ -49,7 +48,7 @@ from serving.gateway.errors import (
     error_body,
     responses,
 )
-from serving.gateway.generate import DONE, STREAM_HEADERS, Pull, logit_bias
+from serving.gateway.generate import DONE, EventStream, Pull, event, logit_bias
 from serving.gateway.routes import Caller, body_documented, caller, media_type_of, naming, the_gateway
 from serving.gateway.sessions import GatewaySession
 from serving.gateway.state import GatewayState, WholeModel
@@ -718,7 +717,7 @@ async def _answer(request: Request, owner: str, schema: type[schemas.Common], ch
     except BaseException:
         await run.held.aclose()
         raise
-    return OpenAIStream(_events(run, first), run.held)
+    return EventStream(_events(run, first), run.held)
 
 
 async def _whole(run: Run) -> Response:
@@ -749,16 +748,16 @@ async def _events(run: Run, first: dict[int, Piece | None]) -> AsyncIterator[byt
         for choice in run.choices:
             piece = first[choice.index]
             if piece is not None:
-                yield _event(renderer.chunk(choice, piece, first=True))
+                yield event(renderer.chunk(choice, piece, first=True))
         async for choice, piece in _merged(run):
-            yield _event(renderer.chunk(choice, piece, first=False))
+            yield event(renderer.chunk(choice, piece, first=False))
         if run.asked.include_usage:
-            yield _event(renderer.usage_chunk())
+            yield event(renderer.usage_chunk())
     except ApiError as error:
-        yield _event(error_body(error.status, error.code, error.message, error.param))
+        yield event(error_body(error.status, error.code, error.message, error.param))
     except Exception:
         log.exception("unexpected error in %s", run.id)
-        yield _event(error_body(500, "internal", "internal error; it is logged on the server"))
+        yield event(error_body(500, "internal", "internal error; it is logged on the server"))
     await run.held.aclose()
     yield DONE
 
@@ -782,22 +781,3 @@ async def _merged(run: Run) -> AsyncIterator[tuple[Choice, Piece]]:
     finally:
         for future in pending:
             future.cancel()
-
-
-def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-class OpenAIStream(StreamingResponse):
-    """Server-Sent Events that close the run (its generations, its sessions kept or ended) once done, whatever
-    ended them (see generate.EventStream)."""
-
-    def __init__(self, events: AsyncIterator[bytes], held: contextlib.AsyncExitStack) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=STREAM_HEADERS)
-        self.held = held
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.held.aclose()

@@ -31,6 +31,8 @@ from client.store import SessionStore, StoreError, StoreKey
 from serving.gateway import openai_api
 from serving.gateway import openai_schemas as schemas
 from serving.gateway.errors import ApiError, InvalidInput, UpstreamUnavailable, responses
+from serving.gateway.generate import EventStream
+from serving.gateway.generate import event as server_sent
 from serving.gateway.routes import Caller, body_documented, caller, the_gateway
 from serving.gateway.state import WholeModel
 
@@ -156,7 +158,7 @@ async def create_response(request: Request, owner: Caller) -> Response:
             await asyncio.gather(*(openai_api.drain(run, choice) for choice in run.choices))
             answer = await _finished(gw, owner, body, run, conversation)
         return Response(orjson.dumps(answer), media_type="application/json")
-    return openai_api.OpenAIStream(_events(gw, owner, body, run, conversation), run.held)
+    return EventStream(_events(gw, owner, body, run, conversation), run.held)
 
 
 @responses_router.get("/responses/{response_id}", responses=responses(401, 404, 503))
@@ -317,8 +319,7 @@ async def _events(gw, owner: str, body: ResponsesBody, run: openai_api.Run, conv
     numbers = iter(range(1 << 62))
 
     def event(kind: str, **fields) -> bytes:
-        data = {"type": kind, "sequence_number": next(numbers), **fields}
-        return f"event: {kind}\n".encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+        return server_sent({"type": kind, "sequence_number": next(numbers), **fields}, kind)
 
     started = _response(body, run, "in_progress", None)
     at = {"item_id": _message(run, "", "in_progress")["id"], "output_index": 0, "content_index": 0}
