@@ -71,13 +71,16 @@ def gateway_process(triton_grpc_url: str, log_path: Path, **settings: object) ->
     import httpx
 
     from serving.host.launcher import free_port
+    from serving.host.process import dying_with_parent
 
     port = free_port()
     env = {"api_keys": KEY, "sessions_per_key": 256, "log_level": "warning", **settings}
     env = {**os.environ, **{f"SERVING_{k.upper()}": str(v) for k, v in env.items()}}
     env |= {"SERVING_TRITON_URL": triton_grpc_url, "SERVING_PORT": str(port)}
     with log_path.open("wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "serving.gateway"], env=env, stdout=log, stderr=log)
+        # dies with this process even where it is killed before the `finally` below (a bench run cut off)
+        command, dying = dying_with_parent([sys.executable, "-m", "serving.gateway"])
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=log, **dying)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
