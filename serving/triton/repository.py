@@ -321,27 +321,52 @@ def rename_legacy_models(repository_dir: str | Path) -> list[str]:
     (contract/names.py LEGACY_MODEL_NAMES: `mha_session`, `fortunes_mha_session`, ...) moved to today's names,
     their configs' names and implementations with them, so that a repository written before serves as it is,
     with no build. A legacy folder beside a folder of today's name is removed: Triton would load both, two KV
-    budgets for one model. Says what it did, a line a folder."""
+    budgets for one model. A legacy folder without its config (a checkout's default repository, whose configs
+    git moved while the built files it ignores stayed) gives today's folder the versions it lacks. Says what it
+    did, a line a folder."""
     repository = Path(repository_dir)
     done = []
-    for config_path in sorted(repository.glob(f"*/{triton_config.TRITON_CONFIG_FILENAME}")):
-        folder = config_path.parent
+    for folder in sorted(p for p in repository.iterdir() if p.is_dir()) if repository.is_dir() else ():
         current = names.current_model_name(folder.name)
+        config_path = folder / triton_config.TRITON_CONFIG_FILENAME
         if current == folder.name:
             continue
-        if (repository / current).exists():
+        if not config_path.is_file():
+            done += _versions_left_behind(folder, repository / current)
+        elif (repository / current).exists():
             shutil.rmtree(folder)
             done.append(f"{folder}: removed, the old name of {current}, which {repository} holds")
-            continue
-        config = triton_config.parse(config_path.read_text())
-        config.name = current
-        if triton_config.P_IMPLEMENTATION in config.parameters:
-            served = next(model for model in triton_config.IMPLEMENTATIONS if current.endswith(model))
-            config.parameters[triton_config.P_IMPLEMENTATION].string_value = triton_config.IMPLEMENTATIONS[served]
-        config_path.write_text(triton_config.to_text(config))
-        folder.rename(repository / current)
-        done.append(f"{folder}: renamed {current} (the model's name since the names say what they serve)")
+        else:
+            _rename_config(config_path, current)
+            folder.rename(repository / current)
+            done.append(f"{folder}: renamed {current} (the model's name since the names say what they serve)")
     return done
+
+
+def _rename_config(config_path: Path, current: str) -> None:
+    config = triton_config.parse(config_path.read_text())
+    config.name = current
+    if triton_config.P_IMPLEMENTATION in config.parameters:
+        served = next(model for model in triton_config.IMPLEMENTATIONS if current.endswith(model))
+        config.parameters[triton_config.P_IMPLEMENTATION].string_value = triton_config.IMPLEMENTATIONS[served]
+    config_path.write_text(triton_config.to_text(config))
+
+
+def _versions_left_behind(folder: Path, target: Path) -> list[str]:
+    """`folder`'s version folders moved into `target` where it has a config and lacks them; `folder` removed once
+    empty."""
+    if not (target / triton_config.TRITON_CONFIG_FILENAME).is_file():
+        return []
+    moved = [
+        version
+        for version in sorted(folder.iterdir())
+        if version.name.isdigit() and not (target / version.name).exists()
+    ]
+    for version in moved:
+        version.rename(target / version.name)
+    if not any(folder.iterdir()):
+        folder.rmdir()
+    return [f"{version}: moved to {target / version.name}, beside its renamed config" for version in moved]
 
 
 def other_session_models(repository_dir: str | Path) -> tuple[str, ...]:

@@ -59,6 +59,22 @@ def test_a_repository_of_the_legacy_names_is_renamed_in_place(triton_repository,
     assert not (repository / "mha_session").exists() and rename_legacy_models(repository) == []
 
 
+def test_a_checkouts_built_files_left_under_the_old_names_join_the_renamed_configs(triton_repository, tmp_path):
+    """A checkout's default repository after the rename: git moved the configs it tracks to today's folders, and
+    the files it ignores (each model's version folder, the build's) stayed under the old names."""
+    repository = shutil.copytree(triton_repository, tmp_path / "repository", symlinks=True)
+    for current, legacy in LEGACY.items():
+        (repository / legacy).mkdir()
+        (repository / current / "1").rename(repository / legacy / "1")
+    assert not is_complete(repository)
+    done = rename_legacy_models(repository)
+    assert sorted(done) == sorted(
+        f"{repository / legacy / '1'}: moved to {repository / current / '1'}, beside its renamed config"
+        for current, legacy in LEGACY.items()
+    )
+    assert is_complete(repository) and not any((repository / legacy).exists() for legacy in LEGACY.values())
+
+
 @pytest.mark.slow
 def test_a_triton_started_by_hand_loads_a_repository_written_before(triton_artifact, triton_repository, tmp_path):
     """Its configs name the implementations' old modules (serving/triton/models/mha.py, mha_session.py), which
