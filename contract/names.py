@@ -21,10 +21,14 @@ LEGACY_MODEL_NAMES = {"mha": MODEL, "mha_session": SESSION_MODEL, "mha_onnx": ON
 
 def current_model_name(name: str) -> str:
     """`name` with a legacy model name (LEGACY_MODEL_NAMES) replaced by today's, a model set's prefix kept
-    (`fortunes_mha_session` is `fortunes_sessions`); any other name as it is."""
-    for legacy in sorted(LEGACY_MODEL_NAMES, key=len, reverse=True):
-        if name == legacy or name.endswith(f"_{legacy}"):
-            return name[: len(name) - len(legacy)] + LEGACY_MODEL_NAMES[legacy]
+    (`fortunes_mha_session` is `fortunes_sessions`); any other name as it is. A prefix is read before the two
+    names no one else's model ends in (`_mha_session`, `_mha_onnx`), never before `_mha` (`bert_mha` may be
+    somebody's own model)."""
+    if name in LEGACY_MODEL_NAMES:
+        return LEGACY_MODEL_NAMES[name]
+    for legacy in ("mha_session", "mha_onnx"):
+        if name.endswith(f"_{legacy}"):
+            return name.removesuffix(legacy) + LEGACY_MODEL_NAMES[legacy]
     return name
 
 

@@ -50,10 +50,10 @@ TRITON_CONFIG_FILENAME = "config.pbtxt"
 ONNX_BACKEND_FILENAME = "model.onnx"  # the onnxruntime backend's default_model_filename
 
 # The module that implements each python-backend model; the shim `model.py` imports it.
-_MODELS_PACKAGE = __name__.rpartition(".")[0] + ".models"  # serving.triton.models, beside this module
+MODELS_PACKAGE = __name__.rpartition(".")[0] + ".models"  # serving.triton.models, beside this module
 IMPLEMENTATIONS = {
-    FORWARD: f"{_MODELS_PACKAGE}.forward",
-    SESSIONS: f"{_MODELS_PACKAGE}.sessions",
+    FORWARD: f"{MODELS_PACKAGE}.forward",
+    SESSIONS: f"{MODELS_PACKAGE}.sessions",
 }
 
 # Parameter keys the python models read (serving/triton/models/*.py, serving/triton/engines.py).

@@ -333,6 +333,8 @@ def rename_legacy_models(repository_dir: str | Path) -> list[str]:
             continue
         if not config_path.is_file():
             done += _versions_left_behind(folder, repository / current)
+        elif not _written_here(triton_config.parse(config_path.read_text())):
+            continue  # somebody's own model of a name like ours: never touched
         elif (repository / current).exists():
             shutil.rmtree(folder)
             done.append(f"{folder}: removed, the old name of {current}, which {repository} holds")
@@ -341,6 +343,15 @@ def rename_legacy_models(repository_dir: str | Path) -> list[str]:
             folder.rename(repository / current)
             done.append(f"{folder}: renamed {current} (the model's name since the names say what they serve)")
     return done
+
+
+def _written_here(config) -> bool:
+    """Whether a config is one `write_repository` wrote: a python model of ours (its implementation in this
+    package, under today's module names or the old ones), or the onnxruntime backend's model."""
+    if config.backend == "onnxruntime":
+        return True
+    implementation = config.parameters.get(triton_config.P_IMPLEMENTATION)
+    return implementation is not None and implementation.string_value.startswith(triton_config.MODELS_PACKAGE + ".")
 
 
 def _rename_config(config_path: Path, current: str) -> None:

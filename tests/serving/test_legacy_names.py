@@ -27,8 +27,7 @@ def test_a_legacy_name_is_todays_and_any_other_name_is_left_alone():
         names.ONNX_MODEL,
     ]
     assert names.current_model_name("fortunes_mha_session") == f"fortunes_{names.SESSION_MODEL}"
-    assert names.current_model_name("fortunes_mha") == f"fortunes_{names.MODEL}"
-    for kept in ("sessions", "forward", "noop", "mhax", "mha-llama", "my_model"):
+    for kept in ("sessions", "forward", "noop", "mhax", "mha-llama", "my_model", "bert_mha"):
         assert names.current_model_name(kept) == kept
     settings = Settings(model="mha", session_model="mha_session", more_served_models={"qwen": "qwen_mha_session"})
     assert (settings.model, settings.session_model) == (names.MODEL, names.SESSION_MODEL)
@@ -49,14 +48,26 @@ def test_a_repository_of_the_legacy_names_is_renamed_in_place(triton_repository,
     for current in LEGACY:
         config = triton_config.parse((repository / current / triton_config.TRITON_CONFIG_FILENAME).read_text())
         assert config.name == current
-        expected = triton_config.IMPLEMENTATIONS.get(current)
-        assert config.parameters[triton_config.P_IMPLEMENTATION].string_value == expected if expected else True
+        if current in triton_config.IMPLEMENTATIONS:  # the python models'; forward_onnx has none
+            implementation = config.parameters[triton_config.P_IMPLEMENTATION].string_value
+            assert implementation == triton_config.IMPLEMENTATIONS[current]
     # written again beside today's (an older tool run after a newer one): the legacy folder goes
     shutil.copytree(repository / names.SESSION_MODEL, repository / "mha_session")
     assert rename_legacy_models(repository) == [
         f"{repository / 'mha_session'}: removed, the old name of {names.SESSION_MODEL}, which {repository} holds"
     ]
     assert not (repository / "mha_session").exists() and rename_legacy_models(repository) == []
+    # somebody's own models of names like ours are never touched
+    for theirs in ("bert_mha_session", "bert_mha"):
+        config = triton_config.parse(
+            (repository / names.SESSION_MODEL / triton_config.TRITON_CONFIG_FILENAME).read_text()
+        )
+        config.name = theirs
+        config.parameters[triton_config.P_IMPLEMENTATION].string_value = "their_package.model"
+        (repository / theirs).mkdir()
+        (repository / theirs / triton_config.TRITON_CONFIG_FILENAME).write_text(triton_config.to_text(config))
+    assert rename_legacy_models(repository) == []
+    assert (repository / "bert_mha_session").is_dir() and (repository / "bert_mha").is_dir()
 
 
 def test_a_checkouts_built_files_left_under_the_old_names_join_the_renamed_configs(triton_repository, tmp_path):
