@@ -113,8 +113,8 @@ def _renamed_hint(message: str) -> str:
     under (contract/names.py LEGACY_MODEL_NAMES), and what renames that repository's folders."""
     for quoted in re.findall(r"'([^']+)'", message):
         for legacy, current in names.LEGACY_MODEL_NAMES.items():
-            if quoted == current or quoted.endswith(f"_{current}"):
-                old = quoted[: len(quoted) - len(current)] + legacy
+            old = quoted.removesuffix(current) + legacy
+            if quoted.endswith(current) and names.current_model_name(old) == quoted:  # the one mapping, read back
                 return (
                     f" (a repository written before the models' names said what they serve holds '{quoted}' as "
                     f"'{old}': `python -m serving ensure --repository DIR` or `python -m serving` renames it)"
