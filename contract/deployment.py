@@ -33,6 +33,9 @@ KV_DTYPES = (KV_FLOAT, KV_INT8, KV_INT4)
 # fp32-static-int8w for the `sessions` model's static engine, CPU only): a quarter of the bytes a decode step reads
 WEIGHTS_FLOAT, WEIGHTS_INT8, WEIGHTS_INT4 = "float", "int8", "int4"
 WEIGHT_DTYPES = (WEIGHTS_FLOAT, WEIGHTS_INT8, WEIGHTS_INT4)
+# bits a quantized projection's weight takes with its scales: int8 per output channel (a scale a row: none a
+# weight), int4 in blocks of 32 with an fp32 scale each (export/weights_int8.py, weights_int4.py)
+WEIGHT_BITS = {WEIGHTS_INT8: 8.0, WEIGHTS_INT4: 4.0 + 32 / 32}
 NARROWEST_CACHE_BITS = {KV_FLOAT: 16, KV_INT8: 8, KV_INT4: 4}  # on any placement
 CPU_CACHE_BITS = {KV_FLOAT: 32, KV_INT8: 8, KV_INT4: 4}
 # The static engine's reservation granule (serving/engine/cache_manager.py): what a session reserves at its
@@ -44,6 +47,16 @@ MIN_ROW_POSITIONS = 256
 MAX_LIVE_SEQUENCES = 8192
 # Fewer full-length sessions than this at once is worth a warning: the next caller is refused (503) behind them.
 FEW_SESSIONS = 4
+
+
+def weight_bytes(cfg: ModelConfig, weights_dtype: str = WEIGHTS_FLOAT) -> int:
+    """About the bytes a served graph's weights take: fp32, or every projection (a whole model's MLPs and head too)
+    in WEIGHT_BITS with the token table kept in fp32 for its Gather (a tied head is a quantized copy of it)."""
+    if weights_dtype == WEIGHTS_FLOAT:
+        return cfg.n_params() * 4
+    table = cfg.vocab_size * cfg.d_model if cfg.whole else 0
+    projections = cfg.n_params() - table + (table if cfg.tie_embeddings else 0)
+    return int(table * 4 + projections * WEIGHT_BITS[weights_dtype] / 8)
 
 
 def sequences_fitting(cfg: ModelConfig, kv_cache_bytes: int, cache_bits: int, positions: int | None = None) -> int:

@@ -38,9 +38,11 @@ from contract.deployment import (  # noqa: F401  (MODELS, PYTHON_MODELS: re-expo
     MAX_LIVE_SEQUENCES,
     MODELS,
     PYTHON_MODELS,
+    WEIGHTS_FLOAT,
     ServingSettings,
     most_sequences,
     sequences_fitting,
+    weight_bytes,
 )
 from contract.names import TensorSpec
 from contract.tensorrt_options import Limits, provider_options
@@ -219,9 +221,10 @@ def capacity_lines(cfg: ModelConfig, settings: ServingSettings) -> list[str]:
     the session how many shorter ones, and a warning when few full-length ones fit; first, the memory
     the model's weights take beside the budget (a whole model's embeddings, MLPs and head are most of it)."""
     budget, dtype = settings.kv_cache_bytes, settings.kv_dtype
-    weights = cfg.n_params() * 4  # the fp32 graphs' initializers
+    weights = weight_bytes(cfg, settings.weights_dtype)
+    form = "fp32" if settings.weights_dtype == WEIGHTS_FLOAT else f"{settings.weights_dtype} projections: about"
     held = (
-        f"{SESSIONS}: weights {weights / (1 << 20):.2f} MiB ({cfg.n_params():,} parameters, fp32) held beside the "
+        f"{SESSIONS}: weights {weights / (1 << 20):.2f} MiB ({cfg.n_params():,} parameters, {form}) held beside the "
         f"KV cache budget: {(weights + budget) / (1 << 20):.2f} MiB in all"
     )
     on_cpu = sequences_fitting(cfg, budget, CPU_CACHE_BITS[dtype])

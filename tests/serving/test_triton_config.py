@@ -14,7 +14,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
-from contract.deployment import ENGINE_CONCAT, ENGINE_STATIC, ENGINES
+from contract.deployment import ENGINE_CONCAT, ENGINE_STATIC, ENGINES, weight_bytes
 from export import choices
 from serving.triton import config as triton_config
 from serving.triton import digests, engines, repository
@@ -199,6 +199,18 @@ def test_a_whole_models_capacity_counts_its_embeddings_mlps_and_head():
     assert cfg.n_params() == attention + mlps + embeddings == 20_189_696
     (first, *_) = triton_config.capacity_lines(cfg, ServingSettings(kv_cache_bytes=64 << 20))
     assert first.startswith("sessions: weights 77.02 MiB (20,189,696 parameters, fp32)"), first
+
+
+def test_the_weights_the_capacity_counts_are_what_the_quantized_graphs_hold(artifact_dir):
+    """The capacity line's weights follow the deployment's weights dtype: each served graph's file holds them and a
+    little more (its constants: the rotary tables, the quantizers'), never less."""
+    artifact = artifact_dir("whole")
+    cfg = ModelConfig.load(artifact)
+    for variant, dtype in (("fp32-static", "float"), ("fp32-static-int8w", "int8"), ("fp32-static-int4w", "int4")):
+        size = (artifact / files.model_filename(variant)).stat().st_size
+        assert 0.8 * size <= weight_bytes(cfg, dtype) <= size, (variant, weight_bytes(cfg, dtype), size)
+    (first, *_) = triton_config.capacity_lines(cfg, ServingSettings(weights_dtype="int4"))
+    assert f"MiB ({cfg.n_params():,} parameters, int4 projections: about)" in first, first
 
 
 def test_forward_onnx_runs_on_the_gpu_with_tensorrt_in_fp16(built):
