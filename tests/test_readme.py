@@ -20,8 +20,10 @@ import contextlib
 import functools
 import json
 import os
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -202,18 +204,33 @@ def default_job(mktemp) -> Job:
     return Job(build_default, (out,), out)
 
 
-# An example that starts a server of its own (a whole model's) names ports 8100-8102: each run gives them
+# An example that starts a server of its own (a whole model's) names ports 8100-8103: each run gives them
 # free ports of its own, as it gives the default stack's
-OWN_SERVER_PORTS = ("8100", "8101", "8102")
+OWN_SERVER_PORTS = ("8100", "8101", "8102", "8103")
 _own_ports: dict[str, str] = {}
 
 
 def own_server_ports() -> dict[str, str]:
-    from serving.host.launcher import free_port
-
-    while len(set(_own_ports.values())) < len(OWN_SERVER_PORTS):  # three distinct ones
-        _own_ports.update({port: str(free_port()) for port in OWN_SERVER_PORTS})
+    """Ports below the kernel's ephemeral range, from which every other server of the session draws its own
+    (`free_port`: port 0): chosen here (in a prebuild worker, maybe minutes before the example binds them), one
+    of them was once handed to another test's Triton meanwhile, and the example's client read that server."""
+    while len(set(_own_ports.values())) < len(OWN_SERVER_PORTS):  # distinct ones
+        _own_ports.update({port: str(unassigned_port()) for port in OWN_SERVER_PORTS})
     return _own_ports
+
+
+def unassigned_port() -> int:
+    """A free loopback port the kernel never hands out for port 0 (below net.ipv4.ip_local_port_range)."""
+    lowest = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    below = lowest if lowest > 11_000 else 65_536  # a range set that low leaves no room: any free port
+    while True:
+        port = random.randrange(10_000, below)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def localize(code: str, served) -> str:
