@@ -112,13 +112,12 @@ def _renamed_hint(message: str) -> str:
     """Where Triton does not know one of today's model names: the name a repository written before may hold it
     under (contract/names.py LEGACY_MODEL_NAMES), and what renames that repository's folders."""
     for quoted in re.findall(r"'([^']+)'", message):
-        for legacy, current in names.LEGACY_MODEL_NAMES.items():
-            old = quoted.removesuffix(current) + legacy
-            if quoted.endswith(current) and names.current_model_name(old) == quoted:  # the one mapping, read back
-                return (
-                    f" (a repository written before the models' names said what they serve holds '{quoted}' as "
-                    f"'{old}': `python -m serving ensure --repository DIR` or `python -m serving` renames it)"
-                )
+        old = names.legacy_model_name(quoted)
+        if old is not None:
+            return (
+                f" (a repository written before the models' names said what they serve holds '{quoted}' as "
+                f"'{old}': `python -m serving ensure --repository DIR` or `python -m serving` renames it)"
+            )
     return ""
 
 

@@ -32,6 +32,16 @@ def current_model_name(name: str) -> str:
     return name
 
 
+def legacy_model_name(name: str) -> str | None:
+    """The name a repository written before held today's model `name` under (`fortunes_sessions`:
+    `fortunes_mha_session`); None for a name `current_model_name` gives no legacy name of."""
+    for legacy, current in LEGACY_MODEL_NAMES.items():
+        old = name.removesuffix(current) + legacy
+        if name.endswith(current) and current_model_name(old) == name:
+            return old
+    return None
+
+
 # Triton config parameters that carry a model fact (`model.d_model`, ...): written by the config
 # generator, read by the client's metadata
 FACT_PREFIX = "model."

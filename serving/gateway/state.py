@@ -357,7 +357,7 @@ class GatewayState:
         # an id of before, where the session model's name is the id (`mha_session`), is today's (`sessions`)
         client = generators.get(model_id) or generators.get(names.current_model_name(model_id))
         if client is None:
-            served = ", ".join(f"'{name}'" for name in self.generators())
+            served = ", ".join(f"'{name}'" for name in generators)
             raise ModelNotFound(f"model: no model '{model_id}' here; this gateway serves {served}", param="model")
         return client
 

@@ -358,9 +358,11 @@ def up_to_date(
 
 
 def run_repository(args: argparse.Namespace) -> int:
-    from serving.triton.repository import RepositoryError, write_repository
+    from serving.triton.repository import RepositoryError, rename_legacy_models, write_repository
 
     try:
+        for line in rename_legacy_models(args.repository):
+            print(line)
         write_repository(args.artifacts, args.repository, settings_from(args), args.models)
     except (OSError, ValueError, RepositoryError) as error:
         print(f"error: {error}", file=sys.stderr)

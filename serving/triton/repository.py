@@ -237,7 +237,6 @@ def write_repository(
         needs = f"{triton_config.FORWARD_ONNX} needs the passing `{ONNX_BACKEND_VARIANT}`"
         raise RepositoryError(f"{artifact_dir}: {needs}")
     configs = model_configs(cfg, passing, settings)
-    rename_legacy_models(repository)
     for name in models:
         version = _fresh_version_dir(repository / f"{prefix}{name}")
         configs[name].name = f"{prefix}{name}"
@@ -333,13 +332,15 @@ def rename_legacy_models(repository_dir: str | Path) -> list[str]:
             continue
         if not config_path.is_file():
             done += _versions_left_behind(folder, repository / current)
-        elif not _written_here(triton_config.parse(config_path.read_text())):
+            continue
+        config = triton_config.parse(config_path.read_text())
+        if not _written_here(config):
             continue  # somebody's own model of a name like ours: never touched
-        elif (repository / current).exists():
+        if (repository / current).exists():
             shutil.rmtree(folder)
             done.append(f"{folder}: removed, the old name of {current}, which {repository} holds")
         else:
-            _rename_config(config_path, current)
+            _rename_config(config, config_path, current)
             folder.rename(repository / current)
             done.append(f"{folder}: renamed {current} (the model's name since the names say what they serve)")
     return done
@@ -354,8 +355,7 @@ def _written_here(config) -> bool:
     return implementation is not None and implementation.string_value.startswith(triton_config.MODELS_PACKAGE + ".")
 
 
-def _rename_config(config_path: Path, current: str) -> None:
-    config = triton_config.parse(config_path.read_text())
+def _rename_config(config, config_path: Path, current: str) -> None:
     config.name = current
     if triton_config.P_IMPLEMENTATION in config.parameters:
         served = next(model for model in triton_config.IMPLEMENTATIONS if current.endswith(model))

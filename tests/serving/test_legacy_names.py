@@ -70,6 +70,19 @@ def test_a_repository_of_the_legacy_names_is_renamed_in_place(triton_repository,
     assert (repository / "bert_mha_session").is_dir() and (repository / "bert_mha").is_dir()
 
 
+def test_the_repository_command_renames_what_it_writes_over(triton_artifact, triton_repository, tmp_path, capsys):
+    """`python -m serving repository` into a repository written before: the old folders become today's (and are
+    written anew), none is left for Triton to load twice."""
+    from serving import __main__ as serving_cli
+
+    repository = shutil.copytree(triton_repository, tmp_path / "repository", symlinks=True)
+    as_written_before(repository)
+    command = ["repository", "--artifacts", str(triton_artifact), "--repository", str(repository)]
+    assert serving_cli.main([*command, "--models", "mha,mha_session"]) == 0
+    assert capsys.readouterr().out.count("renamed") == len(LEGACY)
+    assert sorted(p.name for p in repository.iterdir()) == sorted(LEGACY) and is_complete(repository)
+
+
 def test_a_checkouts_built_files_left_under_the_old_names_join_the_renamed_configs(triton_repository, tmp_path):
     """A checkout's default repository after the rename: git moved the configs it tracks to today's folders, and
     the files it ignores (each model's version folder, the build's) stayed under the old names."""
