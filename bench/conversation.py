@@ -602,5 +602,4 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from(args)
     with output.work_folder(args.work, "bench-conversation-") as root:
         results = benchmark(root, plan, args.threads)
-    wrote = output.write(results, args.out, "conversation", plot)
-    return output.finished(wrote, table(results), results["conditions"]["load_average_1min"]["before"])
+    return output.report(results, args.out, "conversation", plot, table(results))

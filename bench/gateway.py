@@ -32,22 +32,19 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from bench import results as output
 from bench.plot import save
+from bench.stack import KEY, Connection, cpu_seconds, gateway_process
 from contract import files
 
 DEFAULT_GATEWAY = "gateway"  # the gateway of the default settings (and --workers): the target is its
 ENCODINGS = ("json", "b64")
 MODES = (*(f"{DEFAULT_GATEWAY}/{encoding}" for encoding in ENCODINGS), "grpc/client")  # without --compare
-KEY = "bench-key"
 
 
 def prepare(root: Path, preset_name: str) -> Path:
@@ -64,96 +61,7 @@ def prepare(root: Path, preset_name: str) -> Path:
     return root / "repository"
 
 
-@contextlib.contextmanager
-def gateway_process(triton_grpc_url: str, log_path: Path, **settings: object) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`python -m serving.gateway` on a free port in front of `triton_grpc_url`, with API key `KEY` and
-    `settings` (Settings fields, passed as SERVING_* variables); its URL and process, once ready."""
-    import httpx
-
-    from serving.host.launcher import free_port
-    from serving.host.process import dying_with_parent
-
-    port = free_port()
-    env = {"api_keys": KEY, "sessions_per_key": 256, "log_level": "warning", **settings}
-    env = {**os.environ, **{f"SERVING_{k.upper()}": str(v) for k, v in env.items()}}
-    env |= {"SERVING_TRITON_URL": triton_grpc_url, "SERVING_PORT": str(port)}
-    with log_path.open("wb") as log:
-        # dies with this process even where it is killed before the `finally` below (a bench run cut off)
-        command, dying = dying_with_parent([sys.executable, "-m", "serving.gateway"])
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=log, **dying)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not become ready; see {log_path}")
-            time.sleep(0.2)
-        yield url, process
-    finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of these processes and all their descendants, now."""
-    import psutil
-
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            root = psutil.Process(pid)
-            for process in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    times = process.cpu_times()
-                    total += times.user + times.system
-    return total
-
-
 # --- the three ways to step a session -----------------------------------------------------------------------
-
-
-class Connection(asyncio.Protocol):
-    """One HTTP/1.1 keep-alive connection that sends prepared requests and reads each answer with
-    httptools' C parser: the load generator's cost per step stays a few tens of microseconds (aiohttp's
-    client took about 250), so the machine's cores go to what is measured."""
-
-    def __init__(self) -> None:
-        import httptools
-
-        self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
-        self.answer: asyncio.Future | None = None
-        self.chunks: list[bytes] = []
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.parser.feed_data(data)
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-
-    def on_message_complete(self) -> None:
-        body, self.chunks = b"".join(self.chunks), []
-        self.answer.set_result((self.parser.get_status_code(), body))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.answer is not None and not self.answer.done():
-            self.answer.set_exception(ConnectionError(f"the gateway closed the connection: {exc!r}"))
-
-    async def request(self, method: str, path: str, body: bytes = b"", headers: bytes = b"") -> tuple[int, bytes]:
-        self.answer = asyncio.get_running_loop().create_future()
-        head = f"{method} {path} HTTP/1.1\r\nHost: gateway\r\nContent-Length: {len(body)}\r\n".encode()
-        self.transport.write(head + headers + b"\r\n" + body)
-        return await self.answer
 
 
 class HttpSessions:

@@ -375,8 +375,8 @@ def candidates(cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: i
     """Every candidate, ready (the servers started); stopped and closed afterwards."""
     import httpx
 
-    from bench.gateway import gateway_process
     from bench.serving import STATIC_MODEL, model_parameters, session_core
+    from bench.stack import gateway_process
     from client import Client
     from export.progress import Progress
     from serving.host.launcher import start_triton
@@ -648,7 +648,7 @@ def measure_joiner(lineup: Lineup, cfg: ModelConfig, plan: Plan) -> dict | None:
 
 def idle_cpu(servers: dict[str, list[int]], seconds: float) -> dict:
     """Each server's CPU over `seconds` with nothing asked of it (all measured over the same window)."""
-    from bench.gateway import cpu_seconds
+    from bench.stack import cpu_seconds
 
     if seconds <= 0:
         return {}
@@ -944,5 +944,4 @@ def run(args: argparse.Namespace) -> int:
     cfg, name = (ModelConfig.load(args.config), args.config.stem) if args.config else (preset(args.preset), args.preset)
     with output.work_folder(args.work, "bench-generate-") as root:
         results = benchmark(cfg, name, root / name, plan, args.threads, genai=not args.no_genai)
-    wrote = output.write(results, args.out, "generate", plot)
-    return output.finished(wrote, table(results), results["conditions"]["load_average_1min"]["before"])
+    return output.report(results, args.out, "generate", plot, table(results))

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
-from bench.gateway import Connection, gateway_process
 from bench.plot import save
+from bench.stack import Connection, gateway_process
 from contract import files
 
 VARIANTS = ("fp32-fused", "fp32-static")  # what forward and sessions serve on the CPU

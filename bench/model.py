@@ -34,6 +34,7 @@ import numpy as np
 
 from bench import results as output
 from bench import whole_model
+from bench.plot import decode_plot
 from bench.results import goal, machine
 from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, interleaved, measure
 from contract import files, names
@@ -474,7 +475,6 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-artifacts-") as scratch:
         root = args.artifacts or Path(scratch)
         results = benchmark(configs, root, args.quick, args.threads, progress, args.shapes)
-    write(results, args.out)
     lines = [
         table(results),
         f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)",
@@ -484,8 +484,7 @@ def run(args: argparse.Namespace) -> int:
         for label, ratios in rows.items():
             cells = ", ".join(f"{c} {ratio:.2f}x" for c, ratio in ratios.items())
             lines.append(f"rotation cost, {name} {label}: {cells} (with / without rotary embeddings)")
-    wrote = f"wrote {args.out / 'model.json'} and {args.out / 'model_decode.png'}"
-    return output.finished(wrote, "\n".join(lines), results["machine"]["load_average_1min"]["before"])
+    return output.report(results, args.out, "model", decode_plot, "\n".join(lines), png="model_decode")
 
 
 def parse_shapes(text: str) -> list[Shape]:
@@ -542,13 +541,3 @@ def benchmark(
     results["targets"] = targets(results)
     results["rotation_costs"] = rotation_costs(results)
     return results
-
-
-def write(results: dict, out: Path) -> None:
-    from bench.plot import decode_plot
-    from bench.results import PLOT_LOCK
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model.json").write_text(json.dumps(results, indent=2) + "\n")
-    with PLOT_LOCK:
-        decode_plot(results, out / "model_decode.png")

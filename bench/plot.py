@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 
 def decode_plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on our machines
-    import matplotlib.pyplot as plt
-
     panels = [
         (preset, batch, [r for r in entry["rows"] if r["phase"] == "decode" and r["batch"] == batch])
         for preset, entry in results["presets"].items()
         for batch in sorted({r["batch"] for r in entry["rows"] if r["phase"] == "decode"})
     ]
-    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for axis, (preset, batch, rows) in zip(axes[0], panels, strict=True):
+    drawn, axes = figure(len(panels), (5 * len(panels), 4))
+    for axis, (preset, batch, rows) in zip(axes, panels, strict=True):
         _panel(axis, rows, f"{preset}, batch {batch}")
-    figure.suptitle(f"decode step latency (median; {results['bandwidth']['gbps']:.0f} GB/s memory bandwidth)")
-    return save(figure, path)
+    drawn.suptitle(f"decode step latency (median; {results['bandwidth']['gbps']:.0f} GB/s memory bandwidth)")
+    return save(drawn, path)
 
 
 def save(figure, path: Path) -> Path:
@@ -52,3 +48,25 @@ def _panel(axis, rows: list[dict], title: str) -> None:
     axis.minorticks_off()
     axis.grid(True, which="both", alpha=0.3)
     axis.legend(fontsize=7)
+
+
+def figure(panels: int = 1, size: tuple[float, float] = (7, 4.5)):
+    """A figure of `panels` axes side by side (files only: no display on our machines); (figure, [axes])."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drawn, axes = plt.subplots(1, panels, figsize=size, squeeze=False)
+    return drawn, list(axes[0])
+
+
+def grouped_bars(axis, groups: Sequence[str], series: dict[str, Sequence[float]], **labels) -> list[float]:
+    """A bar per series in each group, side by side, the groups named under them; `labels`: the axis's
+    (ylabel, title, yscale); the bars' x positions of the first series' (to mark more on them)."""
+    width = 0.8 / max(len(series), 1)
+    for k, (name, values) in enumerate(series.items()):
+        axis.bar([g + k * width for g in range(len(groups))], values, width, label=name)
+    axis.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+    axis.set(**labels)
+    return [float(g) for g in range(len(groups))]

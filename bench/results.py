@@ -12,7 +12,7 @@ import os
 import platform
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -88,23 +88,58 @@ def cpu_name() -> str:
 PLOT_LOCK = threading.Lock()
 
 
-def write(results: dict, out: Path, name: str, plot: Callable[[dict, Path], Path]) -> str:
-    """`<name>.json` and `<name>.png` in `out`; the line that says so."""
+def write(results: dict, out: Path, name: str, plot: Callable[[dict, Path], Path], png: str | None = None) -> str:
+    """`<name>.json` and its plot, `<png or name>.png`, in `out`; the line that says so."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
     with PLOT_LOCK:
-        plot(results, out / f"{name}.png")
-    return f"wrote {out / f'{name}.json'} and {out / f'{name}.png'}"
+        plot(results, out / f"{png or name}.png")
+    return f"wrote {out / f'{name}.json'} and {out / f'{png or name}.png'}"
 
 
-def finished(wrote: str, table: str, load_average: float) -> int:
-    """What every bench prints at its end: its table, a note when the machine was busy as it began (the
-    1-minute `load_average` then; our machines are shared), where it wrote; the command's exit code."""
-    print(table)
-    if load_average > 0.5:
-        print(f"note: the machine was busy when the run began (1-minute load average {load_average:.1f}): expect noise")
+def report(
+    results: dict, out: Path, name: str, plot: Callable[[dict, Path], Path], text: str, png: str | None = None
+) -> int:
+    """What every bench does at its end: `<name>.json` and `.png` written, `text` (its table) printed, a note where
+    the machine was busy as the run began (the results' `load_average_1min`, `during` measures it: our machines
+    are shared), where it wrote; the command's exit code."""
+    wrote = write(results, out, name, plot, png)
+    print(text)
+    load = _found(results, "load_average_1min")
+    if load is not None and load["before"] > 0.5:
+        print(
+            f"note: the machine was busy when the run began (1-minute load average {load['before']:.1f}): expect noise"
+        )
     print(wrote)
     return 0
+
+
+@contextlib.contextmanager
+def during(threads: int, *packages: str) -> Iterator[dict]:
+    """`machine(threads, *packages)` and the 1-minute load average before the block and after it."""
+    facts = machine(threads, *packages) | {"load_average_1min": {"before": os.getloadavg()[0]}}
+    yield facts
+    facts["load_average_1min"]["after"] = os.getloadavg()[0]
+
+
+def _found(results: dict, key: str):
+    """`results[key]`, or the first found one level down (a bench's `machine` or `conditions`)."""
+    if key in results:
+        return results[key]
+    return next((value[key] for value in results.values() if isinstance(value, dict) and key in value), None)
+
+
+def table(heading: str, header: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """`heading`, then `header` and `rows` in columns, each as wide as its widest cell: the first column
+    left-aligned, the others right; a cell is printed as given (format numbers before)."""
+    cells = [[str(cell) for cell in row] for row in [header, *rows]]
+    widths = [max(len(row[k]) for row in cells if k < len(row)) for k in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        first, *rest = row
+        return " ".join([first.ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(rest, widths[1:]))])
+
+    return "\n".join([heading, *(line(row).rstrip() for row in cells)])
 
 
 def goal(value: float, least: float | None = None, most: float | None = None, kind: str = "ratio", **more) -> dict:

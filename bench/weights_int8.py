@@ -291,5 +291,4 @@ def run(args: argparse.Namespace) -> int:
     grid = shapes(args.prefill, [int(text) for text in args.pasts.split(",") if text])
     with output.work_folder(args.work, "bench-weights-int8-") as root:
         results = benchmark(root, args.preset, grid, args.rounds, args.seconds, args.threads)
-    wrote = output.write(results, args.out, "weights_int8", plot)
-    return output.finished(wrote, table(results), results["machine"]["load_average_1min"]["before"])
+    return output.report(results, args.out, "weights_int8", plot, table(results))

@@ -727,6 +727,7 @@ def run(configs: dict[str, ModelConfig], args: argparse.Namespace, root: Path) -
     plan = plan_from(args)
     for name, cfg in configs.items():
         results = benchmark(cfg, name, root / name, plan, args.threads, genai=not args.no_genai)
-        wrote = output.write(results, args.out, "model_whole" if len(configs) == 1 else f"model_whole-{name}", plot)
-        output.finished(wrote, table(results), results["machine"]["load_average_1min"]["before"])
+        output.report(
+            results, args.out, "model_whole" if len(configs) == 1 else f"model_whole-{name}", plot, table(results)
+        )
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -53,12 +54,36 @@ def test_the_flags_given_change_the_plan_and_the_others_keep_its_values():
     assert output.planned(args, Plan, "rounds", lengths=output.counts(args.lengths)) == Plan(2, (128,))
 
 
-def test_a_run_on_a_busy_machine_says_so_after_its_table(capsys):
-    assert output.finished("wrote x.json and x.png", "the table", load_average=1.5) == 0
+def test_a_run_writes_its_json_and_plot_and_says_after_its_table_when_the_machine_was_busy(tmp_path, capsys):
+    def plot(results, path):
+        path.write_bytes(b"png")
+        return path
+
+    results = {"rows": [1], "machine": {"load_average_1min": {"before": 1.5, "after": 0.3}}}
+    assert output.report(results, tmp_path, "x", plot, "the table", png="x_plot") == 0
     assert capsys.readouterr().out.splitlines() == [
         "the table",
         "note: the machine was busy when the run began (1-minute load average 1.5): expect noise",
-        "wrote x.json and x.png",
+        f"wrote {tmp_path / 'x.json'} and {tmp_path / 'x_plot.png'}",
     ]
-    output.finished("wrote x.json and x.png", "the table", load_average=0.2)
-    assert "busy" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "x.json").read_text()) == results
+    results["machine"]["load_average_1min"]["before"] = 0.2
+    output.report(results, tmp_path, "x", plot, "the table")
+    assert "busy" not in capsys.readouterr().out and (tmp_path / "x.png").read_bytes() == b"png"
+
+
+def test_a_table_lines_up_its_columns_by_their_widest_cells():
+    text = output.table("heading", ("name", "ms", "x"), [("served", "12.50", "1.00x"), ("in-process", "3.1", "4.03x")])
+    assert text.splitlines() == [
+        "heading",
+        "name          ms     x",
+        "served     12.50 1.00x",
+        "in-process   3.1 4.03x",
+    ]
+
+
+def test_during_records_the_load_before_and_after_and_the_machine():
+    with output.during(2, "numpy") as facts:
+        assert "after" not in facts["load_average_1min"]
+    assert facts["threads"] == 2 and facts["numpy"] and facts["cores"] >= 1
+    assert set(facts["load_average_1min"]) == {"before", "after"}

@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
-from bench.gateway import KEY, gateway_process
+from bench.stack import KEY, gateway_process
 from contract import names
 from contract.integrity import Keyring, snapshot_signed
 from serving.engine import snapshots

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 from itsdangerous import URLSafeSerializer
 
-from bench.gateway import KEY, gateway_process
+from bench.stack import KEY, gateway_process
 from serving.gateway.auth import owner_of
 from serving.gateway.sessions import tag
 

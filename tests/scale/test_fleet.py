@@ -21,7 +21,7 @@ import numpy as np
 import psutil
 import pytest
 
-from bench.gateway import gateway_process
+from bench.stack import gateway_process
 from client import Client, SessionLostError
 from contract import errors as kinds
 from contract import names
