@@ -107,9 +107,8 @@ def report(
     print(text)
     load = _found(results, "load_average_1min")
     if load is not None and load["before"] > 0.5:
-        print(
-            f"note: the machine was busy when the run began (1-minute load average {load['before']:.1f}): expect noise"
-        )
+        busy = f"1-minute load average {load['before']:.1f}"
+        print(f"note: the machine was busy when the run began ({busy}): expect noise")
     print(wrote)
     return 0
 
@@ -137,7 +136,7 @@ def table(heading: str, header: Sequence[str], rows: Iterable[Sequence[object]])
 
     def line(row: list[str]) -> str:
         first, *rest = row
-        return " ".join([first.ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(rest, widths[1:]))])
+        return " ".join([first.ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(rest, widths[1 : len(row)], strict=True))])
 
     return "\n".join([heading, *(line(row).rstrip() for row in cells)])
 
