@@ -136,7 +136,8 @@ def table(heading: str, header: Sequence[str], rows: Iterable[Sequence[object]])
 
     def line(row: list[str]) -> str:
         first, *rest = row
-        return " ".join([first.ljust(widths[0]), *(cell.rjust(width) for cell, width in zip(rest, widths[1 : len(row)], strict=True))])
+        rest = [cell.rjust(width) for cell, width in zip(rest, widths[1 : len(row)], strict=True)]
+        return " ".join([first.ljust(widths[0]), *rest])
 
     return "\n".join([heading, *(line(row).rstrip() for row in cells)])
 
