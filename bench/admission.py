@@ -32,7 +32,8 @@ import numpy as np
 
 from bench import results as output
 from bench.plot import save
-from bench.serving import percentiles, start_servers, stop_all
+from bench.serving import start_servers, stop_all
+from bench.timing import percentiles
 from contract import files
 from contract.config import ModelConfig, preset
 

@@ -47,7 +47,6 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
-from bench.generate import commit
 from bench.timing import SETTLE_S, interleaved
 
 MODEL_ID = "bench-llama"  # the model's id on the OpenAI routes
@@ -469,7 +468,7 @@ def results_for(plan: Plan, facts: dict, measured: dict[int, list[Turns]], **con
     return {
         "model": ModelConfig.load(Path(facts["build"]["artifact"])).to_dict() | {"shape": plan.shape.name},
         "plan": dataclasses.asdict(plan),
-        "measured_at": commit(),
+        "measured_at": output.commit(),
         "conditions": conditions,
         "build": facts["build"],
         "serving": facts["serving"],

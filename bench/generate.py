@@ -54,7 +54,6 @@ import dataclasses
 import itertools
 import json
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -664,20 +663,6 @@ def idle_cpu(servers: dict[str, list[int]], seconds: float) -> dict:
 # --- results ----------------------------------------------------------------------------------------------
 
 
-def commit() -> dict:
-    """The commit measured (`git rev-parse --short HEAD`), and whether the tree had uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=False
-    )
-    changes = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=False
-    )
-    sha = head.stdout.strip() if head.returncode == 0 else "unknown"
-    dirty = bool(changes.stdout.strip())
-    return {"commit": sha, "uncommitted_changes": dirty, "text": f"measured at {sha}" + (" + changes" * dirty)}
-
-
 def results_for(cfg: ModelConfig, name: str, plan: Plan, facts: dict, measured: dict, extra: dict, **conditions):
     """`extra`: skipped (candidate -> why), versions, joiner (joiner_summary's), idle (idle_cpu's)."""
     rows = []
@@ -694,7 +679,7 @@ def results_for(cfg: ModelConfig, name: str, plan: Plan, facts: dict, measured: 
         "preset": name,
         "config": cfg.to_dict(),
         "plan": dataclasses.asdict(plan),
-        "measured_at": commit(),
+        "measured_at": output.commit(),
         "conditions": conditions,
         "build": facts,
         "rows": rows,

@@ -10,6 +10,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -159,3 +160,17 @@ def target_lines(heading: str, targets: dict, value_key: str) -> list[str]:
         verdict = "met" if entry["met"] else "MISSED"
         lines.append(f"  {name}: {entry[value_key]:.2f}x (target {entry['target']}) -> {verdict}")
     return lines
+
+
+def commit() -> dict:
+    """The commit measured (`git rev-parse --short HEAD`), and whether the tree had uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=False
+    )
+    changes = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=False
+    )
+    sha = head.stdout.strip() if head.returncode == 0 else "unknown"
+    dirty = bool(changes.stdout.strip())
+    return {"commit": sha, "uncommitted_changes": dirty, "text": f"measured at {sha}" + (" + changes" * dirty)}

@@ -28,7 +28,8 @@ import numpy as np
 from bench import gateway
 from bench import results as output
 from bench.plot import save
-from bench.serving import NOOP, percentiles, start_servers, stop_all, write_noop_model
+from bench.serving import NOOP, start_servers, stop_all, write_noop_model
+from bench.timing import percentiles
 
 MODES = ("envoy/sessions", "direct/sessions", "envoy/noop", "direct/noop")
 

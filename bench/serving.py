@@ -42,6 +42,7 @@ import numpy as np
 
 from bench import results as output
 from bench.plot import save
+from bench.timing import percentiles
 from contract import files, names
 from contract.config import DEFAULT_PRESET, ModelConfig, preset
 from export.progress import Progress
@@ -97,14 +98,6 @@ class Deadline:
 
 def bench_config() -> ModelConfig:
     return dataclasses.replace(preset(DEFAULT_PRESET), max_seq_len=8192)
-
-
-def percentiles(samples_ms: list[float]) -> dict:
-    return {
-        "p50_ms": float(np.percentile(samples_ms, 50)),
-        "p99_ms": float(np.percentile(samples_ms, 99)),
-        "runs": len(samples_ms),
-    }
 
 
 def timed(call: Callable[[], object], runs: int, warmup: int = 3) -> dict:

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bench import results as output
-from bench.generate import commit
 from bench.timing import Budget, interleaved, measure
 from contract.generation import FINISH_REASON, TOKEN_ID
 
@@ -352,7 +351,7 @@ def benchmark(artifact: Path, schema: dict, plan: Plan, threads: int) -> dict:
         "model": {"artifact": str(artifact), "config": model.cfg.to_dict(), "end_ids": list(model.end_ids)},
         "plan": dataclasses.asdict(plan) | {"prompt_ids": len(model.prompt)},
         "schema": schema,
-        "measured_at": commit(),
+        "measured_at": output.commit(),
         "conditions": output.machine(threads, "onnxruntime", "llguidance")
         | {"load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
         "compile": compiled,

@@ -58,6 +58,15 @@ class Timing:
         return {"median_ms": self.median_ms, "p90_ms": self.p90_ms, "runs": len(self.samples_ms)}
 
 
+def percentiles(samples_ms: list[float]) -> dict:
+    """p50, p99 and the count of latency samples in milliseconds."""
+    return {
+        "p50_ms": float(np.percentile(samples_ms, 50)),
+        "p99_ms": float(np.percentile(samples_ms, 99)),
+        "runs": len(samples_ms),
+    }
+
+
 def measure(call: Callable[[], object], budget: Budget, into: Timing | None = None) -> Timing:
     """Time `call` after `budget.warmup` untimed calls; add the samples to `into` when given."""
     timing = into if into is not None else Timing()
