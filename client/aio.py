@@ -14,9 +14,9 @@ import numpy as np
 from client._wire import Health, InferResult, grpc_channel_args
 from client.core import ClientCore, SessionCore, generation_request
 from client.errors import ClientError
-from client.generation import AsyncGeneration, fetch_text_files
+from client.generation import AsyncGeneration, Outcome, fetch_text_files
 from client.metadata import ModelInfo
-from client.retry import Operation, run_async
+from client.retry import Operation, emitted_async, run_async
 from contract import names
 from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest, text_digest
 
@@ -168,23 +168,8 @@ class AsyncSession(SessionCore):
         request = dataclasses.replace(request, session_end=end)
         if end:  # nothing to keep: the server ends it
             self._key = None
-        client = self.client
-        self._prompt = np.zeros((1, 0), np.int64)
-
-        async def open_stream():
-            stream, headers, self._prompt = await client._run(self._prepare_generation(ids, request))
-            return client._stub(), stream, headers
-
-        async def recover(error) -> bool:
-            return await client._run(self._recover_for_generation(error))
-
-        async def ended(outcome, failure) -> None:
-            await client._run(self._generated(self._prompt, outcome.tokens, outcome.held_length))
-            if end:  # the server ended the session with the generation; Triton's slot is given back with END
-                with contextlib.suppress(ClientError):  # best effort: Triton's idle timeout frees it otherwise
-                    await client._run(self._close())
-
-        return AsyncGeneration(open_stream, recover, client.timeout, ended)
+        outcome = Outcome()
+        return AsyncGeneration(emitted_async(self._generate(ids, request, outcome), self.client._stub), outcome)
 
     async def step(self, hidden_states: Any, attention_mask: Any = None, *, end: bool = False) -> np.ndarray:
         """Send new tokens (1, T, d_model) (and their (1, T) mask); return their output (1, T, d_model).

@@ -35,9 +35,9 @@ from client.errors import (
     SessionLostError,
     UnknownSessionError,
 )
-from client.generation import stream_request
+from client.generation import Outcome, opened_stream, stop_request, stream_request
 from client.metadata import ModelInfo, parse_facts, parse_metadata, with_facts
-from client.retry import Call, Detach, Local, Operation, RetryPolicy, Sleep, retried
+from client.retry import Call, Detach, Emit, Local, Operation, RetryPolicy, Sleep, retried
 from client.store import SessionStore, StoreError, StoreKey, open_store
 from contract import errors as kinds
 from contract import generation, names
@@ -727,6 +727,44 @@ class SessionCore:
         self._sent = prompt
         return stream, affinity.step_headers(self.id, self.replica), prompt
 
+    def _generate(
+        self, ids: Any, request: generation.GenerationRequest, outcome: Outcome, prepared: tuple | None = None
+    ) -> Operation[None]:
+        """A generation on the server, for both clients (client/generation.py): each token an `Emit`, the session's
+        bookkeeping at the end (`_generated`; an `end` generation's END after it). Sent again from the start where
+        a loss before any token was recovered; the caller leaving (an Emit answered False) or an interrupt stops
+        it on the server, its tokens answered meanwhile kept. `prepared`: the first `_prepare_generation`'s."""
+        stream, prompt, timeout = None, np.zeros((1, 0), np.int64), self.client.timeout
+        try:
+            while True:
+                try:
+                    _leave(stream, outcome)
+                    sent, headers, prompt = prepared or (yield from self._prepare_generation(ids, request))
+                    prepared = None
+                    opening = functools.partial(opened_stream, request=sent, headers=headers)
+                    stream = yield Call(opening, "generate", retry=False)
+                    while outcome.finish_reason is None:
+                        token = yield from _received(stream, outcome, timeout)
+                        if token is not None and not (yield Emit(token)):
+                            with contextlib.suppress(Exception):  # a stream broken meanwhile holds what it held
+                                yield from _stopped(stream, sent, headers, outcome, timeout)
+                            return
+                    return
+                except ClientError as error:
+                    if outcome.tokens or not (yield from self._recover_for_generation(error)):
+                        raise
+        except BaseException as error:  # an interrupt, a task cancelled: stopped on the server as a caller leaving
+            if not isinstance(error, Exception) and stream is not None and outcome.finish_reason is None:
+                with contextlib.suppress(Exception):
+                    yield from _stopped(stream, sent, headers, outcome, timeout)
+            raise
+        finally:
+            _leave(stream, outcome)
+            yield from self._generated(prompt, outcome.tokens, outcome.held_length)
+            if request.session_end:  # the server ended the session with the generation: Triton's slot goes with END
+                with contextlib.suppress(ClientError):  # best effort: Triton's idle timeout frees it otherwise
+                    yield from self._close()
+
     def _recover_for_generation(self, error: ClientError) -> Operation[bool]:
         """Before any token: a durable session its server lost is rebuilt, and the generation is then sent
         again. Anything else is the generation's error."""
@@ -761,6 +799,29 @@ class SessionCore:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open" if self.started else "new"
         return f"<{type(self).__name__} {self.id} {state}, {self.length} tokens>"
+
+
+def _received(stream: Any, outcome: Outcome, timeout: float) -> Operation[int | None]:
+    """A generation's next response read into `outcome`: its token, None for the final one and the prompt's scores."""
+    try:
+        response, failure = yield Call(lambda _: stream.receive(timeout), "generate", retry=False)
+    except TimeoutError:
+        raise RequestTimeoutError(f"no token from the server in {timeout:g} s") from None
+    return outcome.read(response, failure)
+
+
+def _stopped(stream: Any, sent: dict, headers: dict, outcome: Outcome, timeout: float) -> Operation[None]:
+    """Ask the server to stop the generation before its next token, and read what it still answers up to its final
+    response: the tokens it stepped in meanwhile are the session's too (kept in `outcome`)."""
+    yield Call(lambda stub: affinity.send(stub, headers=headers, **stop_request(sent)), "stop", retry=False)
+    while outcome.finish_reason is None:
+        yield from _received(stream, outcome, timeout)
+
+
+def _leave(stream: Any, outcome: Outcome) -> None:
+    """A generation's stream left: cancelled where the server may still answer (it drops the request within a step)."""
+    if stream is not None and not outcome.answered:
+        stream.cancel()
 
 
 def generation_request(

@@ -10,6 +10,10 @@ the server stops within one step, and the session keeps what was answered.
 The stream is gRPC's (Triton takes a decoupled model's requests on ModelStreamInfer only): the generation is a
 stream of one request on the client's own channel (client/affinity.py `stream`), its responses read as they
 come, and a stop is a request of its own on the session's sequence. No channel is opened per generation.
+
+The generation is written once, as the core's operation (client/core.py `SessionCore._generate`): its tokens are
+`Emit` actions the drivers hand out (client/retry.py `emitted_blocking`, `emitted_async`), and a caller that
+leaves early is told by the answer to the next one. `Generation` and `AsyncGeneration` are its two fronts.
 """
 
 from __future__ import annotations
@@ -20,14 +24,14 @@ import dataclasses
 import queue
 import secrets
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
 
 from client import affinity, errors
 from client._wire import decoded
-from client.errors import ClientError, RequestTimeoutError
+from client.errors import ClientError
 from contract import generation, names
 
 
@@ -107,25 +111,10 @@ def prompt_tokens(logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.nd
     return scores
 
 
-class Generation:
-    """A blocking generation: iterate for the token ids (see the module)."""
+class Answered:
+    """What a generation answered, read as it goes: the fronts share it."""
 
-    def __init__(
-        self,
-        open_stream: Callable[[], tuple[Any, dict, dict[str, str]]],
-        recover: Callable[[ClientError], bool],
-        timeout: float,
-        on_end: Callable[[Outcome, BaseException | None], None],
-    ) -> None:
-        """`open_stream()` -> (the client's tritonclient.grpc InferenceServerClient, the generation's request
-        (`stream_request`), its headers); `recover(error)`: whether the session was rebuilt after a loss that
-        came before any token (the generation is then sent again); `on_end` is told once what was answered,
-        and the error that ended it if any (the session's bookkeeping)."""
-        self.outcome = Outcome()
-        self._open, self._recover, self._timeout, self._on_end = open_stream, recover, timeout, on_end
-        self._stub = self._request = self._headers = self._call = self._answers = None
-        self._done = False
-        self._iterator = self._generate()
+    outcome: Outcome
 
     @property
     def tokens(self) -> list[int]:
@@ -152,83 +141,87 @@ class Generation:
         """Prompt ids the server took from a kept row instead of computing them (`reuse_prefix`)."""
         return self.outcome.cached_tokens
 
+
+class Generation(Answered):
+    """A blocking generation: iterate for the token ids (see the module). The generation itself is the core's
+    operation (client/core.py `SessionCore._generate`); this front only hands its tokens out."""
+
+    def __init__(self, tokens: Iterator[int], outcome: Outcome) -> None:
+        self.outcome, self._tokens = outcome, tokens
+
     def __iter__(self) -> Iterator[int]:
         """The tokens; leaving the loop early (the iterator closed or dropped) stops the generation."""
-        return (yield from self._iterator)
+        return (yield from self._tokens)
 
     def __next__(self) -> int:
-        return next(self._iterator)
-
-    def _generate(self) -> Iterator[int]:
-        failure: BaseException | None = None
-        try:
-            while True:
-                try:
-                    yield from self._stream()
-                    return
-                except ClientError as error:
-                    if self.outcome.tokens or not self._recover(error):
-                        raise
-        except BaseException as error:
-            failure = error if isinstance(error, Exception) else None
-            raise
-        finally:
-            self._finish(failure)
-
-    def _stream(self) -> Iterator[int]:
-        self._cancel()
-        self._stub, self._request, self._headers = self._open()
-        self._answers = answers = queue.Queue()
-        self._call = call = affinity.stream(self._stub, headers=self._headers, **self._request)
-        threading.Thread(target=_read_into, args=(call, answers), name="generation-stream", daemon=True).start()
-        while self.outcome.finish_reason is None:
-            token = self._answer()
-            if token is not None:
-                yield token
-
-    def _answer(self) -> int | None:
-        """The next response: its token, or None for the final one."""
-        try:
-            response, failure = self._answers.get(timeout=self._timeout)
-        except queue.Empty:
-            raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
-        return self.outcome.read(response, failure)
-
-    def _stop(self) -> None:
-        """Ask the server to stop before its next token, and read what it still answers up to its final
-        response: the tokens it stepped in meanwhile are the session's too (kept in `tokens`)."""
-        affinity.send(self._stub, headers=self._headers, **stop_request(self._request))
-        while self.outcome.finish_reason is None:
-            self._answer()
+        return next(self._tokens)
 
     def close(self) -> None:
         """Stop here: the server is asked to cancel, and stops within one step."""
-        self._iterator.close()
-        self._finish(None)
+        self._tokens.close()
 
-    def _cancel(self) -> None:
-        """The stream left: cancelled where the server may still answer (it drops the request within a step)."""
-        call, self._call = self._call, None
-        if call is not None and not self.outcome.answered:
-            with contextlib.suppress(Exception):
-                call.cancel()
 
-    def _finish(self, failure: BaseException | None) -> None:
-        if self._done:
-            return
-        self._done = True
-        if failure is None and self.outcome.finish_reason is None and self._call is not None:
-            try:
-                self._stop()
-            except Exception as error:  # the stream broke while stopping: what it held is unknown
-                failure = error
-        self._cancel()
-        self._on_end(self.outcome, failure)
+class AsyncGeneration(Answered):
+    """An asyncio generation: `async for` the token ids (see the module and `Generation`)."""
+
+    def __init__(self, tokens: AsyncIterator[int], outcome: Outcome) -> None:
+        self.outcome, self._tokens = outcome, tokens
+        self._closing = False
+
+    async def __aiter__(self) -> AsyncIterator[int]:
+        """The tokens; leaving the loop early stops the generation (once the loop's iterator is closed:
+        at once with `aclose()`)."""
+        try:
+            async for token in self._tokens:
+                yield token
+        finally:
+            await self.aclose()
+
+    async def __anext__(self) -> int:
+        return await self._tokens.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop here: the server is asked to cancel, and stops within one step (once; a second call, or the
+        loop's iterator closed meanwhile, finds it closing)."""
+        if not self._closing:
+            self._closing = True
+            await self._tokens.aclose()
+
+
+def opened_stream(stub: Any, request: dict, headers: dict[str, str]) -> Any:
+    """The generation `request` (`stream_request`) sent on `stub` (the client's tritonclient.grpc client): its
+    responses read with `receive(timeout)`, `cancel()` to leave it. For the asyncio client an awaitable of it,
+    and its `receive` a coroutine (a Call's answer, client/retry.py)."""
+    call = affinity.stream(stub, headers=headers, **request)
+    if type(stub).__module__.endswith(".aio"):
+        return _at_once(_AsyncStream(call))
+    return _BlockingStream(call)
+
+
+async def _at_once(value: Any) -> Any:
+    return value
+
+
+class _BlockingStream:
+    """A blocking stream, read by a thread of its own into a queue: a wait for the next response has a deadline."""
+
+    def __init__(self, call) -> None:
+        self.call, self.answers = call, queue.Queue()
+        threading.Thread(target=_read_into, args=(call, self.answers), name="generation-stream", daemon=True).start()
+
+    def receive(self, timeout: float) -> tuple[Any, BaseException | None]:
+        """(the next response, None); (None, None) at the stream's end; (None, the gRPC error) where it broke."""
+        try:
+            return self.answers.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError from None
+
+    def cancel(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call.cancel()
 
 
 def _read_into(call, answers: queue.Queue) -> None:
-    """A blocking stream's responses into `answers` as (response, None), then (None, None) at its end, or (None,
-    the gRPC error) where it broke."""
     import grpc
 
     try:
@@ -239,112 +232,24 @@ def _read_into(call, answers: queue.Queue) -> None:
         answers.put((None, error))
 
 
-class AsyncGeneration:
-    """An asyncio generation: `async for` the token ids (see the module)."""
+class _AsyncStream:
+    """As `_BlockingStream`, on the asyncio call."""
 
-    def __init__(
-        self,
-        open_stream: Callable[[], Awaitable[tuple[Any, dict, dict[str, str]]]],
-        recover: Callable[[ClientError], Awaitable[bool]],
-        timeout: float,
-        on_end: Callable[[Outcome, BaseException | None], Awaitable[None]],
-    ) -> None:
-        """As `Generation`'s, awaitable: `open_stream` gives the client's tritonclient.grpc.aio client."""
-        self.outcome = Outcome()
-        self._open, self._recover, self._timeout, self._on_end = open_stream, recover, timeout, on_end
-        self._stub = self._request = self._headers = self._call = None
-        self._done = self._closing = False
-        self._iterator = self._generate()
+    def __init__(self, call) -> None:
+        self.call = call
 
-    tokens = Generation.tokens
-    logprobs = Generation.logprobs
-    finish_reason = Generation.finish_reason
-    held_length = Generation.held_length
-    cached_tokens = Generation.cached_tokens
-    prompt_logprobs = Generation.prompt_logprobs
-
-    async def __aiter__(self) -> AsyncIterator[int]:
-        """The tokens; leaving the loop early stops the generation (once the loop's iterator is closed:
-        at once with `aclose()`)."""
-        try:
-            async for token in self._iterator:
-                yield token
-        finally:
-            await self.aclose()
-
-    async def __anext__(self) -> int:
-        return await self._iterator.__anext__()
-
-    async def _generate(self) -> AsyncIterator[int]:
-        failure: BaseException | None = None
-        try:
-            while True:
-                try:
-                    async for token in self._stream():
-                        yield token
-                    return
-                except ClientError as error:
-                    if self.outcome.tokens or not await self._recover(error):
-                        raise
-        except BaseException as error:
-            failure = error if isinstance(error, Exception) else None
-            raise
-        finally:
-            await self._finish(failure)
-
-    async def _stream(self) -> AsyncIterator[int]:
-        self._cancel()
-        self._stub, self._request, self._headers = await self._open()
-        self._call = affinity.stream(self._stub, headers=self._headers, **self._request)
-        while self.outcome.finish_reason is None:
-            token = await self._answer()
-            if token is not None:
-                yield token
-
-    async def _answer(self) -> int | None:
+    async def receive(self, timeout: float) -> tuple[Any, BaseException | None]:
         import grpc
 
         try:
-            response = await asyncio.wait_for(self._call.read(), self._timeout)
-        except TimeoutError:
-            raise RequestTimeoutError(f"no token from the server in {self._timeout:g} s") from None
+            response = await asyncio.wait_for(self.call.read(), timeout)
         except grpc.RpcError as error:
-            return self.outcome.read(None, error)
-        return self.outcome.read(None if response is grpc.aio.EOF else response, None)
+            return None, error
+        return (None if response is grpc.aio.EOF else response), None
 
-    async def _stop(self) -> None:
-        """As `Generation._stop`."""
-        await affinity.send(self._stub, headers=self._headers, **stop_request(self._request))
-        while self.outcome.finish_reason is None:
-            await self._answer()
-
-    async def aclose(self) -> None:
-        """Stop here: the server is asked to cancel, and stops within one step (once; a second call, or the
-        loop's iterator closed meanwhile, finds it closing)."""
-        if self._closing:
-            return
-        self._closing = True
-        await self._iterator.aclose()
-        await self._finish(None)
-
-    def _cancel(self) -> None:
-        """As `Generation._cancel`."""
-        call, self._call = self._call, None
-        if call is not None and not self.outcome.answered:
-            with contextlib.suppress(Exception):
-                call.cancel()
-
-    async def _finish(self, failure: BaseException | None) -> None:
-        if self._done:
-            return
-        self._done = True
-        if failure is None and self.outcome.finish_reason is None and self._call is not None:
-            try:
-                await self._stop()
-            except Exception as error:  # the stream broke while stopping: what it held is unknown
-                failure = error
-        self._cancel()
-        await self._on_end(self.outcome, failure)
+    def cancel(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call.cancel()
 
 
 def stream_request(

@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import AsyncGenerator, Callable, Generator
 from typing import Any, TypeVar
 
 from client import errors
@@ -76,8 +76,18 @@ class Detach:
     operation: Operation[Any]
 
 
-Action = Call | Sleep | Local | Detach
-# An operation yields actions; the driver sends back a Call's answer or throws in what it raised.
+@dataclasses.dataclass(frozen=True)
+class Emit:
+    """A value for whoever iterates the operation (a generation's token), handed out by `emitted_blocking` and
+    `emitted_async`. The operation is sent True for the next, or False once its caller has left (closed the
+    iteration early): it must then come to its end without emitting again (a generation stops on the server)."""
+
+    value: Any
+
+
+Action = Call | Sleep | Local | Detach | Emit
+# An operation yields actions; the driver sends back a Call's answer or throws in what it raised (an interrupt or a
+# task's cancellation too: the operation may end what it started before it goes on).
 Operation = Generator[Action, Any, T]
 
 
@@ -127,51 +137,83 @@ def run_blocking(operation: Operation[T], stub: Callable[[], Any], sleep: Callab
     """Drive `operation` in this thread: each Call once on `stub()`, each Sleep a sleep."""
     action = _next(operation, None, None)
     while not isinstance(action, Done):
-        answer, raised = None, None
+        action = _next(operation, *_performed(action, stub, sleep))
+    return action.value
+
+
+def emitted_blocking(operation: Operation[T], stub: Callable[[], Any]) -> Generator[Any, None, T]:
+    """Drive `operation` as `run_blocking` does, yielding each Emit's value; closed early, the operation is told so
+    and driven to its end here."""
+    action, more = _next(operation, None, None), True
+    while not isinstance(action, Done):
+        if isinstance(action, Emit):
+            if more:
+                try:
+                    yield action.value
+                except GeneratorExit:  # the caller left: what the operation still does runs here, unyielded
+                    more = False
+            action = _next(operation, more, None)
+        else:
+            action = _next(operation, *_performed(action, stub, time.sleep))
+    return action.value
+
+
+def _performed(action: Action, stub: Callable[[], Any], sleep: Callable[[float], None]) -> tuple[Any, Any]:
+    """(the answer, None) or (None, what it raised) of one action, blocking."""
+    try:
         if isinstance(action, Sleep):
-            sleep(action.seconds)
-        elif isinstance(action, Local):
-            try:
-                answer = action.fn()
-            except Exception as error:  # handed to the operation, which decides
-                raised = error
-        elif isinstance(action, Detach):
+            return sleep(action.seconds), None
+        if isinstance(action, Local):
+            return action.fn(), None
+        if isinstance(action, Detach):
             work = functools.partial(run_blocking, action.operation, stub, sleep)
             threading.Thread(target=_dropped, args=(work,), name="client-detached", daemon=True).start()
-        else:
-            try:
-                answer = action.fn(stub())
-            except Exception as error:  # handed to the operation, which decides
-                raised = error
-        action = _next(operation, answer, raised)
-    return action.value
+            return None, None
+        return action.fn(stub()), None
+    except BaseException as error:  # handed to the operation, which decides
+        return None, error
 
 
 async def run_async(operation: Operation[T], stub: Callable[[], Any]) -> T:
     """Drive `operation` on the running event loop: each Call awaited, each Sleep an asyncio sleep."""
-    import asyncio
-
     action = _next(operation, None, None)
     while not isinstance(action, Done):
-        answer, raised = None, None
+        action = _next(operation, *await _performed_async(action, stub))
+    return action.value
+
+
+async def emitted_async(operation: Operation[Any], stub: Callable[[], Any]) -> AsyncGenerator[Any, None]:
+    """As `emitted_blocking`, on the running event loop (closed early: `aclose()`)."""
+    action, more = _next(operation, None, None), True
+    while not isinstance(action, Done):
+        if isinstance(action, Emit):
+            if more:
+                try:
+                    yield action.value
+                except GeneratorExit:
+                    more = False
+            action = _next(operation, more, None)
+        else:
+            action = _next(operation, *await _performed_async(action, stub))
+
+
+async def _performed_async(action: Action, stub: Callable[[], Any]) -> tuple[Any, Any]:
+    """As `_performed`, awaited."""
+    import asyncio
+
+    try:
         if isinstance(action, Sleep):
-            await asyncio.sleep(action.seconds)
-        elif isinstance(action, Local):
-            try:
-                answer = await asyncio.to_thread(action.fn)
-            except Exception as error:  # handed to the operation, which decides
-                raised = error
-        elif isinstance(action, Detach):
+            return await asyncio.sleep(action.seconds), None
+        if isinstance(action, Local):
+            return await asyncio.to_thread(action.fn), None
+        if isinstance(action, Detach):
             task = asyncio.get_running_loop().create_task(run_async(action.operation, stub))
             _DETACHED.add(task)  # the loop keeps only a weak reference to a task
             task.add_done_callback(_forget_task)
-        else:
-            try:
-                answer = await action.fn(stub())
-            except Exception as error:  # handed to the operation, which decides
-                raised = error
-        action = _next(operation, answer, raised)
-    return action.value
+            return None, None
+        return await action.fn(stub()), None
+    except BaseException as error:  # handed to the operation, which decides
+        return None, error
 
 
 _DETACHED: set = set()  # the asyncio driver's detached tasks still running

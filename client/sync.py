@@ -13,9 +13,9 @@ import numpy as np
 from client._wire import Health, InferResult, grpc_channel_args
 from client.core import ClientCore, SessionCore, generation_request
 from client.errors import ClientError
-from client.generation import Generation
+from client.generation import Generation, Outcome
 from client.metadata import ModelInfo
-from client.retry import Operation, run_blocking
+from client.retry import Operation, emitted_blocking, run_blocking
 from contract import names
 from contract.generation import DEFAULT_MAX_NEW_TOKENS, GenerationRequest
 
@@ -201,24 +201,9 @@ class Session(SessionCore):
         request = dataclasses.replace(request, session_end=end)
         if end:  # nothing to keep: the server ends it
             self._key = None
-        client = self.client
-        prepared = [client._run(self._prepare_generation(ids, request))]  # bad input fails here, not when iterated
-        self._prompt = prepared[0][2]
-
-        def open_stream():
-            stream, headers, self._prompt = (
-                prepared.pop() if prepared else client._run(self._prepare_generation(ids, request))
-            )
-            return client._stub(), stream, headers
-
-        def ended(outcome, failure) -> None:
-            client._run(self._generated(self._prompt, outcome.tokens, outcome.held_length))
-            if end:  # the server ended the session with the generation; Triton's slot is given back with END
-                with contextlib.suppress(ClientError):  # best effort: Triton's idle timeout frees it otherwise
-                    client._run(self._close())
-
-        recover = lambda error: client._run(self._recover_for_generation(error))  # noqa: E731
-        return Generation(open_stream, recover, client.timeout, ended)
+        prepared = self.client._run(self._prepare_generation(ids, request))  # bad input fails here, not when iterated
+        outcome = Outcome()
+        return Generation(emitted_blocking(self._generate(ids, request, outcome, prepared), self.client._stub), outcome)
 
     def close(self) -> None:
         """End the session on the server (idempotent; a session the server already forgot is fine)."""

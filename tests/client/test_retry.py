@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import threading
@@ -133,6 +134,65 @@ def test_an_asyncio_detached_operation_is_a_task_of_the_running_loop(caplog):
     with caplog.at_level(logging.DEBUG, logger=retry.__name__):
         asyncio.run(asyncio.wait_for(run(), 10))
     assert len(detached_failures(caplog)) == 1, caplog.text
+
+
+def counting(limit: int, log: list) -> retry.Operation[str]:
+    """Emits 0, 1, ... up to `limit`, each after an action; a caller that leaves gets an action that says so (as a
+    generation's stop), and every end a last one (as its bookkeeping). Local actions: both drivers run them."""
+    try:
+        for value in range(limit):
+            yield retry.Local(functools.partial(log.append, ("computed", value)))
+            if not (yield retry.Emit(value)):
+                yield retry.Local(functools.partial(log.append, "told to stop"))
+                return "left"
+        return "whole"
+    except BaseException as error:
+        yield retry.Local(functools.partial(log.append, ("interrupted", type(error).__name__)))
+        raise
+    finally:
+        yield retry.Local(functools.partial(log.append, "ended"))
+
+
+def test_an_operation_s_emitted_values_are_iterated_and_a_caller_that_leaves_is_told_and_the_end_still_runs():
+    log: list = []
+    assert list(retry.emitted_blocking(counting(3, log), lambda: None)) == [0, 1, 2]
+    assert log == [("computed", 0), ("computed", 1), ("computed", 2), "ended"]
+    log.clear()
+    for value in retry.emitted_blocking(counting(5, log), lambda: None):
+        if value == 1:
+            break  # the loop's iterator dropped: closed, and the operation told so at its next Emit
+    assert log == [("computed", 0), ("computed", 1), "told to stop", "ended"]
+
+    async def in_asyncio() -> list:
+        seen, log[:] = [], []
+        tokens = retry.emitted_async(counting(5, log), lambda: None)
+        async for value in tokens:
+            seen.append(value)
+            if value == 0:
+                break
+        await tokens.aclose()
+        return seen
+
+    assert asyncio.run(in_asyncio()) == [0]
+    assert log == [("computed", 0), "told to stop", "ended"]
+
+
+def test_an_interrupt_while_an_action_runs_is_thrown_into_the_operation_which_ends_what_it_started():
+    log: list = []
+
+    def interrupted(stub):
+        raise KeyboardInterrupt
+
+    def operation():
+        try:
+            yield retry.Call(interrupted, "compute")
+        except BaseException as error:
+            yield retry.Local(functools.partial(log.append, ("interrupted", type(error).__name__)))
+            raise
+
+    with pytest.raises(KeyboardInterrupt):
+        retry.run_blocking(operation(), lambda: None)
+    assert log == [("interrupted", "KeyboardInterrupt")]
 
 
 # --- a stopped server: connections refused -------------------------------------------------
