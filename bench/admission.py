@@ -1,83 +1,65 @@
-"""Admission: more sessions than the KV budget holds, opened one after another, on sessions with
-its sequence slots derived from the budget and with the 1,024 it had before.
+"""Admission: more sessions than the KV budget holds, opened one after another, under two sequence-slot settings.
 
-Writes `admission.json` and `admission.png` and prints a table.
+The sessions model's slots derived from the budget (serving/triton/config.py `candidate_sequences`) and the 1,024 it
+had before. Per setting: how many of `--attempts` opens succeed; the first START beyond them (its index, the client
+error's type, kind and status, its latency); every open's and refusal's latency; then a sample of the opened sessions
+steps the same tokens, against the stateless model's answer. An attempt unanswered within `--timeout` ends the
+setting's attempts (each further one would wait as long). And tritonserver's resident memory once ready with the
+default 2 GiB budget's slots against 1,024 (what the slots cost Triton), the two of a round started together.
 
-- per slot setting (`derived`: serving/triton/config.py `candidate_sequences`; `fixed-1024`: the
-  count sessions had whatever its budget): how many of `--attempts` opens succeed, the first
-  START beyond what opened (its index, the client's error type, kind and status, its latency), the
-  latency of every open and of every refusal; an attempt that gets no answer within `--timeout`
-  ends that setting's attempts (each further one would wait as long);
-- the sessions opened before: a sample of them steps the same tokens afterwards; how many answer,
-  and the largest difference from the stateless model's answer for those tokens (no past);
-- tritonserver's resident memory once ready, per slot setting, and for the slots the default 2 GiB
-  budget gets on the same model against 1,024 (what the slots cost Triton), the two servers of a
-  round started together.
-
-Conditions: the tiny model (max_seq_len 512) with a budget of `--rows` fp32 rows on the CPU, one
-Triton per slot setting from the bundled binary on 127.0.0.1, ONNX Runtime on one thread; the
-blocking gRPC client on the same machine, no retries. Both settings' servers and the first memory
-round's start at once (one wait for every start) and stop together at the end: each setting's opens
-run while the other servers sit idle. Bounded by `--attempts` and `--timeout`.
+Conditions: the tiny model (max_seq_len 512), a budget of `--rows` fp32 rows, one Triton per setting (the bundled
+binary, ONNX Runtime on one thread) on 127.0.0.1, the blocking gRPC client, no retries. Every server of the run
+starts at once (one wait) and each setting's opens run while the others sit idle.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from bench import results as output
-from bench.plot import save
+from bench import stack
+from bench.plot import figure, gridded, save
 from bench.serving import start_servers, stop_all
 from bench.timing import percentiles
-from contract import files
-from contract.config import ModelConfig, preset
+from contract.config import ModelConfig
 
 PRESET = "tiny"
 VARIANTS = ("fp32-fused", "fp32-static")  # what forward and sessions serve on the CPU
-DERIVED, FIXED = "derived", "fixed-1024"
-FIXED_SLOTS = 1024
+SLOTS = {"derived": None, "fixed-1024": 1024}  # the sessions model's sequence slots: from the budget, or these
 SAMPLE = 50  # opened sessions stepped after the refusals
-SETTINGS = {DERIVED: None, FIXED: FIXED_SLOTS}  # the slot setting: derived (None) or given
 
 
-def artifact(root: Path) -> Path:
-    """The tiny model's artifact (reused when it is there)."""
-    from export.build import build
-
-    directory = root / "artifact"
-    if not all((directory / files.model_filename(v)).is_file() for v in VARIANTS):
-        build(preset(PRESET), directory, VARIANTS)
-    return directory
-
-
-def repository(source: Path, where: Path, kv_cache_bytes: int, slots: int | None) -> Path:
-    """forward and sessions for the budget; `slots` overrides the derived sequence slots."""
-    from contract.config import ModelConfig
+def repository(source: Path, where: Path, kv_cache_bytes: int, slots: int | None) -> tuple[Path, int]:
+    """forward and sessions on a budget of full rows (max_seq_len each, whatever the sessions' length), with `slots`
+    sequence slots or (None) those derived from the budget; the repository and its slots."""
     from serving.triton.config import FORWARD, SESSIONS, TRITON_CONFIG_FILENAME, ServingSettings, parse, to_text
     from serving.triton.repository import write_repository
 
-    # full rows: the budget is `rows` sessions of max_seq_len, whatever their length (not sized to them)
-    cfg = ModelConfig.load(source)
-    settings = ServingSettings(threads=1, kv_cache_bytes=kv_cache_bytes, min_row_positions=cfg.max_seq_len)
+    full_rows = ModelConfig.load(source).max_seq_len
+    settings = ServingSettings(threads=1, kv_cache_bytes=kv_cache_bytes, min_row_positions=full_rows)
     written = write_repository(source, where, settings, models=(FORWARD, SESSIONS))
+    path = written / SESSIONS / TRITON_CONFIG_FILENAME
+    config = parse(path.read_text())
     if slots is not None:
-        path = written / SESSIONS / TRITON_CONFIG_FILENAME
-        config = parse(path.read_text())
         config.sequence_batching.oldest.max_candidate_sequences = slots
         path.write_text(to_text(config))
-    return written
+    return written, config.sequence_batching.oldest.max_candidate_sequences
 
 
-def slots_of(repository_dir: Path) -> int:
-    from serving.triton.config import SESSIONS, TRITON_CONFIG_FILENAME, parse
-
-    config = parse((repository_dir / SESSIONS / TRITON_CONFIG_FILENAME).read_text())
-    return config.sequence_batching.oldest.max_candidate_sequences
+@contextlib.contextmanager
+def started(repositories: list[Path]) -> Iterator[list]:
+    """A Triton on each of `repositories`, started at once, stopped together after the block."""
+    servers = start_servers(repositories)
+    try:
+        yield servers
+    finally:
+        stop_all(servers)
 
 
 def rss_mib(server) -> float:
@@ -86,188 +68,139 @@ def rss_mib(server) -> float:
     return psutil.Process(server.process.pid).memory_info().rss / (1 << 20)
 
 
-@dataclasses.dataclass
-class Attempt:
-    index: int  # 1-based
-    ms: float
-    outcome: str  # "opened" or the client error's type
-    kind: str | None = None
-    status: str | None = None
-
-
-def attempt_opens(client, attempts: int) -> tuple[list, list[Attempt]]:
-    """Open sessions one after another; stop early at the first one that got no answer in time."""
-    from client import ClientError, RequestTimeoutError
-
-    opened, record = [], []
-    for index in range(1, attempts + 1):
-        session = client.session()
-        started = time.perf_counter()
-        try:
-            session.open()
-            outcome, kind, status = "opened", None, None
-            opened.append(session)
-        except ClientError as error:
-            outcome, kind, status = type(error).__name__, error.kind, error.status
-        record.append(Attempt(index, (time.perf_counter() - started) * 1e3, outcome, kind, status))
-        if outcome == RequestTimeoutError.__name__:
-            break
-    return opened, record
-
-
-def steps_after(client, opened: list, d_model: int) -> dict:
-    """A sample of the opened sessions steps the same tokens: each against the stateless answer."""
+def steps_after(client, opened: list) -> dict:
+    """A sample of the opened sessions steps the same tokens, each answer against the stateless model's."""
     from client import ClientError
 
-    tokens = np.random.default_rng(5).standard_normal((1, 3, d_model)).astype(np.float32)
+    tokens = np.random.default_rng(5).standard_normal((1, 3, client.metadata("sessions").d_model)).astype(np.float32)
     expected = client.infer(tokens).output
     sample = opened[:: max(1, len(opened) // SAMPLE)][:SAMPLE]
-    answered, worst, errors = 0, 0.0, []
+    worst, errors = 0.0, []
     for session in sample:
         try:
             worst = max(worst, float(np.abs(session.step(tokens) - expected).max()))
-            answered += 1
         except ClientError as error:
             errors.append(f"{type(error).__name__}: {error.message}")
-    return {"sessions": len(sample), "answered": answered, "max_abs_diff": worst, "errors": errors[:3]}
+    return {"sessions": len(sample), "answered": len(sample) - len(errors), "max_abs_diff": worst, "errors": errors[:3]}
 
 
-def run_setting(server, repository_dir: Path, attempts: int, timeout: float, ready_rss: float) -> dict:
-    """The opens on `server` (started on `repository_dir`; `ready_rss` its memory once ready)."""
-    from client import Client
+def run_setting(server, slots: int, attempts: int, timeout: float, ready_rss: float) -> dict:
+    """`attempts` opens one after another on `server` (with `slots`; `ready_rss` MiB once ready), ended by the first
+    left unanswered in time; then the opened sessions stepped."""
+    from client import Client, ClientError, RequestTimeoutError
 
     client = Client(server.grpc_url, timeout=timeout, retries=0)
-    opened, record = attempt_opens(client, attempts)
+    opened, record = [], []
+    for index in range(1, attempts + 1):
+        session, attempt = client.session(), {"index": index, "outcome": "opened", "kind": None, "status": None}
+        started = time.perf_counter()
+        try:
+            session.open()
+            opened.append(session)
+        except ClientError as error:
+            attempt |= {"outcome": type(error).__name__, "kind": error.kind, "status": error.status}
+        record.append(attempt | {"ms": (time.perf_counter() - started) * 1e3})
+        if attempt["outcome"] == RequestTimeoutError.__name__:
+            break
     after_rss = rss_mib(server)
-    steps = steps_after(client, opened, client.metadata("sessions").d_model)
+    steps = steps_after(client, opened)
     for session in opened:
         session.close()
     client.close()
-    first = next((a for a in record if a.outcome != "opened"), None)
-    refused = [a.ms for a in record if a.outcome == "ServerBusyError"]
+    opens = [attempt["ms"] for attempt in record if attempt["outcome"] == "opened"]
+    refused = [attempt["ms"] for attempt in record if attempt["outcome"] == "ServerBusyError"]
     return {
-        "slots": slots_of(repository_dir),
+        "slots": slots,
         "attempted": len(record),
         "opened": len(opened),
-        "first_beyond": dataclasses.asdict(first) if first else None,
-        "open_ms": percentiles([a.ms for a in record if a.outcome == "opened"])
-        | {"max_ms": max(a.ms for a in record if a.outcome == "opened")},
+        "first_beyond": next((attempt for attempt in record if attempt["outcome"] != "opened"), None),
+        "open_ms": percentiles(opens) | {"max_ms": max(opens)},
         "refused_ms": percentiles(refused) | {"max_ms": max(refused)} if refused else None,
         "steps_after": steps,
         "tritonserver_rss_mib": {"ready": ready_rss, "after_opens": after_rss},
-        "latencies_ms": [round(a.ms, 3) for a in record],
-        "outcomes": [a.outcome for a in record],
-    }
-
-
-def memory_repositories(source: Path, root: Path) -> dict[str, Path]:
-    """The default budget with its derived slots and with 1,024."""
-    from serving.triton.config import ServingSettings
-
-    budget = ServingSettings().kv_cache_bytes
-    return {
-        DERIVED: repository(source, root / "memory-derived", budget, None),
-        FIXED: repository(source, root / "memory-fixed", budget, FIXED_SLOTS),
-    }
-
-
-def slot_memory(repositories: dict[str, Path], rounds: int, first: list | None = None) -> dict:
-    """tritonserver's resident memory once ready with the default budget's derived slots and with
-    1,024, `rounds` times: the two servers of a round start together (each process's own memory);
-    `first`: the first round's servers, started already (stopped by the caller)."""
-    from serving.triton.config import ServingSettings
-
-    samples: dict[str, list[float]] = {name: [] for name in repositories}
-    for turn in range(rounds):
-        servers = first if turn == 0 and first else start_servers(list(repositories.values()))
-        try:
-            for name, server in zip(repositories, servers, strict=True):
-                samples[name].append(rss_mib(server))
-        finally:
-            if servers is not first:
-                stop_all(servers)
-    return {
-        "kv_cache_bytes": ServingSettings().kv_cache_bytes,
-        "slots": {name: slots_of(where) for name, where in repositories.items()},
-        "ready_rss_mib": samples,
+        "latencies_ms": [round(attempt["ms"], 3) for attempt in record],
+        "outcomes": [attempt["outcome"] for attempt in record],
     }
 
 
 def benchmark(root: Path, rows: int, attempts: int, timeout: float, memory_rounds: int) -> dict:
-    source = artifact(root)
+    from serving.triton.config import ServingSettings
+
+    source = stack.artifact(root, PRESET, VARIANTS)
     cfg = ModelConfig.load(source)
-    budget = rows * cfg.kv_cache_bytes(1, cfg.max_seq_len)  # `rows` rows of the CPU's fp32 pool
-    settings = {name: repository(source, root / name, budget, slots) for name, slots in SETTINGS.items()}
-    memory = memory_repositories(source, root)
-    # one wait for every start: both slot settings' servers and the first memory round's, up at once
-    # (each memory sample is taken once it is ready, each setting's opens run with the others idle)
-    servers = start_servers([*settings.values(), *(memory.values() if memory_rounds else ())])
-    try:
-        setting_servers = dict(zip(settings, servers, strict=False))
-        ready = {name: rss_mib(server) for name, server in setting_servers.items()}
-        memory_results = slot_memory(memory, memory_rounds, first=servers[len(settings) :])
+    budget, default_budget = rows * cfg.kv_cache_bytes(1, cfg.max_seq_len), ServingSettings().kv_cache_bytes
+    settings = {name: repository(source, root / name, budget, slots) for name, slots in SLOTS.items()}
+    memory = {name: repository(source, root / f"memory-{name}", default_budget, slots) for name, slots in SLOTS.items()}
+    paths = [where for where, _ in settings.values()]
+    memory_paths = [where for where, _ in memory.values()] if memory_rounds else []
+    # one wait for every start: both settings' servers and the first memory round's
+    with output.during(1) as machine, started(paths + memory_paths) as servers:
+        ready = [rss_mib(server) for server in servers]
+        rounds = [ready[len(paths) :]]
+        for _ in range(memory_rounds - 1):  # the two of a round started together
+            with started(memory_paths) as round_servers:
+                rounds.append([rss_mib(server) for server in round_servers])
         results = {
-            name: run_setting(server, settings[name], attempts, timeout, ready[name])
-            for name, server in setting_servers.items()
+            name: run_setting(server, slots, attempts, timeout, ready_rss)
+            for (name, (_, slots)), server, ready_rss in zip(settings.items(), servers, ready, strict=False)
         }
-    finally:
-        stop_all(servers)
+    conditions = dict(
+        model=PRESET,
+        max_seq_len=cfg.max_seq_len,
+        kv_cache_bytes=budget,
+        budget_rows_fp32=rows,
+        attempts=attempts,
+        timeout_s=timeout,
+    )
     return {
-        "conditions": {
-            "model": PRESET,
-            "max_seq_len": cfg.max_seq_len,
-            "kv_cache_bytes": budget,
-            "budget_rows_fp32": rows,
-            "attempts": attempts,
-            "timeout_s": timeout,
-        },
+        "conditions": conditions,
+        "machine": machine,
         "settings": results,
-        "slot_memory": memory_results,
+        "slot_memory": {
+            "kv_cache_bytes": default_budget,
+            "slots": {name: slots for name, (_, slots) in memory.items()},
+            "ready_rss_mib": {name: [sample[k] for sample in rounds if sample] for k, name in enumerate(memory)},
+        },
     }
 
 
 def table(results: dict) -> str:
-    c = results["conditions"]
-    lines = [
-        f"{c['attempts']} opens, one after another, on a budget of {c['budget_rows_fp32']} rows "
-        f"(tiny model, max_seq_len {c['max_seq_len']}); client timeout {c['timeout_s']:g} s",
-        f"{'slots':<18} {'opened':>7} {'first beyond':>34} {'its ms':>9} {'open p50/max ms':>16} "
-        f"{'refused p50/max ms':>19} {'steps after':>18}",
-    ]
-    for name, r in results["settings"].items():
-        first = r["first_beyond"]
-        what = f"#{first['index']} {first['outcome']} [{first['kind']}]" if first else "-"
-        refused = f"{r['refused_ms']['p50_ms']:.2f}/{r['refused_ms']['max_ms']:.2f}" if r["refused_ms"] else "-"
-        steps = r["steps_after"]
-        lines.append(
-            f"{name + ' (' + str(r['slots']) + ')':<18} {r['opened']:>7} {what:>34} "
-            f"{first['ms'] if first else 0:>9.1f} {r['open_ms']['p50_ms']:>7.2f}/{r['open_ms']['max_ms']:<8.2f} "
-            f"{refused:>19} {steps['answered']}/{steps['sessions']} {steps['max_abs_diff']:.1e}"
+    conditions, rows = results["conditions"], []
+    for name, setting in results["settings"].items():
+        first, refused, steps = setting["first_beyond"], setting["refused_ms"], setting["steps_after"]
+        rows.append(
+            [
+                f"{name} ({setting['slots']})",
+                setting["opened"],
+                f"#{first['index']} {first['outcome']} [{first['kind']}]" if first else "-",
+                f"{first['ms'] if first else 0:.1f}",
+                "{p50_ms:.2f}/{max_ms:.2f}".format(**setting["open_ms"]),
+                "{p50_ms:.2f}/{max_ms:.2f}".format(**refused) if refused else "-",
+                f"{steps['answered']}/{steps['sessions']} {steps['max_abs_diff']:.1e}",
+            ]
         )
-    memory = results["slot_memory"]
+    heading = (
+        f"{conditions['attempts']} opens, one after another, on a budget of {conditions['budget_rows_fp32']} rows "
+        f"(tiny model, max_seq_len {conditions['max_seq_len']}); client timeout {conditions['timeout_s']:g} s"
+    )
+    header = ["slots", "opened", "first beyond", "its ms", "open p50/max ms", "refused p50/max ms", "steps after"]
+    memory, lines = results["slot_memory"], [output.table(heading, header, rows)]
     for name, values in memory["ready_rss_mib"].items():
-        shown = ", ".join(f"{v:.1f}" for v in values)
+        shown = ", ".join(f"{value:.1f}" for value in values)
         lines.append(f"tritonserver once ready with {memory['slots'][name]} slots: {shown} MiB")
     return "\n".join(lines)
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(9, 4))
-    for name, r in results["settings"].items():
-        index = np.arange(1, len(r["latencies_ms"]) + 1)
-        axis.scatter(index, r["latencies_ms"], s=4, label=f"{name} ({r['slots']} slots)")
+    drawn, (axis,) = figure(1, (9, 4))
+    for name, setting in results["settings"].items():
+        attempts = np.arange(1, len(setting["latencies_ms"]) + 1)
+        axis.scatter(attempts, setting["latencies_ms"], s=4, label=f"{name} ({setting['slots']} slots)")
     axis.axvline(results["conditions"]["budget_rows_fp32"], color="black", linestyle="--", label="budget")
-    axis.set_yscale("log")
-    axis.set_xlabel("open attempt")
-    axis.set_ylabel("ms to its answer")
+    axis.set(yscale="log", xlabel="open attempt", ylabel="ms to its answer")
     axis.set_title("Opening more sessions than the KV budget holds")
-    axis.legend()
-    return save(figure, path)
+    gridded(axis)
+    return save(drawn, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -281,7 +214,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with output.work_folder(args.work, "bench-admission-") as root:
         results = benchmark(root, args.rows, args.attempts, args.timeout, args.memory_rounds)
-    wrote = output.write(results, args.out, "admission", plot)
-    print(table(results))
-    print(wrote)
-    return 0
+    return output.report(results, args.out, "admission", plot, table(results))

@@ -1,28 +1,15 @@
 """The gateway's cost: sessions stepping through its HTTP API against the gRPC client library direct.
 
-Writes `gateway.json` and `gateway.png` and prints a table.
-
-One Triton (the bundled binary, the served default preset) and one gateway (`python -m
-serving.gateway`, a process of its own, auth on) on 127.0.0.1. `--sessions` sessions step
-concurrently, one token per step, in three modes that take turns round by round (the machine's noise
-falls on all of them alike):
-
-- `gateway/json`: `POST /v1/sessions/{id}/step` with the token as nested JSON lists, the answer too;
-- `gateway/b64`: the same with base64 tensor objects both ways (`?encoding=b64`);
-- `grpc/client`: `client.AsyncClient` straight to Triton's gRPC port (the library as a direct caller
-  uses it: `validate=True`).
-
-Per mode: steps/s over the rounds, the ratio to `grpc/client`, and CPU per step of the load
-generator (this process: the HTTP client, or the gRPC client library itself), of the gateway
-process serving it (its worker processes included) and of Triton (its server and model processes).
-Everything shares the machine's cores, so the CPU columns say where the time goes. Bounded: the number
-of steps is fixed by the arguments.
-
-`--compare NAME:SETTING=VALUE,...` adds a gateway of other settings (SERVING_* variables, e.g.
-`granian:http_server=granian` or `w2:workers=2`) in front of the same Triton, stepped in the same rounds as
-modes `NAME/json` and `NAME/b64`: choices are measured side by side, never across runs. Every gateway sends a
-session's requests to Triton's gRPC port, each a stream of one request (the session model is decoupled:
-client/affinity.py).
+One Triton (the bundled binary, the served preset) and one gateway process (`python -m serving.gateway`, auth
+on) on 127.0.0.1. `--sessions` sessions step concurrently, one token a step, in modes that take turns round by
+round: `gateway/json` (`POST /v1/sessions/{id}/step`, nested JSON lists both ways), `gateway/b64` (base64
+tensor objects, `?encoding=b64`) and `grpc/client` (`client.AsyncClient` straight to Triton's gRPC port,
+`validate=True` as a direct caller uses it). Per mode: steps/s, its ratio to `grpc/client`, and CPU per step
+of the load generator (this process), of the gateway (its workers included) and of Triton: everything shares
+the cores, so the CPU says where the time goes. The load generator is a keep-alive HTTP/1.1 client on
+httptools' parser, its requests encoded once, so that its own cost stays small. `--compare NAME:SETTING=VALUE,...`
+adds a gateway of other SERVING_* settings in front of the same Triton, stepped in the same rounds as
+`NAME/json` and `NAME/b64`: choices are measured side by side, never across runs.
 """
 
 from __future__ import annotations
@@ -30,21 +17,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from bench import results as output
-from bench.plot import save
-from bench.stack import KEY, Connection, cpu_seconds, gateway_process
+from bench.plot import figure, gridded, save
+from bench.stack import KEY, Connection, cpu_seconds, gateway_process, triton
+from bench.timing import interleaved
 from contract import files
 
 DEFAULT_GATEWAY = "gateway"  # the gateway of the default settings (and --workers): the target is its
 ENCODINGS = ("json", "b64")
 MODES = (*(f"{DEFAULT_GATEWAY}/{encoding}" for encoding in ENCODINGS), "grpc/client")  # without --compare
+CPU_GROUPS = ("load_generator", "gateway", "triton")
 
 
 def prepare(root: Path, preset_name: str) -> Path:
@@ -61,27 +50,24 @@ def prepare(root: Path, preset_name: str) -> Path:
     return root / "repository"
 
 
-# --- the three ways to step a session -----------------------------------------------------------------------
-
-
 class HttpSessions:
-    """Sessions stepped through the gateway over HTTP/1.1 keep-alive, one connection each."""
+    """Sessions stepped through the gateway, one keep-alive connection each."""
 
     def __init__(self, url: str, token: np.ndarray, b64: bool) -> None:
         from serving.gateway.encoding import encode, tensor_json
 
         self.host, self.port = url.removeprefix("http://").rsplit(":", 1)
         self.b64, self.width = b64, token.shape[-1]
-        # encoded once: the load generator's own cost stays low
         self.body = tensor_json({"hidden_states": encode(token, "b64" if b64 else "json")})
         self.query = "?encoding=b64" if b64 else ""
         self.headers = f"X-API-Key: {KEY}\r\nContent-Type: application/json\r\n".encode()
 
     async def run(self, count: int, steps: int) -> float:
+        """Seconds `count` sessions took for `steps` steps each (opening and closing them not counted)."""
         loop = asyncio.get_running_loop()
         connections = [(await loop.create_connection(Connection, self.host, int(self.port)))[1] for _ in range(count)]
         try:
-            ids = await asyncio.gather(*(self._open(c) for c in connections))
+            ids = await asyncio.gather(*(self._open(connection) for connection in connections))
             try:
                 started = time.perf_counter()
                 await asyncio.gather(
@@ -89,11 +75,11 @@ class HttpSessions:
                 )
                 return time.perf_counter() - started
             finally:
-                for c, session in zip(connections, ids, strict=True):
-                    await c.request("DELETE", f"/v1/sessions/{session}", headers=self.headers)
+                for connection, session in zip(connections, ids, strict=True):
+                    await connection.request("DELETE", f"/v1/sessions/{session}", headers=self.headers)
         finally:
-            for c in connections:
-                c.transport.close()
+            for connection in connections:
+                connection.transport.close()
 
     async def _open(self, connection: Connection) -> str:
         status, body = await connection.request("POST", "/v1/sessions", headers=self.headers)
@@ -107,75 +93,59 @@ class HttpSessions:
             status, body = await connection.request("POST", path, self.body, self.headers)
             if status != 200:
                 raise RuntimeError(f"step: {status} {body[:300]!r}")
-        output = json.loads(body)["output"]  # the last answer, checked whole
-        shape = output["shape"] if self.b64 else list(np.asarray(output).shape)
+        answer = json.loads(body)["output"]  # the last one, checked whole
+        shape = answer["shape"] if self.b64 else list(np.asarray(answer).shape)
         if shape != [1, 1, self.width]:
             raise RuntimeError(f"step answered an output of shape {shape}")
 
 
-class GrpcSessions:
-    """Sessions stepped by the asyncio client library straight to Triton's gRPC port."""
+async def grpc_sessions(url: str, token: np.ndarray, count: int, steps: int) -> float:
+    """Seconds `count` sessions of the asyncio client library, straight to Triton's gRPC port, took for `steps`
+    steps each."""
+    from client import AsyncClient
 
-    def __init__(self, url: str, token: np.ndarray) -> None:
-        self.url, self.token = url, token
-
-    async def run(self, count: int, steps: int) -> float:
-        from client import AsyncClient
-
-        async with AsyncClient(self.url, "grpc") as triton:
-            sessions = [triton.session() for _ in range(count)]
-            await asyncio.gather(*(s.open() for s in sessions))
-            try:
-                started = time.perf_counter()
-                await asyncio.gather(*(self._steps(s, steps) for s in sessions))
-                return time.perf_counter() - started
-            finally:
-                await asyncio.gather(*(s.close() for s in sessions))
-
-    async def _steps(self, session, steps: int) -> None:
+    async def stepping(session) -> None:
         for _ in range(steps):
-            await session.step(self.token)
+            await session.step(token)
+
+    async with AsyncClient(url, "grpc") as client:
+        sessions = [client.session() for _ in range(count)]
+        await asyncio.gather(*(session.open() for session in sessions))
+        try:
+            started = time.perf_counter()
+            await asyncio.gather(*(stepping(session) for session in sessions))
+            return time.perf_counter() - started
+        finally:
+            await asyncio.gather(*(session.close() for session in sessions))
 
 
-# --- the run -----------------------------------------------------------------------------------------------
+def cpu_now(gateway: list[int], triton_pids: list[int]) -> list[float]:
+    """CPU seconds so far of this process (the load generator), the gateway and Triton, as CPU_GROUPS."""
+    return [time.process_time(), cpu_seconds(gateway), cpu_seconds(triton_pids)]
 
 
 def measure(fronts: dict, pids: dict[str, list[int]], sessions: int, steps: int, rounds: int) -> dict:
-    """`rounds` interleaved rounds of every mode: steps/s and CPU per step of the load generator, of the
-    gateway serving the mode (`pids[name]` for a mode `name/...`) and of Triton (`pids["triton"]`)."""
-    samples = {mode: {"seconds": 0.0, "steps": 0, "gateway": 0.0, "triton": 0.0, "load_cpu": 0.0} for mode in fronts}
+    """Interleaved rounds of every mode: steps/s and CPU per step of the load generator, of the gateway serving
+    the mode (`pids[name]` for a mode `name/...`) and of Triton (`pids["triton"]`)."""
+    cpu = {mode: dict.fromkeys(CPU_GROUPS, 0.0) for mode in fronts}
+    seconds = dict.fromkeys(fronts, 0.0)
     for mode, front in fronts.items():  # warm-up: connections, metadata, each gateway's first requests
         if not mode.endswith("/b64"):
-            asyncio.run(front.run(sessions, 3))
-    for _ in range(rounds):
-        for mode, front in fronts.items():
-            groups = {"gateway": pids.get(mode.split("/")[0], []), "triton": pids["triton"]}
-            before = {group: cpu_seconds(group_pids) for group, group_pids in groups.items()}
-            own = time.process_time()
-            elapsed = asyncio.run(front.run(sessions, steps))
-            sample = samples[mode]
-            sample["load_cpu"] += time.process_time() - own
-            for group, group_pids in groups.items():
-                sample[group] += cpu_seconds(group_pids) - before[group]
-            sample["seconds"] += elapsed
-            sample["steps"] += sessions * steps
-    return summarize(samples)
-
-
-def summarize(samples: dict) -> dict:
-    rows = {}
-    for mode, sample in samples.items():
-        per_step = 1e6 / sample["steps"]
-        rows[mode] = {
-            "steps": sample["steps"],
-            "steps_per_s": sample["steps"] / sample["seconds"],
-            "load_generator_cpu_us_per_step": sample["load_cpu"] * per_step,
-            "gateway_cpu_us_per_step": sample["gateway"] * per_step,
-            "triton_cpu_us_per_step": sample["triton"] * per_step,
-        }
-    direct = rows["grpc/client"]["steps_per_s"]
+            asyncio.run(front(sessions, 3))
+    for _, mode in interleaved(rounds, list(fronts)):
+        gateway = pids.get(mode.split("/")[0], [])
+        before = cpu_now(gateway, pids["triton"])
+        seconds[mode] += asyncio.run(fronts[mode](sessions, steps))
+        for group, start, end in zip(CPU_GROUPS, before, cpu_now(gateway, pids["triton"]), strict=True):
+            cpu[mode][group] += end - start
+    done = rounds * sessions * steps
+    rows = {
+        mode: {"steps": done, "steps_per_s": done / seconds[mode]}
+        | {f"{group}_cpu_us_per_step": cpu[mode][group] * 1e6 / done for group in CPU_GROUPS}
+        for mode in fronts
+    }
     for row in rows.values():
-        row["ratio_to_grpc"] = row["steps_per_s"] / direct
+        row["ratio_to_grpc"] = row["steps_per_s"] / rows["grpc/client"]["steps_per_s"]
     return rows
 
 
@@ -191,95 +161,69 @@ def parse_compared(specs: list[str]) -> dict[str, dict[str, str]]:
     return compared
 
 
-def benchmark(
-    root: Path, preset_name: str, sessions: int, steps: int, rounds: int, workers: int, compared: dict | None = None
-) -> dict:
+def benchmark(root: Path, args: argparse.Namespace, compared: dict) -> dict:
     from client import Client
-    from serving.host.launcher import start_triton
 
-    repository = prepare(root, preset_name)
-    server = start_triton(repository, log_path=root / "triton.log")
-    gateways = {DEFAULT_GATEWAY: {"workers": workers}} | dict(compared or {})
-    try:
-        with Client(server.grpc_url, "grpc") as triton:
-            d_model = triton.metadata("sessions").d_model
+    gateways = {DEFAULT_GATEWAY: {"workers": args.workers}} | compared
+    with output.during(1) as machine, triton(prepare(root, args.preset), log_path=root / "triton.log") as server:
+        with Client(server.grpc_url, "grpc") as client:
+            d_model = client.metadata("sessions").d_model
         token = np.random.default_rng(0).standard_normal((1, 1, d_model)).astype(np.float32)
         with contextlib.ExitStack() as running:
             fronts, pids = {}, {"triton": [server.process.pid]}
             for name, settings in gateways.items():
                 log_path = root / f"{name}.log"
                 url, gateway = running.enter_context(gateway_process(server.grpc_url, log_path, **settings))
-                fronts |= {f"{name}/{e}": HttpSessions(url, token, b64=e == "b64") for e in ENCODINGS}
+                fronts |= {
+                    f"{name}/{encoding}": HttpSessions(url, token, encoding == "b64").run for encoding in ENCODINGS
+                }
                 pids[name] = [gateway.pid]
-            fronts["grpc/client"] = GrpcSessions(server.grpc_url, token)
-            rows = measure(fronts, pids, sessions, steps, rounds)
-    finally:
-        server.stop()
-    conditions = {
-        "preset": preset_name,
-        "d_model": d_model,
-        "sessions": sessions,
-        "steps_per_session_per_round": steps,
-        "rounds": rounds,
-        "gateway_workers": workers,
-        "compared": compared or {},
-        "cpus": os.cpu_count(),
-    }
-    return {"conditions": conditions, "modes": rows, "target": target(rows)}
-
-
-def target(rows: dict) -> dict:
-    worst = min(rows["gateway/json"]["ratio_to_grpc"], rows["gateway/b64"]["ratio_to_grpc"])
-    return {
-        "what": "gateway steps/s >= 60% of the gRPC client's, JSON and b64",
-        "worst_ratio": worst,
-        "met": worst >= 0.6,
-    }
+            fronts["grpc/client"] = functools.partial(grpc_sessions, server.grpc_url, token)
+            rows = measure(fronts, pids, args.sessions, args.steps, args.rounds)
+    conditions = {"preset": args.preset, "d_model": d_model, "sessions": args.sessions, "rounds": args.rounds}
+    conditions |= {"steps_per_session_per_round": args.steps, "gateway_workers": args.workers, "compared": compared}
+    worst = min(rows[f"{DEFAULT_GATEWAY}/{encoding}"]["ratio_to_grpc"] for encoding in ENCODINGS)
+    what = "gateway steps/s >= 60% of the gRPC client's, JSON and b64"
+    target = output.goal(worst, least=0.6, kind="worst_ratio", what=what)
+    return {"conditions": conditions, "machine": machine, "modes": rows, "target": target}
 
 
 def table(results: dict) -> str:
-    c = results["conditions"]
-    compared = "".join(f"; {name}: {settings}" for name, settings in c.get("compared", {}).items())
-    lines = [
-        f"{c['sessions']} sessions, one-token steps, {c['preset']} (d_model {c['d_model']}), "
-        f"{c['rounds']} rounds x {c['steps_per_session_per_round']} steps each, gateway workers {c['gateway_workers']}"
-        f"{compared}",
-        f"{'mode':<16} {'steps/s':>8} {'vs gRPC':>8} {'CPU us/step: load gen':>22} {'gateway':>8} {'triton':>8}",
+    given = results["conditions"]
+    compared = "".join(f"; {name}: {settings}" for name, settings in given["compared"].items())
+    heading = (
+        f"{given['sessions']} sessions, one-token steps, {given['preset']} (d_model {given['d_model']}), "
+        f"{given['rounds']} rounds x {given['steps_per_session_per_round']} steps each, "
+        f"gateway workers {given['gateway_workers']}{compared}"
+    )
+    header = ["mode", "steps/s", "vs gRPC", "CPU us/step: load gen", "gateway", "triton"]
+    rows = [
+        [mode, f"{row['steps_per_s']:.0f}", f"{row['ratio_to_grpc']:.0%}"]
+        + [f"{row[f'{group}_cpu_us_per_step']:.0f}" for group in CPU_GROUPS]
+        for mode, row in results["modes"].items()
     ]
-    for mode, row in results["modes"].items():
-        lines.append(
-            f"{mode:<16} {row['steps_per_s']:>8.0f} {row['ratio_to_grpc']:>7.0%} "
-            f"{row['load_generator_cpu_us_per_step']:>22.0f} {row['gateway_cpu_us_per_step']:>8.0f} "
-            f"{row['triton_cpu_us_per_step']:>8.0f}"
-        )
-    t = results["target"]
-    lines.append(f"target: {t['what']}: worst {t['worst_ratio']:.0%}, {'met' if t['met'] else 'MISSED'}")
-    return "\n".join(lines)
+    target = results["target"]
+    verdict = f"target: {target['what']}: worst {target['worst_ratio']:.0%}, {'met' if target['met'] else 'MISSED'}"
+    return output.table(heading, header, rows) + "\n" + verdict
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    modes = list(results["modes"])
-    rows = [results["modes"][m] for m in modes]
-    figure, (rate, cpu) = plt.subplots(1, 2, figsize=(11, 4))
-    rate.bar(modes, [r["steps_per_s"] for r in rows])
+    drawn, (rate, cpu) = figure(2, (11, 4))
+    modes, rows = list(results["modes"]), list(results["modes"].values())
+    rate.bar(modes, [row["steps_per_s"] for row in rows])
     for x, row in enumerate(rows):
         rate.annotate(f"{row['ratio_to_grpc']:.0%}", (x, row["steps_per_s"]), ha="center", va="bottom")
     rate.set(title=f"{results['conditions']['sessions']} sessions stepping", ylabel="decode steps / s")
     bottom = np.zeros(len(rows))
-    for group in ("load_generator", "gateway", "triton"):
-        values = np.array([r[f"{group}_cpu_us_per_step"] for r in rows])
+    for group in CPU_GROUPS:
+        values = np.array([row[f"{group}_cpu_us_per_step"] for row in rows])
         cpu.bar(modes, values, bottom=bottom, label=group.replace("_", " "))
         bottom += values
     cpu.set(title="CPU per step", ylabel="microseconds")
-    for axes in (rate, cpu):
-        axes.tick_params(axis="x", labelrotation=30)
-    cpu.legend()
-    return save(figure, path)
+    for axis in (rate, cpu):
+        axis.tick_params(axis="x", labelrotation=30)
+    gridded(cpu)
+    return save(drawn, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -287,20 +231,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps per session per mode and round (default 100)")
     output.rounds_argument(parser, 5)
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (default 1)")
-    parser.add_argument(
-        "--compare",
-        action="append",
-        default=[],
-        metavar="NAME:SETTING=VALUE,...",
-        help="another gateway (SERVING_* settings, lowercase, without the prefix) stepped in the same rounds",
-    )
+    another = "another gateway (SERVING_* settings, lowercase, without the prefix) stepped in the same rounds"
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME:SETTING=VALUE,...", help=another)
     output.output_arguments(parser, served_preset=True)
 
 
 def run(args: argparse.Namespace) -> int:
+    compared = parse_compared(args.compare)
     with output.work_folder(args.work, "bench-gateway-") as root:
-        compared = parse_compared(args.compare)
-        results = benchmark(root, args.preset, args.sessions, args.steps, args.rounds, args.workers, compared)
-    print(table(results))
-    print(output.write(results, args.out, "gateway", plot))
-    return 0
+        results = benchmark(root, args, compared)
+    return output.report(results, args.out, "gateway", plot, table(results))

@@ -1,49 +1,16 @@
-"""Generation end to end: the server's engine core served (gRPC, the gateway's SSE and OpenAI routes) and
-in-process, against onnxruntime-genai, transformers, llama.cpp's server and vLLM on the CPU, on one
-checkpoint. `python -m bench generate` runs it.
+"""Generation end to end: our engine core served and in-process against onnxruntime-genai, transformers, llama.cpp's
+server and vLLM on the CPU, on one checkpoint (the llama-whole preset's as `python -m bench model` prepares it).
 
-Writes `generate.json` and `generate.png` and prints a table and the goals.
-
-The checkpoint is the llama-whole preset's, as `python -m bench model` prepares it (bench/whole_model.py:
-transformers' LlamaForCausalLM of random weights, our artifact imported from it, onnxruntime-genai's model
-built from it; all in one folder, kept with `--work`). Each of `concurrency` generations prompts `prompt`
-random ids and generates `tokens` greedy tokens (no stop token: an end-of-sequence id is a token as any
-other). The candidates, each run alone, in `rounds` rounds with the order reversed every round:
-
-- `served-grpc`: Triton serving the artifact (`sessions`: its engine core generates), the client's
-  `Client.generate` streaming, one thread per concurrent generation;
-- `gateway-sse`: the gateway in front of that Triton, `POST /v1/generate` with `stream: true` through httpx,
-  one thread per concurrent generation (left out, with the reason, where the route answers 404);
-- `gateway-openai`: the same gateway's `POST /v1/completions`, streamed, the prompt as token ids, driven by
-  the one client that drives the server peers (bench/server_peers.py);
-- `in-process`: the same engine core (serving/engine/core.py) over the `sessions` model's engine built in this
-  process from the same repository and settings, a generation a request to it;
-- `served-grpc-int4w`: a Triton of its own serving the artifact's 4-bit weights (`fp32-static-int4w`, as
-  `--weights-dtype int4` serves them), through the client as `served-grpc`;
-- `onnxruntime-genai` and `onnxruntime-genai-int4`: its Generator on its model builder's fp32 and int4 (`-p int4
-  -e cpu`) CPU graphs (bench/genai_peer.py), the concurrent prompts as one batch;
-- `transformers`: `LlamaForCausalLM.generate(do_sample=False)`, the concurrent prompts as one batch;
-- `llama.cpp-f32` and `vllm`: llama.cpp's `llama-server` (F32 GGUF, fp32 cache, `--parallel` the most
-  generations at once, continuous batching) and vLLM CPU (fp32, `--max-num-seqs` as many) on the same
-  checkpoint, each through its OpenAI route (bench/server_peers.py: built once into `.peers/` by `make
-  bench-server-peers`; a peer not built is left out with the reason). Neither reuses prompts, and our
-  session model keeps no rows for reuse in this run: every candidate prefills every prompt.
-
-Measured per candidate and concurrency: tokens/s (every generated token over the round's wall time, from
-the first request to the last generation's end; the median over the rounds), the time to the first token
-(p50 over the generations) and the inter-token latency (p50, p99 over the gaps between a generation's
-tokens as its caller received them). A batch candidate's first token is its prefill and first pick, and
-its gaps are its decode steps. Every candidate's tokens are checked against transformers' (fp32
-everywhere: they must agree), but the OpenAI route's of ours, which streams text, not ids, and the 4-bit
-weights' (`INT4_CANDIDATES`), whose agreement is reported: they compute other logits.
-
-Then two measures of our stack alone:
-- the joiner: `concurrency[1]` generations streaming (gRPC) when a `joiner`-id prompt arrives; the running
-  streams' p99 gap before it and while it is prefilled (its request to its first token), against one
-  chunk's time (the joiner's prefill time over its chunks: the core runs a prompt in chunks of the step's
-  token budget left by the decoders), `rounds` times;
-- idle CPU: the processes of each server (Triton with its stubs and the gateway; each peer server) over
-  `idle_s` seconds with nothing asked of them, in CPU seconds and in percent of a core.
+Each of `concurrency` generations prompts `prompt` random ids and takes `tokens` greedy tokens, no stop token. The
+candidates (CANDIDATES), each alone, in interleaved rounds: Triton's `sessions` through `Client.generate` (and a
+Triton of its own on the 4-bit weights), the gateway's SSE and OpenAI routes, the same engine core in this process,
+a thread per generation; onnxruntime-genai (fp32, int4) and transformers' `generate`, the prompts as one batch;
+llama.cpp's and vLLM's servers through the OpenAI route where `make bench-server-peers` built them. No row is kept
+for reuse (the rounds repeat their prompts): every candidate prefills every prompt. Measured: tokens/s (median
+round), TTFT p50, ITL p50/p99 as the caller received the tokens (a batch's: its decode steps), and the greedy ids
+against transformers' (fp32 everywhere: they must agree, but the 4-bit weights'; the OpenAI route streams text).
+Then a `joiner`-id prompt joining `concurrency[1]` gRPC streams (their p99 gap against one prefill chunk's time)
+and each server's CPU over `idle_s` idle seconds.
 """
 
 from __future__ import annotations
@@ -53,10 +20,11 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -66,20 +34,22 @@ from bench import server_peers, whole_model
 from bench.timing import SETTLE_S, interleaved
 from contract import files
 from contract.config import ModelConfig, preset
+from contract.deployment import WEIGHTS_FLOAT, WEIGHTS_INT4, ServingSettings
+from contract.generation import TOKEN_ID, GenerationRequest
+from export.progress import Progress
 
 SERVED, GATEWAY, OPENAI, IN_PROCESS = "served-grpc", "gateway-sse", "gateway-openai", "in-process"
 SERVED_INT4 = "served-grpc-int4w"  # Triton serving the artifact's fp32-static-int4w (`--weights-dtype int4`)
 GENAI, GENAI_INT4, TORCH = "onnxruntime-genai", whole_model.GENAI_INT4, "transformers"
 LLAMA_CPP, VLLM = server_peers.LLAMA_F32, server_peers.VLLM
 CANDIDATES = (SERVED, SERVED_INT4, GATEWAY, OPENAI, IN_PROCESS, GENAI, GENAI_INT4, TORCH, LLAMA_CPP, VLLM)
-# 4-bit weights compute other logits than transformers' fp32: their greedy tokens are compared and reported, not
-# required to agree (every other candidate's must, fp32 everywhere)
+# 4-bit weights compute other logits than transformers' fp32: their greedy tokens are reported, not required to agree
 INT4_CANDIDATES = (SERVED_INT4, GENAI_INT4)
 SERVER_PEERS = (LLAMA_CPP, VLLM)  # through their OpenAI routes, as OPENAI is ours
-DEFAULT_PRESET = "llama-whole"
-GATEWAY_KEY = "bench-generate-key"
+OURS = "ours (Triton and its stubs, the gateway)"
 GENAI_MOST_BATCH = 32  # onnxruntime-genai 0.18's largest batch (seen: "batch_size (64) must be in [1, 32]")
 WARMUP_TOKENS = 4
+GOAL_COUNTS = (1, 16)  # the issue's goals are at 1 and 16 generations at once; 64 is reported
 
 
 class BenchError(RuntimeError):
@@ -87,11 +57,11 @@ class BenchError(RuntimeError):
 
 
 class Unavailable(BenchError):
-    """A candidate that cannot run here, and why: left out of the run, the reason reported."""
+    """A candidate that cannot run here: left out of the run, the reason reported."""
 
 
 class Unmeasurable(BenchError):
-    """A candidate that cannot run one concurrency of the plan, and why: that concurrency left out."""
+    """A candidate that cannot run one concurrency of the plan: that concurrency left out, the reason reported."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,20 +73,18 @@ class Plan:
     seed: int = 0  # the checkpoint's weights and the prompts
     server_peers: bool = True  # llama.cpp's server and vLLM, where built
     joiner: int = 2000  # the joiner's prompt ids (0: no joiner scenario)
-    joiner_tokens: int = 8  # the joiner's tokens
+    joiner_tokens: int = 8
     joiner_after: int = 32  # the running streams' tokens before the joiner is sent
     idle_s: float = 30.0  # how long each server's idle CPU is measured (0: not measured)
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(
-            prompt=16, tokens=8, concurrency=(1, 4), rounds=1, joiner=36, joiner_tokens=4, joiner_after=2, idle_s=2
-        )
+        return cls(16, 8, (1, 4), rounds=1, joiner=36, joiner_tokens=4, joiner_after=2, idle_s=2)
 
     @property
     def joined(self) -> int:
         """The generations running when the joiner comes: the second concurrency (16 by default)."""
-        return self.concurrency[1] if len(self.concurrency) > 1 else self.concurrency[0]
+        return self.concurrency[min(1, len(self.concurrency) - 1)]
 
 
 @dataclasses.dataclass
@@ -127,6 +95,7 @@ class Generated:
     first_ms: list[float]  # per generation: its request to its first token
     gaps_ms: list[float]  # between a generation's consecutive tokens, every generation's
     wall_s: float  # the round: the first request to the last generation's end
+    arrivals: list[list[float]] = dataclasses.field(default_factory=list)  # a stream's tokens' perf_counter()
 
 
 Generate = Callable[[np.ndarray, int], Generated]  # (prompts (C, T) int64, tokens) -> Generated
@@ -134,53 +103,50 @@ Generate = Callable[[np.ndarray, int], Generated]  # (prompts (C, T) int64, toke
 Stream = Callable[[np.ndarray, int, Callable[[int], None]], None]
 
 
-def concurrently(stream: Stream, prompts: np.ndarray, tokens: int) -> Generated:
-    """Each prompt's generation on a thread of its own, all released together."""
+def concurrently(stream: Stream, prompts: np.ndarray, tokens: int, after: int = 0, meanwhile=None) -> Generated:
+    """Each prompt's generation on a thread of its own, all released together; `meanwhile()` run on this thread once
+    every generation has `after` tokens or has ended (the joiner)."""
     count = len(prompts)
-    gate = threading.Barrier(count)
+    gate, ready = threading.Barrier(count + 1), threading.Semaphore(0)
     starts, ends = [0.0] * count, [0.0] * count
     arrivals: list[list[float]] = [[] for _ in range(count)]
     ids: list[list[int]] = [[] for _ in range(count)]
-    failures: list[BaseException] = []
 
     def generation(row: int) -> None:
-        gate.wait()
-        starts[row] = time.perf_counter()
-
         def received(token: int) -> None:
             arrivals[row].append(time.perf_counter())
             ids[row].append(token)
+            if len(ids[row]) == after:
+                ready.release()
 
+        gate.wait()
+        starts[row] = time.perf_counter()
         try:
             stream(prompts[row], tokens, received)
-        except BaseException as error:  # raised again below, on the caller's thread
-            failures.append(error)
-        ends[row] = time.perf_counter()
+        finally:
+            ends[row] = time.perf_counter()
+            if len(ids[row]) < after:  # ended early: the joiner does not wait for it
+                ready.release()
 
-    threads = [threading.Thread(target=generation, args=(row,), name=f"generation-{row}") for row in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
+    with ThreadPoolExecutor(count) as pool:
+        generations = pool.map(generation, range(count))
+        gate.wait()
+        if meanwhile is not None:
+            for _ in range(count):
+                ready.acquire()
+            meanwhile()
+        list(generations)  # a generation's error raised here
     for row, answered in enumerate(ids):
         if len(answered) != tokens:
             raise BenchError(f"generation {row} answered {len(answered)} tokens, expected {tokens}")
-    return Generated(
-        tokens=np.array(ids, np.int64),
-        first_ms=[(times[0] - start) * 1e3 for times, start in zip(arrivals, starts, strict=True)],
-        gaps_ms=[gap * 1e3 for times in arrivals for gap in np.diff(times)],
-        wall_s=max(ends) - min(starts),
-    )
+    first_ms = [(times[0] - start) * 1e3 for times, start in zip(arrivals, starts, strict=True)]
+    gaps_ms = [gap * 1e3 for times in arrivals for gap in np.diff(times)]
+    return Generated(np.array(ids, np.int64), first_ms, gaps_ms, max(ends) - min(starts), arrivals)
 
 
 def batched(tokens: np.ndarray, first_ms: float, steps_ms: list[float], wall_s: float) -> Generated:
     """A batch candidate's round: every row's first token at the prefill's end, a gap per decode step."""
     return Generated(np.asarray(tokens, np.int64), [first_ms] * len(tokens), list(steps_ms), wall_s)
-
-
-# --- candidates -------------------------------------------------------------------------------------------
 
 
 def served_stream(client) -> Stream:
@@ -193,18 +159,13 @@ def served_stream(client) -> Stream:
     return stream
 
 
-def served_candidate(client) -> Generate:
-    """`served_stream`, one thread per generation."""
-    return lambda prompts, tokens: concurrently(served_stream(client), prompts, tokens)
-
-
 def gateway_candidate(http, url: str) -> Generate:
     """`POST /v1/generate` with `stream: true`, its Server-Sent Events read as they come (httpx)."""
-    headers = {"X-API-Key": GATEWAY_KEY}
+    from bench.stack import KEY
 
     def stream(prompt: np.ndarray, tokens: int, received: Callable[[int], None]) -> None:
         body = {"input_ids": prompt.tolist(), "max_new_tokens": tokens, "stream": True}
-        with http.stream("POST", f"{url}/v1/generate", json=body, headers=headers) as response:
+        with http.stream("POST", f"{url}/v1/generate", json=body, headers={"X-API-Key": KEY}) as response:
             if response.status_code == 404:
                 raise Unavailable(f"the gateway at {url} answers POST /v1/generate with 404: {response.read()[:200]!r}")
             if response.status_code != 200:
@@ -219,25 +180,16 @@ def gateway_candidate(http, url: str) -> Generate:
                     received(event["token_id"])
         raise BenchError("POST /v1/generate's stream ended without `data: [DONE]`")
 
-    return lambda prompts, tokens: concurrently(stream, prompts, tokens)
-
-
-def openai_candidate(server: server_peers.PeerServer, http) -> Generate:
-    """`POST /v1/completions` streamed, by bench/server_peers.py's client: ours (the gateway) and the server
-    peers alike, one thread per generation. A chunk's token whose server does not say its id reads -1."""
-    return lambda prompts, tokens: concurrently(server_peers.server_stream(server, http), prompts, tokens)
+    return partial(concurrently, stream)
 
 
 class Answers:
-    """An in-process generation's answers from the engine core (a core.Responder): each token handed to
-    `received` as the core picks it (on the core's thread), the final answer or error kept."""
+    """A core.Responder: each token the engine core picks handed to `received` (on the core's thread)."""
 
     def __init__(self, received: Callable[[int], None]) -> None:
         self.received, self.error, self.done = received, None, threading.Event()
 
     def send(self, outputs) -> None:
-        from contract.generation import TOKEN_ID
-
         if TOKEN_ID in outputs:
             self.received(int(outputs[TOKEN_ID][0]))
 
@@ -250,9 +202,8 @@ class Answers:
 
 
 def in_process_candidate(engine_core) -> Generate:
-    """The served model's engine core (serving/engine/core.py) over the `sessions` model's engine built in this process
-    from the same repository and settings: each generation a request to it, stateless as the served ones."""
-    from contract.generation import GenerationRequest
+    """The served model's engine core (serving/engine/core.py) built in this process: each generation a stateless
+    request to it, as the served ones are."""
     from serving.engine import core
 
     sequences = itertools.count(1 << 40)
@@ -265,17 +216,18 @@ def in_process_candidate(engine_core) -> Generate:
         if answers.error is not None:
             raise BenchError(f"in-process generation: {answers.error}") from answers.error
 
-    return lambda prompts, tokens: concurrently(stream, prompts, tokens)
+    return partial(concurrently, stream)
 
 
 def transformers_candidate(checkpoint: Path, threads: int) -> Generate:
-    """`LlamaForCausalLM.generate(do_sample=False)` over the prompts as one batch; a streamer times each
-    token's pick."""
+    """`LlamaForCausalLM.generate(do_sample=False)` over the prompts as one batch; a streamer times each pick."""
     import torch
     import transformers
 
     torch.set_num_threads(threads)
     model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    # no stop token, as the other candidates run
+    greedy = {"do_sample": False, "eos_token_id": None, "pad_token_id": model.config.pad_token_id}
 
     class Arrivals(transformers.generation.BaseStreamer):
         def __init__(self) -> None:
@@ -291,22 +243,13 @@ def transformers_candidate(checkpoint: Path, threads: int) -> Generate:
         ids, arrivals = torch.from_numpy(prompts), Arrivals()
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(
-                ids,
-                # given: without it, transformers masks out every prompt id equal to the pad id
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=tokens,
-                eos_token_id=None,  # no stop token, as the other candidates run
-                pad_token_id=model.config.pad_token_id,
-                streamer=arrivals,
-            )
-        wall_s = time.perf_counter() - started
-        picked = arrivals.times[1:]
-        if out.shape[1] - prompts.shape[1] != tokens or len(picked) != tokens:
-            raise BenchError(f"transformers generated {out.shape[1] - prompts.shape[1]} tokens, expected {tokens}")
-        steps_ms = [gap * 1e3 for gap in np.diff(picked)]
-        return batched(out[:, prompts.shape[1] :].numpy(), (picked[0] - started) * 1e3, steps_ms, wall_s)
+            # the mask given: without it transformers masks out every prompt id equal to the pad id
+            mask = torch.ones_like(ids)
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens, streamer=arrivals, **greedy)
+        wall_s, picked, generated = time.perf_counter() - started, arrivals.times[1:], out[:, prompts.shape[1] :]
+        if generated.shape[1] != tokens or len(picked) != tokens:
+            raise BenchError(f"transformers generated {generated.shape[1]} tokens, expected {tokens}")
+        return batched(generated.numpy(), (picked[0] - started) * 1e3, list(np.diff(picked) * 1e3), wall_s)
 
     return generate
 
@@ -316,10 +259,7 @@ def genai_candidate(peer: whole_model.GenaiPeer) -> Generate:
 
     def generate(prompts: np.ndarray, tokens: int) -> Generated:
         if len(prompts) > GENAI_MOST_BATCH:
-            raise Unmeasurable(
-                f"onnxruntime-genai 0.18 takes batches of 1 to {GENAI_MOST_BATCH} (its answer to "
-                f"{len(prompts)}: 'batch_size ({len(prompts)}) must be in [1, {GENAI_MOST_BATCH}]')"
-            )
+            raise Unmeasurable(f"onnxruntime-genai 0.18 takes batches of 1 to {GENAI_MOST_BATCH}, not {len(prompts)}")
         started = time.perf_counter()
         answer = peer(prompts, tokens)
         return batched(answer.tokens, answer.prefill_ms, answer.step_ms, time.perf_counter() - started)
@@ -327,34 +267,20 @@ def genai_candidate(peer: whole_model.GenaiPeer) -> Generate:
     return generate
 
 
-# --- the servers ------------------------------------------------------------------------------------------
-
-
-def repository_for(artifact: Path, root: Path, plan: Plan, threads: int, weights_dtype: str | None = None) -> Path:
-    """`forward` and `sessions` (which generates) of the artifact, sized for the machine's threads and for every
-    concurrent generation's rows at once (and the joiner's); no rows kept for prefix reuse (the rounds repeat
-    their prompts: a kept row would spare our prefill and no peer's), no cap on one owner's generations (the
-    run's one API key is one tenant); `weights_dtype` int4: the 4-bit weights' forms, in a folder of its own."""
-    from contract.deployment import ServingSettings
-    from serving.triton import config as triton_config
+def repository_for(artifact: Path, root: Path, plan: Plan, threads: int, weights_dtype: str = WEIGHTS_FLOAT) -> Path:
+    """`forward` and `sessions` sized for every concurrent generation's rows (and the joiner's); no rows kept for
+    prefix reuse (the rounds repeat their prompts: a kept row would spare our prefill and no peer's), no cap on
+    one owner's generations (the run's one API key); int4 weights: `sessions` alone, in a folder of its own."""
+    from serving.triton import config
     from serving.triton.repository import write_repository
 
-    cfg = ModelConfig.load(artifact)
-    generations = max(plan.concurrency) + 1
-    default = ServingSettings()
-    settings = ServingSettings(
-        threads=threads,
-        max_batch_size=max(16, generations),
-        kv_cache_bytes=max(default.kv_cache_bytes, cfg.kv_cache_bytes(generations, cfg.max_seq_len)),
-        kept_per_owner=0,
-        generations_per_owner=0,
-        **({"weights_dtype": weights_dtype} if weights_dtype else {}),
-    )
-    if weights_dtype is not None:  # the session model alone: it generates, and no gateway probes this one
-        folder = root / f"repository-{weights_dtype}w"
-        return write_repository(artifact, folder, settings, models=(triton_config.SESSIONS,))
-    models = (triton_config.FORWARD, triton_config.SESSIONS)  # the gateway's readiness probes both
-    return write_repository(artifact, root / "repository", settings, models=models)
+    cfg, generations = ModelConfig.load(artifact), max(plan.concurrency) + 1
+    kv_cache_bytes = max(ServingSettings().kv_cache_bytes, cfg.kv_cache_bytes(generations, cfg.max_seq_len))
+    sized = {"threads": threads, "max_batch_size": max(16, generations), "kv_cache_bytes": kv_cache_bytes}
+    settings = ServingSettings(**sized, kept_per_owner=0, generations_per_owner=0, weights_dtype=weights_dtype)
+    if weights_dtype != WEIGHTS_FLOAT:  # no gateway probes this one's `forward`
+        return write_repository(artifact, root / f"repository-{weights_dtype}w", settings, models=(config.SESSIONS,))
+    return write_repository(artifact, root / "repository", settings, models=(config.FORWARD, config.SESSIONS))
 
 
 @dataclasses.dataclass
@@ -362,155 +288,109 @@ class Lineup:
     """The candidates, ready, and what the measures beyond them need."""
 
     generators: dict[str, Generate]
-    skipped: dict[str, str]  # candidate -> why it cannot run here
     servers: dict[str, list[int]]  # a server's name -> the pids whose trees are its processes
     served: Stream  # our gRPC stream (the joiner scenario)
-    step_tokens: int  # the core's token budget a step
-    versions: dict[str, str]
+    step_tokens: int  # the engine core's token budget a step
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # candidate -> why it cannot run here
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @contextlib.contextmanager
 def candidates(cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: int) -> Iterator[Lineup]:
-    """Every candidate, ready (the servers started); stopped and closed afterwards."""
+    """Every candidate ready (the servers started); stopped and closed afterwards."""
     import httpx
 
     from bench.serving import STATIC_MODEL, model_parameters, session_core
-    from bench.stack import gateway_process
+    from bench.stack import KEY, gateway_process, triton
     from client import Client
-    from export.progress import Progress
-    from serving.host.launcher import start_triton
     from serving.triton.config import P_STEP_TOKENS
 
-    progress = Progress()
-    repository = repository_for(Path(facts["artifact"]), root, plan, threads)
+    artifact = Path(facts["artifact"])
+    repository = repository_for(artifact, root, plan, threads)
     with contextlib.ExitStack() as stack:
-        with progress.stage("start Triton"):
-            server = start_triton(repository, log_path=root / "triton.log")
-        stack.callback(server.stop)
-        with progress.stage("start the gateway"):
-            url, gateway = stack.enter_context(
-                gateway_process(server.grpc_url, root / "gateway.log", api_keys=GATEWAY_KEY)
-            )
+        with Progress().stage("start Triton and the gateway"):
+            server = stack.enter_context(triton(repository, log_path=root / "triton.log"))
+            url, gateway = stack.enter_context(gateway_process(server.grpc_url, root / "gateway.log"))
         client = stack.enter_context(Client(server.grpc_url))
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=max(plan.concurrency))
         http = stack.enter_context(httpx.Client(timeout=600, limits=limits))
+        models = http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).raise_for_status().json()
+        ours = server_peers.PeerServer(OPENAI, url, models["data"][0]["id"], {}, root / "gateway.log", api_key=KEY)
         engine_core = session_core(repository, STATIC_MODEL, cfg)
         stack.callback(engine_core.stop)
-        ours = server_peers.PeerServer(
-            OPENAI, url, served_model(http, url), {}, root / "gateway.log", api_key=GATEWAY_KEY
-        )
-        made: dict[str, Generate] = {
-            SERVED: served_candidate(client),
-            GATEWAY: gateway_candidate(http, url),
-            OPENAI: openai_candidate(ours, http),
-            IN_PROCESS: in_process_candidate(engine_core),
-            TORCH: transformers_candidate(Path(facts["checkpoint"]), threads),
-        }
         lineup = Lineup(
-            {},
-            {},
-            {"ours (Triton and its stubs, the gateway)": [server.process.pid, gateway.pid]},
+            {
+                SERVED: partial(concurrently, served_stream(client)),
+                GATEWAY: gateway_candidate(http, url),
+                OPENAI: partial(concurrently, server_peers.server_stream(ours, http)),
+                IN_PROCESS: in_process_candidate(engine_core),
+                TORCH: transformers_candidate(Path(facts["checkpoint"]), threads),
+            },
+            {OURS: [server.process.pid, gateway.pid]},
             served_stream(client),
             int(model_parameters(repository, STATIC_MODEL)[P_STEP_TOKENS]),
-            {},
         )
-        made |= int4_served(stack, lineup, Path(facts["artifact"]), root, plan, threads, progress)
-        made |= peers(stack, lineup, cfg, root, facts, plan, threads, http, progress)
-        lineup.generators = {name: made[name] for name in CANDIDATES if name in made}
+        report = json.loads((artifact / files.REPORT_FILENAME).read_text())
+        if report["variants"].get(whole_model.STATIC_INT4W, {}).get("passed"):
+            int4 = repository_for(artifact, root, plan, threads, weights_dtype=WEIGHTS_INT4)
+            with Progress().stage("start Triton (4-bit weights)"):
+                int4_server = stack.enter_context(triton(int4, log_path=root / "triton-int4w.log"))
+            lineup.servers["ours, 4-bit weights (Triton and its stubs)"] = [int4_server.process.pid]
+            int4_client = stack.enter_context(Client(int4_server.grpc_url))
+            lineup.generators[SERVED_INT4] = partial(concurrently, served_stream(int4_client))
+        else:
+            lineup.skipped[SERVED_INT4] = f"the artifact has no {whole_model.STATIC_INT4W} that passed its ladder"
+        peers(stack, lineup, cfg, root, facts, plan, threads, http)
+        lineup.generators = {name: lineup.generators[name] for name in CANDIDATES if name in lineup.generators}
         yield lineup
 
 
-def int4_served(stack, lineup: Lineup, artifact: Path, root: Path, plan: Plan, threads: int, progress) -> dict:
-    """A Triton of its own serving the artifact's 4-bit weights (fp32-static-int4w), generating through the client;
-    left out, with the reason, where the artifact has no such form."""
-    from client import Client
-    from serving.host.launcher import start_triton
-
-    report = json.loads((artifact / files.REPORT_FILENAME).read_text())
-    if not report["variants"].get(whole_model.STATIC_INT4W, {}).get("passed"):
-        lineup.skipped[SERVED_INT4] = f"the artifact has no {whole_model.STATIC_INT4W} that passed its ladder"
-        return {}
-    repository = repository_for(artifact, root, plan, threads, weights_dtype="int4")
-    with progress.stage("start Triton (4-bit weights)"):
-        server = start_triton(repository, log_path=root / "triton-int4w.log")
-    stack.callback(server.stop)
-    lineup.servers["ours, 4-bit weights (Triton and its stubs)"] = [server.process.pid]
-    return {SERVED_INT4: served_candidate(stack.enter_context(Client(server.grpc_url)))}
-
-
-def peers(stack, lineup: Lineup, cfg, root: Path, facts: dict, plan: Plan, threads: int, http, progress) -> dict:
-    """onnxruntime-genai's candidate and the server peers' that are built, started; those not, in
-    `lineup.skipped` with the reason."""
-    made: dict[str, Generate] = {}
+def peers(stack, lineup: Lineup, cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: int, http) -> None:
+    """onnxruntime-genai (fp32, and int4 where built) and the server peers that are built, started; a server peer
+    not built in `lineup.skipped` with the reason. llama.cpp serves the checkpoint's F32 GGUF (made beside it)."""
     genai = facts["genai"]
-    for name, model in genai.get("models", {GENAI: genai.get("model")}).items() if genai["used"] else ():
-        peer = whole_model.GenaiPeer(Path(genai["python"]), Path(model), threads)  # fp32, and int4 where built
+    for name, model in genai["models"].items() if genai["used"] else ():
+        peer = whole_model.GenaiPeer(Path(genai["python"]), Path(model), threads)
         stack.callback(peer.close)
         lineup.versions[GENAI] = genai["version"] = peer.version
-        made[name] = genai_candidate(peer)
+        lineup.generators[name] = genai_candidate(peer)
+    checkpoint, most, length = Path(facts["checkpoint"]), max(plan.concurrency), cfg.max_seq_len
     for name in SERVER_PEERS if plan.server_peers else ():
         try:
-            with progress.stage(f"start {name}'s server"):
-                started = stack.enter_context(server_peer(name, cfg, root, facts, plan, threads))
+            with Progress().stage(f"start {name}'s server"):
+                server_peers.require(name, build=False)
+                if name == LLAMA_CPP:
+                    gguf = server_peers.gguf_of(checkpoint, checkpoint.parent / "gguf", "f32")
+                    started = server_peers.llama_server(gguf, most, threads, length, root / "llama-server.log")
+                else:
+                    started = server_peers.vllm_server(checkpoint, most, max_model_len=length, log=root / "vllm.log")
+                started = stack.enter_context(started)
         except server_peers.Unavailable as reason:
             lineup.skipped[name] = str(reason)
             continue
-        made[name] = openai_candidate(started, http)
+        lineup.generators[name] = partial(concurrently, server_peers.server_stream(started, http))
         lineup.servers[name] = [started.pid]
         lineup.versions[name] = started.version
-    return made
-
-
-def served_model(http, url: str) -> str:
-    """The model id the gateway's OpenAI routes answer to (its first in `GET /v1/models`)."""
-    answer = http.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {GATEWAY_KEY}"})
-    answer.raise_for_status()
-    return answer.json()["data"][0]["id"]
-
-
-def server_peer(name: str, cfg: ModelConfig, root: Path, facts: dict, plan: Plan, threads: int):
-    """A server peer's context (bench/server_peers.py) on the checkpoint, sized for the most generations at
-    once: llama.cpp on the checkpoint's F32 GGUF (made beside it, kept), vLLM on the checkpoint itself."""
-    checkpoint, most = Path(facts["checkpoint"]), max(plan.concurrency)
-    server_peers.require(name, build=False)
-    if name == LLAMA_CPP:
-        gguf = server_peers.gguf_of(checkpoint, checkpoint.parent / "gguf", "f32")
-        return server_peers.llama_server(gguf, most, threads, cfg.max_seq_len, log=root / "llama-server.log")
-    return server_peers.vllm_server(checkpoint, most, max_model_len=cfg.max_seq_len, log=root / "vllm.log")
-
-
-# --- measuring --------------------------------------------------------------------------------------------
-
-
-def prompts_for(cfg: ModelConfig, plan: Plan) -> dict[int, np.ndarray]:
-    rng = np.random.default_rng(plan.seed)
-    every = rng.integers(0, cfg.vocab_size, (max(plan.concurrency), plan.prompt), dtype=np.int64)
-    return {count: np.ascontiguousarray(every[:count]) for count in plan.concurrency}
 
 
 def measure_all(generators: dict[str, Generate], prompts: dict[int, np.ndarray], plan: Plan) -> tuple[dict, dict]:
-    """((candidate, concurrency) -> its Generated of each round, what was left out -> why): a short warm-up
-    generation of each candidate at each concurrency first (where one that cannot run says so: the whole
-    candidate, or that concurrency of it), then the rounds."""
-    from export.progress import Progress
-
-    progress = Progress()
-    skipped: dict[str, str] = {}
-    runs = [(name, count) for name in generators for count in prompts]
+    """((candidate, concurrency) -> its rounds' Generated, what was left out -> why): a short warm-up generation of
+    each candidate at each concurrency first, where one that cannot run says so (the whole candidate, or that
+    concurrency of it), then the rounds."""
+    progress, skipped, runs = Progress(), {}, []
     with progress.stage(f"warm-up: every candidate, {WARMUP_TOKENS} tokens"):
-        for name, count in list(runs):
+        for name, count in itertools.product(list(generators), prompts):
             if name not in generators:
-                runs.remove((name, count))
                 continue
             try:
                 generators[name](prompts[count], min(WARMUP_TOKENS, plan.tokens))
             except Unavailable as reason:
                 skipped[name] = str(reason)
                 del generators[name]
-                runs.remove((name, count))
             except Unmeasurable as reason:
                 skipped[f"{name} at {count}"] = str(reason)
-                runs.remove((name, count))
+            else:
+                runs.append((name, count))
     measured: dict = {}
     for turn, name in interleaved(plan.rounds, list(generators)):
         with progress.stage(f"round {turn + 1}/{plan.rounds}: {name}"):
@@ -531,83 +411,40 @@ def summary(rounds: list[Generated], reference: np.ndarray) -> dict:
         "tokens_per_s_rounds": rates,
         "ttft_ms": {"p50": float(np.percentile(first, 50)), "generations": len(first)},
         "itl_ms": {"p50": float(np.percentile(gaps, 50)), "p99": float(np.percentile(gaps, 99)), "gaps": len(gaps)},
-        # every round's tokens, each row against transformers' tokens for the same prompt (None: a route that
-        # streams text, not ids)
-        "greedy": None
-        if (tokens < 0).any()
-        else whole_model.agreement(tokens, np.concatenate([reference] * len(rounds))),
+        # each row against transformers' tokens for its prompt; None: a route that streams text, not ids (-1)
+        "greedy": None if (tokens < 0).any() else whole_model.agreement(tokens, np.tile(reference, (len(rounds), 1))),
     }
 
 
-# --- the joiner: a long prompt arriving while generations stream --------------------------------------------
+def measure_joiner(lineup: Lineup, cfg: ModelConfig, plan: Plan) -> dict | None:
+    """`plan.rounds` rounds of `plan.joined` gRPC streams, the joiner sent once each has `plan.joiner_after` tokens:
+    the streams' p99 gap before it was sent (once every stream decodes) and while it was prefilled (the gaps ending
+    after its request and starting before its first token), over the rounds; one chunk's time: its prefill time
+    over its chunks (the core gives a waiting prompt the step's token budget the decoders leave)."""
+    if not plan.joiner:
+        return None
+    rng = np.random.default_rng(plan.seed + 1)
+    running = rng.integers(0, cfg.vocab_size, (plan.joined, plan.prompt), dtype=np.int64)
+    joiner = rng.integers(0, cfg.vocab_size, plan.joiner, dtype=np.int64)
+    chunk, times = max(lineup.step_tokens - plan.joined, 1), []
+    before, during, ttft_ms = [], [], []
 
+    def send() -> None:  # `times`: its request's time, then each of its tokens'
+        times[:] = [time.perf_counter()]
+        lineup.served(joiner, plan.joiner_tokens, lambda _token: times.append(time.perf_counter()))
 
-@dataclasses.dataclass
-class Joined:
-    """One joiner round: every running stream's tokens' arrival times, and the joiner's request and first
-    token."""
-
-    arrivals: list[list[float]]
-    sent: float
-    first: float
-
-
-def joined(stream: Stream, running: np.ndarray, tokens: int, joiner: np.ndarray, plan: Plan) -> Joined:
-    """`running`'s generations streaming on threads; once each has `plan.joiner_after` tokens, the joiner's
-    generation (`plan.joiner_tokens`) sent on one more."""
-    arrivals: list[list[float]] = [[] for _ in running]
-    started = threading.Barrier(len(running) + 1)
-    ready = threading.Semaphore(0)
-    failures: list[BaseException] = []
-
-    def generation(row: int) -> None:
-        def received(_token: int) -> None:
-            arrivals[row].append(time.perf_counter())
-            if len(arrivals[row]) == plan.joiner_after:
-                ready.release()
-
-        started.wait()
-        try:
-            stream(running[row], tokens, received)
-        except BaseException as error:  # raised again below, on the caller's thread
-            failures.append(error)
-            ready.release()
-
-    threads = [threading.Thread(target=generation, args=(row,), name=f"running-{row}") for row in range(len(running))]
-    for thread in threads:
-        thread.start()
-    started.wait()
-    for _ in running:
-        ready.acquire()
-    first: list[float] = []
-    sent = time.perf_counter()
-    try:
-        stream(joiner, plan.joiner_tokens, lambda _token: first.append(time.perf_counter()))
-    finally:
-        for thread in threads:
-            thread.join()
-    if failures:
-        raise failures[0]
-    return Joined(arrivals, sent, first[0])
-
-
-def joiner_summary(rounds: list[Joined], plan: Plan, step_tokens: int) -> dict:
-    """The running streams' gaps before the joiner was sent (once every stream decodes) and while it was
-    prefilled (those ending between its request and its first token, and the one in flight then), p99 each over
-    the rounds; one chunk's time: the
-    joiner's prefill time over its chunks (the core gives a waiting prompt what the step's token budget leaves
-    after the decoders: `step_tokens` - the running streams)."""
-    before, during, chunk_ms = [], [], []
-    chunk = max(step_tokens - plan.joined, 1)
-    for one in rounds:
-        steady = max(times[0] for times in one.arrivals)  # every stream decoding: their prompts are in
-        for times in one.arrivals:
-            for start, end in itertools.pairwise(times):
-                if steady <= start and end < one.sent:
-                    before.append((end - start) * 1e3)
-                elif end >= one.sent and start < one.first:
-                    during.append((end - start) * 1e3)
-        chunk_ms.append((one.first - one.sent) * 1e3 / -(-plan.joiner // chunk))
+    for turn in range(plan.rounds):
+        with Progress().stage(f"joiner round {turn + 1}/{plan.rounds}: {plan.joiner} ids join {plan.joined} streams"):
+            streams = concurrently(lineup.served, running, plan.tokens, plan.joiner_after, send)
+        sent, first = times[:2]
+        steady = max(arrived[0] for arrived in streams.arrivals)  # every stream decoding: their prompts are in
+        for start, end in (pair for arrived in streams.arrivals for pair in itertools.pairwise(arrived)):
+            if steady <= start and end < sent:
+                before.append((end - start) * 1e3)
+            elif end >= sent and start < first:
+                during.append((end - start) * 1e3)
+        ttft_ms.append((first - sent) * 1e3)
+        time.sleep(SETTLE_S)
     if not before or not during:
         return {"error": f"the running streams ended before the joiner was prefilled ({len(during)} gaps while it was)"}
     p99_before, p99_during = (float(np.percentile(gaps, 99)) for gaps in (before, during))
@@ -619,34 +456,14 @@ def joiner_summary(rounds: list[Joined], plan: Plan, step_tokens: int) -> dict:
         "itl_p99_during_ms": p99_during,
         "itl_max_during_ms": max(during),
         "raise_ms": p99_during - p99_before,
-        "chunk_ms": float(np.median(chunk_ms)),
-        "joiner_ttft_ms": [(one.first - one.sent) * 1e3 for one in rounds],
+        "chunk_ms": float(np.median(ttft_ms)) / -(-plan.joiner // chunk),
+        "joiner_ttft_ms": ttft_ms,
         "gaps": {"before": len(before), "during": len(during)},
     }
 
 
-def measure_joiner(lineup: Lineup, cfg: ModelConfig, plan: Plan) -> dict | None:
-    """`plan.rounds` joiner rounds on our gRPC stream (None when the plan has no joiner)."""
-    from export.progress import Progress
-
-    if not plan.joiner:
-        return None
-    rng = np.random.default_rng(plan.seed + 1)
-    running = rng.integers(0, cfg.vocab_size, (plan.joined, plan.prompt), dtype=np.int64)
-    joiner = rng.integers(0, cfg.vocab_size, plan.joiner, dtype=np.int64)
-    rounds, progress = [], Progress()
-    for turn in range(plan.rounds):
-        with progress.stage(f"joiner round {turn + 1}/{plan.rounds}: {plan.joiner} ids join {plan.joined} streams"):
-            rounds.append(joined(lineup.served, running, plan.tokens, joiner, plan))
-        time.sleep(SETTLE_S)
-    return joiner_summary(rounds, plan, lineup.step_tokens)
-
-
-# --- idle CPU ---------------------------------------------------------------------------------------------------
-
-
 def idle_cpu(servers: dict[str, list[int]], seconds: float) -> dict:
-    """Each server's CPU over `seconds` with nothing asked of it (all measured over the same window)."""
+    """Each server's CPU over the same `seconds` with nothing asked of it."""
     from bench.stack import cpu_seconds
 
     if seconds <= 0:
@@ -660,209 +477,152 @@ def idle_cpu(servers: dict[str, list[int]], seconds: float) -> dict:
     }
 
 
-# --- results ----------------------------------------------------------------------------------------------
-
-
-def results_for(cfg: ModelConfig, name: str, plan: Plan, facts: dict, measured: dict, extra: dict, **conditions):
-    """`extra`: skipped (candidate -> why), versions, joiner (joiner_summary's), idle (idle_cpu's)."""
-    rows = []
-    for count in plan.concurrency:
-        reference = measured[(TORCH, count)][0].tokens
-        present = [candidate for candidate in CANDIDATES if (candidate, count) in measured]
-        rows.append(
-            {
-                "concurrency": count,
-                "candidates": {candidate: summary(measured[(candidate, count)], reference) for candidate in present},
-            }
-        )
-    results = {
-        "preset": name,
-        "config": cfg.to_dict(),
-        "plan": dataclasses.asdict(plan),
-        "measured_at": output.commit(),
-        "conditions": conditions,
-        "build": facts,
-        "rows": rows,
-        **extra,
-    }
-    results["targets"] = targets(results)
-    return results
-
-
 def rate(results: dict, count: int, name: str) -> float | None:
-    row = next((row for row in results["rows"] if row["concurrency"] == count), None)
-    entry = row["candidates"].get(name) if row else None
-    return entry["tokens_per_s"] if entry else None
-
-
-GOAL_COUNTS = (1, 16)  # the issue's goals are at 1 and 16 generations at once; 64 is reported
+    row = next((row for row in results["rows"] if row["concurrency"] == count), {"candidates": {}})
+    return row["candidates"].get(name, {}).get("tokens_per_s")
 
 
 def targets(results: dict) -> dict:
-    """The issue's goals, measured (reported, never asserted): tokens/s ratios, the joiner's raise of the
-    running streams' p99 gap against one chunk's time, our idle CPU."""
+    """The issue's goals, measured (reported, never asserted): tokens/s ratios, the joiner's raise of the running
+    streams' p99 gap against one chunk's time, our idle CPU."""
     out: dict = {}
 
-    def goal(key: str, numerator: float | None, denominator: float | None, least: float, **more) -> None:
+    def ratio(key: str, numerator: float | None, denominator: float | None, least: float, **more) -> None:
         if numerator is not None and denominator is not None:
             out[key] = output.goal(numerator / denominator, least=least, **more)
 
     counts = [row["concurrency"] for row in results["rows"]]
-    goal("served_vs_in_process_C1", rate(results, 1, SERVED), rate(results, 1, IN_PROCESS), 0.95)
-    for count in (c for c in counts if c in GOAL_COUNTS):
-        goal(f"served_vs_{GENAI}_C{count}", rate(results, count, SERVED), rate(results, count, GENAI), 1.0)
+    ratio("served_vs_in_process_C1", rate(results, 1, SERVED), rate(results, 1, IN_PROCESS), 0.95)
+    for count in (count for count in counts if count in GOAL_COUNTS):
+        ratio(f"served_vs_{GENAI}_C{count}", rate(results, count, SERVED), rate(results, count, GENAI), 1.0)
         int4 = rate(results, count, SERVED_INT4), rate(results, count, GENAI_INT4)
-        goal(f"served_int4w_vs_{GENAI_INT4}_C{count}", *int4, 1.0)  # issue 48: ahead of genai's int4 too
+        ratio(f"served_int4w_vs_{GENAI_INT4}_C{count}", *int4, 1.0)  # issue 48: ahead of genai's int4 too
         for peer in SERVER_PEERS:
-            goal(f"{OPENAI}_vs_{peer}_C{count}", rate(results, count, OPENAI), rate(results, count, peer), 1.0)
-    for count in (c for c in counts if c > 1):
-        ceiling = prefill_ceiling(results, count)
-        more = {"prefill_ceiling": ceiling} if ceiling else {}
-        goal(f"served_C{count}_vs_C1", rate(results, count, SERVED), rate(results, 1, SERVED), 2.5, **more)
-    joiner = results.get("joiner") or {}
+            ratio(f"{OPENAI}_vs_{peer}_C{count}", rate(results, count, OPENAI), rate(results, count, peer), 1.0)
+    for count in (count for count in counts if count > 1):
+        ceiling = {"prefill_ceiling": prefill_ceiling(results, count)} if rate(results, 1, SERVED) else {}
+        ratio(f"served_C{count}_vs_C1", rate(results, count, SERVED), rate(results, 1, SERVED), 2.5, **ceiling)
+    joiner = results["joiner"] or {}
     if "raise_ms" in joiner:
-        out["joiner_raises_p99_itl_by_at_most_a_chunk"] = {
-            "raise_ms": joiner["raise_ms"],
-            "chunk_ms": joiner["chunk_ms"],
-            "target": "raise <= one chunk's time",
-            "met": joiner["raise_ms"] <= joiner["chunk_ms"],
-        }
-    ours = next((entry for name, entry in (results.get("idle") or {}).items() if name.startswith("ours")), None)
-    if ours:
-        out["idle_cpu_under_1_percent"] = {
-            "percent_of_a_core": ours["percent_of_a_core"],
-            "target": "< 1% of a core",
-            "met": ours["percent_of_a_core"] < 1.0,
-        }
+        out["joiner_raises_p99_itl_by_at_most_a_chunk"] = output.goal(
+            joiner["raise_ms"], most=joiner["chunk_ms"], kind="raise_ms", target="raise <= one chunk's time"
+        ) | {"chunk_ms": joiner["chunk_ms"]}
+    if OURS in results["idle"]:
+        percent = results["idle"][OURS]["percent_of_a_core"]
+        out["idle_cpu_under_1_percent"] = {"percent_of_a_core": percent, "target": "< 1% of a core", "met": percent < 1}
     return out
 
 
-def prefill_ceiling(results: dict, count: int) -> float | None:
+def prefill_ceiling(results: dict, count: int) -> float:
     """The most `count` generations at once could give over one, on served-grpc's own C=1 measures, if `count`
     decoding rows cost a step what one does and only the prompts' prefill grows: `count` prefills of one prompt
     each (`p`, the time to the first token at C=1) and the steps of one generation (`d`, its ITL p50):
     (count T / (count p + (T - 1) d)) / (T / (p + (T - 1) d))."""
-    row = next((row for row in results["rows"] if row["concurrency"] == 1), None)
-    entry = row["candidates"].get(SERVED) if row else None
-    if entry is None:
-        return None
-    tokens = results["plan"]["tokens"]
-    p, d = entry["ttft_ms"]["p50"], entry["itl_ms"]["p50"]
+    entry = next(row for row in results["rows"] if row["concurrency"] == 1)["candidates"][SERVED]
+    tokens, p, d = results["plan"]["tokens"], entry["ttft_ms"]["p50"], entry["itl_ms"]["p50"]
     return count * (p + (tokens - 1) * d) / (count * p + (tokens - 1) * d)
 
 
 def table(results: dict) -> str:
-    plan, conditions = results["plan"], results["conditions"]
-    lines = [
+    plan = results["plan"]
+    heading = (
         f"{results['preset']}: a {plan['prompt']}-token prompt then {plan['tokens']} greedy tokens per generation, "
-        f"{plan['rounds']} interleaved rounds, {conditions['threads']} threads, {results['measured_at']['text']}",
-        f"{'conc.':<6}{'candidate':<23}{'tokens/s':>9}{'vs served':>10}{'TTFT p50':>10}{'ITL p50':>9}{'ITL p99':>9}"
-        f"{'greedy = transformers':>23}",
-    ]
+        f"{plan['rounds']} interleaved rounds, {results['conditions']['threads']} threads, "
+        f"{results['measured_at']['text']}"
+    )
+    header = ("conc.", "candidate", "tokens/s", "vs served", "TTFT p50", "ITL p50", "ITL p99", "greedy = transformers")
+    rows = []
     for row in results["rows"]:
         served = row["candidates"].get(SERVED, {}).get("tokens_per_s")
         for name, entry in row["candidates"].items():
-            versus = f"{entry['tokens_per_s'] / served:>9.2f}x" if served else f"{'-':>10}"
-            greedy = entry["greedy"]
-            agreed = f"{greedy['agree_before_first_difference']:>14} of {plan['tokens']}" if greedy else f"{'n/a':>20}"
-            lines.append(
-                f"{row['concurrency']:<6}{name:<23}{entry['tokens_per_s']:>9.1f}{versus}"
-                f"{entry['ttft_ms']['p50']:>8.1f}ms{entry['itl_ms']['p50']:>7.2f}ms{entry['itl_ms']['p99']:>7.2f}ms"
-                f"{agreed}"
-            )
+            greedy, itl = entry["greedy"], entry["itl_ms"]
+            rate_cells = f"{entry['tokens_per_s']:.1f}", f"{entry['tokens_per_s'] / served:.2f}x" if served else "-"
+            times = f"{entry['ttft_ms']['p50']:.1f} ms", f"{itl['p50']:.2f} ms", f"{itl['p99']:.2f} ms"
+            agreed = f"{greedy['agree_before_first_difference']} of {plan['tokens']}" if greedy else "n/a"
+            rows.append((row["concurrency"], name, *rate_cells, *times, agreed))
+    lines = [output.table(heading, header, rows)]
     lines.append(
-        "tokens/s: every generated token over the round's wall time (median over rounds); TTFT: request to first "
-        "token; ITL: gaps between a generation's tokens as its caller received them (a batch peer's: its decode "
-        "step); greedy = transformers: tokens equal to transformers' before the first difference, the fewest over "
-        "generations and rounds (fp32 everywhere: all of them must agree, but the 4-bit weights'; n/a: the route "
-        "streams text, not ids)"
+        "tokens/s: every generated token over the round's wall time (median round); TTFT: request to first token; "
+        "ITL: gaps between a generation's tokens as its caller received them (a batch's: its decode step); greedy: "
+        "ids equal to transformers' before the first difference, the fewest (n/a: the route streams text)"
     )
-    lines += joiner_lines(results.get("joiner"))
-    for name, entry in (results.get("idle") or {}).items():
+    joiner = results["joiner"] or {}
+    if "error" in joiner:
+        lines.append(f"joiner: {joiner['error']}")
+    elif joiner:
+        ttft = ", ".join(f"{ms:.0f}" for ms in joiner["joiner_ttft_ms"])
+        lines.append(
+            f"joiner: {joiner['joiner_ids']} ids join {joiner['running']} streams (chunks of {joiner['chunk_ids']} "
+            f"ids): their p99 gap {joiner['itl_p99_before_ms']:.1f} ms before, {joiner['itl_p99_during_ms']:.1f} ms "
+            f"while it is prefilled (max {joiner['itl_max_during_ms']:.1f} ms): +{joiner['raise_ms']:.1f} ms; one "
+            f"chunk {joiner['chunk_ms']:.1f} ms; its TTFT {ttft} ms"
+        )
+    for name, entry in results["idle"].items():
         cpu = f"{entry['cpu_s']:.2f} CPU s = {entry['percent_of_a_core']:.2f}% of a core"
         lines.append(f"idle {entry['seconds']:g} s, {name}: {cpu}")
-    for name, reason in results["skipped"].items():
-        lines.append(f"{name} left out: {reason}")
+    lines += [f"{name} left out: {reason}" for name, reason in results["skipped"].items()]
     if not results["build"]["genai"]["used"]:
         lines.append(f"{GENAI} left out: {results['build']['genai'].get('reason', 'not asked for (--no-genai)')}")
-    lines += goal_lines(results["targets"])
-    return "\n".join(lines)
-
-
-def joiner_lines(joiner: dict | None) -> list[str]:
-    if not joiner:
-        return []
-    if "error" in joiner:
-        return [f"joiner: {joiner['error']}"]
-    return [
-        f"joiner: {joiner['joiner_ids']} ids join {joiner['running']} streams (chunks of {joiner['chunk_ids']} ids): "
-        f"their p99 gap {joiner['itl_p99_before_ms']:.1f} ms before, {joiner['itl_p99_during_ms']:.1f} ms while it "
-        f"is prefilled (max {joiner['itl_max_during_ms']:.1f} ms): +{joiner['raise_ms']:.1f} ms; one chunk "
-        f"{joiner['chunk_ms']:.1f} ms; its TTFT " + ", ".join(f"{ms:.0f}" for ms in joiner["joiner_ttft_ms"]) + " ms"
-    ]
+    return "\n".join(lines + goal_lines(results["targets"]))
 
 
 def goal_lines(goals: dict) -> list[str]:
     lines = ["goals:"]
     for name, entry in goals.items():
-        verdict = "met" if entry["met"] else "MISSED"
         if "ratio" in entry:
-            ceiling = (
-                f", the prefill-bound ceiling {entry['prefill_ceiling']:.1f}x" if "prefill_ceiling" in entry else ""
-            )
-            lines.append(f"  {name}: {entry['ratio']:.2f}x (target {entry['target']}{ceiling}) -> {verdict}")
+            ceiling = entry.get("prefill_ceiling")
+            bound = f"target {entry['target']}" + (f", the prefill-bound ceiling {ceiling:.1f}x" if ceiling else "")
+            measured = f"{entry['ratio']:.2f}x ({bound})"
         elif "raise_ms" in entry:
-            lines.append(f"  {name}: +{entry['raise_ms']:.1f} ms, a chunk {entry['chunk_ms']:.1f} ms -> {verdict}")
+            measured = f"+{entry['raise_ms']:.1f} ms, a chunk {entry['chunk_ms']:.1f} ms"
         else:
-            lines.append(
-                f"  {name}: {entry['percent_of_a_core']:.2f}% of a core (target {entry['target']}) -> {verdict}"
-            )
+            measured = f"{entry['percent_of_a_core']:.2f}% of a core (target {entry['target']})"
+        lines.append(f"  {name}: {measured} -> {'met' if entry['met'] else 'MISSED'}")
     return lines
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    from bench.plot import gridded, save
+    """tokens/s and ITL (bars p50, marks p99) per candidate, a bar per concurrency."""
+    from bench.plot import figure, gridded, grouped_bars, save
 
     rows = results["rows"]
     names = [name for name in CANDIDATES if any(name in row["candidates"] for row in rows)]
-    width = 0.8 / len(rows)
-    figure, (rates, latency) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for k, row in enumerate(rows):
-        at = [i + k * width for i, name in enumerate(names) if name in row["candidates"]]
-        present = [row["candidates"][name] for name in names if name in row["candidates"]]
-        label = f"{row['concurrency']} at once"
-        rates.bar(at, [entry["tokens_per_s"] for entry in present], width, label=label)
-        latency.bar(at, [entry["itl_ms"]["p50"] for entry in present], width, label=f"{label}, p50")
-        p99 = [entry["itl_ms"]["p99"] for entry in present]
-        latency.scatter(at, p99, color="black", marker="_", s=200, zorder=3, label="p99" if k == 0 else None)
-    centers = [i + width * (len(rows) - 1) / 2 for i in range(len(names))]
-    for axis, label in ((rates, "generated tokens / s"), (latency, "inter-token latency, ms")):
-        axis.set_xticks(centers, names, rotation=20, ha="right", fontsize=8)
-        axis.set(ylabel=label, yscale="log")
+
+    def series(value: Callable[[dict], float], label: str = "") -> dict[str, list[float]]:
+        return {
+            f"{row['concurrency']} at once{label}": [
+                value(row["candidates"][name]) if name in row["candidates"] else np.nan for name in names
+            ]
+            for row in rows
+        }
+
+    drawn, (rates, latency) = figure(2, (13, 4.5))
+    grouped_bars(rates, names, series(lambda entry: entry["tokens_per_s"]), ylabel="generated tokens / s")
+    at = grouped_bars(
+        latency, names, series(lambda entry: entry["itl_ms"]["p50"], ", p50"), ylabel="inter-token latency, ms"
+    )
+    for k, p99 in enumerate(series(lambda entry: entry["itl_ms"]["p99"]).values()):
+        marks = [x + k * 0.8 / len(rows) for x in at]
+        latency.scatter(marks, p99, color="black", marker="_", s=200, zorder=3, label=None if k else "p99")
+    for axis in (rates, latency):
+        axis.set_yscale("log")
+        for label in axis.get_xticklabels():
+            label.set(rotation=20, ha="right", fontsize=8)
     gridded(rates, latency)
     plan = results["plan"]
-    figure.suptitle(
+    drawn.suptitle(
         f"{results['preset']}: {plan['prompt']}-token prompts, {plan['tokens']} greedy tokens each (CPU, "
         f"{results['measured_at']['text']})"
     )
-    return save(figure, path)
-
-
-# --- command (`python -m bench generate`) -----------------------------------------------------------------
+    return save(drawn, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     chosen = parser.add_mutually_exclusive_group()
-    chosen.add_argument("--preset", default=DEFAULT_PRESET, help="a whole model's preset (default: %(default)s)")
+    chosen.add_argument("--preset", default="llama-whole", help="a whole model's preset (default: %(default)s)")
     chosen.add_argument("--config", type=Path, help="a whole model's config JSON instead of a preset")
-    parser.add_argument(
-        "--quick", action="store_true", help="16-token prompts, 8 tokens, 1 and 4 at once, 1 round, a 36-id joiner"
-    )
+    quick = "16-token prompts, 8 tokens, 1 and 4 at once, 1 round, a 36-id joiner"
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--prompt", type=int, help="prompt ids per generation (default 512; --quick 16)")
     parser.add_argument("--tokens", type=int, help="greedy tokens per generation (default 128; --quick 8)")
     parser.add_argument("--concurrency", help="comma-separated generations at once (default 1,16,64; --quick 1,4)")
@@ -871,61 +631,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--idle-seconds", type=float, help="each server's idle CPU over this long (default 30; 0: not)")
     output.threads_argument(parser, "threads per candidate and server")
     parser.add_argument("--no-genai", action="store_true", help="leave onnxruntime-genai out")
-    parser.add_argument(
-        "--no-server-peers", action="store_true", help="leave llama.cpp's server and vLLM out (even where built)"
-    )
+    peers_help = "leave llama.cpp's server and vLLM out (even where built)"
+    parser.add_argument("--no-server-peers", action="store_true", help=peers_help)
     output.output_arguments(parser)
-
-
-def plan_from(args: argparse.Namespace) -> Plan:
-    return output.planned(
-        args,
-        Plan,
-        "prompt",
-        "tokens",
-        "rounds",
-        "joiner",
-        concurrency=output.counts(args.concurrency),
-        idle_s=args.idle_seconds,
-        server_peers=False if args.no_server_peers else None,
-    )
 
 
 def checked(cfg: ModelConfig, plan: Plan) -> None:
     if not whole_model.llama_shaped(cfg):
         raise BenchError(f"generation needs a Llama-shaped whole model (token ids in, logits out), got {cfg}")
-    if plan.prompt < 1 or plan.tokens < 1 or plan.rounds < 1 or min(plan.concurrency) < 1:
+    if min(plan.prompt, plan.tokens, plan.rounds, *plan.concurrency) < 1:
         raise BenchError(f"prompt, tokens, rounds and concurrency must be at least 1, got {plan}")
     if plan.prompt + plan.tokens > cfg.max_seq_len:
-        raise BenchError(
-            f"a {plan.prompt}-token prompt and {plan.tokens} tokens need {plan.prompt + plan.tokens} positions, "
-            f"more than the model's max_seq_len {cfg.max_seq_len}"
-        )
+        raise BenchError(f"a {plan.prompt}-id prompt and {plan.tokens} tokens exceed max_seq_len {cfg.max_seq_len}")
     if plan.joiner and plan.joiner + plan.joiner_tokens > cfg.max_seq_len:
-        raise BenchError(
-            f"the joiner's {plan.joiner} ids and {plan.joiner_tokens} tokens exceed the model's max_seq_len "
-            f"{cfg.max_seq_len}: give --joiner {cfg.max_seq_len - plan.joiner_tokens} or fewer"
-        )
+        raise BenchError(f"the joiner's ids and tokens exceed it: give --joiner {cfg.max_seq_len - plan.joiner_tokens}")
     if plan.joiner and plan.tokens <= plan.joiner_after:
         raise BenchError(f"the joiner comes after {plan.joiner_after} tokens: give --tokens above that")
 
 
 def benchmark(cfg: ModelConfig, name: str, folder: Path, plan: Plan, threads: int, genai: bool) -> dict:
     checked(cfg, plan)
-    load_before = os.getloadavg()[0]
-    facts = whole_model.prepare(cfg, folder, plan.seed, genai)
-    with candidates(cfg, folder, facts, plan, threads) as lineup:
-        measured, skipped = measure_all(lineup.generators, prompts_for(cfg, plan), plan)
-        joiner = measure_joiner(lineup, cfg, plan)
-        idle = idle_cpu(lineup.servers, plan.idle_s)
-    load = {"before": load_before, "after": os.getloadavg()[0]}
-    machine = output.machine(threads, *whole_model.RUNTIMES)
-    extra = {"skipped": lineup.skipped | skipped, "versions": lineup.versions, "joiner": joiner, "idle": idle}
-    return results_for(cfg, name, plan, facts, measured, extra, **machine, load_average_1min=load)
+    every = np.random.default_rng(plan.seed).integers(cfg.vocab_size, size=(max(plan.concurrency), plan.prompt))
+    prompts = {count: every[:count] for count in plan.concurrency}
+    with output.during(threads, *whole_model.RUNTIMES) as conditions:
+        facts = whole_model.prepare(cfg, folder, plan.seed, genai)
+        with candidates(cfg, folder, facts, plan, threads) as lineup:
+            measured, skipped = measure_all(lineup.generators, prompts, plan)
+            joiner = measure_joiner(lineup, cfg, plan)
+            idle = idle_cpu(lineup.servers, plan.idle_s)
+    rows = []
+    for count in plan.concurrency:
+        reference = measured[TORCH, count][0].tokens
+        present = [candidate for candidate in CANDIDATES if (candidate, count) in measured]
+        rows.append({"concurrency": count, "candidates": {c: summary(measured[c, count], reference) for c in present}})
+    results = {
+        "preset": name,
+        "config": cfg.to_dict(),
+        "plan": dataclasses.asdict(plan),
+        "measured_at": output.commit(),
+        "conditions": conditions,
+        "build": facts,
+        "rows": rows,
+        "skipped": lineup.skipped | skipped,
+        "versions": lineup.versions,
+        "joiner": joiner,
+        "idle": idle,
+    }
+    return results | {"targets": targets(results)}
 
 
 def run(args: argparse.Namespace) -> int:
-    plan = plan_from(args)
+    given = {"concurrency": output.counts(args.concurrency), "idle_s": args.idle_seconds}
+    peers = False if args.no_server_peers else None
+    plan = output.planned(args, Plan, "prompt", "tokens", "rounds", "joiner", server_peers=peers, **given)
     cfg, name = (ModelConfig.load(args.config), args.config.stem) if args.config else (preset(args.preset), args.preset)
     with output.work_folder(args.work, "bench-generate-") as root:
         results = benchmark(cfg, name, root / name, plan, args.threads, genai=not args.no_genai)

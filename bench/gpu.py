@@ -1,29 +1,26 @@
 """GPU proof: parity on the GPU, decode latency against the HBM floor, the models served on the GPU.
 
-`make gpu-proof` (or `python -m bench gpu`) on a CUDA host with PyTorch and onnxruntime-gpu, no
-Docker and no network:
-
-(a) parity: every GPU variant on ONNX Runtime's CUDA provider against the PyTorch original in fp32
-    on the same GPU: the stateless forms over a left-padded prefill and 128 decode steps, the static
-    form over the pool rung (ragged rows, chunked prefill, 128 decode steps); fp16 within its
-    documented tolerance, nothing NaN or Inf;
-(b) latency of one decode step against past length and batch: the PyTorch original in fp16, the
-    PyTorch static-cache peer (gpt-fast style, SDPA) in fp16 and each fp16 ONNX form, interleaved,
-    with the HBM floor from a device-to-device copy measured in the same run;
-(c) the models served by the bundled tritonserver with the Python models on the GPU: the served
-    stateful step (gRPC) against the same engine in-process, and a no-op Python model's round trip;
-(d) JSON and PNG plots in `--out`, a ratio table on stdout.
-
-Every ONNX Runtime session reports where its nodes ran (ONNX Runtime's profiler); a GPU candidate
-with a compute node on the CPU fails the proof, as does a served model whose runner is not on CUDA.
+`make gpu-proof` (`python -m bench gpu`) on a CUDA host with PyTorch and onnxruntime-gpu, no Docker, no network:
+(a) parity: every GPU variant on ONNX Runtime's CUDA provider against the PyTorch original in fp32 on the same GPU,
+    the stateless forms over a left-padded prefill and 128 decode steps, the static form over the pool rung (ragged
+    rows, chunked prefill, 128 decode steps); fp16 within its documented tolerance, nothing NaN or Inf;
+(b) one decode step's latency against past and batch: the PyTorch original in fp16, the PyTorch static-cache peer
+    (gpt-fast style, SDPA), transformers' model of a Llama-shaped one and each fp16 ONNX form, interleaved, against
+    the HBM floor of a device-to-device copy measured in the same run;
+(c) the models served by the bundled tritonserver on the GPU: the stateful step (gRPC) against the same engine
+    in-process, and a no-op Python model's round trip; (e) greedy generation of a Llama-shaped whole model;
+(d) `gpu.json`, a PNG per preset, the tables on stdout. Every ONNX Runtime session says where its nodes ran (its
+    profiler): a GPU candidate with a compute node on the CPU fails the proof, as does a served model off CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
 import platform
+import subprocess
 import tempfile
 import time
 import traceback
@@ -33,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.plot import figure, gridded, save
+from bench.results import PLOT_LOCK, counts, planned, table, work_folder
 from bench.timing import Budget, Timing, interleaved, measure
 from contract import files, names
 from contract.config import NO_NORM, ModelConfig, preset
@@ -87,9 +86,6 @@ def bench_config(name: str, longest_past: int = max(PASTS)) -> ModelConfig:
     return dataclasses.replace(BENCH_PRESETS.get(name) or preset(name), max_seq_len=longest_past + 64)
 
 
-# --- the host ------------------------------------------------------------------------------------------
-
-
 def host() -> dict:
     """What this GPU host is; raises GPUProofError when it cannot run the proof."""
     import onnxruntime as ort
@@ -97,10 +93,10 @@ def host() -> dict:
 
     if not torch.cuda.is_available():
         raise GPUProofError("PyTorch sees no CUDA device: the GPU proof needs a CUDA host")
-    if CUDA not in ort.get_available_providers():
+    offered = ort.get_available_providers()
+    if CUDA not in offered:
         raise GPUProofError(
-            f"onnxruntime {ort.__version__} has no {CUDA} (it offers {ort.get_available_providers()}): "
-            "install onnxruntime-gpu"
+            f"onnxruntime {ort.__version__} has no {CUDA} (it offers {offered}): install onnxruntime-gpu"
         )
     properties = torch.cuda.get_device_properties(0)
     return {
@@ -111,24 +107,16 @@ def host() -> dict:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "onnxruntime": ort.__version__,
-        "onnxruntime_providers": ort.get_available_providers(),
+        "onnxruntime_providers": offered,
         "python": platform.python_version(),
     }
 
 
 def _driver_version() -> str | None:
-    import subprocess
-
-    try:
-        done = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-    except OSError:
-        return None
-    return done.stdout.strip() or None
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    with contextlib.suppress(OSError):
+        return subprocess.run(query, capture_output=True, text=True, check=False).stdout.strip() or None
+    return None
 
 
 def hbm_bandwidth(device: Device, megabytes: int = 2048, repeats: int = 20) -> float:
@@ -147,23 +135,18 @@ def hbm_bandwidth(device: Device, megabytes: int = 2048, repeats: int = 20) -> f
     return 2 * source.numel() / best / 1e9
 
 
-# --- ONNX Runtime on CUDA, and where its nodes really ran --------------------------------------------
-
-
 def variant_file(directory: Path, name: str) -> Path:
     return directory / files.model_filename(name.removesuffix("+graphs"))
 
 
 def candidate_session(directory: Path, name: str, device: Device):
-    """The session of a candidate: `+graphs` ones with CUDA graphs (not profiled: a replay has no
-    per-node events), the others profiled."""
+    """`+graphs` candidates with CUDA graphs (not profiled: a replay has no per-node events), the others profiled."""
     graphs = name.endswith("+graphs") and device.provider == CUDA
     return device_session(variant_file(directory, name), device, profile=not graphs, cuda_graphs=graphs)
 
 
 def device_session(path: Path, device: Device, profile: bool = True, cuda_graphs: bool = False):
-    """A session on `device` (CUDA with TF32 off, so that the fp32 rungs are fp32), profiled so that
-    `node_placement` can say where each node ran."""
+    """A session on `device`, profiled for `node_placement`; CUDA's TF32 off, so that the fp32 rungs are fp32."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -181,8 +164,7 @@ def device_session(path: Path, device: Device, profile: bool = True, cuda_graphs
 
 
 def node_placement(session) -> dict:
-    """Where the nodes of the runs so far ran (ONNX Runtime's profile): per execution provider the
-    count of each op, and the names of the nodes that ran on the CPU."""
+    """Where the nodes of the runs so far ran (the profile): each provider's count per op, the CPU's node names."""
     profile = Path(session.end_profiling())
     events = json.loads(profile.read_text())
     profile.unlink(missing_ok=True)
@@ -199,8 +181,7 @@ def node_placement(session) -> dict:
 
 
 def cpu_compute_nodes(path: Path, placement: dict) -> list[str]:
-    """CPU nodes that compute floats: a fallback. Integer and boolean nodes (shape arithmetic, the
-    mask's positions) are placed on the CPU by ONNX Runtime on purpose and are not counted."""
+    """CPU nodes that compute floats: a fallback (ONNX Runtime puts integer shape arithmetic there on purpose)."""
     import onnx
 
     if not placement.get("cpu_nodes"):
@@ -217,10 +198,8 @@ def cpu_compute_nodes(path: Path, placement: dict) -> list[str]:
     return found
 
 
-# --- (a) parity on the GPU -------------------------------------------------------------------------------
-
-
 def parity(directory: Path, device: Device, progress: Progress, decode_steps: int = 128) -> dict:
+    """(a): every variant against the PyTorch original in fp32 on `device`, and where its nodes ran."""
     from export.build import POOL, VARIANTS, precision_floor
     from export.parity import POOL_ROWS, Scenario, compare_pool_rung, compare_rung, pool_schedule
     from export.runners import torch_runner
@@ -246,19 +225,16 @@ def parity(directory: Path, device: Device, progress: Progress, decode_steps: in
                 runner = ort_runner(session)
                 rung = compare_rung(cfg, reference, runner, scenario, variant.tolerance, cast=variant.cast, floor=floor)
             placement = node_placement(session) if session.get_session_options().enable_profiling else {}
-        worst = {tensor: error.to_dict() for tensor, error in rung.tensors.items()}
         results[name] = {
             "passed": rung.passed,
             "finite": all(error.finite for error in rung.tensors.values()),
             "tolerance": dataclasses.asdict(variant.tolerance),
-            "worst": worst,
+            "worst": {tensor: error.to_dict() for tensor, error in rung.tensors.items()},
             "placement": placement,
             "cpu_compute_ops": cpu_compute_nodes(variant_file(directory, name), placement),
         }
     return results
 
-
-# --- (b) decode latency -----------------------------------------------------------------------------------
 
 Step = Callable[[], object]
 
@@ -308,8 +284,7 @@ def peer_step(model, device: Device, batch: int, past: int) -> Step:
 
 
 def transformers_step(model, hf, device: Device, batch: int, past: int) -> Step:
-    """`hf`, transformers' LlamaForCausalLM with `model`'s weights, as its users run it: eager, its dynamic
-    cache (each step concatenates the new key and value), cropped back to `past` after every step."""
+    """transformers' model (`hf`) as its users run it: eager, its dynamic cache (concatenating), cropped back."""
     import torch
     import transformers
 
@@ -343,8 +318,7 @@ def transformers_model(model):
 
 
 def check_transformers(model, hf) -> float:
-    """`hf`'s logits (transformers' model of `model`) against the original's over a 9-token prompt of 2
-    rows, relative to their scale."""
+    """`hf`'s logits against the original's over a 9-token prompt of 2 rows, relative to their scale."""
     import torch
 
     from bench.peers import random_tokens
@@ -357,18 +331,16 @@ def check_transformers(model, hf) -> float:
 
 
 def stateless_step(session, device: Device, cfg: ModelConfig, batch: int, past: int) -> Step:
-    """A stateless graph: the past on the device (torch's memory, bound by address), the presents left
-    there, as a server keeping caches on the device would run it."""
+    """A stateless graph as a server keeping caches on the device runs it: the past bound by address, the presents
+    left there."""
     import torch
 
     from serving.engine.ort import session_float_dtype
 
     dtype = session_float_dtype(session)
     shape = (batch, cfg.n_kv_heads, past, cfg.head_dim)
-    caches = [
-        torch.randn(shape, device=device.torch).to(getattr(torch, np.dtype(dtype).name))
-        for _ in names.past_names(cfg.n_layers)
-    ]
+    torch_dtype = getattr(torch, np.dtype(dtype).name)
+    caches = [torch.randn(shape, device=device.torch).to(torch_dtype) for _ in names.past_names(cfg.n_layers)]
     binding = session.io_binding()
     binding.bind_cpu_input(names.model_input(cfg), host_tokens(cfg, batch, dtype)[:, None])
     binding.bind_cpu_input(names.ATTENTION_MASK, np.ones((batch, past + 1), np.int64))
@@ -396,9 +368,8 @@ def host_tokens(cfg: ModelConfig, batch: int, dtype) -> np.ndarray:
 
 
 def static_step(pool, cfg: ModelConfig, batch: int, past: int) -> Step:
-    """A static-cache graph: `batch` rows of the pool at length `past`, every row adding one token.
-    One pool per batch size and session, as long as the longest past: a CUDA graph is captured once
-    per window and replayed whatever the lengths, as the serving engine replays it."""
+    """A static-cache graph: `batch` rows of the pool at length `past`, each adding a token. One pool per batch size,
+    as long as the longest past: a CUDA graph is captured once a window and replayed whatever the lengths."""
     tokens = dict(enumerate(host_tokens(cfg, batch, pool.dtype)[:, None]))
 
     def step():
@@ -419,8 +390,7 @@ class Shape:
 
 
 def decode_floor_ms(cfg: ModelConfig, shape: Shape, gbps: float) -> float:
-    """Reading the fp16 cache and weights once at the measured HBM bandwidth (a whole model's step
-    gathers one row of its embedding tables: the table is read whole only as a tied LM head)."""
+    """The fp16 cache and weights read once at the HBM bandwidth (an embedding table only as a tied LM head)."""
     gathered = cfg.vocab_size * cfg.d_model if cfg.whole and not cfg.tie_embeddings else 0
     gathered += cfg.max_seq_len * cfg.d_model if cfg.learned_positions else 0
     nbytes = cfg.kv_cache_bytes(shape.batch, shape.past, 2) + (cfg.n_params() - gathered) * 2
@@ -437,7 +407,7 @@ class Grid:
 
 
 def latency(directory: Path, device: Device, grid: Grid, budget: Budget, passes: int, progress: Progress) -> dict:
-    """Every candidate at every shape in fp16, interleaved per shape (the order reversed on every pass)."""
+    """(b): every candidate at every shape in fp16, interleaved per shape (the order reversed on every pass)."""
     import torch
 
     from bench.peers import check_peer
@@ -468,20 +438,18 @@ def latency(directory: Path, device: Device, grid: Grid, budget: Budget, passes:
         for name, session in sessions.items()
         if session.get_session_options().enable_profiling
     }
-    cpu_nodes = {name: cpu_compute_nodes(variant_file(directory, name), p) for name, p in placement.items()}
     return {
         "config": cfg.to_dict(),
         "peer_error": peer_error,
         "transformers_error": transformers_error,
         "rows": rows,
         "placement": placement,
-        "cpu_compute_ops": cpu_nodes,
+        "cpu_compute_ops": {name: cpu_compute_nodes(variant_file(directory, name), p) for name, p in placement.items()},
     }
 
 
 def candidates(cfg: ModelConfig) -> tuple[str, ...]:
-    """What a decode step is timed for, in this order: the PyTorch original, transformers' own model of a
-    Llama-shaped whole model, the static-cache peer, each fp16 ONNX form."""
+    """What a decode step is timed for, in order (transformers' model only of a Llama-shaped whole model)."""
     from bench.whole_model import llama_shaped
 
     return (TORCH, *((TRANSFORMERS,) if llama_shaped(cfg) else ()), PEER, *LATENCY_VARIANTS)
@@ -492,8 +460,8 @@ def _measure_shape(shape: Shape, makers: dict[str, Callable[[Shape], Step]], bud
     timings = {name: Timing() for name in makers}
     for _, name in interleaved(passes, list(makers)):
         measure(steps[name], budget, into=timings[name])
-    candidates = {name: timing.to_dict() for name, timing in timings.items()}
-    return {"batch": shape.batch, "past": shape.past, "label": shape.label, "candidates": candidates}
+    measured = {name: timing.to_dict() for name, timing in timings.items()}
+    return {"batch": shape.batch, "past": shape.past, "label": shape.label, "candidates": measured}
 
 
 def _session_maker(
@@ -508,11 +476,9 @@ def _session_maker(
     def pool_for(batch: int) -> KVPool:
         if batch not in pools:
             graphs = name.endswith("+graphs") and device.provider == CUDA
-            pool_session = (
-                device_session(variant_file(directory, name), device, profile=False, cuda_graphs=graphs)
-                if pools
-                else session
-            )
+            pool_session = session  # the first pool's; a pool after it, a session of its own
+            if pools:
+                pool_session = device_session(variant_file(directory, name), device, profile=False, cuda_graphs=graphs)
             pools[batch] = KVPool(pool_session, cfg, rows=batch, capacity=capacity)
         return pools[batch]
 
@@ -523,14 +489,11 @@ def cfg_label(cfg: ModelConfig) -> str:
     return f"d{cfg.d_model}/h{cfg.n_heads}/kv{cfg.n_kv_heads}/L{cfg.n_layers}"
 
 
-# --- (c) served on the GPU ---------------------------------------------------------------------------------
-
-
 def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progress: Progress) -> dict:
-    """The seed model served by the bundled Triton on the GPU: stateful step over gRPC vs the same
-    engine in-process, at several pasts, and a no-op Python model's round trip."""
+    """(c): the first preset's model served by the bundled Triton on the GPU: the stateful step over gRPC
+    against the same engine in-process at each past, and a no-op Python model's round trip."""
     from bench.serving import NOOP, in_process, session_engine, stateful, write_noop_model
-    from serving.host.launcher import start_triton
+    from bench.stack import triton
     from serving.triton.config import ServingSettings
     from serving.triton.repository import write_repository
 
@@ -539,9 +502,9 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
     repository = write_repository(directory, root / "repository", settings, models=("forward", "sessions"))
     write_noop_model(repository)
     log_path = root / "triton.log"
-    with progress.stage("start Triton (the Python models place themselves: the GPU where there is one)"):
-        server = start_triton(repository, log_path=log_path, ready_timeout=300)
-    try:
+    with contextlib.ExitStack() as stack:
+        with progress.stage("start Triton (the Python models place themselves: the GPU where there is one)"):
+            server = stack.enter_context(triton(repository, log_path=log_path, ready_timeout=300))
         runners = runner_lines(log_path)
         noop = stateful(server, "grpc", cfg, 1, runs, (1 << 40) + 999, model=NOOP)
         rows = []
@@ -552,8 +515,6 @@ def served(directory: Path, root: Path, pasts: tuple[int, ...], runs: int, progr
                 row["in_process"] = in_process(engine, cfg, past, runs) | {"engine": engine.description}
                 del engine
                 rows.append(row)
-    finally:
-        server.stop(keep_log=True)
     on_cpu = [line for line in runners if "on CPUExecutionProvider" in line]
     return {"runners": runners, "on_cpu": on_cpu, "noop_grpc": noop, "rows": rows}
 
@@ -564,21 +525,11 @@ def runner_lines(log_path: Path) -> list[str]:
     return [line.split("] ", 1)[-1] for line in lines if ": runner " in line and ".onnx on " in line]
 
 
-# --- (e) greedy generation -------------------------------------------------------------------------------
-
-
 def generation(directory: Path, device: Device, plan: Plan, progress: Progress) -> dict:
-    """Greedy generation of a Llama-shaped whole model: a `plan.generation_prompt`-token prompt per row,
-    then `plan.generation_tokens` tokens, at each of `plan.generation_batches` concurrent generations:
-    the served model's engine core (serving/engine/core.py) over the `sessions` model's engine built here as
-    the server builds it (on a GPU: fp16-static with CUDA graphs, prompts through the last-logits graph;
-    every running generation's token in one engine run a step: bench/generate.py's in-process
-    candidate) against transformers' LlamaForCausalLM in fp16 with
-    the same weights (its dynamic cache, the rows as one batch), one warm-up then
-    `plan.generation_rounds` rounds in alternating order. Reported per batch: time to the first token, the
-    gap between a generation's tokens (median and 90th percentile), tokens/s of the median round, and
-    how long the two greedy sequences agree (both fp16: a rounding can part them where two logits are
-    nearly equal)."""
+    """(e): greedy generation, a `generation_prompt`-token prompt per row then `generation_tokens` tokens, at each
+    batch: the serving engine's core over the `sessions` model's engine as the server builds it (on a GPU:
+    fp16-static with CUDA graphs; bench/generate.py's in-process candidate) against transformers' model in fp16
+    with the same weights, a warm-up then `generation_rounds` rounds in alternating order."""
     from bench.generate import in_process_candidate
     from serving.engine.core import EngineCore
     from serving.triton.engines import core_settings
@@ -589,12 +540,11 @@ def generation(directory: Path, device: Device, plan: Plan, progress: Progress) 
     engine, settings = generation_engine(directory, cfg, most, plan.generation_prompt + plan.generation_tokens)
     engine_core = EngineCore(engine, core_settings(settings)).start()
     try:
-        rows = generation_rows(
-            {ENGINE_LOOP: in_process_candidate(engine_core), TRANSFORMERS: transformers_generator(model, device)},
-            cfg,
-            plan,
-            progress,
-        )
+        generators = {
+            ENGINE_LOOP: in_process_candidate(engine_core),
+            TRANSFORMERS: transformers_generator(model, device),
+        }
+        rows = generation_rows(generators, cfg, plan, progress)
     finally:
         engine_core.stop()
     return {
@@ -606,8 +556,8 @@ def generation(directory: Path, device: Device, plan: Plan, progress: Progress) 
 
 
 def generation_rows(generators: dict[str, Callable], cfg: ModelConfig, plan: Plan, progress: Progress) -> list[dict]:
-    """Each batch of `plan.generation_batches`: every generator on the same prompts, a warm-up then the
-    rounds in alternating order."""
+    """Each batch: every generator on the same prompts, and how long the two greedy sequences agree (both fp16: a
+    rounding can part them where two logits are nearly equal)."""
     from bench.whole_model import agreement
 
     rng = np.random.default_rng(0)
@@ -626,26 +576,23 @@ def generation_rows(generators: dict[str, Callable], cfg: ModelConfig, plan: Pla
 
 
 def generation_engine(directory: Path, cfg: ModelConfig, rows: int, positions: int):
-    """the `sessions` model's engine of the artifact, built by the factory as the server builds it: on a CUDA
-    host the fp16 static graph with CUDA graphs, else the fp32 one; its KV budget holds `rows` rows of
-    the config's max_seq_len (full rows on a GPU) or of `positions`. (engine, its settings)"""
+    """(engine, settings): the `sessions` model's as the server builds it (a CUDA host: fp16-static with graphs)."""
     from contract.files import model_filename
     from serving.engine import factory
     from serving.engine.placement import CPU as ON_CPU
     from serving.engine.placement import CUDA as ON_CUDA
     from serving.engine.settings import SessionSettings
 
-    files = {ON_CPU: directory / model_filename("fp32-static"), ON_CUDA: directory / model_filename("fp16-static")}
+    graphs = {ON_CPU: directory / model_filename("fp32-static"), ON_CUDA: directory / model_filename("fp16-static")}
     row = cfg.kv_cache_bytes(batch=1, length=cfg.max_seq_len)  # fp32: room for the fp16 rows too
     settings = SessionSettings(kv_cache_bytes=(rows + 1) * row, idle_timeout_seconds=3600.0, max_batch=rows)
-    found = {k: v for k, v in files.items() if v.is_file()}
+    found = {placement: path for placement, path in graphs.items() if path.is_file()}
     return factory.session_engine(found, cfg, settings, "sessions"), settings
 
 
 def transformers_generator(model, device: Device) -> Callable:
-    """Greedy generation by transformers' model of `model` (its weights, dtype and device) with its
-    dynamic cache, the prompts as one batch, the prompt's logits at its last position only (as its
-    `generate` asks for them); each step's pick read back to the host (a loop checking stop tokens must)."""
+    """Greedy generation by transformers' model, the prompts as one batch, as its `generate` runs: the prompt's
+    logits at its last position only, each pick read back to the host (a loop checking stop tokens must)."""
     import torch
     import transformers
 
@@ -672,9 +619,7 @@ def transformers_generator(model, device: Device) -> Callable:
 
 
 def generation_summary(runs: list) -> dict:
-    """A candidate's rounds (bench/generate.py's Generated): the median time to the first token, the
-    gaps between a generation's tokens (median and 90th percentile over every round), and tokens/s of
-    the median round (every generated token over the round's wall time)."""
+    """A candidate's rounds: median TTFT, the gaps between tokens over every round, tokens/s of the median round."""
     gaps = np.concatenate([run.gaps_ms for run in runs])
     return {
         "ttft_ms": float(np.median([ms for run in runs for ms in run.first_ms])),
@@ -682,23 +627,6 @@ def generation_summary(runs: list) -> dict:
         "step_p90_ms": float(np.percentile(gaps, 90)),
         "tokens_per_s": runs[0].tokens.size / float(np.median([run.wall_s for run in runs])),
     }
-
-
-def generation_table(results: dict) -> str:
-    header = f"{'preset':<11} {'batch':>5} {'candidate':<20} {'TTFT ms':>9} {'step p50':>9} {'step p90':>9}"
-    lines = [header + f" {'tok/s':>9}"]
-    for preset_name, entry in results["presets"].items():
-        for row in (entry.get("generation") or {}).get("rows", []):
-            for name, c in row["candidates"].items():
-                times = f"{c['ttft_ms']:>9.2f} {c['step_p50_ms']:>9.3f} {c['step_p90_ms']:>9.3f}"
-                lines.append(f"{preset_name:<11} {row['batch']:>5} {name:<20} {times} {c['tokens_per_s']:>9.0f}")
-            per_row = row["agreement"]["per_row"]
-            agreed = f"{min(per_row)} (fewest), {int(np.median(per_row))} (median over {len(per_row)} rows)"
-            lines.append(f"{'':<18} greedy tokens agree before the first difference: {agreed}")
-    return "\n".join(lines)
-
-
-# --- (d) the run, its files and its table -------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -723,8 +651,7 @@ class Plan:
 
 
 def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, progress: Progress, out: Path) -> dict:
-    """Every section in turn; a section that raises is recorded as failed and the next one still runs,
-    and the results are written after each (a long run loses nothing it measured)."""
+    """Every section in turn, the results written after each; one that raises is recorded and the next one runs."""
     from bench.whole_model import llama_shaped
 
     results: dict = {"host": host() if device == GPU else {"device": "cpu"}, "started": time.strftime("%Y-%m-%d %H:%M")}
@@ -775,28 +702,21 @@ def benchmark(presets: tuple[str, ...], root: Path, device: Device, plan: Plan, 
 
 
 def _build(name: str, directory: Path, plan: Plan, progress: Progress) -> Path:
-    """The preset's artifact built in `directory`; with `plan.reuse_build`, one already there is used as
-    it is when it is this preset's model (seed 0) with room for the longest past and every variant
-    passed its build (the test suite's build of the preset)."""
+    """The preset's artifact built in `directory`; with `plan.reuse_build`, one there of this preset's model (seed 0,
+    room for the longest past, every variant passed) as it is: the test suite's build."""
     from export.build import build
 
     wanted = bench_config(name, max(plan.grid.pasts))
-    if plan.reuse_build and _reusable(directory, wanted):
-        progress.note(f"{name}: reusing the artifact in {directory}")
-        return directory
+    report_file = directory / files.REPORT_FILENAME
+    built = report_file.is_file() and all((directory / files.model_filename(v)).is_file() for v in BUILD)
+    content = json.loads(report_file.read_text()) if plan.reuse_build and built else {}
+    if content.get("passed") and content.get("seed") == 0:
+        cfg = ModelConfig.from_dict(content["config"])
+        if cfg.max_seq_len >= wanted.max_seq_len and dataclasses.replace(cfg, max_seq_len=wanted.max_seq_len) == wanted:
+            progress.note(f"{name}: reusing the artifact in {directory}")
+            return directory
     build(wanted, directory, BUILD, progress=progress)
     return directory
-
-
-def _reusable(directory: Path, wanted: ModelConfig) -> bool:
-    report = directory / files.REPORT_FILENAME
-    if not report.is_file() or not all((directory / files.model_filename(v)).is_file() for v in BUILD):
-        return False
-    content = json.loads(report.read_text())
-    if not content.get("passed") or content.get("seed") != 0:
-        return False
-    cfg = ModelConfig.from_dict(content["config"])
-    return cfg.max_seq_len >= wanted.max_seq_len and dataclasses.replace(cfg, max_seq_len=wanted.max_seq_len) == wanted
 
 
 def add_floors(latency_entry: dict, gbps: float) -> None:
@@ -814,13 +734,14 @@ def problems(results: dict) -> list[str]:
                 found.append(f"{preset_name} {variant}: parity failed or not finite")
             if outcome["cpu_compute_ops"]:
                 found.append(f"{preset_name} {variant}: {outcome['cpu_compute_ops']} ran on the CPU")
-        for variant, nodes in ((entry.get("latency") or {}).get("cpu_compute_ops") or {}).items():
+        latency_entry = entry.get("latency") or {}
+        for variant, nodes in (latency_entry.get("cpu_compute_ops") or {}).items():
             if nodes:
                 found.append(f"{preset_name} {variant} (latency): {nodes} ran on the CPU")
-        peer_error = (entry.get("latency") or {}).get("peer_error", 0.0)
+        peer_error = latency_entry.get("peer_error", 0.0)
         if peer_error > PEER_BOUND:
             found.append(f"{preset_name}: the PyTorch static-cache peer is off the original by {peer_error:.1e}")
-        transformers_error = (entry.get("latency") or {}).get("transformers_error") or 0.0
+        transformers_error = latency_entry.get("transformers_error") or 0.0
         if transformers_error > PEER_BOUND:
             found.append(f"{preset_name}: transformers' model is off the original by {transformers_error:.1e}")
     if results.get("served") and results["served"]["on_cpu"]:
@@ -832,64 +753,73 @@ def median(row: dict, name: str) -> float:
     return row["candidates"][name]["median_ms"]
 
 
+def floored(results: dict) -> dict[str, list[dict]]:
+    """Each preset's decode-step rows, where they were measured and given their HBM floor."""
+    latencies = {name: entry.get("latency") for name, entry in results["presets"].items()}
+    return {name: entry["rows"] for name, entry in latencies.items() if entry and "floor_ms" in entry["rows"][0]}
+
+
 def latency_table(results: dict) -> str:
-    lines = []
-    for preset_name, entry in results["presets"].items():
-        rows = (entry.get("latency") or {}).get("rows", [])
-        if not rows:
-            continue
+    tables = []
+    for preset_name, rows in floored(results).items():
         others = [name for name in rows[0]["candidates"] if name != TORCH]
-        header = f"{'preset':<11} {'shape':<12} {'torch ms':>9} " + " ".join(f"{n + ' (x)':>24}" for n in others)
-        header += f" {'floor ms':>9} {'static/floor':>12}"
-        lines += [header, "-" * len(header)]
+        cells = []
         for row in rows:
-            base = median(row, TORCH)
-            cells = " ".join(f"{median(row, n):>14.4f} ({base / median(row, n):>5.2f}x)" for n in others)
-            floor = row["floor_ms"]
-            ratio = median(row, GRAPHS) / floor
-            lines.append(f"{preset_name:<11} {row['label']:<12} {base:>9.4f} {cells} {floor:>9.4f} {ratio:>12.2f}")
-    lines.append(
-        f"(x) = {TORCH} median / candidate median; floor = fp16 cache + weights read once at the HBM bandwidth"
-    )
-    return "\n".join(lines)
+            base, floor = median(row, TORCH), row["floor_ms"]
+            ratios = [f"{median(row, name):.4f} ({base / median(row, name):.2f}x)" for name in others]
+            cells.append([row["label"], f"{base:.4f}", *ratios, f"{floor:.4f}", f"{median(row, GRAPHS) / floor:.2f}"])
+        header = ["shape", "torch ms", *(f"{name} (x)" for name in others), "floor ms", "static/floor"]
+        tables.append(table(f"decode step, {preset_name} (median)", header, cells))
+    note = f"(x) = {TORCH} median / candidate median; floor = fp16 cache + weights read once at the HBM bandwidth"
+    return "\n\n".join([*tables, note])
 
 
 def parity_table(results: dict) -> str:
-    lines = [f"{'preset':<11} {'variant':<12} {'output abs':>10} {'output rel':>10} {'result':<8} where it ran"]
+    rows = []
     for preset_name, entry in results["presets"].items():
         for variant, outcome in (entry.get("parity") or {}).items():
             output = outcome["worst"].get(names.LOGITS) or outcome["worst"][names.OUTPUT]
             placed = (outcome["placement"] or {}).get("providers", {})
-            providers = ", ".join(f"{p.replace('ExecutionProvider', '')}: {sum(c.values())}" for p, c in placed.items())
-            result = "pass" if outcome["passed"] else "FAIL"
-            if outcome["cpu_compute_ops"]:
-                result += " (CPU!)"
-            errors = f"{output['max_abs']:>10.2e} {output['max_rel']:>10.2e}"
-            lines.append(f"{preset_name:<11} {variant:<12} {errors} {result:<8} {providers}")
-    return "\n".join(lines)
+            ran = ", ".join(f"{p.replace('ExecutionProvider', '')}: {sum(c.values())}" for p, c in placed.items())
+            result = ("pass" if outcome["passed"] else "FAIL") + (" (CPU!)" if outcome["cpu_compute_ops"] else "")
+            rows.append([preset_name, variant, f"{output['max_abs']:.2e}", f"{output['max_rel']:.2e}", result, ran])
+    header = ["preset", "variant", "output abs", "output rel", "result", "where it ran"]
+    return table("parity against the PyTorch original in fp32", header, rows)
 
 
 def served_table(results: dict) -> str:
-    served_results = results["served"]
-    noop = served_results["noop_grpc"]["p50_ms"]
-    lines = [
-        f"no-op model with the sessions model's sequence batching, gRPC step p50: {noop:.3f} ms",
-        "past   served p50 ms  in-process p50 ms  ratio  in-process + no-op + 0.3 ms",
-    ]
-    for row in served_results["rows"]:
+    noop = results["served"]["noop_grpc"]["p50_ms"]
+    rows = []
+    for row in results["served"]["rows"]:
         served_ms, local_ms = row["stateful_grpc"]["p50_ms"], row["in_process"]["p50_ms"]
-        budget = local_ms + noop + 0.3
-        lines.append(
-            f"{row['past']:<6} {served_ms:>13.3f} {local_ms:>18.3f} {served_ms / local_ms:>6.2f} {budget:>28.3f}"
-        )
-    return "\n".join(lines)
+        ratio, budget = served_ms / local_ms, local_ms + noop + 0.3
+        rows.append([row["past"], f"{served_ms:.3f}", f"{local_ms:.3f}", f"{ratio:.2f}", f"{budget:.3f}"])
+    heading = f"no-op model with the sessions model's sequence batching, gRPC step p50: {noop:.3f} ms"
+    return table(heading, ["past", "served p50 ms", "in-process p50 ms", "ratio", "in-process + no-op + 0.3 ms"], rows)
+
+
+def generation_table(results: dict) -> str:
+    rows, agreed = [], []
+    for preset_name, entry in results["presets"].items():
+        for row in (entry.get("generation") or {}).get("rows", []):
+            for name, c in row["candidates"].items():
+                times = [f"{c['ttft_ms']:.2f}", f"{c['step_p50_ms']:.3f}", f"{c['step_p90_ms']:.3f}"]
+                rows.append([preset_name, row["batch"], name, *times, f"{c['tokens_per_s']:.0f}"])
+            per_row = row["agreement"]["per_row"]
+            fewest, middle = min(per_row), int(np.median(per_row))
+            agreed.append(
+                f"{preset_name} batch {row['batch']}: greedy tokens agree before the first difference: "
+                f"{fewest} (fewest), {middle} (median over {len(per_row)} rows)"
+            )
+    header = ["preset", "batch", "candidate", "TTFT ms", "step p50", "step p90", "tok/s"]
+    return "\n".join([table("greedy generation", header, rows), *agreed])
 
 
 def report(results: dict) -> str:
     parts = []
     if any(entry.get("parity") for entry in results["presets"].values()):
         parts.append(parity_table(results))
-    if any(entry.get("latency") and "floor_ms" in entry["latency"]["rows"][0] for entry in results["presets"].values()):
+    if floored(results):
         parts.append(latency_table(results))
     if any(entry.get("generation") for entry in results["presets"].values()):
         parts.append(generation_table(results))
@@ -901,35 +831,27 @@ def report(results: dict) -> str:
 def write(results: dict, out: Path, plots: bool = True) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu.json").write_text(json.dumps(results, indent=2) + "\n")
-    return [out / "gpu.json", *(plot(results, out) if plots else [])]
+    with PLOT_LOCK:
+        return [out / "gpu.json", *(plot(results, out) if plots else [])]
 
 
 def plot(results: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """A PNG per preset: the decode step against past, a panel per batch, with the HBM floor."""
     paths = []
-    for preset_name, entry in results["presets"].items():
-        batches = sorted({row["batch"] for row in entry["latency"]["rows"]})
-        figure, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
-        for axis, batch in zip(axes[0], batches, strict=True):
-            rows = [r for r in entry["latency"]["rows"] if r["batch"] == batch]
+    for preset_name, preset_rows in floored(results).items():
+        batches = sorted({row["batch"] for row in preset_rows})
+        drawn, axes = figure(len(batches), (5 * len(batches), 4))
+        for axis, batch in zip(axes, batches, strict=True):
+            rows = [r for r in preset_rows if r["batch"] == batch]
             pasts = [r["past"] for r in rows]
             for name in rows[0]["candidates"]:
                 axis.plot(pasts, [median(r, name) for r in rows], marker="o", label=name)
             axis.plot(pasts, [r["floor_ms"] for r in rows], "k:", label="HBM floor (fp16)")
             axis.set(title=f"{preset_name}, batch {batch}", xlabel="past length", ylabel="ms per step")
             axis.set(xscale="log", yscale="log")
-            axis.grid(True, which="both", alpha=0.3)
-            axis.legend(fontsize=7)
-        figure.suptitle(f"decode step on {results['host']['device']} ({results['hbm_gbps']:.0f} GB/s copy)")
-        figure.tight_layout()
-        path = out / f"gpu_decode_{preset_name}.png"
-        figure.savefig(path, dpi=100)
-        plt.close(figure)
-        paths.append(path)
+            gridded(axis, lines="both")
+        drawn.suptitle(f"decode step on {results['host']['device']} ({results['hbm_gbps']:.0f} GB/s copy)")
+        paths.append(save(drawn, out / f"gpu_decode_{preset_name}.png"))
     return paths
 
 
@@ -944,24 +866,19 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    progress = Progress()
-    presets = tuple(name for name in args.presets.split(",") if name)
-    plan = Plan.quick() if args.quick else Plan()
-    grid = Grid(
-        pasts=tuple(int(p) for p in args.pasts.split(",")) if args.pasts else PASTS,
-        batches=tuple(int(b) for b in args.batches.split(",")) if args.batches else BATCHES,
-    )
-    plan = dataclasses.replace(plan, grid=grid, served_pasts=() if args.no_served else plan.served_pasts)
+    grid = Grid(pasts=counts(args.pasts) or PASTS, batches=counts(args.batches) or BATCHES)
+    plan = planned(args, Plan, grid=grid, served_pasts=() if args.no_served else None)
     try:
         host()  # before any work: a host without CUDA stops here with the reason
     except GPUProofError as error:
         print(f"error: {error}")
         return 2
-    with tempfile.TemporaryDirectory(prefix="gpu-proof-") as scratch:
-        results = benchmark(presets, args.artifacts or Path(scratch), GPU, plan, progress, args.out)
+    presets = tuple(name for name in args.presets.split(",") if name)
+    with work_folder(args.artifacts, "gpu-proof-") as root:
+        results = benchmark(presets, root, GPU, plan, Progress(), args.out)
     written = write(results, args.out)
     print(report(results))
     for problem in results["problems"]:
         print(f"FAILED: {problem}")
-    print("wrote " + ", ".join(str(f) for f in written))
+    print("wrote " + ", ".join(str(path) for path in written))
     return 1 if results["problems"] else 0

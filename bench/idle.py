@@ -1,27 +1,14 @@
-"""Idle sessions: what a control session's step and an open cost with 0 to 8,000 idle live sessions
-beside them, through the real stack (the gateway over real Triton).
+"""Idle sessions: what a control session's step and an open cost beside 0 to 8,000 idle live sessions.
 
-Writes `idle.json` and `idle.png` and prints a table.
+Through the real stack (the gateway over real Triton). Issue 34's probe measured a step's p50 at 2.4 / 9.1 / 13.5 /
+18.8 ms with 0 / 1k / 2k / 4k idle sessions and an open at 1.1 ms, then 20: a request walked every session. Per
+level, a one-token JSON step and an open (deleted again, untimed) take turns. The levels go up (idle sessions opened
+`--concurrency` at a time by a key of their own) and back down, measured both ways: the shared machine's drift falls
+on every level alike. A level is measured once the session model holds its sessions (the deleted ones' ENDs done)
+and after a few uncounted pairs.
 
-Issue 34's probe measured a step's p50 at 2.4 / 9.1 / 13.5 / 18.8 ms with 0 / 1k / 2k / 4k idle sessions
-and an open at 1.1 ms, then 20: a request walked every session. Here, per level of idle sessions:
-
-- `step`: `POST /v1/sessions/{id}/step` of one token on a control session (JSON), p50 and p90;
-- `open`: `POST /v1/sessions` (a START in Triton), p50 and p90; each opened one is deleted again,
-  untimed;
-- each one's p50 over the 0-idle figure.
-
-The levels are visited going up (idle sessions opened, `--concurrency` at a time, by a key of their
-own) and then coming down (deleted again), each level measured both ways: what drifts on the shared
-machine over the run falls on every level alike. A level is measured once the session model holds
-its sessions (the ENDs of the deleted ones done: its metrics say so) and after a few uncounted steps
-and opens; a step and an open take turns within it.
-
-Conditions: the tiny model (`--preset`), the `sessions` model's static engine on the CPU, one ONNX Runtime
-thread, a KV budget of as many rows of the smallest size as the most idle sessions and some to spare
-(an idle session holds a short row: its one START), every idle timeout (the gateway's, the model's,
-Triton's) past the run; one Triton (the bundled binary) and one gateway (`python -m serving.gateway`,
-a process of its own) on 127.0.0.1, the load generator in this process over HTTP/1.1 keep-alive.
+Conditions: the tiny model, the `sessions` model's static engine on one ONNX Runtime thread, every idle timeout past
+the run; one Triton and one gateway process on 127.0.0.1, the load from this process over HTTP/1.1 keep-alive.
 """
 
 from __future__ import annotations
@@ -29,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -37,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
-from bench.plot import save
-from bench.stack import Connection, gateway_process
-from contract import files
+from bench import stack
+from bench.plot import figure, gridded, save
+from contract.config import ModelConfig
 
 VARIANTS = ("fp32-fused", "fp32-static")  # what forward and sessions serve on the CPU
 CONTROL_KEY, IDLE_KEY = "bench-control-key", "bench-idle-key"
@@ -47,288 +33,207 @@ LEVELS = (0, 1000, 2000, 4000, 8000)
 SPARE_ROWS = 64  # beyond the idle sessions: the control session, the opens measured
 IDLE_S = 3600.0  # no session of the run goes idle for any timeout
 WARM_UP = 20  # uncounted steps and opens at each level
-
-
-def artifact(root: Path, preset_name: str) -> Path:
-    """The preset's artifact (reused when it is there)."""
-    from contract.config import preset
-    from export.build import build
-
-    directory = root / f"artifact-{preset_name}"
-    if not all((directory / files.model_filename(v)).is_file() for v in VARIANTS):
-        build(preset(preset_name), directory, VARIANTS)
-    return directory
-
-
-def repository(source: Path, where: Path, most_idle: int) -> tuple[Path, int]:
-    """forward and sessions with a KV budget for `most_idle` short sessions and the spare rows; the budget."""
-    from contract.config import ModelConfig
-    from contract.deployment import MIN_ROW_POSITIONS
-    from serving.triton.config import FORWARD, SESSIONS, ServingSettings
-    from serving.triton.repository import write_repository
-
-    cfg = ModelConfig.load(source)
-    budget = (most_idle + SPARE_ROWS) * cfg.kv_cache_bytes(1, MIN_ROW_POSITIONS)
-    settings = ServingSettings(threads=1, kv_cache_bytes=budget, idle_timeout_seconds=IDLE_S)
-    return write_repository(source, where, settings, models=(FORWARD, SESSIONS)), budget
+KINDS = ("step", "open")
+HELD = re.compile(r'^attention_kv_cache_sequences\{[^}]*model="sessions"[^}]*\} (\S+)$', re.MULTILINE)
 
 
 class Front:
-    """The gateway seen from HTTP/1.1 keep-alive connections: a control session, opens, idle sessions."""
+    """The gateway over keep-alive connections: the control session's (0), the idle sessions' (the others)."""
 
-    def __init__(self, url: str, d_model: int, concurrency: int) -> None:
+    def __init__(self, url: str, d_model: int) -> None:
         from serving.gateway.encoding import encode, tensor_json
 
         self.host, self.port = url.removeprefix("http://").rsplit(":", 1)
         token = np.random.default_rng(0).standard_normal((1, 1, d_model)).astype(np.float32)
         self.step_body = tensor_json({"hidden_states": encode(token, "json")})
-        self.control_headers = f"X-API-Key: {CONTROL_KEY}\r\nContent-Type: application/json\r\n".encode()
-        self.idle_headers = f"X-API-Key: {IDLE_KEY}\r\n".encode()
-        self.concurrency = concurrency
+        self.headers = {
+            key: f"X-API-Key: {key}\r\nContent-Type: application/json\r\n".encode() for key in (CONTROL_KEY, IDLE_KEY)
+        }
+        self.connections: list[stack.Connection] = []
         self.idle: list[str] = []
-        self.opening = 0  # idle sessions being opened now
-        self.connections: list[Connection] = []
         self.control = ""
 
-    async def connect(self) -> None:
-        self.connections = [await self._connected() for _ in range(self.concurrency + 1)]
-        self.control = await self.open(await self.connection(0), self.control_headers)
+    async def connect(self, concurrency: int) -> None:
+        self.connections = [await self.connected() for _ in range(concurrency + 1)]
+        self.control = await self.open(0, CONTROL_KEY)
 
-    async def _connected(self) -> Connection:
+    async def connected(self) -> stack.Connection:
         loop = asyncio.get_running_loop()
-        return (await loop.create_connection(Connection, self.host, int(self.port)))[1]
+        return (await loop.create_connection(stack.Connection, self.host, int(self.port)))[1]
 
-    async def connection(self, index: int) -> Connection:
-        """Connection `index`, opened again where the gateway closed it (uvicorn closes one idle for 5 s:
-        the control connection waits that long while thousands of sessions open)."""
+    async def request(self, index: int, key: str, method: str, path: str, body: bytes = b"") -> tuple[float, bytes]:
+        """On connection `index`, opened again (untimed) where the gateway closed it (uvicorn closes one idle for
+        5 s: the control connection's wait while thousands of sessions open); the ms to the answer, its body."""
         if self.connections[index].transport.is_closing():
-            self.connections[index] = await self._connected()
-        return self.connections[index]
+            self.connections[index] = await self.connected()
+        started = time.perf_counter()
+        status, answer = await self.connections[index].request(method, path, body, self.headers[key])
+        elapsed_ms = (time.perf_counter() - started) * 1e3
+        if status // 100 != 2:
+            raise RuntimeError(f"{method} {path}: {status} {answer[:300]!r}")
+        return elapsed_ms, answer
 
-    def close(self) -> None:
-        for connection in self.connections:
-            connection.transport.close()
+    async def open(self, index: int, key: str) -> str:
+        return json.loads((await self.request(index, key, "POST", "/v1/sessions"))[1])["id"]
 
-    async def open(self, connection: Connection, headers: bytes) -> str:
-        status, body = await connection.request("POST", "/v1/sessions", headers=headers)
-        if status != 201:
-            raise RuntimeError(f"opening a session: {status} {body[:300]!r}")
-        return json.loads(body)["id"]
-
-    async def delete(self, connection: Connection, session: str, headers: bytes) -> None:
-        status, body = await connection.request("DELETE", f"/v1/sessions/{session}", headers=headers)
-        if status != 204:
-            raise RuntimeError(f"deleting a session: {status} {body[:300]!r}")
+    async def delete(self, index: int, key: str, session: str) -> None:
+        await self.request(index, key, "DELETE", f"/v1/sessions/{session}")
 
     async def idle_to(self, level: int) -> None:
-        """Open or delete idle sessions until `level` are live, `concurrency` requests at a time."""
+        """Idle sessions opened or deleted until `level` are live, a request per idle connection at a time."""
+        doomed, self.idle = self.idle[level:], self.idle[:level]
+        opens, workers = level - len(self.idle), len(self.connections) - 1
 
         async def worker(index: int) -> None:
-            connection = await self.connection(index)
-            while len(self.idle) + self.opening < level:
-                self.opening += 1  # counted before the await: the other workers see it
-                session = await self.open(connection, self.idle_headers)
-                self.opening -= 1
-                self.idle.append(session)
-            while len(self.idle) > level:
-                await self.delete(connection, self.idle.pop(), self.idle_headers)
+            for session in doomed[index - 1 :: workers]:
+                await self.delete(index, IDLE_KEY, session)
+            for _ in range(index - 1, opens, workers):
+                self.idle.append(await self.open(index, IDLE_KEY))
 
-        await asyncio.gather(*(worker(index) for index in range(1, len(self.connections))))
+        await asyncio.gather(*(worker(index) for index in range(1, workers + 1)))
 
-    async def timed_step(self) -> float:
-        connection, path = await self.connection(0), f"/v1/sessions/{self.control}/step"
-        started = time.perf_counter()
-        status, body = await connection.request("POST", path, self.step_body, self.control_headers)
-        elapsed = time.perf_counter() - started
-        if status != 200:
-            raise RuntimeError(f"step: {status} {body[:300]!r}")
-        return elapsed * 1e3
-
-    async def timed_open(self) -> float:
-        connection = await self.connection(0)
-        started = time.perf_counter()
-        session = await self.open(connection, self.control_headers)
-        elapsed = time.perf_counter() - started
-        await self.delete(connection, session, self.control_headers)
-        return elapsed * 1e3
-
-    async def rewind_control(self) -> None:
-        """Back to no positions: the control session's steps stay short whatever the run's length."""
-        path = f"/v1/sessions/{self.control}/rewind"
-        status, body = await (await self.connection(0)).request(
-            "POST", path, json.dumps({"length": 0}).encode(), self.control_headers
-        )
-        if status != 200:
-            raise RuntimeError(f"rewind: {status} {body[:300]!r}")
-
-
-async def measure_level(front: Front, samples: int, into: dict) -> None:
-    """`samples` steps and opens, taking turns; the control session rewound now and then."""
-    for k in range(samples):
-        into["step"].append(await front.timed_step())
-        into["open"].append(await front.timed_open())
-        if k % 100 == 99:
-            await front.rewind_control()
+    async def pairs(self, count: int) -> dict[str, list[float]]:
+        """`count` timed steps and opens taking turns; the control session rewound to no positions every 100
+        (its steps stay short whatever the run's length)."""
+        timed = {kind: [] for kind in KINDS}
+        for turn in range(count):
+            step = f"/v1/sessions/{self.control}/step"
+            step_ms, _ = await self.request(0, CONTROL_KEY, "POST", step, self.step_body)
+            open_ms, body = await self.request(0, CONTROL_KEY, "POST", "/v1/sessions")
+            await self.delete(0, CONTROL_KEY, json.loads(body)["id"])
+            timed["step"].append(step_ms)
+            timed["open"].append(open_ms)
+            if turn % 100 == 99:
+                rewind = f"/v1/sessions/{self.control}/rewind"
+                await self.request(0, CONTROL_KEY, "POST", rewind, b'{"length": 0}')
+        return timed
 
 
 async def settled(metrics_url: str, sequences: int, timeout_s: float = 60.0) -> None:
-    """Until the session model holds `sequences`: a DELETE answers before the gateway's END reaches
-    Triton, and a level is measured once those ENDs are done, not beside them."""
+    """Until the session model holds `sequences`: a DELETE answers before the gateway's END reaches Triton."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient() as http:
-        while True:
-            text = (await http.get(metrics_url)).text
-            held = re.search(r'^attention_kv_cache_sequences\{[^}]*model="sessions"[^}]*\} (\S+)$', text, re.M)
-            if held is not None and float(held.group(1)) == sequences:
-                return
+        while (held := HELD.search((await http.get(metrics_url)).text)) is None or float(held[1]) != sequences:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"sessions did not settle at {sequences} sequences: {held and held.group(1)}")
+                raise RuntimeError(f"sessions did not settle at {sequences} sequences: {held and held[1]}")
             await asyncio.sleep(0.1)
 
 
-async def warm_up(front: Front, pairs: int = WARM_UP) -> None:
-    """Steps and opens not counted: the first of a level pay for the connections opened again."""
-    for _ in range(pairs):
-        await front.timed_step()
-        await front.timed_open()
-
-
 async def drive(url: str, metrics_url: str, d_model: int, levels: list[int], samples: int, concurrency: int) -> dict:
-    front = Front(url, d_model, concurrency)
-    await front.connect()
-    try:
-        measured = {level: {"step": [], "open": [], "passes": []} for level in levels}
-        await warm_up(front, 5 * WARM_UP)  # the gateway's first requests, the model's first runs
-        going = [*levels, *reversed(levels[:-1])]
-        for index, level in enumerate(going):
-            started = time.perf_counter()
-            await front.idle_to(level)
-            opened_s = time.perf_counter() - started
-            await settled(metrics_url, level + 1)  # the idle ones and the control session
-            await warm_up(front)
-            before = {kind: len(measured[level][kind]) for kind in ("step", "open")}
-            await measure_level(front, samples, measured[level])
-            this_pass = {kind: measured[level][kind][before[kind] :] for kind in ("step", "open")}
-            measured[level]["passes"].append(
-                {
-                    "direction": "up" if index < len(levels) else "down",
-                    "reached_in_s": opened_s,
-                    **{f"{kind}_p50_ms": float(np.median(values)) for kind, values in this_pass.items()},
-                }
-            )
-            print(
-                f"{level:>5} idle ({measured[level]['passes'][-1]['direction']}, reached in {opened_s:.1f} s): "
-                f"step p50 {np.median(this_pass['step']):.2f} ms, open p50 {np.median(this_pass['open']):.2f} ms",
-                flush=True,
-            )
-        await front.idle_to(0)
-        return measured
-    finally:
-        front.close()
+    """Every level going up, then coming down: its samples of both passes, and each pass's p50s."""
+    front = Front(url, d_model)
+    await front.connect(concurrency)
+    measured = {level: {"step": [], "open": [], "passes": []} for level in levels}
+    await front.pairs(5 * WARM_UP)  # the gateway's first requests, the model's first runs
+    for index, level in enumerate([*levels, *reversed(levels[:-1])]):
+        started = time.perf_counter()
+        await front.idle_to(level)
+        reached_s = time.perf_counter() - started
+        await settled(metrics_url, level + 1)  # the idle ones and the control session
+        await front.pairs(WARM_UP)  # the first of a level pay for the connections opened again
+        this_pass = {"direction": "up" if index < len(levels) else "down", "reached_in_s": reached_s}
+        for kind, values in (await front.pairs(samples)).items():
+            measured[level][kind] += values
+            this_pass[f"{kind}_p50_ms"] = float(np.median(values))
+        measured[level]["passes"].append(this_pass)
+        shown = ", ".join(f"{kind} p50 {this_pass[f'{kind}_p50_ms']:.2f} ms" for kind in KINDS)
+        print(f"{level:>5} idle ({this_pass['direction']}, reached in {reached_s:.1f} s): {shown}", flush=True)
+    await front.idle_to(0)
+    for connection in front.connections:
+        connection.transport.close()
+    return measured
 
 
-def summarize(measured: dict) -> dict:
+def summary(measured: dict) -> dict:
+    """Per level: each kind's p50, p90 and runs and its p50 over the fewest idle sessions' (0 by default)."""
     rows = {}
     for level, samples in measured.items():
-        rows[str(level)] = {
-            kind: {
-                "p50_ms": float(np.percentile(samples[kind], 50)),
-                "p90_ms": float(np.percentile(samples[kind], 90)),
-                "runs": len(samples[kind]),
-            }
-            for kind in ("step", "open")
-        } | {"passes": samples["passes"]}
+        rows[str(level)] = {}
+        for kind in KINDS:
+            p50, p90 = np.percentile(samples[kind], [50, 90])
+            rows[str(level)][kind] = {"p50_ms": float(p50), "p90_ms": float(p90), "runs": len(samples[kind])}
+        rows[str(level)]["passes"] = samples["passes"]
     base = rows[str(min(measured))]
     for row in rows.values():
-        for kind in ("step", "open"):
+        for kind in KINDS:
             row[kind]["p50_vs_no_idle"] = row[kind]["p50_ms"] / base[kind]["p50_ms"]
     return rows
 
 
 def benchmark(root: Path, preset_name: str, levels: list[int], samples: int, concurrency: int) -> dict:
-    from contract.config import ModelConfig
-    from serving.host.launcher import start_triton
+    from contract.deployment import MIN_ROW_POSITIONS
+    from serving.triton.config import FORWARD, SESSIONS, ServingSettings
+    from serving.triton.repository import write_repository
 
-    source = artifact(root, preset_name)
+    source = stack.artifact(root, preset_name, VARIANTS)
     cfg = ModelConfig.load(source)
-    repository_dir, budget = repository(source, root / "repository", max(levels))
-    server = start_triton(repository_dir, log_path=root / "triton.log")
-    try:
-        settings = {
-            "api_keys": f"{CONTROL_KEY},{IDLE_KEY}",
-            "sessions_per_key": max(levels) + SPARE_ROWS,
-            "session_idle_s": IDLE_S,
-            "kv_share_per_key": 1.0,  # one key holds every idle session: the budget is the limit
-        }
-        with gateway_process(server.grpc_url, root / "gateway.log", **settings) as (url, _):
-            measured = asyncio.run(drive(url, server.metrics_url, cfg.d_model, levels, samples, concurrency))
-    finally:
-        server.stop()
-    conditions = {
-        "preset": preset_name,
-        "d_model": cfg.d_model,
-        "levels": levels,
-        "samples_per_level_per_pass": samples,
-        "kv_budget_bytes": budget,
-        "concurrency_of_idle_opens": concurrency,
-        "cpus": os.cpu_count(),
+    # a short row per idle session (it holds its START's) and the spare
+    budget = (max(levels) + SPARE_ROWS) * cfg.kv_cache_bytes(1, MIN_ROW_POSITIONS)
+    settings = ServingSettings(threads=1, kv_cache_bytes=budget, idle_timeout_seconds=IDLE_S)
+    repository = write_repository(source, root / "repository", settings, models=(FORWARD, SESSIONS))
+    gateway = {
+        "api_keys": f"{CONTROL_KEY},{IDLE_KEY}",
+        "sessions_per_key": max(levels) + SPARE_ROWS,
+        "session_idle_s": IDLE_S,
+        "kv_share_per_key": 1.0,  # one key holds every idle session: the budget is the limit
     }
-    return {"conditions": conditions, "levels": summarize(measured)}
+    with (
+        output.during(1) as machine,
+        stack.triton(repository, log_path=root / "triton.log") as server,
+        stack.gateway_process(server.grpc_url, root / "gateway.log", **gateway) as (url, _),
+    ):
+        measured = asyncio.run(drive(url, server.metrics_url, cfg.d_model, levels, samples, concurrency))
+    conditions = dict(
+        preset=preset_name,
+        d_model=cfg.d_model,
+        levels=levels,
+        samples_per_level_per_pass=samples,
+        kv_budget_bytes=budget,
+        concurrency_of_idle_opens=concurrency,
+    )
+    return {"conditions": conditions, "machine": machine, "levels": summary(measured)}
 
 
 def table(results: dict) -> str:
-    c = results["conditions"]
-    lines = [
-        f"{c['preset']} (d_model {c['d_model']}), a control session's one-token step and an open through the "
-        f"gateway; {c['samples_per_level_per_pass']} of each per level and pass (up and down)",
-        f"{'idle':>6} {'step p50':>9} {'p90':>7} {'x':>6} {'open p50':>9} {'p90':>7} {'x':>6}",
+    conditions = results["conditions"]
+    heading = (
+        f"{conditions['preset']} (d_model {conditions['d_model']}), a control session's one-token step and an open "
+        f"through the gateway; {conditions['samples_per_level_per_pass']} of each per level and pass (up and down)"
+    )
+    cells = (("p50_ms", "{:.2f}ms"), ("p90_ms", "{:.2f}ms"), ("p50_vs_no_idle", "{:.2f}x"))
+    rows = [
+        [level, *(shown.format(row[kind][key]) for kind in KINDS for key, shown in cells)]
+        for level, row in results["levels"].items()
     ]
-    for level, row in results["levels"].items():
-        step, opened = row["step"], row["open"]
-        lines.append(
-            f"{int(level):>6} {step['p50_ms']:>7.2f}ms {step['p90_ms']:>5.2f}ms {step['p50_vs_no_idle']:>5.2f}x "
-            f"{opened['p50_ms']:>7.2f}ms {opened['p90_ms']:>5.2f}ms {opened['p50_vs_no_idle']:>5.2f}x"
-        )
-    return "\n".join(lines)
+    return output.table(heading, ["idle", "step p50", "p90", "x", "open p50", "p90", "x"], rows)
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
     levels = [int(level) for level in results["levels"]]
-    figure, axis = plt.subplots(figsize=(8, 4))
+    drawn, (axis,) = figure(1, (8, 4))
     for kind, color in (("step", "tab:blue"), ("open", "tab:orange")):
-        for stat, style in (("p50_ms", "-o"), ("p90_ms", ":s")):
-            values = [row[kind][stat] for row in results["levels"].values()]
-            axis.plot(levels, values, style, color=color, label=f"{kind} {stat.removesuffix('_ms')}")
-    axis.set(
-        xlabel="idle live sessions", ylabel="ms through the gateway", title="a request's cost beside idle sessions"
-    )
-    axis.set_ylim(bottom=0)
-    axis.grid(True, alpha=0.3)
-    axis.legend(fontsize=8)
-    return save(figure, path)
+        for stat, style in (("p50", "-o"), ("p90", ":s")):
+            values = [row[kind][f"{stat}_ms"] for row in results["levels"].values()]
+            axis.plot(levels, values, style, color=color, label=f"{kind} {stat}")
+    axis.set(xlabel="idle live sessions", ylabel="ms through the gateway", ylim=(0, None))
+    axis.set_title("a request's cost beside idle sessions")
+    gridded(axis, lines="both")
+    return save(drawn, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.output_arguments(parser)
     parser.add_argument("--preset", default="tiny", help="the served model (default: %(default)s)")
     parser.add_argument(
-        "--levels", type=int, nargs="+", default=list(LEVELS), help="idle sessions, ascending (default: %(default)s)"
+        "--levels", type=int, nargs="+", default=list(LEVELS), help="idle sessions (default: %(default)s)"
     )
     parser.add_argument("--samples", type=int, default=200, help="steps and opens per level and pass (default 200)")
     parser.add_argument("--concurrency", type=int, default=8, help="idle sessions opened at once (default 8)")
 
 
 def run(args: argparse.Namespace) -> int:
-    levels = sorted(set(args.levels))
     with output.work_folder(args.work, "bench-idle-") as root:
-        results = benchmark(root, args.preset, levels, args.samples, args.concurrency)
-    print(table(results))
-    print(output.write(results, args.out, "idle", plot))
-    return 0
+        results = benchmark(root, args.preset, sorted(set(args.levels)), args.samples, args.concurrency)
+    return output.report(results, args.out, "idle", plot, table(results))

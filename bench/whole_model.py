@@ -1,56 +1,35 @@
-"""A whole model (token ids in, logits out) generating greedily: transformers, our ONNX forms and
-onnxruntime-genai on one checkpoint. `python -m bench model --presets llama-whole` runs it.
+"""A whole model (token ids in, logits out) generating greedily on one checkpoint: transformers' LlamaForCausalLM
+(`torch`; `torch-static` with its StaticCache), our forms imported from it by `python -m export build --weights
+FOLDER --layout hf` (the stateless ones through IOBinding, their presents fed back; `fp32-static*` through the
+serving engine's KVPool; no fp16: ONNX Runtime's CPU provider emulates it) and onnxruntime-genai's builder's fp32
+and int4 CPU models, run by its Generator in a process of its own (bench/genai_peer.py: it brings an onnxruntime
+that must not meet ours) from `.venv-genai`. `python -m bench model --presets llama-whole` runs it.
 
-Writes `model_whole.json` and `model_whole.png` and prints a table of ratios.
-
-The checkpoint: transformers' `LlamaForCausalLM` of the preset's shape with random weights drawn wide
-enough that the logits spread (the greedy token is then not a coin toss between near-equal logits),
-saved with `save_pretrained` beside a tokenizer (onnxruntime-genai's model builder wants one); or,
-where the work folder already holds our artifact of the preset (`--artifacts`), that artifact's own
-weights under transformers' names. From that one folder:
-
-- `torch`: transformers' LlamaForCausalLM in eager PyTorch with its default (dynamic) cache;
-- `torch-static`: the same with transformers' `StaticCache` (the cache `cache_implementation="static"` makes);
-- ours, built by the documented import `python -m export build --weights FOLDER --layout hf`:
-  `fp32-fused` and `fp32-fused-int8w` stateless (the past in, the presents out and fed back, through
-  IOBinding), `fp32-static` and `fp32-static-int8kv` through serving/engine/kv_pool.py's KVPool (the
-  cache read in place, each new position written into it). The fp16 forms are left out: ONNX
-  Runtime's CPU provider emulates fp16;
-- `onnxruntime-genai`: its model builder's fp32 CPU graph of the folder, run by its Generator in a
-  process of its own (bench/genai_peer.py: onnxruntime-genai 0.18 brings onnxruntime 1.32, which must
-  not meet ours), from the virtual environment `make bench-peers` makes (or this bench, when missing).
-
-A generation: each of the batch's rows prompts `prompt` random ids; the prefill (time to the first
-token: the prompt through the model and the greedy choice) then `tokens - 1` greedy decode steps, each
-timed alone. Every candidate runs the same prompts, one at a time, in `rounds` rounds with the order
-reversed every round, so that drift or other work on the machine falls on every candidate alike.
-Reported: the prefill's median over the rounds, a decode step's median and 90th percentile over every
-step of every round, and the greedy tokens against transformers' (`torch`): how many of the first
-`tokens` agree before the first difference, the fewest over the rows.
-
-The floor of a decode step: the bytes it must read once at the measured bandwidth (bench/timing.py
-copy_bandwidth): every weight but the embedding table (a step gathers a row of it per token) and the
-keys and values of the past, at the middle of the decode steps' pasts. Each candidate is held to the
-floor of what it reads: fp32 weights and cache for most; int8 weights (the bytes of its graph's
-initializers) for `fp32-fused-int8w`; an int8 cache for `fp32-static-int8kv`.
+The checkpoint holds random weights (or, where the work folder has our artifact, its weights) and a tokenizer (the
+builder wants one). Each row prompts `prompt` random ids: the prefill (to the first greedy token), then `tokens - 1`
+decode steps, each timed; every candidate in `rounds` interleaved rounds. Reported: the prefill's median, a step's
+median and p90 over every step, the greedy tokens equal to `torch`'s before the first difference (the fewest over
+the rows), and each step against its floor: the bytes it reads (the weights but the embedding table, as its graph
+holds them, and the KV cache at the mean past) at the measured bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
-import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from bench import results as output
+from bench.plot import figure, gridded, grouped_bars, save
 from bench.timing import SETTLE_S, Timing, copy_bandwidth, interleaved
 from contract import files, names
 from contract.config import ModelConfig
@@ -72,6 +51,14 @@ INIT_STD = 0.02
 HEAD_SCALE = 20.0
 GENAI_VENV = Path(__file__).resolve().parent.parent / ".venv-genai"
 GENAI_REQUIREMENTS = ("onnxruntime-genai==0.18.*", "numpy")
+# The issue's goals, decode step speedups: (key, ours, the peer, the batch asked at (None: every), the least)
+GOALS = (
+    ("static_vs_genai_decode_B{batch}", STATIC, GENAI, None, 1),
+    ("int8w_vs_fused_decode_B1", INT8W, FUSED, 1, 1.5),
+    ("static_int8w_vs_genai_decode_B1", STATIC_INT8W, GENAI, 1, 1.5),  # INT8 weights against genai's fp32
+    ("static_int4w_vs_genai_int4_decode_B{batch}", STATIC_INT4W, GENAI_INT4, None, 1),  # issue 48
+    ("static_int4w_vs_static_int8w_decode_B1", STATIC_INT4W, STATIC_INT8W, 1, 1.5),
+)
 
 
 class BenchError(RuntimeError):
@@ -106,9 +93,6 @@ class TimedGeneration:
 Generate = Callable[[np.ndarray, int], TimedGeneration]  # (prompts (B, T) int64, tokens) -> TimedGeneration
 
 
-# --- the checkpoint and what is built from it ------------------------------------------------------
-
-
 def llama_shaped(cfg: ModelConfig) -> bool:
     """Whether transformers' LlamaForCausalLM computes `cfg`'s model: RMSNorm, rotary, a gated SiLU MLP,
     no biases, an LM head of its own."""
@@ -117,42 +101,30 @@ def llama_shaped(cfg: ModelConfig) -> bool:
 
 
 def hf_config(cfg: ModelConfig):
-    """transformers' LlamaConfig of `cfg` (a Llama-shaped whole model: RMSNorm, rotary, gated SiLU MLP)."""
+    """transformers' LlamaConfig of `cfg` (a Llama-shaped whole model): the trainer's, with a head of its own and
+    the tokenizer's special ids."""
     import transformers
+
+    from export.train import hf_config as llama_config
 
     if not llama_shaped(cfg):
         raise BenchError(f"the whole-model bench takes a Llama-shaped config, got {cfg}")
-    return transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.mlp_width,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        max_position_embeddings=cfg.max_seq_len,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        initializer_range=INIT_STD,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    )
+    own = {"tie_word_embeddings": False, "initializer_range": INIT_STD, "bos_token_id": 0, "pad_token_id": 2}
+    return transformers.LlamaConfig(**llama_config(cfg, end_id=1) | own)
 
 
-def make_checkpoint(cfg: ModelConfig, folder: Path, seed: int) -> None:
-    """LlamaForCausalLM of random weights (seeded) and a tokenizer, saved in `folder`."""
+def make_checkpoint(cfg: ModelConfig, folder: Path, seed: int, weights: dict | None = None) -> None:
+    """LlamaForCausalLM and a tokenizer saved in `folder`: `weights` (transformers' names), or random ones."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(hf_config(cfg))
-    with torch.no_grad():
-        model.lm_head.weight.mul_(HEAD_SCALE)
+    if weights is None:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(HEAD_SCALE)
+    else:
+        model.load_state_dict(weights, strict=True)
     model.save_pretrained(folder)
     save_tokenizer(cfg, folder)
 
@@ -173,14 +145,9 @@ def save_tokenizer(cfg: ModelConfig, folder: Path) -> None:
 HF_NAMES = {"embed": "model.embed_tokens", "final_norm": "model.norm", "lm_head": "lm_head"}
 HF_LAYER_NAMES = {
     "norm": "input_layernorm",
-    "attn.W_q": "self_attn.q_proj",
-    "attn.W_k": "self_attn.k_proj",
-    "attn.W_v": "self_attn.v_proj",
-    "attn.W_o": "self_attn.o_proj",
     "mlp_norm": "post_attention_layernorm",
-    "mlp.W_gate": "mlp.gate_proj",
-    "mlp.W_up": "mlp.up_proj",
-    "mlp.W_down": "mlp.down_proj",
+    **{f"attn.W_{p}": f"self_attn.{p}_proj" for p in "qkvo"},
+    **{f"mlp.W_{p}": f"mlp.{p}_proj" for p in ("gate", "up", "down")},
 }
 
 
@@ -193,17 +160,11 @@ def hf_name(name: str) -> str:
 
 
 def checkpoint_from_artifact(artifact: Path, folder: Path) -> None:
-    """The checkpoint of an artifact already built (its own weights, renamed), so that it is not
-    imported again: a reused `--artifacts` folder, the smoke test's session build."""
-    import transformers
-
+    """The checkpoint of an artifact already built (its own weights), so that it is not imported again."""
     from export.artifacts import load_model
 
     ours = load_model(artifact)
-    model = transformers.LlamaForCausalLM(hf_config(ours.cfg))
-    model.load_state_dict({hf_name(name): tensor for name, tensor in ours.state_dict().items()}, strict=True)
-    model.save_pretrained(folder)
-    save_tokenizer(ours.cfg, folder)
+    make_checkpoint(ours.cfg, folder, 0, {hf_name(name): tensor for name, tensor in ours.state_dict().items()})
 
 
 def import_artifact(checkpoint: Path, out: Path) -> None:
@@ -217,51 +178,42 @@ def import_artifact(checkpoint: Path, out: Path) -> None:
         raise BenchError(f"`{' '.join(command)}` failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
+def _checked(command: list[str], failing: str, **where) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, check=False, **where)
+    if done.returncode != 0:
+        raise BenchError(f"{failing}: `{' '.join(command)}` ({done.returncode}):\n{done.stderr[-3000:]}")
+
+
 def ensure_genai_venv(venv: Path = GENAI_VENV) -> Path:
-    """The python of `venv`, with onnxruntime-genai installed there first if it is not (about 10 s from
-    PyPI); a BenchError says why not."""
-    python = venv / "bin" / "python"
-    stamp = venv / ".installed-genai"
-    if stamp.is_file() and python.is_file():
-        return python
-    steps = [[sys.executable, "-m", "venv", "--clear", str(venv)]]
-    steps.append([str(python), "-m", "pip", "install", "--quiet", *GENAI_REQUIREMENTS])
-    for command in steps:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise BenchError(f"cannot make the onnxruntime-genai venv: `{' '.join(command)}`:\n{done.stderr[-2000:]}")
-    stamp.touch()
+    """The python of `venv`, with onnxruntime-genai installed there first if it is not (about 10 s from PyPI)."""
+    python, stamp = venv / "bin" / "python", venv / ".installed-genai"
+    if not (stamp.is_file() and python.is_file()):
+        _checked([sys.executable, "-m", "venv", "--clear", str(venv)], "cannot make the onnxruntime-genai venv")
+        install = [str(python), "-m", "pip", "install", "--quiet", *GENAI_REQUIREMENTS]
+        _checked(install, "cannot make the onnxruntime-genai venv")
+        stamp.touch()
     return python
 
 
-def genai_builder(python: Path) -> Path:
-    """onnxruntime-genai's model builder script, in its venv. It runs on our python: a pure-Python
-    script over torch, transformers and onnx (which its venv leaves out), the runtime not needed."""
+def build_genai(python: Path, checkpoint: Path, out: Path, precision: str = "fp32") -> None:
+    """onnxruntime-genai's CPU model of the checkpoint. Its builder runs on our python: a pure-Python script
+    over torch, transformers and onnx (which its venv leaves out)."""
     found = sorted(python.parent.parent.glob("lib/python*/site-packages/onnxruntime_genai/models/builder.py"))
     if not found:
         raise BenchError(f"no onnxruntime_genai/models/builder.py in {python.parent.parent}")
-    return found[-1]
-
-
-def build_genai(python: Path, checkpoint: Path, out: Path, precision: str = "fp32") -> None:
-    """onnxruntime-genai's CPU model of the checkpoint (`builder -i FOLDER -o OUT -p PRECISION -e cpu`)."""
-    command = [sys.executable, str(genai_builder(python)), "-i", str(checkpoint), "-o", str(out)]
-    command += ["-p", precision, "-e", "cpu", "-c", str(out / "cache")]
-    done = subprocess.run(command, capture_output=True, text=True, check=False, cwd=out.parent)
-    if done.returncode != 0:
-        raise BenchError(f"onnxruntime-genai's builder failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    command = [sys.executable, str(found[-1]), "-i", str(checkpoint), "-o", str(out), "-p", precision, "-e", "cpu"]
+    _checked([*command, "-c", str(out / "cache")], "onnxruntime-genai's builder failed", cwd=out.parent)
     shutil.rmtree(out / "cache", ignore_errors=True)
 
 
 def prepare(cfg: ModelConfig, folder: Path, seed: int, genai: bool) -> dict:
-    """The checkpoint, our artifact and onnxruntime-genai's model under `folder` (each kept when there);
+    """The checkpoint, our artifact and onnxruntime-genai's models under `folder` (each kept when there);
     what was built or why not."""
     from export.progress import Progress
 
     progress = Progress()
-    checkpoint, artifact, genai_model = folder / "checkpoint", folder / "artifact", folder / "genai"
-    facts: dict = {"checkpoint": str(checkpoint), "artifact": str(artifact)}
-    if not (checkpoint / "config.json").is_file() and _passed(artifact):
+    checkpoint, artifact = folder / "checkpoint", folder / "artifact"
+    if not (checkpoint / "config.json").is_file() and _report(artifact).get("passed"):
         with progress.stage("a LlamaForCausalLM checkpoint of the artifact's weights"):
             checkpoint_from_artifact(artifact, checkpoint)
     if not (checkpoint / "config.json").is_file():
@@ -270,7 +222,8 @@ def prepare(cfg: ModelConfig, folder: Path, seed: int, genai: bool) -> dict:
     if not _built(artifact):
         with progress.stage(f"export build --weights {checkpoint.name} --layout hf ({', '.join(OURS)})"):
             import_artifact(checkpoint, artifact)
-    report = json.loads((artifact / files.REPORT_FILENAME).read_text())
+    report = _report(artifact)
+    facts: dict = {"checkpoint": str(checkpoint), "artifact": str(artifact)}
     facts["parity"] = {v: _rung(report, v) for v in OURS}
     if "source_check" in report:  # an import's proof against transformers (not a build of random weights)
         facts["source_check"] = {k: report["source_check"].get(k) for k in ("module", "relative", "passed")}
@@ -278,40 +231,49 @@ def prepare(cfg: ModelConfig, folder: Path, seed: int, genai: bool) -> dict:
     if genai:
         try:
             with progress.stage("onnxruntime-genai: its venv and its model builder (fp32, int4)"):
-                python = ensure_genai_venv()
-                models = {}
-                for name, precision in GENAI_PRECISIONS.items():
-                    model = genai_model if precision == "fp32" else folder / f"genai-{precision}"
-                    if not (model / "genai_config.json").is_file():
-                        model.mkdir(parents=True, exist_ok=True)
-                        build_genai(python, checkpoint, model, precision)
-                    models[name] = str(model)
-            facts["genai"] = {"used": True, "python": str(python), "model": models[GENAI], "models": models}
+                facts["genai"] = genai_models(checkpoint, folder)
         except BenchError as error:
             facts["genai"] = {"used": False, "reason": str(error)}
     return facts
 
 
+def genai_models(checkpoint: Path, folder: Path) -> dict:
+    """onnxruntime-genai's venv and its models of the checkpoint, `folder/genai` (fp32) and `genai-int4`."""
+    python, models = ensure_genai_venv(), {}
+    for name, precision in GENAI_PRECISIONS.items():
+        model = folder / ("genai" if precision == "fp32" else f"genai-{precision}")
+        if not (model / "genai_config.json").is_file():
+            model.mkdir(parents=True, exist_ok=True)
+            build_genai(python, checkpoint, model, precision)
+        models[name] = str(model)
+    return {"used": True, "python": str(python), "model": models[GENAI], "models": models}
+
+
+def _report(artifact: Path) -> dict:
+    report = artifact / files.REPORT_FILENAME
+    return json.loads(report.read_text()) if report.is_file() else {}
+
+
 def _built(artifact: Path) -> bool:
     """Every form written, its parity rung recorded (a rung that failed is reported, not hidden)."""
-    report = artifact / files.REPORT_FILENAME
-    return report.is_file() and all(name in json.loads(report.read_text())["variants"] for name in OURS)
-
-
-def _passed(artifact: Path) -> bool:
-    report = artifact / files.REPORT_FILENAME
-    return report.is_file() and bool(json.loads(report.read_text()).get("passed"))
+    return all(name in _report(artifact).get("variants", {}) for name in OURS)
 
 
 def _rung(report: dict, variant: str) -> dict:
-    """A form's parity rung at build, from report.json: passed, and its worst error on the logits
-    against the PyTorch original (relative to their scale)."""
+    """A form's parity rung at build: passed, and its worst error on the logits (relative: to their scale)."""
     entry = report["variants"][variant]
     worst = entry["worst"].get(names.LOGITS, {})
     return {"passed": entry["passed"], "logits_max_abs": worst.get("max_abs"), "logits_max_rel": worst.get("max_rel")}
 
 
-# --- candidates: each opens once and generates from given prompts ----------------------------------
+def timed(greedy_ids: Iterator[np.ndarray], tokens: int) -> TimedGeneration:
+    """`tokens` greedy ids (B,) from `greedy_ids`, each timed: the first the prefill's, then a decode step's."""
+    chosen, times_ms = [], []
+    for _ in range(tokens):
+        started = time.perf_counter()
+        chosen.append(next(greedy_ids))
+        times_ms.append((time.perf_counter() - started) * 1e3)
+    return TimedGeneration(times_ms[0], times_ms[1:], np.stack(chosen, axis=1))
 
 
 def transformers_candidate(checkpoint: Path, threads: int, static: bool) -> Generate:
@@ -321,29 +283,25 @@ def transformers_candidate(checkpoint: Path, threads: int, static: bool) -> Gene
     torch.set_num_threads(threads)
     model = transformers.LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
-    def generate(prompts: np.ndarray, tokens: int) -> TimedGeneration:
+    def greedy_ids(prompts: np.ndarray, cache) -> Iterator[np.ndarray]:
         length = prompts.shape[1]
-        ids = torch.from_numpy(prompts)
+        # logits_to_keep=1: the last position's logits, as transformers' generate asks for them
+        first = torch.arange(length)
+        answer = model(
+            input_ids=torch.from_numpy(prompts), past_key_values=cache, cache_position=first, logits_to_keep=1
+        )
+        for position in itertools.count(length):
+            ids = answer.logits[:, -1].argmax(-1)
+            yield ids.numpy()
+            answer = model(input_ids=ids[:, None], past_key_values=cache, cache_position=torch.tensor([position]))
+
+    def generate(prompts: np.ndarray, tokens: int) -> TimedGeneration:
         with torch.inference_mode():
             if static:
-                cache = transformers.StaticCache(config=model.config, max_cache_len=length + tokens)
+                cache = transformers.StaticCache(config=model.config, max_cache_len=prompts.shape[1] + tokens)
             else:
                 cache = transformers.DynamicCache(config=model.config)
-            started = time.perf_counter()
-            # logits_to_keep=1: the last position's logits, as transformers' generate asks for them
-            logits = model(
-                input_ids=ids, past_key_values=cache, cache_position=torch.arange(length), logits_to_keep=1
-            ).logits
-            chosen = [logits[:, -1].argmax(-1)]
-            prefill_ms, step_ms = (time.perf_counter() - started) * 1e3, []
-            for position in range(length, length + tokens - 1):
-                t0 = time.perf_counter()
-                logits = model(
-                    input_ids=chosen[-1][:, None], past_key_values=cache, cache_position=torch.tensor([position])
-                ).logits
-                chosen.append(logits[:, -1].argmax(-1))
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-        return TimedGeneration(prefill_ms, step_ms, torch.stack(chosen, dim=1).numpy())
+            return timed(greedy_ids(prompts, cache), tokens)
 
     return generate
 
@@ -369,31 +327,22 @@ def stateless_candidate(path: Path, cfg: ModelConfig, threads: int) -> Generate:
         session.run_with_iobinding(binding)
         return dict(zip(outputs, binding.get_outputs(), strict=True))
 
-    def greedy(answer: dict) -> np.ndarray:
-        return answer[names.LOGITS].numpy()[:, -1].argmax(-1)
-
-    def generate(prompts: np.ndarray, tokens: int) -> TimedGeneration:
+    def greedy_ids(prompts: np.ndarray) -> Iterator[np.ndarray]:
         batch, length = prompts.shape
-        started = time.perf_counter()
         answer = run(with_defaults(cfg, {names.INPUT_IDS: prompts}))
-        chosen = [greedy(answer)]
-        prefill_ms, step_ms = (time.perf_counter() - started) * 1e3, []
-        for past in range(length, length + tokens - 1):
-            t0 = time.perf_counter()
+        for past in itertools.count(length):
+            ids = answer[names.LOGITS].numpy()[:, -1].argmax(-1)
+            yield ids
             feeds = {
-                names.INPUT_IDS: chosen[-1][:, None].astype(np.int64),
+                names.INPUT_IDS: ids[:, None].astype(np.int64),
                 names.ATTENTION_MASK: np.ones((batch, past + 1), np.int64),
                 names.POSITION_IDS: np.full((batch, 1), past, np.int64),
             }
-            for layer in range(cfg.n_layers):
-                for kind in names.KV_KINDS:
-                    feeds[names.past_name(layer, kind)] = answer[names.present_name(layer, kind)]
+            for layer, kind in itertools.product(range(cfg.n_layers), names.KV_KINDS):
+                feeds[names.past_name(layer, kind)] = answer[names.present_name(layer, kind)]
             answer = run(feeds)
-            chosen.append(greedy(answer))
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        return TimedGeneration(prefill_ms, step_ms, np.stack(chosen, axis=1))
 
-    return generate
+    return lambda prompts, tokens: timed(greedy_ids(prompts), tokens)
 
 
 def static_candidate(path: Path, cfg: ModelConfig, threads: int) -> Generate:
@@ -410,25 +359,23 @@ def static_candidate(path: Path, cfg: ModelConfig, threads: int) -> Generate:
     last_graph = last_logits_graph(onnx.load(str(path))).SerializeToString()
     last_logits = ort.InferenceSession(last_graph, sess_options=session_options(threads), providers=[CPU_PROVIDER])
 
+    def step(pool: KVPool, ids: dict[int, np.ndarray], last_only: bool = False) -> np.ndarray:
+        answers = pool.run(ids, last_only=last_only)
+        for row, answer in answers.items():
+            if isinstance(answer, Exception):
+                raise BenchError(f"{path.name}: row {row} failed: {answer}") from answer
+        return np.array([answers[row][-1].argmax() for row in range(len(ids))], np.int64)
+
+    def greedy_ids(pool: KVPool, prompts: np.ndarray) -> Iterator[np.ndarray]:
+        ids = step(pool, dict(enumerate(prompts)), last_only=True)
+        while True:
+            yield ids
+            ids = step(pool, {row: ids[row : row + 1] for row in range(len(ids))})
+
     def generate(prompts: np.ndarray, tokens: int) -> TimedGeneration:
         batch, length = prompts.shape
         pool = KVPool(session, cfg, rows=batch, capacity=length + tokens, last_logits_session=last_logits)
-
-        def step(ids: dict[int, np.ndarray], last_only: bool = False) -> np.ndarray:
-            answers = pool.run(ids, last_only=last_only)
-            for row, answer in answers.items():
-                if isinstance(answer, Exception):
-                    raise BenchError(f"{path.name}: row {row} failed: {answer}") from answer
-            return np.array([answers[row][-1].argmax() for row in range(batch)], np.int64)
-
-        started = time.perf_counter()
-        chosen = [step({row: prompts[row] for row in range(batch)}, last_only=True)]
-        prefill_ms, step_ms = (time.perf_counter() - started) * 1e3, []
-        for _ in range(tokens - 1):
-            t0 = time.perf_counter()
-            chosen.append(step({row: chosen[-1][row : row + 1] for row in range(batch)}))
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-        return TimedGeneration(prefill_ms, step_ms, np.stack(chosen, axis=1))
+        return timed(greedy_ids(pool, prompts), tokens)
 
     return generate
 
@@ -463,25 +410,16 @@ class GenaiPeer:
             self.process.wait(timeout=30)
 
 
-def candidates(cfg: ModelConfig, folder: Path, facts: dict, threads: int) -> dict[str, Generate]:
+def candidates(cfg: ModelConfig, facts: dict, threads: int) -> dict[str, Generate]:
     checkpoint, artifact = Path(facts["checkpoint"]), Path(facts["artifact"])
-    made: dict[str, Generate] = {
-        TORCH: transformers_candidate(checkpoint, threads, static=False),
-        TORCH_STATIC: transformers_candidate(checkpoint, threads, static=True),
-    }
+    made = {name: transformers_candidate(checkpoint, threads, name == TORCH_STATIC) for name in (TORCH, TORCH_STATIC)}
     for name in OURS:
-        if not (artifact / files.model_filename(name)).is_file():
-            continue  # its parity rung failed at build, which removed it: reported under build.parity
-        form = static_candidate if name in STATIC_FORMS else stateless_candidate
-        made[name] = form(artifact / files.model_filename(name), cfg, threads)
-    if facts["genai"]["used"]:
-        models = facts["genai"].get("models", {GENAI: facts["genai"]["model"]})
-        for name, model in models.items():
-            made[name] = GenaiPeer(Path(facts["genai"]["python"]), Path(model), threads)
+        if (artifact / files.model_filename(name)).is_file():  # else its rung failed at build: under build.parity
+            form = static_candidate if name in STATIC_FORMS else stateless_candidate
+            made[name] = form(artifact / files.model_filename(name), cfg, threads)
+    for name, model in facts["genai"].get("models", {}).items():
+        made[name] = GenaiPeer(Path(facts["genai"]["python"]), Path(model), threads)
     return made
-
-
-# --- measuring -------------------------------------------------------------------------------------
 
 
 def prompts_for(cfg: ModelConfig, plan: Plan) -> dict[int, np.ndarray]:
@@ -497,16 +435,14 @@ def measure_all(generators: dict[str, Generate], prompts: dict[int, np.ndarray],
 
     progress = Progress()
     with progress.stage("warm-up: every candidate, 4 tokens"):
-        for generate in generators.values():
-            for batch_prompts in prompts.values():
-                generate(batch_prompts, min(4, plan.tokens))
+        for generate, batch_prompts in itertools.product(generators.values(), prompts.values()):
+            generate(batch_prompts, min(4, plan.tokens))
     measured: dict = {}
     for turn, name in interleaved(plan.rounds, list(generators)):
         with progress.stage(f"round {turn + 1}/{plan.rounds}: {name}"):
             for batch, batch_prompts in prompts.items():
                 generation = generators[name](batch_prompts, plan.tokens)
-                first = (Timing(), Timing(), generation.tokens)  # the first round's tokens are kept
-                prefill, decode, _ = measured.setdefault((name, batch), first)
+                prefill, decode, _ = measured.setdefault((name, batch), (Timing(), Timing(), generation.tokens))
                 prefill.samples_ms.append(generation.prefill_ms)
                 decode.samples_ms.extend(generation.step_ms)
         time.sleep(SETTLE_S)  # its spinning threads go to sleep before the next candidate
@@ -524,9 +460,6 @@ def agreement(tokens: np.ndarray, reference: np.ndarray) -> dict:
         "equal": int(equal.sum()),
         "of": equal.size,
     }
-
-
-# --- floors ----------------------------------------------------------------------------------------
 
 
 def weight_read_bytes(path: Path) -> int:
@@ -549,54 +482,34 @@ def weight_read_bytes(path: Path) -> int:
 def floors_ms(cfg: ModelConfig, plan: Plan, artifact: Path, gbps: float) -> dict[int, dict[str, float]]:
     """batch -> candidate -> the decode step's floor in ms (module docstring)."""
     fp32_weights = (cfg.n_params() - cfg.vocab_size * cfg.d_model) * 4  # all but the embedding table
-    # the quantized forms' weights as their graphs hold them (a form whose rung failed at build has no graph)
-    quantized = {
-        name: weight_read_bytes(artifact / files.model_filename(name))
-        for name in (INT8W, STATIC_INT8W, STATIC_INT4W)
-        if (artifact / files.model_filename(name)).is_file()
-    }
-    if STATIC_INT4W in quantized:
-        quantized[GENAI_INT4] = quantized[STATIC_INT4W]  # the same scheme, the same bytes
+    weights = dict.fromkeys((TORCH, TORCH_STATIC, FUSED, STATIC, GENAI, STATIC_INT8KV), fp32_weights)
+    for name in (INT8W, STATIC_INT8W, STATIC_INT4W):  # as their graphs hold them (where built)
+        if (artifact / files.model_filename(name)).is_file():
+            weights[name] = weight_read_bytes(artifact / files.model_filename(name))
+    if STATIC_INT4W in weights:
+        weights[GENAI_INT4] = weights[STATIC_INT4W]  # the same scheme, the same bytes
     out = {}
     for batch in plan.batches:
         cache = {itemsize: cfg.kv_cache_bytes(batch, round(plan.mean_past), itemsize) for itemsize in (4, 1)}
-        reads = dict.fromkeys((TORCH, TORCH_STATIC, FUSED, STATIC, GENAI), fp32_weights + cache[4])
-        reads |= {name: nbytes + cache[4] for name, nbytes in quantized.items()}
-        reads[STATIC_INT8KV] = fp32_weights + cache[1]
+        reads = {name: nbytes + cache[1 if name == STATIC_INT8KV else 4] for name, nbytes in weights.items()}
         out[batch] = {name: nbytes / (gbps * 1e9) * 1e3 for name, nbytes in reads.items()}
     return out
 
 
-# --- results ---------------------------------------------------------------------------------------
-
-
-def results_for(cfg, preset_name, plan, facts, measured, floors, bandwidth, threads, load) -> dict:
+def rows_for(plan: Plan, measured: dict, floors: dict) -> list[dict]:
     rows = []
     for batch in plan.batches:
-        reference = measured[(TORCH, batch)][2]
-        row: dict = {"batch": batch, "prompt": plan.prompt, "tokens": plan.tokens, "candidates": {}}
-        for name in CANDIDATES:
-            if (name, batch) not in measured:
-                continue
+        entries = {}
+        for name in [name for name in CANDIDATES if (name, batch) in measured]:
             prefill, decode, tokens = measured[(name, batch)]
-            row["candidates"][name] = {
+            entries[name] = {
                 "prefill": prefill.to_dict(),
                 "decode_step": decode.to_dict(),
                 "floor_ms": floors[batch][name],
-                "greedy": agreement(tokens, reference),
+                "greedy": agreement(tokens, measured[(TORCH, batch)][2]),
             }
-        rows.append(row)
-    results = {
-        "preset": preset_name,
-        "config": cfg.to_dict(),
-        "plan": dataclasses.asdict(plan),
-        "machine": {**output.machine(threads, *RUNTIMES), "load_average_1min": load},
-        "bandwidth": bandwidth,
-        "build": facts,
-        "rows": rows,
-    }
-    results["targets"] = targets(results)
-    return results
+        rows.append({"batch": batch, "prompt": plan.prompt, "tokens": plan.tokens, "candidates": entries})
+    return rows
 
 
 def step_ms(row: dict, name: str) -> float:
@@ -606,86 +519,58 @@ def step_ms(row: dict, name: str) -> float:
 def targets(results: dict) -> dict:
     """The issue's goals, measured (reported, never asserted)."""
     out: dict = {}
-    for row in results["rows"]:
-        batch, present = row["batch"], row["candidates"]
-        if GENAI in present and STATIC in present:
-            speedup = step_ms(row, GENAI) / step_ms(row, STATIC)
-            out[f"static_vs_genai_decode_B{batch}"] = output.goal(speedup, least=1, kind="speedup")
-        if batch == 1 and FUSED in present and INT8W in present:
-            speedup = step_ms(row, FUSED) / step_ms(row, INT8W)
-            out["int8w_vs_fused_decode_B1"] = output.goal(speedup, least=1.5, kind="speedup")
-        if batch == 1 and GENAI in present and STATIC_INT8W in present:  # the issue's: INT8 weights vs genai's fp32
-            speedup = step_ms(row, GENAI) / step_ms(row, STATIC_INT8W)
-            out["static_int8w_vs_genai_decode_B1"] = output.goal(speedup, least=1.5, kind="speedup")
-        if GENAI_INT4 in present and STATIC_INT4W in present:  # issue 48: 4-bit weights against genai's
-            speedup = step_ms(row, GENAI_INT4) / step_ms(row, STATIC_INT4W)
-            out[f"static_int4w_vs_genai_int4_decode_B{batch}"] = output.goal(speedup, least=1, kind="speedup")
-        if batch == 1 and STATIC_INT8W in present and STATIC_INT4W in present:
-            speedup = step_ms(row, STATIC_INT8W) / step_ms(row, STATIC_INT4W)
-            out["static_int4w_vs_static_int8w_decode_B1"] = output.goal(speedup, least=1.5, kind="speedup")
+    for row, (key, ours, peer, batch, least) in itertools.product(results["rows"], GOALS):
+        if batch in (None, row["batch"]) and {ours, peer} <= set(row["candidates"]):
+            speedup = step_ms(row, peer) / step_ms(row, ours)
+            out[key.format(batch=row["batch"])] = output.goal(speedup, least=least, kind="speedup")
     return out
 
 
 def table(results: dict) -> str:
-    plan = results["plan"]
-    lines = [
+    plan, build = results["plan"], results["build"]
+    heading = (
         f"{results['preset']}: a {plan['prompt']}-token prompt then {plan['tokens']} greedy tokens, "
         f"{plan['rounds']} interleaved rounds, {results['machine']['threads']} threads, "
-        f"{results['bandwidth']['gbps']:.1f} GB/s",
-        f"{'batch':<6}{'candidate':<20}{'prefill ms':>11}{'step ms':>9}{'p90':>8}{'vs torch':>9}{'vs genai':>9}"
-        f"{'floor ms':>9}{'/floor':>8}{'greedy = torch':>16}",
-    ]
+        f"{results['bandwidth']['gbps']:.1f} GB/s"
+    )
+    header = ("batch", "candidate", "prefill ms", "step ms", "p90", "vs torch", "vs genai", "floor ms", "/floor")
+    rows = []
     for row in results["rows"]:
-        present = row["candidates"]
-        for name, entry in present.items():
-            step = entry["decode_step"]
-            versus_genai = f"{step_ms(row, GENAI) / step['median_ms']:>8.2f}x" if GENAI in present else f"{'-':>9}"
-            greedy = entry["greedy"]
-            lines.append(
-                f"B{row['batch']:<5}{name:<20}{entry['prefill']['median_ms']:>11.1f}{step['median_ms']:>9.2f}"
-                f"{step['p90_ms']:>8.2f}{step_ms(row, TORCH) / step['median_ms']:>8.2f}x{versus_genai}"
-                f"{entry['floor_ms']:>9.3f}{step['median_ms'] / entry['floor_ms']:>8.2f}"
-                f"{greedy['agree_before_first_difference']:>9} of {row['tokens']}"
-            )
-    lines.append(
+        for name, entry in row["candidates"].items():
+            median, floor = step_ms(row, name), entry["floor_ms"]
+            agree = entry["greedy"]["agree_before_first_difference"]
+            versus_genai = f"{step_ms(row, GENAI) / median:.2f}x" if GENAI in row["candidates"] else "-"
+            times = [f"{entry['prefill']['median_ms']:.1f}", f"{median:.2f}", f"{entry['decode_step']['p90_ms']:.2f}"]
+            ratios = [f"{step_ms(row, TORCH) / median:.2f}x", versus_genai, f"{floor:.3f}", f"{median / floor:.2f}"]
+            rows.append([f"B{row['batch']}", name, *times, *ratios, f"{agree} of {row['tokens']}"])
+    parity = ", ".join(
+        f"{v} {p['logits_max_rel']:.1e} {'pass' if p['passed'] else 'FAILED'}" for v, p in build["parity"].items()
+    )
+    lines = [
+        output.table(heading, (*header, "greedy = torch"), rows),
         "step ms: one decode step (a token per row), median; vs torch / vs genai: how many times faster (medians); "
-        "greedy = torch: tokens equal to transformers' before the first difference, the fewest over the rows"
-    )
-    parity = results["build"]["parity"]
-    lines.append(
-        "parity at build (logits, max error / their scale): "
-        + ", ".join(f"{v} {p['logits_max_rel']:.1e} {'pass' if p['passed'] else 'FAILED'}" for v, p in parity.items())
-    )
-    if not results["build"]["genai"]["used"]:
-        lines.append(f"onnxruntime-genai left out: {results['build']['genai'].get('reason', 'not asked for')}")
-    lines += output.target_lines("targets:", results["targets"], "speedup")
-    return "\n".join(lines)
+        "greedy = torch: tokens equal to transformers' before the first difference, the fewest over the rows",
+        f"parity at build (logits, max error / their scale): {parity}",
+    ]
+    if not build["genai"]["used"]:
+        lines.append(f"onnxruntime-genai left out: {build['genai'].get('reason', 'not asked for')}")
+    return "\n".join(lines + output.target_lines("targets:", results["targets"], "speedup"))
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only
-    import matplotlib.pyplot as plt
-
-    from bench.plot import gridded, save
-
     rows = results["rows"]
-    figure, axes = plt.subplots(1, len(rows), figsize=(6 * len(rows), 4.5), squeeze=False)
-    for axis, row in zip(axes[0], rows, strict=True):
+    drawn, axes = figure(len(rows), (6 * len(rows), 4.5))
+    for axis, row in zip(axes, rows, strict=True):
         present = list(row["candidates"])
-        steps = [step_ms(row, name) for name in present]
+        title = f"{results['preset']}, batch {row['batch']}"
+        steps = {"decode step, median": [step_ms(row, name) for name in present]}
+        where = grouped_bars(axis, present, steps, ylabel="ms per decode step", yscale="log", title=title)
         floors = [row["candidates"][name]["floor_ms"] for name in present]
-        axis.bar(range(len(present)), steps, color="tab:blue", label="decode step, median")
-        axis.scatter(range(len(present)), floors, color="black", marker="_", s=400, label="bandwidth floor", zorder=3)
-        axis.set_xticks(range(len(present)), present, rotation=30, ha="right", fontsize=8)
-        axis.set(ylabel="ms per decode step", yscale="log", title=f"{results['preset']}, batch {row['batch']}")
+        axis.scatter(where, floors, color="black", marker="_", s=400, label="bandwidth floor", zorder=3)
+        axis.set_xticks(where, present, rotation=30, ha="right", fontsize=8)
         gridded(axis)
-    figure.suptitle(f"greedy decode after a {results['plan']['prompt']}-token prompt (CPU)")
-    return save(figure, path)
-
-
-# --- command (through `python -m bench model`) -----------------------------------------------------
+    drawn.suptitle(f"greedy decode after a {results['plan']['prompt']}-token prompt (CPU)")
+    return save(drawn, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -702,32 +587,38 @@ def plan_from(args: argparse.Namespace) -> Plan:
 
 
 def benchmark(cfg: ModelConfig, preset_name: str, folder: Path, plan: Plan, threads: int, genai: bool) -> dict:
-    load_before = os.getloadavg()[0]
-    facts = prepare(cfg, folder, plan.seed, genai)
-    generators = candidates(cfg, folder, facts, threads)
-    try:
-        before = copy_bandwidth(threads)
-        measured = measure_all(generators, prompts_for(cfg, plan), plan)
-        after = copy_bandwidth(threads)
-    finally:
-        for name in GENAI_PRECISIONS:
-            if isinstance(generators.get(name), GenaiPeer):
-                generators[name].close()
+    with output.during(threads, *RUNTIMES) as machine:
+        facts = prepare(cfg, folder, plan.seed, genai)
+        generators = candidates(cfg, facts, threads)
+        try:
+            bandwidth = {"before": copy_bandwidth(threads)}
+            measured = measure_all(generators, prompts_for(cfg, plan), plan)
+            bandwidth["after"] = copy_bandwidth(threads)
+        finally:
+            for generate in generators.values():
+                if isinstance(generate, GenaiPeer):
+                    generate.close()
     if GENAI in generators:
         facts["genai"]["version"] = generators[GENAI].version
-    bandwidth = {"before": before, "after": after, "gbps": max(before["gbps"], after["gbps"])}
+    bandwidth["gbps"] = max(bandwidth["before"]["gbps"], bandwidth["after"]["gbps"])
     floors = floors_ms(cfg, plan, Path(facts["artifact"]), bandwidth["gbps"])
-    load = {"before": load_before, "after": os.getloadavg()[0]}
-    return results_for(cfg, preset_name, plan, facts, measured, floors, bandwidth, threads, load)
+    results = {
+        "preset": preset_name,
+        "config": cfg.to_dict(),
+        "plan": dataclasses.asdict(plan),
+        "machine": machine,
+        "bandwidth": bandwidth,
+        "build": facts,
+        "rows": rows_for(plan, measured, floors),
+    }
+    return results | {"targets": targets(results)}
 
 
 def run(configs: dict[str, ModelConfig], args: argparse.Namespace, root: Path) -> int:
     """Each whole preset under `root/<preset>`; `model_whole.json` and `.png` in `args.out`."""
-
     plan = plan_from(args)
     for name, cfg in configs.items():
         results = benchmark(cfg, name, root / name, plan, args.threads, genai=not args.no_genai)
-        output.report(
-            results, args.out, "model_whole" if len(configs) == 1 else f"model_whole-{name}", plot, table(results)
-        )
+        out_name = "model_whole" if len(configs) == 1 else f"model_whole-{name}"
+        output.report(results, args.out, out_name, plot, table(results))
     return 0

@@ -15,7 +15,7 @@ TORCH_FREE_RUNS = ("admission",)
 
 def bench_jobs(root, artifact_dir) -> dict:
     """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
-    shutil.copytree(artifact_dir("tiny"), root / "work" / "artifact")  # reuse the session's build
+    shutil.copytree(artifact_dir("tiny"), root / "work" / "artifact-tiny")  # reuse the session's build
     args = ["admission", "--rows", "30", "--attempts", "40", "--memory-rounds", "1"]
     return {"admission": lambda: main([*args, "--out", str(root / "results"), "--work", str(root / "work")])}
 

@@ -34,7 +34,7 @@ def bench_jobs(root, artifact_dir) -> dict:
 
 def imported_here(folder) -> None:
     """`python -m export build --weights CHECKPOINT --layout hf ...` through its `main`, its progress lines kept
-    and its time recorded as the bench's own import records them (bench/conversation.py `import_artifact`)."""
+    and its time recorded as the bench's own import records them (bench/conversation.py `prepare`)."""
     from export.__main__ import main as export_main
 
     checkpoint, artifact = folder / "checkpoint", folder / "artifact"

@@ -1,6 +1,6 @@
 """The serving benchmark's bookkeeping, without a server: bytes on the wire, the targets (engine
 comparison, memory bounds), the table. (The benchmark itself runs against a real Triton:
-`python -m bench serving`; `--quick` is run by tests/bench/test_serving_bench_run.py.)"""
+`python -m bench serving --quick`.)"""
 
 from bench import serving
 from contract.config import preset

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def bench_jobs(root, artifact_dir) -> dict:
     """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
-    shutil.copytree(artifact_dir("tiny"), root / "tiny")  # its fp32-fused graph: no export again
+    shutil.copytree(artifact_dir("tiny"), root / "artifact-tiny")  # its fp32-fused graph: no export again
     args = ["weights-int8", "--preset", "tiny", "--prefill", "32", "--pasts", "64", "--rounds", "1"]
     # 0.1 s a candidate: a warm-up call longer than that is taken for a slow one, timed twice, not 3 times
     # (torch-int8's prefill takes 20 ms here, beside the other smoke runs: 0.02 s made it "slow")
