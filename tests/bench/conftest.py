@@ -42,16 +42,18 @@ from pathlib import Path
 
 import pytest
 
-# the order of the layouts (measured on 2 cores): the capacity run (a process of its own) from the start,
+# the order of the layouts (measured on 2 cores): the capacity and serving runs (processes of their own) from the start,
 # through the session's builds; the whole model's build first, so that its onnxruntime-genai model (a
 # builder process) is built through the tiny build; the runs without torch here once the tiny build is
 # there; then the runs that use torch here, longest first (model-whole's wait for its genai model is over)
 ORDER = (
     "test_capacity_bench",
+    "test_serving_bench",
     "test_conversation_bench",
     "test_whole_model_bench",
     "test_durable_bench",
     "test_gateway_bench",
+    "test_idle_bench",
     "test_admission_bench",
     "test_scale_bench",
     "test_gpu_proof",

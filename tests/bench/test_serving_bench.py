@@ -1,9 +1,47 @@
 """The serving benchmark's bookkeeping, without a server: bytes on the wire, the targets (engine
-comparison, memory bounds), the table. (The benchmark itself runs against a real Triton:
-`python -m bench serving --quick`.)"""
+comparison, memory bounds), the table; and `python -m bench serving --quick` end to end against real Tritons
+(its JSON, plot and table; timings are not asserted: this is a smoke test)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
 
 from bench import serving
 from contract.config import preset
+
+# its run is `python -m bench serving` in a process of its own: it builds its artifact (an export), which must not
+# meet the torch of the runs in this process (tests/bench/conftest.py)
+TORCH_FREE_RUNS = ("serving",)
+
+
+def bench_jobs(root, artifact_dir) -> dict:
+    """Run by tests/bench/conftest.py with the other benchmarks' smoke runs."""
+    args = ["serving", "--quick", "--threads", "1", "--out", str(root / "results"), "--work", str(root / "work")]
+    command = [sys.executable, "-m", "bench", *args]
+    return {"serving": lambda: subprocess.run(command, capture_output=True, text=True, timeout=540, check=False)}
+
+
+@pytest.mark.served
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_quick_serving_benchmark_times_every_mode_and_engine_and_says_each_target(bench_runs):
+    run = bench_runs["serving"]
+    done = run.result()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = run.root / "results"
+    results = json.loads((out / "serving.json").read_text())
+    assert (out / "serving.png").read_bytes().startswith(b"\x89PNG")
+    for row in results["latency"]:
+        assert set(row["modes"]) == set(serving.MODES), row["past"]
+        assert all(0 < mode["p50_ms"] <= mode["p99_ms"] for mode in row["modes"].values())
+    engines = {entry["engine"] for entry in results["throughput"] if "error" not in entry}
+    assert engines == set(serving.THROUGHPUT_MODELS) and set(results["memory"]) == engines
+    assert all(entry["steps_per_s"] > 0 for entry in results["throughput"] if "error" not in entry)
+    assert {"served_static_step", "static_wins_everywhere"} <= set(results["targets"])
+    assert "decode step latency" in done.stdout and "targets:" in done.stdout
+
 
 MIB = 1 << 20
 
