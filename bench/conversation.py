@@ -391,8 +391,7 @@ def table(results: dict) -> str:
         f"{stages.get('parity', float('nan')):.1f} s at max_seq_len {results['serving']['max_seq_len']}",
     ]
     missing = f"goal: cold / warm >= {GOAL_RATIO:g} at {GOAL_LENGTH} tokens: no length that long measured"
-    goal = output.target_lines("goal:", results["targets"], "ratio") if results["targets"] else [missing]
-    return "\n".join(lines + goal)
+    return "\n".join(lines + output.target_lines("goal:", results["targets"], "ratio", missing))
 
 
 def plot(results: dict, path: Path) -> Path:

@@ -153,8 +153,11 @@ def goal(value: float, least: float | None = None, most: float | None = None, ki
     return {kind: value, "target": more.pop("target", target), "met": met, **more}
 
 
-def target_lines(heading: str, targets: dict, value_key: str) -> list[str]:
-    """`heading`, then a line per target: its ratio (the entry's `value_key`), the target, met or MISSED."""
+def target_lines(heading: str, targets: dict, value_key: str, unmeasured: str | None = None) -> list[str]:
+    """`heading`, then a line per target: its ratio (the entry's `value_key`), the target, met or MISSED; where no
+    target was measured (the run too small) and `unmeasured` says why, that line alone."""
+    if not targets and unmeasured is not None:
+        return [unmeasured]
     lines = [heading]
     for name, entry in targets.items():
         verdict = "met" if entry["met"] else "MISSED"

@@ -352,8 +352,7 @@ def table(results: dict) -> str:
         f"an answer: {rows[-1]['candidates'][CONSTRAINED]['answers']['example']}",
     ]
     missing = f"goal: not measured ({GOAL_COUNT} at once not run)"
-    goal = output.target_lines("goal:", results["targets"], "ratio") if results["targets"] else [missing]
-    return "\n".join(lines + goal)
+    return "\n".join(lines + output.target_lines("goal:", results["targets"], "ratio", missing))
 
 
 def plot(results: dict, path: Path) -> Path:

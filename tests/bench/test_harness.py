@@ -72,6 +72,18 @@ def test_a_run_writes_its_json_and_plot_and_says_after_its_table_when_the_machin
     assert "busy" not in capsys.readouterr().out and (tmp_path / "x.png").read_bytes() == b"png"
 
 
+def test_target_lines_say_each_verdict_or_why_none_was_measured():
+    targets = {"fast": output.goal(1.2, least=1), "slow": output.goal(0.5, least=1)}
+    assert output.target_lines("goal:", targets, "ratio") == [
+        "goal:",
+        "  fast: 1.20x (target >= 1) -> met",
+        "  slow: 0.50x (target >= 1) -> MISSED",
+    ]
+    assert output.target_lines("goal:", {}, "ratio", "goal: not measured (16 at once not run)") == [
+        "goal: not measured (16 at once not run)"
+    ]
+
+
 def test_a_table_lines_up_its_columns_by_their_widest_cells():
     text = output.table("heading", ("name", "ms", "x"), [("served", "12.50", "1.00x"), ("in-process", "3.1", "4.03x")])
     assert text.splitlines() == [
