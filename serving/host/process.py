@@ -330,7 +330,23 @@ def remove_unmapped_shm(prefix: str, in_use: set[str] | None = None) -> list[Pat
 # --- owner records and leftovers ----------------------------------------------------------------------
 
 
+# a record's start times are seconds since boot (BOOT_CLOCK); a record without it, written before, holds psutil's
+# create_time, which follows the wall clock: a step of the clock between the record and a later look moved it, a live
+# owner read as gone, and the reaper removed a running server's folder (seen: a test session's Triton lost its models)
+BOOT_CLOCK = "since boot"
+WALL_CLOCK_SLACK_S = 2.0  # how far a clock step may have moved a record written before
+
+
 def _start_time(pid: int) -> float | None:
+    """When `pid` started, in seconds since boot: /proc/PID/stat's start in clock ticks, which no clock step moves
+    (psutil's `create_time` adds the boot time as the wall clock tells it now); psutil's where /proc has none."""
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+    return _wall_start_time(pid)
+
+
+def _wall_start_time(pid: int) -> float | None:
     import psutil
 
     with contextlib.suppress(psutil.Error):
@@ -345,6 +361,7 @@ def _write_owner_record(work_dir: Path, pid: int | None, shm_prefix: str | None,
         "started": _start_time(pid) if pid is not None else None,
         "owner": os.getpid(),
         "owner_started": _start_time(os.getpid()),
+        "clock": BOOT_CLOCK,
         "shm_prefix": shm_prefix,
         "owns_work_dir": owns_work_dir,
     }
@@ -361,8 +378,17 @@ def owned_folder(prefix: str) -> Path:
     return folder
 
 
-def _alive(pid: int, started: float | None) -> bool:
-    return started is not None and _start_time(pid) == started
+def _same_start(pid: int, started: float | None, record: dict) -> bool | None:
+    """Whether `pid` is the process that started at `started` (None: no process `pid` now)."""
+    if record.get("clock") == BOOT_CLOCK:
+        now = _start_time(pid)
+        return None if now is None else now == started
+    now = _wall_start_time(pid)  # a record written before the boot clock
+    return None if now is None else started is not None and abs(now - started) <= WALL_CLOCK_SLACK_S
+
+
+def _alive(pid: int, started: float | None, record: dict) -> bool:
+    return started is not None and bool(_same_start(pid, started, record))
 
 
 def reap_leftovers(temp_dir: Path | None = None) -> list[str]:
@@ -387,7 +413,7 @@ def _claim(record_path: Path) -> dict | None:
         if record_path.stat().st_uid != os.getuid():
             return None
         record = json.loads(record_path.read_text())
-        if _alive(record["owner"], record["owner_started"]):
+        if _alive(record["owner"], record["owner_started"], record):
             return None
         claimed = record_path.with_name(f"{OWNER_FILE}.reaping-{os.getpid()}")
         record_path.rename(claimed)
@@ -398,9 +424,9 @@ def _claim(record_path: Path) -> dict | None:
 
 def _end_group(record: dict) -> list[str]:
     pid, owner = record["pid"], record["owner"]
-    leader_started = _start_time(pid) if pid is not None else None
+    same = _same_start(pid, record["started"], record) if pid is not None else None
     # the group is the recorded one while its leader is the recorded process, or gone (its stubs left)
-    if pid is not None and (leader_started is None or leader_started == record["started"]) and group_members(pid):
+    if pid is not None and same is not False and group_members(pid):
         kill_group(pid)
         wait_group_gone(pid)
         return [f"process group {pid} (started by pid {owner}, which is gone)"]

@@ -7,6 +7,7 @@ elsewhere, is stopped without leaving a region, a stub or a folder behind."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -23,6 +24,7 @@ import tritonclient.http as httpclient
 
 from serving.host.launcher import EXIT_TIMEOUT_S, POLL_SECONDS, start_triton
 from serving.host.process import (
+    BOOT_CLOCK,
     OWNER_FILE,
     SHM_DIR,
     ManagedProcess,
@@ -110,6 +112,26 @@ def test_no_python_runs_between_fork_and_exec_and_an_orphan_before_its_signal_en
     orphaned = [str(os.getppid()) if part == str(os.getpid()) else part for part in command]  # a parent not its own
     assert orphaned != command and subprocess.run(orphaned, check=False).returncode == 1
     assert not (tmp_path / "ran").exists()
+
+
+def test_a_living_owner_is_known_by_its_start_since_boot_and_a_record_written_before_survives_a_clock_step(tmp_path):
+    """psutil's create_time adds the boot time as the wall clock tells it now: a step of the clock moves it, and a
+    reaper that read a living owner as gone removed a running Triton's folder under a test session (its models
+    unloaded). A record holds its owner's start since boot; one written before (the wall clock's) is read with a
+    second or two of slack."""
+    import psutil
+
+    now = _mkdir(tmp_path / "now")
+    ManagedProcess.spawn(["true"], now).wait()  # its record: this process the owner, the child ended
+    record = json.loads((now / OWNER_FILE).read_text())
+    ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+    assert record["clock"] == BOOT_CLOCK and record["owner_started"] == ticks / os.sysconf("SC_CLK_TCK")
+    before = _mkdir(tmp_path / "before")  # as written before, then the wall clock stepped by a second
+    stepped = psutil.Process().create_time() + 1.0
+    fields = {"pid": None, "started": None, "owner": os.getpid(), "owner_started": stepped, "shm_prefix": None}
+    (before / OWNER_FILE).write_text(json.dumps(fields | {"owns_work_dir": True}))
+    assert reap_leftovers(tmp_path) == []
+    assert (now / OWNER_FILE).exists() and (before / OWNER_FILE).exists()
 
 
 def test_a_start_removes_what_a_dead_owner_left_and_nothing_of_a_living_one(tmp_path):

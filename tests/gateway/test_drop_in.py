@@ -1,5 +1,6 @@
 """The drop-in end to end, as a user runs it (issue 45): `python -m serving LLAMA QWEN` on two checkpoint folders
-transformers made (each with a tokenizer and a chat template) builds each once and serves both under their
+transformers made (each with a tokenizer and a chat template) builds each once (here ahead, in the background, as
+the server builds it: tests/serving/test_serve_folder.py has the server's own build) and serves both under their
 folders' names; then the stock clients' default requests: the openai SDK, LangChain's ChatOpenAI with content
 parts, LiteLLM, and lm-eval's `local-completions` (`generate_until` with 6 stop strings, `loglikelihood`) and
 `local-chat-completions`. Every answer is checked against transformers: its greedy generation, cut where the
@@ -20,8 +21,9 @@ import torch
 import transformers
 
 from contract import files
-from serving.triton.cli import folder_artifacts
+from serving.triton.cli import export_folder, folder_artifacts
 from tests.fixtures.faults import kill, wait_ready
+from tests.fixtures.prebuilds import folder_job
 from tests.fixtures.serving_process import ServingProcess, serving_process
 from tests.fixtures.text import save_tokenizer
 
@@ -50,10 +52,29 @@ def make_checkpoint(folder: Path, config) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("checkpoints")
+def saved(root: Path) -> dict[str, Path]:
     return {name: make_checkpoint(root / name, config) for name, config in CONFIGS.items()}
+
+
+def saved_and_built(root: Path) -> None:
+    """The checkpoints, each built as `python -m serving FOLDER` builds it (by its digest: the server reuses it)."""
+    for folder in saved(root).values():
+        export_folder(folder, artifacts=folder_artifacts(folder))
+
+
+CHECKPOINTS_KEY = "drop-in-checkpoints"
+
+
+def prebuild_jobs(item) -> dict:
+    """The checkpoints saved and built ahead in the background (tests/fixtures/prebuilds.py)."""
+    return {CHECKPOINTS_KEY: folder_job(CHECKPOINTS_KEY, saved_and_built)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, prebuilds) -> dict[str, Path]:
+    """Saved and built ahead (`prebuild_jobs`), or saved here: `python -m serving` then builds them."""
+    ahead = prebuilds.wait(CHECKPOINTS_KEY)
+    return {name: ahead / name for name in CONFIGS} if ahead else saved(tmp_path_factory.mktemp("checkpoints"))
 
 
 @pytest.fixture(scope="module")
