@@ -56,7 +56,10 @@ def test_a_killed_stub_mid_generation_gives_the_right_prefix_a_clear_error_then_
     ports = {f"{name}_port": free_port() for name in ("http", "grpc", "metrics")}
     start = lambda: start_triton(repository, log_path=tmp_path / "triton.log", **ports)  # noqa: E731
     with Supervisor(start, interval=PROBE_INTERVAL_S) as supervisor:
-        client = Client(supervisor.server.grpc_url, session_store=tmp_path / "store", checkpoint_every=EVERY)
+        # a request that reaches the killed stub waits out the client's deadline (a checkpoint after a generation
+        # that outran the kill: 30 s at the default); 10 s is still ample for a token here
+        store = tmp_path / "store"
+        client = Client(supervisor.server.grpc_url, session_store=store, checkpoint_every=EVERY, timeout=10)
         with client.session() as session:
             answered, failure = [], None
             generation = session.generate(ids, max_new_tokens=40)
