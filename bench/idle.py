@@ -185,14 +185,14 @@ def benchmark(root: Path, preset_name: str, levels: list[int], samples: int, con
         stack.gateway_process(server.grpc_url, root / "gateway.log", **gateway) as (url, _),
     ):
         measured = asyncio.run(drive(url, server.metrics_url, cfg.d_model, levels, samples, concurrency))
-    conditions = dict(
-        preset=preset_name,
-        d_model=cfg.d_model,
-        levels=levels,
-        samples_per_level_per_pass=samples,
-        kv_budget_bytes=budget,
-        concurrency_of_idle_opens=concurrency,
-    )
+    conditions = {
+        "preset": preset_name,
+        "d_model": cfg.d_model,
+        "levels": levels,
+        "samples_per_level_per_pass": samples,
+        "kv_budget_bytes": budget,
+        "concurrency_of_idle_opens": concurrency,
+    }
     return {"conditions": conditions, "machine": machine, "levels": summary(measured)}
 
 
