@@ -21,9 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
+from bench import stack
 from bench.plot import figure, gridded, grouped_bars, save
-from bench.sessions import against, artifact_at, hidden, start, stepping, timed
-from bench.timing import Budget, copy_bandwidth, interleaved
+from bench.sessions import against, hidden, start, stepping
+from bench.timing import Budget, copy_bandwidth, interleaved, timed
 
 CACHES = {"fp32": "fp32-static", "int8": "fp32-static-int8kv", "int4": "fp32-static-int4kv"}
 BATCH = 16
@@ -135,7 +136,8 @@ def benchmark(root: Path, args: argparse.Namespace) -> dict:
 
     from export.artifacts import load_model
 
-    directory = artifact_at(root, args.preset, args.max_seq_len, tuple(CACHES[cache] for cache in args.caches))
+    caches = [CACHES[cache] for cache in args.caches]
+    directory = stack.artifact(root, args.preset, caches, max_seq_len=args.max_seq_len)
     admission = {  # one engine at a time: its pool's memory goes before the next one's
         f"{cache}, {rows} rows": admitted(directory, cache, rows == "sized", args)
         for cache in args.caches

@@ -24,8 +24,9 @@ from pathlib import Path
 import numpy as np
 
 from bench import results as output
+from bench import stack
 from bench.plot import figure, gridded, grouped_bars, save
-from bench.sessions import against, artifact_at, hidden
+from bench.sessions import against, hidden
 from bench.stack import triton
 from bench.timing import interleaved, percentiles
 
@@ -154,7 +155,8 @@ def benchmark(root: Path, args: argparse.Namespace) -> dict:
     # room for the timed steps, or the recovery's half interval, its normal step and its recovering one
     positions = args.past + max(args.rounds * args.steps, args.every // 2 + 2)
     max_seq_len = cfg.max_seq_len if positions < cfg.max_seq_len else positions + 1024
-    directory = artifact_at(root, args.preset, max_seq_len)  # every variant: the drain's replicas serve both models
+    # every variant: the drain's replicas serve both models
+    directory = stack.artifact(root, args.preset, None, max_seq_len)
     row_bytes = cfg.kv_cache_bytes(1, max_seq_len)
     settings = ServingSettings(threads=args.threads, kv_cache_bytes=8 * row_bytes)
     repository = write_repository(directory, root / "repository", settings, models=(SESSIONS,))

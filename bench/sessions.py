@@ -14,7 +14,6 @@ original) and the floor (the blob read and written once at the copy bandwidth me
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ import numpy as np
 from bench import results as output
 from bench.plot import figure, gridded, save
 from bench.stack import artifact, triton
-from bench.timing import Budget, Timing, copy_bandwidth, interleaved, measure
+from bench.timing import Budget, copy_bandwidth, timed
 from contract import files
 
 VARIANT = "fp32-static"
@@ -37,31 +36,12 @@ def hidden(rng: np.random.Generator, length: int, d_model: int) -> np.ndarray:
     return rng.standard_normal((1, length, d_model)).astype(np.float32)
 
 
-def timed(calls: dict[str, Callable[[], object]], rounds: int, budget: Budget) -> dict[str, Timing]:
-    """Each call measured for `budget` in each of `rounds` interleaved rounds."""
-    timings = {name: Timing() for name in calls}
-    for _, name in interleaved(rounds, list(calls)):
-        measure(calls[name], budget, into=timings[name])
-    return timings
-
-
 def against(entries: dict[str, dict], key: str, baseline: str, ratio: str) -> dict[str, dict]:
     """Each entry's `key` over the `baseline` entry's, as its `ratio` (None without that entry)."""
     base = entries[baseline][key] if baseline in entries else None
     for entry in entries.values():
         entry[ratio] = entry[key] / base if base else None
     return entries
-
-
-def artifact_at(root: Path, preset_name: str, max_seq_len: int, variants: tuple[str, ...] | None = None) -> Path:
-    """The preset at `max_seq_len`, built where `variants` (None: fp32-static, building all) are missing."""
-    from contract.config import preset
-    from export.build import build
-
-    directory = root / f"artifact-{preset_name}-{max_seq_len}"
-    if not all((directory / files.model_filename(variant)).is_file() for variant in variants or (VARIANT,)):
-        build(dataclasses.replace(preset(preset_name), max_seq_len=max_seq_len), directory, variants)
-    return directory
 
 
 def engine(directory: Path, threads: int, rows: int = 4):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,14 +20,21 @@ from contract.config import preset
 KEY = "bench-key"  # the gateways' API key unless a bench gives its own
 
 
-def artifact(root: Path, preset_name: str, variants: Iterable[str], **build) -> Path:
-    """`root/artifact-<preset_name>` holding the preset's `variants`, built where one is missing (a folder kept
-    with `--work` is reused); `build`: export.build.build's other arguments."""
+def artifact(
+    root: Path, preset_name: str, variants: Iterable[str] | None, max_seq_len: int | None = None, **build
+) -> Path:
+    """`root/artifact-<preset_name>[-<max_seq_len>]` holding the preset's `variants` (None: every one the build
+    passes), at `max_seq_len` where given, built where one is missing (a folder kept with `--work` is reused);
+    `build`: export.build.build's other arguments."""
     from export.build import build as build_artifact
 
-    directory, variants = root / f"artifact-{preset_name}", tuple(variants)
-    if not all((directory / files.model_filename(variant)).is_file() for variant in variants):
-        build_artifact(preset(preset_name), directory, variants, **build)
+    cfg, directory = preset(preset_name), root / f"artifact-{preset_name}"
+    if max_seq_len is not None:
+        cfg = dataclasses.replace(cfg, max_seq_len=max_seq_len)
+        directory = root / f"artifact-{preset_name}-{max_seq_len}"
+    wanted = [files.REPORT_FILENAME] if variants is None else [files.model_filename(variant) for variant in variants]
+    if not all((directory / name).is_file() for name in wanted):
+        build_artifact(cfg, directory, None if variants is None else tuple(variants), **build)
     return directory
 
 

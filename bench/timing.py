@@ -84,6 +84,14 @@ def measure(call: Callable[[], object], budget: Budget, into: Timing | None = No
     return timing
 
 
+def timed(calls: dict[str, Callable[[], object]], rounds: int, budget: Budget) -> dict[str, Timing]:
+    """Each call measured for `budget` in each of `rounds` interleaved rounds."""
+    timings = {name: Timing() for name in calls}
+    for _, name in interleaved(rounds, list(calls)):
+        measure(calls[name], budget, into=timings[name])
+    return timings
+
+
 def copy_bandwidth(threads: int, megabytes: int = 256, repeats: int = 10) -> dict[str, float]:
     """Memory bandwidth in GB/s from copying a buffer far larger than the caches, counting the bytes
     read and the bytes written: numpy (one thread) and torch (`threads` threads); the best is used."""

@@ -202,11 +202,23 @@ async def _at_once(value: Any) -> Any:
     return value
 
 
-class _BlockingStream:
+class _Stream:
+    """A generation's gRPC call; `cancel()` leaves it (the server drops the request within a step)."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+
+    def cancel(self) -> None:
+        with contextlib.suppress(Exception):
+            self.call.cancel()
+
+
+class _BlockingStream(_Stream):
     """A blocking stream, read by a thread of its own into a queue: a wait for the next response has a deadline."""
 
     def __init__(self, call) -> None:
-        self.call, self.answers = call, queue.Queue()
+        super().__init__(call)
+        self.answers = queue.Queue()
         threading.Thread(target=_read_into, args=(call, self.answers), name="generation-stream", daemon=True).start()
 
     def receive(self, timeout: float) -> tuple[Any, BaseException | None]:
@@ -215,10 +227,6 @@ class _BlockingStream:
             return self.answers.get(timeout=timeout)
         except queue.Empty:
             raise TimeoutError from None
-
-    def cancel(self) -> None:
-        with contextlib.suppress(Exception):
-            self.call.cancel()
 
 
 def _read_into(call, answers: queue.Queue) -> None:
@@ -232,11 +240,8 @@ def _read_into(call, answers: queue.Queue) -> None:
         answers.put((None, error))
 
 
-class _AsyncStream:
+class _AsyncStream(_Stream):
     """As `_BlockingStream`, on the asyncio call."""
-
-    def __init__(self, call) -> None:
-        self.call = call
 
     async def receive(self, timeout: float) -> tuple[Any, BaseException | None]:
         import grpc
@@ -246,10 +251,6 @@ class _AsyncStream:
         except grpc.RpcError as error:
             return None, error
         return (None if response is grpc.aio.EOF else response), None
-
-    def cancel(self) -> None:
-        with contextlib.suppress(Exception):
-            self.call.cancel()
 
 
 def stream_request(

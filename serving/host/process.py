@@ -331,8 +331,9 @@ def remove_unmapped_shm(prefix: str, in_use: set[str] | None = None) -> list[Pat
 
 
 # a record's start times are seconds since boot (BOOT_CLOCK); a record without it, written before, holds psutil's
-# create_time, which follows the wall clock: a step of the clock between the record and a later look moved it, a live
-# owner read as gone, and the reaper removed a running server's folder (seen: a test session's Triton lost its models)
+# create_time, which follows the wall clock: a step of the clock between the record and a later look moves it, and a
+# living owner read as gone has its server's folder removed (the likely cause of a test session's Triton losing its
+# models: docs/reliability.md)
 BOOT_CLOCK = "since boot"
 WALL_CLOCK_SLACK_S = 2.0  # how far a clock step may have moved a record written before
 
