@@ -206,6 +206,4 @@ def trained_model_later(items: list) -> list:
     later_modules = {
         item.module for item in items if "trained_artifact" in item.fixturenames and "/export/" in str(item.path)
     }
-    return [item for item in items if item.module not in later_modules] + [
-        item for item in items if item.module in later_modules
-    ]
+    return sorted(items, key=lambda item: item.module in later_modules)  # stable: each part keeps its order
